@@ -1,0 +1,29 @@
+"""etp: Extended Tensor Parallelism for megatron-core Mixture-of-Experts training.
+
+Public API; see README.md for an example.
+"""
+from .autograd import etp_grouped_linear, etp_linear
+from .config import ETPConfig
+from .grads import finalize_grads
+from .groups import ETPGroups, ShardGroup, build_etp_groups
+from .layout import ShardLayout
+from .modules import GroupedSwiGLUExperts
+from .param import ETPShardedParam, shard_parameter
+from .wrap import WrapSummary, wrap_module_params_etp
+
+__all__ = [
+    "ETPConfig",
+    "ETPGroups",
+    "ETPShardedParam",
+    "GroupedSwiGLUExperts",
+    "ShardGroup",
+    "ShardLayout",
+    "WrapSummary",
+    "build_etp_groups",
+    "etp_grouped_linear",
+    "etp_linear",
+    "finalize_grads",
+    "shard_parameter",
+    "wrap_module_params_etp",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,137 @@
+"""ETPConfig: the frozen, validated settings of Extended Tensor Parallelism.
+
+Every invalid value raises ``ValueError`` naming the key, the value and what is allowed;
+``assert`` is never used for user input (it vanishes under ``python -O``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+__all__ = ["ETPConfig", "GATHER_DTYPES", "REDUCTIONS"]
+
+#: Gather formats, mapped to the dtype the weight travels in (None: the parameter's own).
+GATHER_DTYPES: dict[str, torch.dtype | None] = {
+    "param": None,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+}
+
+#: How weight gradients combine over the ETP group. ETP peers see different data, so their
+#: gradients must be combined: "mean" matches a loss averaged per rank (DDP convention),
+#: "sum" matches per-token-sum losses normalized later by the caller.
+REDUCTIONS = ("mean", "sum")
+
+
+def _is_power_of_two(value: int) -> bool:
+    return value > 0 and value & (value - 1) == 0
+
+
+@dataclass(frozen=True)
+class ETPConfig:
+    """Settings of Extended Tensor Parallelism.
+
+    Args:
+        etp_size: ranks that shard each dense weight (1 = ETP off for dense weights).
+        expert_etp_size: ranks that shard each routed-expert weight (1 = off for experts).
+        pad_for_alignment: each rank's shard holds a multiple of this many rows; the logical
+            weight is padded to ``pad_for_alignment * size`` rows before slicing. Power of two.
+        reduction: "mean" or "sum" of weight gradients over the ETP group.
+        gather_dtype: dtype the weight travels in for the all-gather: "param" (the
+            parameter's own dtype), "bf16", "fp16" or "fp32".
+        prefetch: gather the next weight of the chain while the current GEMM runs.
+        async_reduce: reduce-scatter weight gradients on a side stream, finalized later.
+        debug_checks: check every gather / reduce-scatter state transition (slower) and log
+            cache and pool activity.
+
+    Example::
+
+        cfg = ETPConfig.from_yaml("configs/etp.yaml", etp_size=4)
+        cfg = ETPConfig(etp_size=2, reduction="sum")
+    """
+
+    etp_size: int = 1
+    expert_etp_size: int = 1
+    pad_for_alignment: int = 16
+    reduction: str = "mean"
+    gather_dtype: str = "param"
+    prefetch: bool = True
+    async_reduce: bool = True
+    debug_checks: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("etp_size", "expert_etp_size", "pad_for_alignment"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"ETPConfig.{key}={value!r}: expected a positive integer")
+            if value <= 0:
+                raise ValueError(f"ETPConfig.{key}={value!r}: must be >= 1")
+        if not _is_power_of_two(self.pad_for_alignment):
+            raise ValueError(
+                f"ETPConfig.pad_for_alignment={self.pad_for_alignment!r}: must be a power of two "
+                "(1, 2, 4, 8, 16, ...)"
+            )
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(
+                f"ETPConfig.reduction={self.reduction!r}: allowed values are {list(REDUCTIONS)}"
+            )
+        if self.gather_dtype not in GATHER_DTYPES:
+            raise ValueError(
+                f"ETPConfig.gather_dtype={self.gather_dtype!r}: allowed values are "
+                f"{list(GATHER_DTYPES)}"
+            )
+        for key in ("prefetch", "async_reduce", "debug_checks"):
+            value = getattr(self, key)
+            if not isinstance(value, bool):
+                raise ValueError(f"ETPConfig.{key}={value!r}: expected true or false")
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], **overrides: Any) -> "ETPConfig":
+        """Builds a config from a mapping plus keyword overrides; unknown keys are errors."""
+        if not isinstance(values, Mapping):
+            raise ValueError(f"ETP settings must be a mapping, got {type(values).__name__}")
+        merged = {**values, **overrides}
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(merged) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown ETP setting(s) {unknown}: allowed keys are {sorted(known)}"
+            )
+        return cls(**merged)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides: Any) -> "ETPConfig":
+        """Loads a YAML file (the whole file, or its ``etp:`` section) plus overrides."""
+        import yaml  # local: pyyaml is only needed when reading files
+
+        text = Path(path).read_text(encoding="utf-8")
+        loaded = yaml.safe_load(text) or {}
+        if isinstance(loaded, Mapping) and isinstance(loaded.get("etp"), Mapping):
+            loaded = loaded["etp"]
+        return cls.from_dict(loaded, **overrides)
+
+    def replace(self, **changes: Any) -> "ETPConfig":
+        """A copy with some fields changed (validated again)."""
+        return self.from_dict(dataclasses.asdict(self), **changes)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def gather_torch_dtype(self) -> torch.dtype | None:
+        """The dtype weights travel in, or None for the parameter's own dtype."""
+        return GATHER_DTYPES[self.gather_dtype]
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raises ValueError when the ETP sizes do not divide ``world_size``."""
+        for key in ("etp_size", "expert_etp_size"):
+            size = getattr(self, key)
+            if world_size % size:
+                raise ValueError(
+                    f"ETPConfig.{key}={size} does not divide the world size {world_size}: "
+                    f"choose a divisor of {world_size}"
+                )

@@ -1,0 +1,83 @@
+"""The GEMMs behind ETP layers: dense linear and grouped (per-expert) linear.
+
+Each op exposes ``forward(x, w, counts)``, ``dgrad(gy, w, counts)`` and
+``wgrad(gy, x, counts)`` so that one autograd Function (``etp.autograd``) serves both.
+
+Grouped GEMMs run as ``torch._grouped_mm`` on CUDA for bf16 on sm90+ (its supported case);
+everywhere else (CPU, other dtypes, older GPUs) as a per-expert loop of ``torch.mm``, which is
+exact and is what the CPU tests compare against an unsharded reference.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["DenseGemm", "GroupedGemm", "grouped_linear_reference"]
+
+
+class DenseGemm:
+    """``y = x @ w.T`` with ``x [..., in]`` and ``w [out, in]``."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, w)
+
+    @staticmethod
+    def dgrad(gy: torch.Tensor, w: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
+        return gy.matmul(w)
+
+    @staticmethod
+    def wgrad(gy: torch.Tensor, x: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
+        return gy.reshape(-1, gy.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+
+
+def _use_grouped_mm(x: torch.Tensor) -> bool:
+    return (
+        x.is_cuda
+        and x.dtype == torch.bfloat16
+        and hasattr(torch, "_grouped_mm")
+        and torch.cuda.get_device_capability(x.device)[0] >= 9
+    )
+
+
+def _offsets(counts: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return torch.cumsum(counts.to(device=device, dtype=torch.int64), 0).to(torch.int32)
+
+
+def _splits(counts: torch.Tensor) -> list[int]:
+    return [int(c) for c in counts.tolist()]
+
+
+class GroupedGemm:
+    """Per-expert ``y_e = x_e @ w_e.T``: ``x [T, in]`` sorted by expert, ``counts [E]`` tokens
+    per expert, ``w [E, out, in]``."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if _use_grouped_mm(x):
+            return torch._grouped_mm(x, w.transpose(-2, -1), offs=_offsets(counts, x.device))
+        return grouped_linear_reference(x, w, counts)
+
+    @staticmethod
+    def dgrad(gy: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if _use_grouped_mm(gy):
+            return torch._grouped_mm(gy, w, offs=_offsets(counts, gy.device))
+        parts = torch.split(gy, _splits(counts))
+        return torch.cat([part.mm(w[e]) for e, part in enumerate(parts)])
+
+    @staticmethod
+    def wgrad(gy: torch.Tensor, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if _use_grouped_mm(x):
+            return torch._grouped_mm(gy.t(), x, offs=_offsets(counts, x.device))
+        splits = _splits(counts)
+        return torch.stack(
+            [g.t().mm(xe) for g, xe in zip(torch.split(gy, splits), torch.split(x, splits))]
+        )
+
+
+def grouped_linear_reference(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Per-expert loop of ``x_e @ w_e.T`` (differentiable; the unsharded reference)."""
+    parts = torch.split(x, _splits(counts))
+    if len(parts) != w.shape[0]:
+        raise ValueError(f"counts has {len(parts)} experts but the weight has {w.shape[0]}")
+    return torch.cat([part.mm(w[e].t()) for e, part in enumerate(parts)])

@@ -1,0 +1,173 @@
+"""ETP process groups: who shards each weight and who replicates it.
+
+[Note: ETP rank layout]
+Standalone (``build_etp_groups``), ranks of one ETP group are contiguous and the replicate
+axis is the slow one: with world W and ETP size N, ETP group ``k`` is the ranks
+``k*N .. k*N + N - 1`` and replicate group ``j`` is ``{j, j + N, j + 2N, ...}``.
+
+    W = 8, N = 4:   ETP groups       [0 1 2 3] [4 5 6 7]
+                    replicate groups [0 4] [1 5] [2 6] [3 7]
+
+Expert weights use the same rule with the expert ETP size M. Contiguous ETP ranks keep the
+per-layer all-gathers inside one NVLink domain when W spans several hosts. Existing groups
+(for example megatron-core's data-parallel group, so that ETP is orthogonal to TP) can be
+taken with ``ETPGroups.from_process_groups``.
+
+Every shard group carries two communicators over the same ranks: one for all-gathers and
+one for reduce-scatters, so that NCCL can run a weight gather and a gradient reduce-scatter
+at the same time (collectives on one communicator execute in issue order).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from .config import ETPConfig
+
+__all__ = ["ShardGroup", "ETPGroups", "build_etp_groups"]
+
+
+@dataclass(frozen=True)
+class ShardGroup:
+    """One ETP shard group as seen from this rank.
+
+    Args:
+        ag_group: process group for all-gathers (None when size == 1).
+        rs_group: process group over the same ranks for reduce-scatters.
+        ranks: global ranks of the group, in shard order.
+        rank: this rank's index within ``ranks``.
+    """
+
+    ag_group: dist.ProcessGroup | None
+    rs_group: dist.ProcessGroup | None
+    ranks: tuple[int, ...]
+    rank: int
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @classmethod
+    def single(cls) -> "ShardGroup":
+        """The trivial group of this rank alone (ETP off)."""
+        me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return cls(None, None, (me,), 0)
+
+    @classmethod
+    def from_process_group(cls, group: dist.ProcessGroup | None) -> "ShardGroup":
+        """Wraps an existing group, adding a second communicator over its ranks for
+        reduce-scatters. A collective over the world: every rank calls it (with its own group
+        of the same partition), because ``new_group`` must be called by all ranks in one order.
+        """
+        return _from_partition([group])[0]
+
+
+def _from_partition(groups: list[dist.ProcessGroup | None]) -> list[ShardGroup]:
+    """ShardGroups for this rank's member of each of several partitions of the world."""
+    if not dist.is_initialized():
+        return [ShardGroup.single() for _ in groups]
+    mine = [
+        tuple(dist.get_process_group_ranks(g)) if g is not None and dist.get_world_size(g) > 1 else None
+        for g in groups
+    ]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    result = []
+    for index, group in enumerate(groups):
+        # Every rank creates every communicator of the partition, its own or not.
+        partition = sorted({ranks[index] for ranks in everyone if ranks[index] is not None})
+        created = {ranks: dist.new_group(list(ranks)) for ranks in partition}
+        if mine[index] is None:
+            result.append(ShardGroup.single())
+        else:
+            ranks = mine[index]
+            result.append(ShardGroup(group, created[ranks], ranks, ranks.index(dist.get_rank())))
+    return result
+
+
+@dataclass(frozen=True)
+class ETPGroups:
+    """The dense and expert shard groups plus the replicate groups beside them.
+
+    ``dense`` shards dense weights, ``expert`` shards routed-expert weights; the replicate
+    groups are the axes that data-parallel gradient reduction runs over (they exclude the
+    ETP axis). See [Note: ETP rank layout].
+    """
+
+    dense: ShardGroup
+    expert: ShardGroup
+    dense_replicate: dist.ProcessGroup | None
+    expert_replicate: dist.ProcessGroup | None
+
+    @classmethod
+    def from_process_groups(
+        cls,
+        dense: dist.ProcessGroup | None,
+        dense_replicate: dist.ProcessGroup | None = None,
+        expert: dist.ProcessGroup | None = None,
+        expert_replicate: dist.ProcessGroup | None = None,
+    ) -> "ETPGroups":
+        """Takes existing groups; ``expert`` defaults to ``dense``.
+
+        A collective over the world: every rank calls it with its own members of the same
+        partitions.
+
+        Example::
+
+            groups = ETPGroups.from_process_groups(dense=mpu.get_data_parallel_group())
+        """
+        if expert is None or expert is dense:
+            (dense_group,) = _from_partition([dense])
+            expert_group = dense_group
+            if expert_replicate is None:
+                expert_replicate = dense_replicate
+        else:
+            dense_group, expert_group = _from_partition([dense, expert])
+        return cls(dense_group, expert_group, dense_replicate, expert_replicate)
+
+
+def _contiguous_groups(world: int, size: int) -> tuple[ShardGroup, dist.ProcessGroup | None]:
+    """Creates (on every rank, in the same order) the contiguous shard groups of ``size``
+    and the strided replicate groups; returns this rank's pair."""
+    me = dist.get_rank()
+    mine: ShardGroup = ShardGroup.single()
+    if size > 1:
+        for start in range(0, world, size):
+            ranks = list(range(start, start + size))
+            ag, rs = dist.new_group(ranks), dist.new_group(ranks)
+            if me in ranks:
+                mine = ShardGroup(ag, rs, tuple(ranks), ranks.index(me))
+    replicate: dist.ProcessGroup | None = None
+    if world // size > 1:
+        for offset in range(size):
+            ranks = list(range(offset, world, size))
+            group = dist.new_group(ranks)
+            if me in ranks:
+                replicate = group
+    return mine, replicate
+
+
+def build_etp_groups(config: ETPConfig) -> ETPGroups:
+    """Builds the ETP groups of ``config`` over the default (world) process group.
+
+    Must be called by every rank after ``torch.distributed.init_process_group``. A size of 1
+    means ETP is off for that kind of weight; see [Note: ETP rank layout].
+
+    Example::
+
+        dist.init_process_group("nccl")
+        groups = build_etp_groups(ETPConfig(etp_size=8, expert_etp_size=8))
+    """
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "build_etp_groups needs torch.distributed: call "
+            "torch.distributed.init_process_group(...) first"
+        )
+    world = dist.get_world_size()
+    config.check_world_size(world)
+    dense, dense_replicate = _contiguous_groups(world, config.etp_size)
+    if config.expert_etp_size == config.etp_size:
+        return ETPGroups(dense, dense, dense_replicate, dense_replicate)
+    expert, expert_replicate = _contiguous_groups(world, config.expert_etp_size)
+    return ETPGroups(dense, expert, dense_replicate, expert_replicate)

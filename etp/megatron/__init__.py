@@ -1,0 +1,1 @@
+"""megatron-core integration of etp. megatron-core is imported lazily, only from here."""

@@ -1,0 +1,87 @@
+"""GroupedSwiGLUExperts: routed experts with stacked weights, the carrier of ETP expert shards.
+
+Weights are stacked per expert: ``fc1_weight [E, 2 * ffn, hidden]`` (gate rows first, then
+up rows) and ``fc2_weight [E, hidden, ffn]``. Tokens arrive sorted by expert with a count
+per expert (the layout megatron-core's token dispatchers produce).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .autograd import etp_grouped_linear
+from .gemm import grouped_linear_reference
+from .param import ETPShardedParam
+
+__all__ = ["GroupedSwiGLUExperts", "grouped_linear"]
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """Per-expert linear for a plain or an ETP-sharded stacked weight."""
+    if isinstance(weight, ETPShardedParam):
+        return etp_grouped_linear(x, weight, tokens_per_expert)
+    return grouped_linear_reference(x, weight, tokens_per_expert)
+
+
+class GroupedSwiGLUExperts(nn.Module):
+    """SwiGLU experts ``fc2(silu(x W_gate^T) * (x W_up^T))`` evaluated for all experts at once.
+
+    Args:
+        num_experts: experts held by this module (E).
+        hidden_size: model width.
+        ffn_hidden_size: width of each expert's hidden layer.
+        dtype, device: of the weights.
+        init_std: standard deviation of the normal initialization.
+
+    Example::
+
+        experts = GroupedSwiGLUExperts(num_experts=4, hidden_size=64, ffn_hidden_size=128)
+        y = experts(x_sorted_by_expert, tokens_per_expert)   # x: [T, 64], counts: [4]
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        init_std: float = 0.02,
+    ) -> None:
+        super().__init__()
+        for name, value in (
+            ("num_experts", num_experts),
+            ("hidden_size", hidden_size),
+            ("ffn_hidden_size", ffn_hidden_size),
+        ):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"GroupedSwiGLUExperts {name}={value!r}: expected a positive int")
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.ffn_hidden_size = ffn_hidden_size
+        kw = dict(dtype=dtype, device=device)
+        self.fc1_weight = nn.Parameter(torch.empty(num_experts, 2 * ffn_hidden_size, hidden_size, **kw))
+        self.fc2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size, **kw))
+        nn.init.normal_(self.fc1_weight, std=init_std)
+        nn.init.normal_(self.fc2_weight, std=init_std)
+        for weight in (self.fc1_weight, self.fc2_weight):
+            # megatron-core's convention for expert params: reduced over the expert DP group.
+            weight.allreduce = False
+            weight.is_expert = True
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        if tokens_per_expert.numel() != self.num_experts:
+            raise ValueError(
+                f"tokens_per_expert has {tokens_per_expert.numel()} entries; this module holds "
+                f"{self.num_experts} experts"
+            )
+        gate_up = grouped_linear(x, self.fc1_weight, tokens_per_expert)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return grouped_linear(F.silu(gate) * up, self.fc2_weight, tokens_per_expert)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+            f"ffn_hidden_size={self.ffn_hidden_size}"
+        )

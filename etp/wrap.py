@@ -1,0 +1,163 @@
+"""wrap_module_params_etp: shard the large weights of an already-built model.
+
+Wrapped module types and what is sharded:
+
+=========================================  =====================  ==========================
+module                                     sharded                plug point
+=========================================  =====================  ==========================
+``torch.nn.Linear`` (exact type)           ``weight``             instance ``forward``
+megatron ``ColumnParallelLinear``          ``weight`` (TP-local)  instance ``_forward_impl``
+megatron ``RowParallelLinear``             ``weight`` (TP-local)  instance ``_forward_impl``
+``etp.GroupedSwiGLUExperts``               ``fc1/fc2_weight``     dispatch on param type
+=========================================  =====================  ==========================
+
+Biases, norms, routers and embeddings stay replicated; ``etp.finalize_grads`` completes their
+gradients over the ETP group. Expert weights (``is_expert`` or ``allreduce == False``, the
+megatron-core flags) shard over the expert group, all others over the dense group.
+Only the exact ``nn.Linear`` type is wrapped: subclasses such as MultiheadAttention's
+``out_proj`` are read directly by their parents, which a sharded weight would break.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .autograd import etp_linear
+from .config import ETPConfig
+from .groups import ETPGroups, ShardGroup
+from .megatron.layers import install_forward_impl, megatron_linear_types
+from .modules import GroupedSwiGLUExperts
+from .param import ETPShardedParam, shard_parameter
+
+__all__ = ["WrapSummary", "wrap_module_params_etp", "is_expert_param"]
+
+_WRAPPED_MARKER = "_etp_wrapped"
+
+
+@dataclass
+class WrapSummary:
+    """What ``wrap_module_params_etp`` did.
+
+    ``bytes_before`` / ``bytes_after`` count every parameter of the model held by this rank
+    (padding of shards included in ``bytes_after``: it is allocated).
+    """
+
+    wrapped: list[str] = field(default_factory=list)
+    bytes_before: int = 0
+    bytes_after: int = 0
+
+    @property
+    def params_wrapped(self) -> int:
+        return len(self.wrapped)
+
+    def __str__(self) -> str:
+        gib = 1024**3
+        return (
+            f"etp: wrapped {self.params_wrapped} weights; parameter bytes per rank "
+            f"{self.bytes_before / gib:.3f} GiB -> {self.bytes_after / gib:.3f} GiB"
+        )
+
+
+def is_expert_param(param: torch.Tensor) -> bool:
+    """True for routed-expert weights (megatron-core marks them ``allreduce=False``)."""
+    return bool(getattr(param, "is_expert", False)) or getattr(param, "allreduce", True) is False
+
+
+def _param_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _linear_forward(module: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    return etp_linear(input, module.weight, module.bias)
+
+
+def _targets(model: nn.Module) -> list[tuple[str, nn.Module, list[str], Callable[[nn.Module], None] | None]]:
+    """(module name, module, weight attribute names, installer of the ETP forward)."""
+    megatron_types = megatron_linear_types()
+    found = []
+    for name, module in model.named_modules():
+        if type(module) is nn.Linear:
+            install = lambda m: setattr(m, "forward", functools.partial(_linear_forward, m))
+            found.append((name, module, ["weight"], install))
+        elif megatron_types and isinstance(module, megatron_types):
+            if getattr(module, "weight", None) is not None:
+                found.append((name, module, ["weight"], install_forward_impl))
+        elif isinstance(module, GroupedSwiGLUExperts):
+            found.append((name, module, ["fc1_weight", "fc2_weight"], None))
+    return found
+
+
+def wrap_module_params_etp(
+    model: nn.Module,
+    config: ETPConfig,
+    groups: ETPGroups,
+    filter_fn: Callable[[str, nn.Module], bool] | None = None,
+) -> WrapSummary:
+    """Replaces the large weights of ``model`` by ETP shards, in place.
+
+    Every rank of the ETP groups must call it with the same model (same full weights):
+    each keeps its own rows. Calling it again on a wrapped model changes nothing
+    (idempotent). With both group sizes 1 the model is left untouched, byte for byte.
+
+    Args:
+        model: a built model (plain torch, megatron-core, or etp modules).
+        config: the ETP settings (padding, reduction, gather dtype).
+        groups: from ``build_etp_groups`` or ``ETPGroups.from_process_groups``.
+        filter_fn: optional ``(module_name, module) -> bool``; False keeps a module replicated.
+
+    Returns:
+        a ``WrapSummary`` (weights wrapped, parameter bytes per rank before / after).
+
+    Raises:
+        ValueError: a weight is shared with a module etp does not wrap (it would read the
+            shard as if it were the full weight), or is already sharded by other means.
+
+    Example::
+
+        groups = build_etp_groups(ETPConfig(etp_size=4))
+        summary = wrap_module_params_etp(model, ETPConfig(etp_size=4), groups)
+        print(summary)   # etp: wrapped 24 weights; parameter bytes per rank ...
+    """
+    summary = WrapSummary(bytes_before=_param_bytes(model))
+    if groups.dense.size == 1 and groups.expert.size == 1:
+        summary.bytes_after = summary.bytes_before
+        return summary
+
+    targets = [
+        t for t in _targets(model)
+        if not getattr(t[1], _WRAPPED_MARKER, False) and (filter_fn is None or filter_fn(t[0], t[1]))
+    ]
+    sharded_ids = {id(getattr(m, attr)) for _, m, attrs, _ in targets for attr in attrs}
+    wrapped_modules = {id(m) for _, m, _, _ in targets}
+    for owner_name, owner in model.named_modules():
+        if id(owner) in wrapped_modules:
+            continue
+        for pname, param in owner.named_parameters(recurse=False):
+            if id(param) in sharded_ids:
+                raise ValueError(
+                    f"parameter '{owner_name}.{pname}' is shared with a layer etp shards, but "
+                    f"{type(owner).__name__} reads it directly; exclude that layer with filter_fn "
+                    "or untie the weights"
+                )
+
+    new_params: dict[int, ETPShardedParam] = {}  # tied weights share one shard
+    for name, module, attrs, install in targets:
+        for attr in attrs:
+            param = getattr(module, attr)
+            if id(param) not in new_params:
+                group: ShardGroup = groups.expert if is_expert_param(param) else groups.dense
+                if group.size == 1:
+                    continue
+                new_params[id(param)] = shard_parameter(param, group, config)
+                summary.wrapped.append(f"{name}.{attr}" if name else attr)
+            module._parameters[attr] = new_params[id(param)]
+        if any(isinstance(getattr(module, a), ETPShardedParam) for a in attrs):
+            if install is not None:
+                install(module)
+            setattr(module, _WRAPPED_MARKER, True)
+    summary.bytes_after = _param_bytes(model)
+    return summary

@@ -1,0 +1,22 @@
+"""Packaging for etp: Extended Tensor Parallelism for megatron-core MoE training."""
+from setuptools import find_packages, setup
+
+setup(
+    name="etp",
+    version="0.1.0",
+    description="Extended Tensor Parallelism (ZeRO-3 along a model-parallel axis) for megatron-core",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["etp", "etp.*"]),
+    package_data={"etp": ["data/*.yaml"]},
+    install_requires=[
+        # torch 2.11 (the GPU machines) through 2.13 (CPU machines) are tested.
+        "torch>=2.11",
+        # Tested with megatron-core 0.16.1; imported lazily by etp.megatron only.
+        "megatron-core>=0.16.1",
+        "triton",
+        "pyyaml",
+    ],
+    extras_require={"test": ["pytest"]},
+)

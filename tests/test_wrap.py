@@ -1,0 +1,101 @@
+"""wrap_module_params_etp: size 1 is a no-op, idempotence, refusals, preserved attributes,
+byte accounting."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from etp import (
+    ETPConfig,
+    ETPShardedParam,
+    GroupedSwiGLUExperts,
+    build_etp_groups,
+    shard_parameter,
+    wrap_module_params_etp,
+)
+from harness import run_distributed
+
+
+def _model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 30), nn.ReLU(), nn.Linear(30, 8))
+    model.add_module("experts", GroupedSwiGLUExperts(4, 8, 6))
+    return model
+
+
+def _size_one_is_noop(ctx):
+    model = _model()
+    before = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
+    forwards = [m.forward for m in model]
+    summary = wrap_module_params_etp(model, ETPConfig(), build_etp_groups(ETPConfig()))
+    assert summary.params_wrapped == 0 and summary.bytes_after == summary.bytes_before
+    for name, p in model.named_parameters():
+        assert p is before[name][0] and type(p) is nn.Parameter
+        assert torch.equal(p, before[name][1])
+    assert [m.forward for m in model] == forwards
+    assert not any(hasattr(m, "_etp_wrapped") for m in model.modules())
+
+
+def test_size_one_leaves_model_byte_identical():
+    run_distributed(_size_one_is_noop, 1)
+
+
+def _wrap_checks(ctx):
+    config = ETPConfig(etp_size=2, expert_etp_size=2, pad_for_alignment=4)
+    groups = build_etp_groups(config)
+    model = _model()
+    model[0].weight.allreduce = True
+    model[0].weight.tensor_model_parallel = True
+    model[0].weight.partition_dim = 0
+    model[2].weight.requires_grad_(False)
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    summary = wrap_module_params_etp(model, config, groups)
+    assert summary.wrapped == ["0.weight", "2.weight", "experts.fc1_weight", "experts.fc2_weight"]
+
+    # Attributes and requires_grad survive; expert flags route to the expert group.
+    w0 = model[0].weight
+    assert isinstance(w0, ETPShardedParam)
+    assert (w0.allreduce, w0.tensor_model_parallel, w0.partition_dim) == (True, True, 0)
+    assert model[2].weight.requires_grad is False
+    assert model.experts.fc1_weight.is_expert and model.experts.fc1_weight.allreduce is False
+    assert model[0].bias.__class__ is nn.Parameter
+
+    # Byte accounting, computed by hand: shards of 32/2=16 rows x 8, 8/2... see layout.
+    def shard_bytes(rows, cols, align=4, world=2):
+        unit = align * world
+        return (max(unit, -(-rows // unit) * unit) // world) * cols * 4
+    expected_after = (
+        shard_bytes(30, 8) + 30 * 4 + shard_bytes(8, 30) + 8 * 4
+        + shard_bytes(4 * 12, 8) + shard_bytes(4 * 8, 6)
+    )
+    expected_before = sum(t.numel() * 4 for t in full.values())
+    assert (summary.bytes_before, summary.bytes_after) == (expected_before, expected_after)
+
+    # Idempotent: a second call wraps nothing and replaces nothing.
+    params = list(model.parameters())
+    again = wrap_module_params_etp(model, config, groups)
+    assert again.params_wrapped == 0 and list(model.parameters()) == params
+
+    # A parameter is never sharded twice.
+    with pytest.raises(ValueError, match="already ETP-sharded"):
+        shard_parameter(w0, groups.dense, config)
+
+    # deepcopy keeps the shard metadata (and shares the process groups).
+    clone = copy.deepcopy(model)
+    assert clone[0].weight.etp_layout == w0.etp_layout and torch.equal(clone[0].weight, w0)
+    assert torch.equal(w0.full_tensor(), full["0.weight"])
+
+    # A weight shared with a module that reads it directly is refused.
+    emb = nn.Embedding(30, 8)
+    tied = nn.ModuleDict({"emb": emb, "head": nn.Linear(8, 30, bias=False)})
+    tied["head"].weight = emb.weight
+    with pytest.raises(ValueError, match=r"'emb.weight' is shared .* Embedding reads it directly"):
+        wrap_module_params_etp(tied, config, groups)
+    # ... unless the sharing layer is excluded.
+    kept = wrap_module_params_etp(tied, config, groups, filter_fn=lambda name, m: name != "head")
+    assert kept.params_wrapped == 0
+
+
+def test_wrap_behaviour():
+    run_distributed(_wrap_checks, 2)
