@@ -9,11 +9,15 @@ from .groups import ETPGroups, ShardGroup, build_etp_groups
 from .layout import ShardLayout
 from .modules import GroupedSwiGLUExperts
 from .param import ETPShardedParam, shard_parameter
-from .wrap import WrapSummary, wrap_module_params_etp
+from .runtime import ETPRuntime, register_grad_ready_hook
+from .state import ETPStateError
+from .wrap import WrapSummary, runtime_of, wrap_module_params_etp
 
 __all__ = [
     "ETPConfig",
     "ETPGroups",
+    "ETPRuntime",
+    "ETPStateError",
     "ETPShardedParam",
     "GroupedSwiGLUExperts",
     "ShardGroup",
@@ -23,6 +27,8 @@ __all__ = [
     "etp_grouped_linear",
     "etp_linear",
     "finalize_grads",
+    "register_grad_ready_hook",
+    "runtime_of",
     "shard_parameter",
     "wrap_module_params_etp",
 ]

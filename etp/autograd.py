@@ -1,67 +1,26 @@
 """Autograd Functions of ETP layers: gather the weight, GEMM, and reduce-scatter its grad.
 
 [Note: ETP autograd contract]
-Forward gathers the full weight, runs the GEMM and saves only the input and the *shard*
-(the parameter itself, which is alive anyway): no full weight survives from forward to
-backward. Backward gathers the weight again, computes the input gradient and the full
-weight gradient into a padded buffer, reduce-scatters it over the ETP group (sum, divided by
-N for ``reduction="mean"``) and delivers this rank's rows:
-
-* into ``param.main_grad`` (added, in its dtype, normally fp32) when the parameter has one,
-  the megatron-core convention; ``param.grad_added_to_main_grad`` is set when present and a
-  zero placeholder gradient is returned so that DDP's grad-accumulation hook still fires;
-* otherwise as the parameter's autograd gradient (accumulated into ``param.grad``).
+Forward acquires the full weight from the runtime (prefetched or gathered on demand), runs
+the GEMM and saves only the input and the *shard* (the parameter itself, alive anyway): no
+full weight survives from forward to backward. Backward acquires the weight again (the
+backward chain prefetched it), computes the input gradient, writes the full weight gradient
+into a pooled padded buffer and hands it to the runtime, which reduce-scatters it over the
+ETP group (sum, divided by N for ``reduction="mean"``) on a side stream and later adds this
+rank's rows into ``param.main_grad`` (megatron-core's fp32 accumulator) when it exists, else
+into ``param.grad``, then fires the grad-ready hooks. The Function itself returns no
+gradient for the parameter: its gradient arrives through the runtime, never through
+autograd's accumulation (use ``etp.register_grad_ready_hook``, not tensor hooks).
 """
 from __future__ import annotations
 
 import torch
 
-from .collectives import all_gather_rows, reduce_scatter_rows
+from .cache import Role
 from .gemm import DenseGemm, GroupedGemm
 from .param import ETPShardedParam
 
-__all__ = ["etp_linear", "etp_grouped_linear", "gather_full_weight", "reduce_weight_grad"]
-
-
-def gather_full_weight(param: ETPShardedParam, compute_dtype: torch.dtype) -> torch.Tensor:
-    """All-gathers ``param`` in its gather dtype and returns the logical weight in
-    ``compute_dtype`` (a view of the gathered buffer when no cast is needed)."""
-    wire_dtype = param.etp_config.gather_torch_dtype or param.dtype
-    shard = param.detach()
-    if shard.dtype != wire_dtype:
-        shard = shard.to(wire_dtype)
-    gathered, _ = all_gather_rows(shard, param.etp_group)
-    weight = param.etp_layout.unpad(gathered)
-    return weight if weight.dtype == compute_dtype else weight.to(compute_dtype)
-
-
-def _grad_dtype(param: ETPShardedParam) -> torch.dtype:
-    main_grad = getattr(param, "main_grad", None)
-    return main_grad.dtype if main_grad is not None else param.dtype
-
-
-def reduce_weight_grad(param: ETPShardedParam, full_wgrad: torch.Tensor) -> torch.Tensor | None:
-    """Reduce-scatters a full logical weight gradient and delivers this rank's shard.
-
-    Returns what the autograd Function must return for the parameter. See
-    [Note: ETP autograd contract].
-    """
-    layout = param.etp_layout
-    reduce_dtype = _grad_dtype(param)
-    padded = torch.empty(layout.padded_shape, dtype=reduce_dtype, device=full_wgrad.device)
-    padded[layout.rows :].zero_()  # structural padding: nothing is ever written there
-    layout.unpad(padded).copy_(full_wgrad)
-    shard_grad, _ = reduce_scatter_rows(padded, param.etp_group)
-    if param.etp_config.reduction == "mean":
-        shard_grad.div_(param.etp_group.size)
-    main_grad = getattr(param, "main_grad", None)
-    if main_grad is None:
-        return shard_grad.to(param.dtype)
-    main_grad.add_(shard_grad)
-    if hasattr(param, "grad_added_to_main_grad"):
-        param.grad_added_to_main_grad = True
-        return torch.zeros_like(param)
-    return None
+__all__ = ["etp_linear", "etp_grouped_linear"]
 
 
 class _ETPWeightFunction(torch.autograd.Function):
@@ -69,7 +28,7 @@ class _ETPWeightFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, param, op, counts):
-        weight = gather_full_weight(param, x.dtype)
+        weight = param.etp_runtime.acquire(param, Role.FWD, x.dtype)
         y = op.forward(x, weight, counts)
         ctx.save_for_backward(x, param, counts)
         ctx.op = op
@@ -78,14 +37,16 @@ class _ETPWeightFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         x, param, counts = ctx.saved_tensors
-        op = ctx.op
+        op, runtime = ctx.op, param.etp_runtime
         gy = gy.contiguous()
-        grad_x = grad_param = None
+        grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = op.dgrad(gy, gather_full_weight(param, gy.dtype), counts)
+            grad_x = op.dgrad(gy, runtime.acquire(param, Role.BWD, gy.dtype), counts)
         if ctx.needs_input_grad[1]:
-            grad_param = reduce_weight_grad(param, op.wgrad(gy, x, counts))
-        return grad_x, grad_param, None, None
+            padded = runtime.wgrad_buffer(param)
+            op.wgrad(gy, x, counts, out=param.etp_layout.unpad(padded))
+            runtime.reduce_grad(param, padded)
+        return grad_x, None, None, None
 
 
 def etp_linear(

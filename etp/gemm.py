@@ -1,7 +1,8 @@
 """The GEMMs behind ETP layers: dense linear and grouped (per-expert) linear.
 
 Each op exposes ``forward(x, w, counts)``, ``dgrad(gy, w, counts)`` and
-``wgrad(gy, x, counts)`` so that one autograd Function (``etp.autograd``) serves both.
+``wgrad(gy, x, counts, out)`` (writing the weight gradient into ``out``, a view of a pooled
+buffer) so that one autograd Function (``etp.autograd``) serves both.
 
 Grouped GEMMs run as ``torch._grouped_mm`` on CUDA for bf16 on sm90+ (its supported case);
 everywhere else (CPU, other dtypes, older GPUs) as a per-expert loop of ``torch.mm``, which is
@@ -27,8 +28,12 @@ class DenseGemm:
         return gy.matmul(w)
 
     @staticmethod
-    def wgrad(gy: torch.Tensor, x: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
-        return gy.reshape(-1, gy.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+    def wgrad(gy: torch.Tensor, x: torch.Tensor, counts: torch.Tensor | None, out: torch.Tensor) -> None:
+        gy2, x2 = gy.reshape(-1, gy.shape[-1]), x.reshape(-1, x.shape[-1])
+        if out.dtype == gy.dtype:
+            torch.mm(gy2.t(), x2, out=out)  # straight into the pooled buffer, no copy
+        else:
+            out.copy_(gy2.t().mm(x2))
 
 
 def _use_grouped_mm(x: torch.Tensor) -> bool:
@@ -66,13 +71,16 @@ class GroupedGemm:
         return torch.cat([part.mm(w[e]) for e, part in enumerate(parts)])
 
     @staticmethod
-    def wgrad(gy: torch.Tensor, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def wgrad(gy: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, out: torch.Tensor) -> None:
         if _use_grouped_mm(x):
-            return torch._grouped_mm(gy.t(), x, offs=_offsets(counts, x.device))
+            out.copy_(torch._grouped_mm(gy.t(), x, offs=_offsets(counts, x.device)))
+            return
         splits = _splits(counts)
-        return torch.stack(
-            [g.t().mm(xe) for g, xe in zip(torch.split(gy, splits), torch.split(x, splits))]
-        )
+        for e, (g, xe) in enumerate(zip(torch.split(gy, splits), torch.split(x, splits))):
+            if out.dtype == g.dtype:
+                torch.mm(g.t(), xe, out=out[e])
+            else:
+                out[e].copy_(g.t().mm(xe))
 
 
 def grouped_linear_reference(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

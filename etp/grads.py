@@ -1,4 +1,4 @@
-"""finalize_grads: complete the gradients that ETP's reduce-scatter does not produce.
+"""finalize_grads: finish ETP's pending reduce-scatters and complete the other gradients.
 
 ETP peers see different data, so every *replicated* parameter (biases, norms, routers,
 embeddings) has a partial gradient on each peer: it is all-reduced over the ETP group with
@@ -46,6 +46,9 @@ def finalize_grads(
         optimizer.step()
     """
     mean = config.reduction == "mean"
+    for runtime in {id(p.etp_runtime): p.etp_runtime for p in model.parameters()
+                    if isinstance(p, ETPShardedParam)}.values():
+        runtime.drain()  # pending reduce-scatters land in main_grad / grad first
     dense_repl, expert_repl, shards = [], [], []
     for param in model.parameters():
         grad = _grad_of(param)

@@ -26,6 +26,7 @@ class ETPShardedParam(nn.Parameter):
         etp_layout: the ``ShardLayout`` (logical shape, padding, this rank's rows).
         etp_group: the ``ShardGroup`` that holds the other shards.
         etp_config: the ``ETPConfig`` it was sharded with (reduction, gather dtype).
+        etp_runtime: the ``ETPRuntime`` that gathers and reduce-scatters it.
 
     Create it with ``shard_parameter`` (or ``wrap_module_params_etp``), not directly.
 
@@ -98,13 +99,23 @@ class ETPShardedParam(nn.Parameter):
 
 
 def shard_parameter(
-    param: torch.Tensor, group: ShardGroup, config: ETPConfig
+    param: torch.Tensor,
+    group: ShardGroup,
+    config: ETPConfig,
+    runtime=None,
+    name: str = "weight",
+    kind: str = "dense",
 ) -> ETPShardedParam:
     """Returns an ``ETPShardedParam`` holding this rank's shard of ``param``.
 
     ``param`` must hold the same full value on every rank of ``group``. Attributes the
     original parameter carried (``allreduce``, ``tensor_model_parallel``, ``is_expert``, ...)
     are kept.
+
+    Args:
+        runtime: the ``ETPRuntime`` that will gather it (a new one when None); weights of one
+            model share one runtime so that they form prefetch chains.
+        name: used in error messages. kind: its chain kind, see [Note: ETP chains].
 
     Raises:
         ValueError: ``param`` is already an ``ETPShardedParam`` or has fewer than 2 dims.
@@ -123,4 +134,9 @@ def shard_parameter(
     new.etp_layout = layout
     new.etp_group = group
     new.etp_config = config
+    if runtime is None:
+        from .runtime import ETPRuntime  # runtime imports param's neighbours; avoid a cycle
+
+        runtime = ETPRuntime(config)
+    runtime.register(new, name, kind)
     return new

@@ -32,8 +32,9 @@ from .groups import ETPGroups, ShardGroup
 from .megatron.layers import install_forward_impl, megatron_linear_types
 from .modules import GroupedSwiGLUExperts
 from .param import ETPShardedParam, shard_parameter
+from .runtime import ETPRuntime
 
-__all__ = ["WrapSummary", "wrap_module_params_etp", "is_expert_param"]
+__all__ = ["WrapSummary", "wrap_module_params_etp", "is_expert_param", "runtime_of"]
 
 _WRAPPED_MARKER = "_etp_wrapped"
 
@@ -91,6 +92,25 @@ def _targets(model: nn.Module) -> list[tuple[str, nn.Module, list[str], Callable
     return found
 
 
+def _runtime_of(model: nn.Module) -> ETPRuntime | None:
+    for param in model.parameters():
+        if isinstance(param, ETPShardedParam):
+            return param.etp_runtime
+    return None
+
+
+def runtime_of(model: nn.Module) -> ETPRuntime:
+    """The ``ETPRuntime`` of a wrapped model (its stats, buffers, ``reset()``).
+
+    Raises:
+        ValueError: the model holds no ETP weights.
+    """
+    runtime = _runtime_of(model)
+    if runtime is None:
+        raise ValueError("the model holds no ETP weights: wrap it with wrap_module_params_etp first")
+    return runtime
+
+
 def wrap_module_params_etp(
     model: nn.Module,
     config: ETPConfig,
@@ -144,16 +164,23 @@ def wrap_module_params_etp(
                     "or untie the weights"
                 )
 
+    runtime = _runtime_of(model) or ETPRuntime(config)
     new_params: dict[int, ETPShardedParam] = {}  # tied weights share one shard
     for name, module, attrs, install in targets:
         for attr in attrs:
             param = getattr(module, attr)
             if id(param) not in new_params:
-                group: ShardGroup = groups.expert if is_expert_param(param) else groups.dense
+                expert = is_expert_param(param)
+                group: ShardGroup = groups.expert if expert else groups.dense
                 if group.size == 1:
                     continue
-                new_params[id(param)] = shard_parameter(param, group, config)
-                summary.wrapped.append(f"{name}.{attr}" if name else attr)
+                full_name = f"{name}.{attr}" if name else attr
+                # Each expert role (fc1 of every MoE block, fc2 of every block) is a chain of
+                # its own: one block of prefetch runway. See [Note: ETP chains].
+                role = attr if attr != "weight" else name.rsplit(".", 1)[-1]
+                kind = f"expert:{role}" if expert else "dense"
+                new_params[id(param)] = shard_parameter(param, group, config, runtime, full_name, kind)
+                summary.wrapped.append(full_name)
             module._parameters[attr] = new_params[id(param)]
         if any(isinstance(getattr(module, a), ETPShardedParam) for a in attrs):
             if install is not None:

@@ -1,0 +1,79 @@
+"""WeightCache: stable gather buffers, one ticket per (param, role).
+
+[Note: ETP buffer keys]
+A ticket's buffer is looked up by ``BufferKey(shape, dtype, role, expert_index, parity,
+device, chain)``;
+tickets with equal keys share one buffer, which bounds memory to two buffers per shape and
+role. ``parity`` is the param's position in its chain modulo 2, so chain neighbours (a
+weight being read by the running GEMM and the next weight being prefetched) never share a
+buffer, even with the same shape. A buffer is only re-used two chain positions later, after
+the side stream has waited on an event recorded behind the GEMM that read it (see
+[Note: ETP streams]). Buffers are allocated lazily, never freed until ``clear()``, and so
+keep their addresses across iterations (what CUDA-graph replay needs).
+"""
+from __future__ import annotations
+
+import enum
+import logging
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["BufferKey", "Role", "WeightCache"]
+
+log = logging.getLogger("etp.cache")
+
+
+class Role(enum.Enum):
+    FWD = "fwd"
+    BWD = "bwd"
+
+
+class BufferKey(NamedTuple):
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    role: Role
+    expert_index: int
+    parity: int
+    device: torch.device
+    chain: tuple = ()  # the ChainKey: different chains prefetch independently
+
+
+class WeightCache:
+    """Buffers for gathered weights. ``debug`` logs every allocation (off by default)."""
+
+    def __init__(self, debug: bool = False) -> None:
+        self._buffers: dict[BufferKey, torch.Tensor] = {}
+        self._tickets: dict[tuple[int, Role], BufferKey] = {}
+        self.debug = debug
+
+    def ticket(self, param_id: int, role: Role, key: BufferKey) -> torch.Tensor:
+        """The buffer of (param, role), allocated on first use."""
+        self._tickets[(param_id, role)] = key
+        buffer = self._buffers.get(key)
+        if buffer is None:
+            buffer = torch.empty(key.shape, dtype=key.dtype, device=key.device)
+            self._buffers[key] = buffer
+            if self.debug:
+                log.debug("etp cache: allocated %s (%d bytes)", key, buffer.numel() * buffer.element_size())
+        return buffer
+
+    @property
+    def num_buffers(self) -> int:
+        return len(self._buffers)
+
+    @property
+    def num_tickets(self) -> int:
+        return len(self._tickets)
+
+    def nbytes(self, role: Role | None = None) -> int:
+        """Bytes held (of one role, or all); reported to the memory audit."""
+        return sum(
+            b.numel() * b.element_size()
+            for k, b in self._buffers.items()
+            if role is None or k.role == role
+        )
+
+    def clear(self) -> None:
+        self._buffers.clear()
+        self._tickets.clear()

@@ -1,0 +1,67 @@
+"""WgradPool: bounded full-size scratch buffers for weight-gradient GEMM outputs.
+
+A wgrad buffer lives from its GEMM until its reduce-scatter is finalized (one weight later,
+see [Note: ETP autograd contract]), so two per (shape, dtype) are in use at a time. The pool
+tags the buffers it allocated and takes back only those: a foreign tensor handed to
+``release`` is ignored, never kept (an earlier implementation grew without bound that way).
+At most ``max_free_per_key`` idle buffers are kept per key; extras are dropped.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+__all__ = ["WgradPool"]
+
+log = logging.getLogger("etp.cache")
+
+
+class WgradPool:
+    def __init__(self, max_free_per_key: int = 2, debug: bool = False) -> None:
+        if max_free_per_key < 1:
+            raise ValueError(f"max_free_per_key={max_free_per_key}: must be >= 1")
+        self.max_free_per_key = max_free_per_key
+        self.debug = debug
+        self._free: dict[tuple, list[torch.Tensor]] = {}
+        self.in_use = 0
+        self.allocations = 0
+
+    @staticmethod
+    def _key(shape, dtype, device) -> tuple:
+        return (tuple(shape), dtype, torch.device(device))
+
+    def acquire(self, shape, dtype: torch.dtype, device) -> torch.Tensor:
+        key = self._key(shape, dtype, device)
+        free = self._free.get(key)
+        self.in_use += 1
+        if free:
+            return free.pop()
+        buffer = torch.empty(key[0], dtype=dtype, device=key[2])
+        buffer._etp_pool_tag = (id(self), key)  # the tag marks our own buffers
+        self.allocations += 1
+        if self.debug:
+            log.debug("etp wgrad pool: allocated %s (%d bytes)", key, buffer.numel() * buffer.element_size())
+        return buffer
+
+    def release(self, buffer: torch.Tensor) -> None:
+        tag = getattr(buffer, "_etp_pool_tag", None)
+        if tag is None or tag[0] != id(self):
+            return  # not ours: never keep foreign buffers
+        self.in_use -= 1
+        free = self._free.setdefault(tag[1], [])
+        if len(free) < self.max_free_per_key and all(b is not buffer for b in free):
+            free.append(buffer)
+
+    @property
+    def num_free(self) -> int:
+        """Idle buffers kept for re-use."""
+        return sum(len(free) for free in self._free.values())
+
+    def nbytes(self) -> int:
+        """Bytes of the idle buffers the pool keeps; reported to the memory audit."""
+        return sum(b.numel() * b.element_size() for free in self._free.values() for b in free)
+
+    def clear(self) -> None:
+        self._free.clear()
+        self.in_use = 0

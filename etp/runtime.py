@@ -1,0 +1,365 @@
+"""ETPRuntime: gathers, prefetches and reduce-scatters the ETP weights of one model.
+
+The autograd Functions (``etp.autograd``) call three methods:
+
+* ``acquire(param, role, dtype)`` returns the full logical weight for a GEMM. A prefetched
+  gather is waited for; otherwise the weight is gathered on demand. Then the next weight of
+  the chain is prefetched on the AG side stream. See [Note: ETP chains].
+* ``wgrad_buffer(param)`` hands out a pooled, padded buffer for the full weight gradient.
+* ``reduce_grad(param, buffer)`` issues its reduce-scatter on the RS side stream and
+  finalizes the previously issued one (wait, add into ``main_grad`` / ``grad``, fire the
+  grad-ready hooks, return the buffer). The last weight of the backward chain is finalized at
+  once; ``drain()`` (called by ``etp.finalize_grads``) completes everything before the
+  optimizer step.
+
+[Note: ETP passes]
+A *pass* is one forward (and its backward) of one microbatch. A new pass starts with the
+first forward consume after a backward, or when the first weight of a forward chain is
+consumed again (two forwards in a row, as pipeline schedules do). At a pass start, gathers
+still in flight are discarded: the optimizer may have changed the shards since.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .cache import BufferKey, Role, WeightCache, WgradPool
+from .chain import Chain, ChainKey
+from .collectives import all_gather_rows, reduce_scatter_rows
+from .config import ETPConfig
+from .state import ETPStateError, GatherState, ReduceState, transition
+from .streams import CommStreams, StreamRegistry, current_stream_event
+
+__all__ = ["ETPRuntime", "register_grad_ready_hook"]
+
+log = logging.getLogger("etp.runtime")
+
+
+@dataclass(eq=False)
+class _InFlight:
+    buffer: torch.Tensor
+    work: object  # collective work handle (None when it ran synchronously)
+    source: torch.Tensor  # keeps a cast shard alive until the gather completes
+
+
+@dataclass(eq=False)
+class _PendingReduce:
+    padded: torch.Tensor
+    out: torch.Tensor
+    work: object
+
+
+@dataclass(eq=False)
+class _ParamState:
+    param: torch.Tensor
+    name: str
+    chain: Chain
+    gather: dict = field(default_factory=lambda: {r: GatherState.IDLE for r in Role})
+    in_flight: dict = field(default_factory=dict)
+    reduce: ReduceState = ReduceState.IDLE
+    pending: _PendingReduce | None = None
+    fwd_uses: int = 0  # forward consumes this pass: how many gradients to expect
+    grads_done: int = 0
+    hooks: list = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class RuntimeStats:
+    """Counters a test or the memory audit reads."""
+
+    gathers_on_demand: int = 0
+    gathers_prefetched: int = 0
+    order_misses: int = 0
+    reduce_scatters: int = 0
+
+
+class ETPRuntime:
+    """The per-model engine behind ETP weights. Created by ``wrap_module_params_etp``.
+
+    Args:
+        config: prefetch / async_reduce / debug_checks / reduction / gather dtype.
+
+    ``reset()`` forgets chains, states, buffers and streams (for rebuilding a model in the
+    same process); no state is process-global.
+    """
+
+    def __init__(self, config: ETPConfig) -> None:
+        self.config = config
+        self.cache = WeightCache(debug=config.debug_checks)
+        self.pool = WgradPool(debug=config.debug_checks)
+        self.streams = StreamRegistry()
+        self.stats = RuntimeStats()
+        self._chains: dict[ChainKey, Chain] = {}
+        self._states: dict[int, _ParamState] = {}
+        self._pending: deque[_ParamState] = deque()
+        self._phase = Role.BWD  # so that the first forward consume starts a pass
+        self._consumed: dict[Role, set[int]] = {Role.FWD: set(), Role.BWD: set()}
+        self._expected: dict[tuple[ChainKey, Role], torch.Tensor | None] = {}
+
+    # ------------------------------------------------------------------ registration
+    def register(self, param: torch.Tensor, name: str, kind: str, chain_class: str = "eager") -> None:
+        """Adds an ETP param to this runtime (done by the wrapping helper)."""
+        key = ChainKey(chain_class, kind, param.etp_group.ranks)
+        chain = self._chains.get(key)
+        if chain is None:
+            chain = self._chains[key] = Chain(key, tuple(Role))
+        self._states[id(param)] = _ParamState(param, name, chain)
+        param.etp_runtime = self
+
+    def state(self, param: torch.Tensor) -> _ParamState:
+        try:
+            return self._states[id(param)]
+        except KeyError:
+            raise ETPStateError(
+                f"parameter {param!r} is not registered with this ETP runtime; wrap the model "
+                "with etp.wrap_module_params_etp"
+            ) from None
+
+    def register_grad_ready_hook(self, param: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
+        self.state(param).hooks.append(hook)
+
+    # ------------------------------------------------------------------ passes
+    def _start_pass(self) -> None:
+        self._discard_in_flight()
+        for chain in self._chains.values():
+            if chain.orders[Role.BWD].params:
+                chain.orders[Role.BWD].freeze()
+        self._consumed = {Role.FWD: set(), Role.BWD: set()}
+        for st in self._states.values():
+            st.fwd_uses = st.grads_done = 0
+        self._expected = {
+            (key, role): chain.orders[role].first() if chain.orders[role].frozen else None
+            for key, chain in self._chains.items()
+            for role in Role
+        }
+        self._phase = Role.FWD
+
+    def _enter_backward(self) -> None:
+        for chain in self._chains.values():
+            if chain.orders[Role.FWD].params:
+                chain.orders[Role.FWD].freeze()
+        self._phase = Role.BWD
+
+    def _discard_in_flight(self) -> None:
+        for st in self._states.values():
+            for role in Role:
+                if st.gather[role] is GatherState.IN_FLIGHT:
+                    self._take(st, role)
+
+    # ------------------------------------------------------------------ gathers
+    def _wire_dtype(self, param: torch.Tensor) -> torch.dtype:
+        return self.config.gather_torch_dtype or param.dtype
+
+    def _buffer(self, st: _ParamState, role: Role) -> torch.Tensor:
+        param = st.param
+        order = st.chain.orders[role]
+        key = BufferKey(
+            shape=param.etp_layout.padded_shape,
+            dtype=self._wire_dtype(param),
+            role=role,
+            expert_index=int(getattr(param, "etp_expert_index", -1)),
+            parity=order.parity(param),
+            device=param.device,
+            chain=st.chain.key,
+        )
+        return self.cache.ticket(id(param), role, key)
+
+    def _source(self, param: torch.Tensor) -> torch.Tensor:
+        shard = param.detach()
+        wire = self._wire_dtype(param)
+        return shard if shard.dtype == wire else shard.to(wire)
+
+    def _issue(self, st: _ParamState, role: Role) -> None:
+        """Starts the async gather of ``st``'s weight into its ticket buffer."""
+        st.gather[role] = transition(st.name, f"{role.value} gather", st.gather[role], GatherState.IN_FLIGHT)
+        param = st.param
+        source = self._source(param)  # cast on the current stream, after the optimizer's writes
+        streams: CommStreams = self.streams.get(st.chain.key.chain_class, st.chain.key.ranks, param.device)
+        # See [Note: ETP streams]: the AG stream must not read the shard (or overwrite a buffer
+        # a queued GEMM reads) before the current stream has got there.
+        CommStreams.wait(streams.ag, current_stream_event(param.device))
+        with streams.use(streams.ag):
+            buffer, work = all_gather_rows(source, param.etp_group, out=self._buffer(st, role), async_op=True)
+        st.in_flight[role] = _InFlight(buffer, work, source)
+        self.stats.gathers_prefetched += 1
+
+    def _take(self, st: _ParamState, role: Role) -> torch.Tensor:
+        """Waits for the in-flight gather of ``st`` and returns its buffer."""
+        st.gather[role] = transition(st.name, f"{role.value} gather", st.gather[role], GatherState.IDLE)
+        flight = st.in_flight.pop(role)
+        if flight.work is not None:
+            flight.work.wait()  # the current stream waits for the gather
+        return flight.buffer
+
+    def _gather_now(self, st: _ParamState, role: Role, into_ticket: bool) -> torch.Tensor:
+        out = self._buffer(st, role) if into_ticket else None
+        buffer, _ = all_gather_rows(self._source(st.param), st.param.etp_group, out=out)
+        self.stats.gathers_on_demand += 1
+        return buffer
+
+    def acquire(self, param: torch.Tensor, role: Role, compute_dtype: torch.dtype) -> torch.Tensor:
+        """The full logical weight of ``param`` for a GEMM of ``role``; see the module doc."""
+        st = self.state(param)
+        chain, order = st.chain, st.chain.orders[role]
+        pid = id(param)
+        if role is Role.FWD:
+            if self._phase is Role.BWD or (pid in self._consumed[Role.FWD] and order.first() is param):
+                self._start_pass()
+            st.fwd_uses += 1
+        elif self._phase is Role.FWD:
+            self._enter_backward()
+        first_use = pid not in self._consumed[role]
+        self._consumed[role].add(pid)
+
+        if first_use:
+            order.observe(param)
+        expected = self._expected.get((chain.key, role))
+        if first_use and order.frozen and expected is not None and expected is not param:
+            self.stats.order_misses += 1
+            if self.config.debug_checks:
+                raise ETPStateError(
+                    f"ETP {role.value} consume of '{st.name}' while the chain expected "
+                    f"'{self.state(expected).name}': the execution order differs from the "
+                    "recorded chain (call runtime.reset() after changing the model)"
+                )
+
+        if st.gather[role] is GatherState.IN_FLIGHT:
+            buffer = self._take(st, role)
+        else:
+            if (
+                self.config.debug_checks and self.config.prefetch and first_use and order.frozen
+                and expected is param and order.first() is not param
+            ):
+                raise ETPStateError(
+                    f"ETP {role.value} consume of '{st.name}' found no gather in flight although "
+                    "the chain prefetched it"
+                )
+            # A ticket buffer may be the target of another in-flight gather of this chain only
+            # when prefetching is on; on-demand gathers then use a fresh buffer.
+            anything_in_flight = any(
+                s.gather[role] is GatherState.IN_FLIGHT for s in self._states.values() if s.chain is chain
+            )
+            buffer = self._gather_now(st, role, into_ticket=not anything_in_flight)
+
+        if first_use and self.config.prefetch:
+            successor = order.after(param)
+            self._expected[(chain.key, role)] = successor
+            if successor is not None and id(successor) not in self._consumed[role]:
+                nxt = self.state(successor)
+                if nxt.gather[role] is GatherState.IDLE:
+                    self._issue(nxt, role)
+                elif self.config.debug_checks:
+                    raise ETPStateError(f"ETP {role.value} gather of '{nxt.name}' issued twice")
+
+        weight = param.etp_layout.unpad(buffer)
+        return weight if weight.dtype == compute_dtype else weight.to(compute_dtype)
+
+    # ------------------------------------------------------------------ gradients
+    def _grad_dtype(self, param: torch.Tensor) -> torch.dtype:
+        main_grad = getattr(param, "main_grad", None)
+        return main_grad.dtype if main_grad is not None else param.dtype
+
+    def wgrad_buffer(self, param: torch.Tensor) -> torch.Tensor:
+        """A pooled ``[padded_rows, cols]`` buffer whose padding rows are zero."""
+        layout = param.etp_layout
+        padded = self.pool.acquire(layout.padded_shape, self._grad_dtype(param), param.device)
+        padded[layout.rows :].zero_()
+        return padded
+
+    def reduce_grad(self, param: torch.Tensor, padded: torch.Tensor) -> None:
+        """Issues the reduce-scatter of a full padded wgrad; see the module doc."""
+        st = self.state(param)
+        if st.reduce is ReduceState.PENDING:
+            # A weight consumed twice: its first reduction must land before the second.
+            self._finalize(st)
+        streams = self.streams.get(st.chain.key.chain_class, st.chain.key.ranks, param.device)
+        out = torch.empty(param.etp_layout.shard_shape, dtype=padded.dtype, device=padded.device)
+        CommStreams.wait(streams.rs, current_stream_event(param.device))
+        with streams.use(streams.rs):
+            _, work = reduce_scatter_rows(padded, param.etp_group, out=out, async_op=True)
+        st.reduce = transition(st.name, "reduce-scatter", st.reduce, ReduceState.PENDING)
+        st.pending = _PendingReduce(padded, out, work)
+        self._pending.append(st)
+        self.stats.reduce_scatters += 1
+        if not self.config.async_reduce or st.chain.orders[Role.BWD].is_last(param):
+            self.drain_reductions()
+        else:
+            while len(self._pending) > 1:
+                self._finalize(self._pending.popleft())
+
+    def _finalize(self, st: _ParamState) -> None:
+        if st.reduce is not ReduceState.PENDING:
+            raise ETPStateError(f"ETP reduce-scatter of parameter '{st.name}' finalized with none pending")
+        if st in self._pending:
+            self._pending.remove(st)
+        pending, param = st.pending, st.param
+        if pending.work is not None:
+            pending.work.wait()
+        shard_grad = pending.out
+        if self.config.reduction == "mean":
+            shard_grad.div_(param.etp_group.size)
+        main_grad = getattr(param, "main_grad", None)
+        if main_grad is not None:
+            main_grad.add_(shard_grad)
+        elif param.grad is None:
+            param.grad = shard_grad if shard_grad.dtype == param.dtype else shard_grad.to(param.dtype)
+        else:
+            param.grad.add_(shard_grad)
+        self.pool.release(pending.padded)
+        st.pending = None
+        st.reduce = transition(st.name, "reduce-scatter", st.reduce, ReduceState.IDLE)
+        st.grads_done += 1
+        if st.grads_done >= st.fwd_uses:
+            for hook in st.hooks:
+                hook(param)
+
+    def drain_reductions(self) -> None:
+        while self._pending:
+            self._finalize(self._pending[0])
+
+    def drain(self) -> None:
+        """Completes every pending reduce-scatter and discards unconsumed gathers; the
+        backward order recorded so far is frozen. Call before the optimizer step."""
+        self.drain_reductions()
+        self._discard_in_flight()
+        for chain in self._chains.values():
+            if chain.orders[Role.BWD].params:
+                chain.orders[Role.BWD].freeze()
+
+    # ------------------------------------------------------------------ housekeeping
+    def reset(self) -> None:
+        """Forgets recorded chains and frees buffers and streams (states are kept)."""
+        self.drain()
+        for chain in self._chains.values():
+            chain.reset()
+        self.cache.clear()
+        self.pool.clear()
+        self.streams.clear()
+        self._phase = Role.BWD
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held by the gather cache (per role) and the wgrad pool."""
+        return {
+            "gather_fwd": self.cache.nbytes(Role.FWD),
+            "gather_bwd": self.cache.nbytes(Role.BWD),
+            "wgrad_pool": self.pool.nbytes(),
+        }
+
+
+def register_grad_ready_hook(param: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
+    """Calls ``hook(param)`` each time all of this pass's gradient contributions of the ETP
+    weight ``param`` have been reduce-scattered and added into ``param.main_grad`` (or
+    ``param.grad``): never before. megatron-core DDP uses it to start its bucket reduction.
+
+    Example::
+
+        register_grad_ready_hook(layer.weight, lambda p: print("ready", p.shape))
+    """
+    runtime = getattr(param, "etp_runtime", None)
+    if runtime is None:
+        raise ValueError(f"{param!r} is not an ETP weight of a wrapped model")
+    runtime.register_grad_ready_hook(param, hook)

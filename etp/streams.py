@@ -1,0 +1,77 @@
+"""The only place etp creates CUDA streams and events.
+
+[Note: ETP streams]
+Each (chain class, shard group) gets two side streams:
+
+* ``ag``: weight all-gathers, so the next weight arrives while the current GEMM runs;
+* ``rs``: weight-gradient reduce-scatters, so reductions leave the backward critical path.
+
+AG and RS run on different communicators too (``ShardGroup.ag_group`` / ``rs_group``), so
+NCCL can execute them at the same time. Graphed and eager chains never share streams: a
+stream shared across a CUDA-graph boundary leaves a stale event at replay.
+
+Anything handed from one stream to another carries an event: a side stream waits on an
+event recorded on the producer's stream before it reads (the shard written by the
+optimizer, the wgrad written by the GEMM), and the consumer waits on the collective's work
+handle before it reads the result. On CPU every stream is a no-op and events are None;
+gloo work handles give the same asynchrony.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["CommStreams", "StreamRegistry", "current_stream_event"]
+
+
+@dataclass(frozen=True)
+class CommStreams:
+    """The AG and RS side streams of one (chain class, group); None on CPU."""
+
+    ag: torch.cuda.Stream | None
+    rs: torch.cuda.Stream | None
+
+    def use(self, stream: torch.cuda.Stream | None):
+        """Context that makes ``stream`` current (nothing on CPU)."""
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+    @staticmethod
+    def wait(stream: torch.cuda.Stream | None, event: torch.cuda.Event | None) -> None:
+        """Makes ``stream`` wait for ``event`` (no-op on CPU)."""
+        if stream is not None and event is not None:
+            stream.wait_event(event)
+
+
+def current_stream_event(device: torch.device) -> torch.cuda.Event | None:
+    """An event recorded now on ``device``'s current stream (None on CPU): what a side
+    stream waits on before reading anything the current stream produced."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+class StreamRegistry:
+    """Creates and keeps the ``CommStreams`` of each (chain class, group ranks, device)."""
+
+    def __init__(self) -> None:
+        self._streams: dict[tuple, CommStreams] = {}
+
+    def get(self, chain_class: str, ranks: tuple[int, ...], device: torch.device) -> CommStreams:
+        key = (chain_class, ranks, device)
+        if key not in self._streams:
+            if device.type == "cuda":
+                # Priority -1 (high): a gather the next GEMM waits on should not queue behind
+                # compute kernels in the hardware scheduler.
+                self._streams[key] = CommStreams(
+                    torch.cuda.Stream(device, priority=-1), torch.cuda.Stream(device, priority=-1)
+                )
+            else:
+                self._streams[key] = CommStreams(None, None)
+        return self._streams[key]
+
+    def clear(self) -> None:
+        self._streams.clear()
