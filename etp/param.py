@@ -92,6 +92,8 @@ class ETPShardedParam(nn.Parameter):
         return result
 
     def __repr__(self) -> str:
+        if "etp_layout" not in self.__dict__:
+            return f"ETPShardedParam(unsharded, shape={tuple(self.shape)}, dtype={self.dtype})"
         return (
             f"ETPShardedParam(logical_shape={self.logical_shape}, shard={tuple(self.shape)}, "
             f"rank={self.etp_layout.rank}/{self.etp_layout.world}, dtype={self.dtype})"

@@ -14,9 +14,11 @@ The autograd Functions (``etp.autograd``) call three methods:
 
 [Note: ETP passes]
 A *pass* is one forward (and its backward) of one microbatch. A new pass starts with the
-first forward consume after a backward, or when the first weight of a forward chain is
-consumed again (two forwards in a row, as pipeline schedules do). At a pass start, gathers
-still in flight are discarded: the optimizer may have changed the shards since.
+first forward consume after a backward or after ``drain()``. Within a pass, a weight's
+second consume in the same role (tied weights) is gathered on demand and not chained; so is
+every consume of a second forward that follows a forward without a backward or ``drain()``
+in between (call ``drain()`` between inference forwards to keep prefetching). At a pass
+start, gathers still in flight are discarded: the optimizer may have changed the shards.
 """
 from __future__ import annotations
 
@@ -207,7 +209,7 @@ class ETPRuntime:
         chain, order = st.chain, st.chain.orders[role]
         pid = id(param)
         if role is Role.FWD:
-            if self._phase is Role.BWD or (pid in self._consumed[Role.FWD] and order.first() is param):
+            if self._phase is Role.BWD:
                 self._start_pass()
             st.fwd_uses += 1
         elif self._phase is Role.FWD:
@@ -245,9 +247,10 @@ class ETPRuntime:
             )
             buffer = self._gather_now(st, role, into_ticket=not anything_in_flight)
 
-        if first_use and self.config.prefetch:
-            successor = order.after(param)
+        successor = order.after(param) if first_use else None
+        if first_use:
             self._expected[(chain.key, role)] = successor
+        if self.config.prefetch:
             if successor is not None and id(successor) not in self._consumed[role]:
                 nxt = self.state(successor)
                 if nxt.gather[role] is GatherState.IDLE:
@@ -322,13 +325,15 @@ class ETPRuntime:
             self._finalize(self._pending[0])
 
     def drain(self) -> None:
-        """Completes every pending reduce-scatter and discards unconsumed gathers; the
-        backward order recorded so far is frozen. Call before the optimizer step."""
+        """Completes every pending reduce-scatter, discards unconsumed gathers, freezes the
+        orders recorded so far and ends the pass. Call before the optimizer step."""
         self.drain_reductions()
         self._discard_in_flight()
         for chain in self._chains.values():
-            if chain.orders[Role.BWD].params:
-                chain.orders[Role.BWD].freeze()
+            for order in chain.orders.values():
+                if order.params:
+                    order.freeze()
+        self._phase = Role.BWD  # the next forward consume starts a pass
 
     # ------------------------------------------------------------------ housekeeping
     def reset(self) -> None:
