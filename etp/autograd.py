@@ -5,7 +5,8 @@ Forward acquires the full weight from the runtime (prefetched or gathered on dem
 the GEMM and saves only the input and the *shard* (the parameter itself, alive anyway): no
 full weight survives from forward to backward. Backward acquires the weight again (the
 backward chain prefetched it), computes the input gradient, writes the full weight gradient
-into a pooled padded buffer and hands it to the runtime, which reduce-scatters it over the
+into a pooled padded buffer (or, for GEMMs without ``out=``, hands over their result) and
+gives it to the runtime, which reduce-scatters it over the
 ETP group (sum, divided by N for ``reduction="mean"``) on a side stream and later adds this
 rank's rows into ``param.main_grad`` (megatron-core's fp32 accumulator) when it exists, else
 into ``param.grad``, then fires the grad-ready hooks. The Function itself returns no
@@ -43,9 +44,12 @@ class _ETPWeightFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = op.dgrad(gy, runtime.acquire(param, Role.BWD, gy.dtype), counts)
         if ctx.needs_input_grad[1]:
-            padded = runtime.wgrad_buffer(param)
-            op.wgrad(gy, x, counts, out=param.etp_layout.unpad(padded))
-            runtime.reduce_grad(param, padded)
+            if op.writes_into(x):
+                padded = runtime.wgrad_buffer(param)
+                op.wgrad(gy, x, counts, out=param.etp_layout.unpad(padded))
+                runtime.reduce_grad(param, padded)
+            else:
+                runtime.reduce_grad(param, op.wgrad(gy, x, counts))
         return grad_x, None, None, None
 
 

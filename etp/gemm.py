@@ -1,8 +1,11 @@
 """The GEMMs behind ETP layers: dense linear and grouped (per-expert) linear.
 
 Each op exposes ``forward(x, w, counts)``, ``dgrad(gy, w, counts)`` and
-``wgrad(gy, x, counts, out)`` (writing the weight gradient into ``out``, a view of a pooled
-buffer) so that one autograd Function (``etp.autograd``) serves both.
+``wgrad(gy, x, counts, out=None)`` so that one autograd Function (``etp.autograd``) serves
+both. ``wgrad`` writes into ``out`` (a view of a pooled, padded buffer) when
+``writes_into(x)`` says it can, and otherwise returns a new tensor: ``torch._grouped_mm``
+has no ``out=``, and copying its result into the pool would cost a full extra pass over the
+weight gradient.
 
 Grouped GEMMs run as ``torch._grouped_mm`` on CUDA for bf16 on sm90+ (its supported case);
 everywhere else (CPU, other dtypes, older GPUs) as a per-expert loop of ``torch.mm``, which is
@@ -13,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DenseGemm", "GroupedGemm", "grouped_linear_reference"]
+__all__ = ["DenseGemm", "GroupedGemm", "grouped_linear", "grouped_linear_reference"]
 
 
 class DenseGemm:
@@ -28,12 +31,19 @@ class DenseGemm:
         return gy.matmul(w)
 
     @staticmethod
-    def wgrad(gy: torch.Tensor, x: torch.Tensor, counts: torch.Tensor | None, out: torch.Tensor) -> None:
+    def writes_into(x: torch.Tensor) -> bool:
+        return True
+
+    @staticmethod
+    def wgrad(gy, x, counts, out: torch.Tensor | None = None) -> torch.Tensor:
         gy2, x2 = gy.reshape(-1, gy.shape[-1]), x.reshape(-1, x.shape[-1])
+        if out is None:
+            return gy2.t().mm(x2)
         if out.dtype == gy.dtype:
             torch.mm(gy2.t(), x2, out=out)  # straight into the pooled buffer, no copy
         else:
             out.copy_(gy2.t().mm(x2))
+        return out
 
 
 def _use_grouped_mm(x: torch.Tensor) -> bool:
@@ -71,16 +81,22 @@ class GroupedGemm:
         return torch.cat([part.mm(w[e]) for e, part in enumerate(parts)])
 
     @staticmethod
-    def wgrad(gy: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, out: torch.Tensor) -> None:
+    def writes_into(x: torch.Tensor) -> bool:
+        return not _use_grouped_mm(x)
+
+    @staticmethod
+    def wgrad(gy, x, counts, out: torch.Tensor | None = None) -> torch.Tensor:
         if _use_grouped_mm(x):
-            out.copy_(torch._grouped_mm(gy.t(), x, offs=_offsets(counts, x.device)))
-            return
+            return torch._grouped_mm(gy.t(), x, offs=_offsets(counts, x.device))
         splits = _splits(counts)
+        if out is None:
+            out = x.new_empty((len(splits), gy.shape[-1], x.shape[-1]))
         for e, (g, xe) in enumerate(zip(torch.split(gy, splits), torch.split(x, splits))):
             if out.dtype == g.dtype:
                 torch.mm(g.t(), xe, out=out[e])
             else:
                 out[e].copy_(g.t().mm(xe))
+        return out
 
 
 def grouped_linear_reference(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -89,3 +105,28 @@ def grouped_linear_reference(x: torch.Tensor, w: torch.Tensor, counts: torch.Ten
     if len(parts) != w.shape[0]:
         raise ValueError(f"counts has {len(parts)} experts but the weight has {w.shape[0]}")
     return torch.cat([part.mm(w[e].t()) for e, part in enumerate(parts)])
+
+
+class _GroupedLinearFunction(torch.autograd.Function):
+    """Per-expert linear for a plain (unsharded) stacked weight, with GroupedGemm's kernels."""
+
+    @staticmethod
+    def forward(ctx, x, weight, counts):
+        ctx.save_for_backward(x, weight, counts)
+        return GroupedGemm.forward(x, weight, counts)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, weight, counts = ctx.saved_tensors
+        gy = gy.contiguous()
+        grad_x = GroupedGemm.dgrad(gy, weight, counts) if ctx.needs_input_grad[0] else None
+        grad_w = GroupedGemm.wgrad(gy, x, counts) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Per-expert ``x_e @ w_e.T`` for a plain stacked weight ``[E, out, in]``: the same GEMM
+    kernels as the ETP path (``torch._grouped_mm`` on sm90 bf16), differentiable."""
+    if counts.numel() != weight.shape[0]:
+        raise ValueError(f"counts has {counts.numel()} experts but the weight has {weight.shape[0]}")
+    return _GroupedLinearFunction.apply(x, weight, counts)

@@ -11,17 +11,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from .autograd import etp_grouped_linear
-from .gemm import grouped_linear_reference
+from .gemm import grouped_linear as plain_grouped_linear
 from .param import ETPShardedParam
 
 __all__ = ["GroupedSwiGLUExperts", "grouped_linear"]
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-    """Per-expert linear for a plain or an ETP-sharded stacked weight."""
+    """Per-expert linear for a plain or an ETP-sharded stacked weight (same GEMM kernels)."""
     if isinstance(weight, ETPShardedParam):
         return etp_grouped_linear(x, weight, tokens_per_expert)
-    return grouped_linear_reference(x, weight, tokens_per_expert)
+    return plain_grouped_linear(x, weight, tokens_per_expert)
 
 
 class GroupedSwiGLUExperts(nn.Module):

@@ -273,8 +273,20 @@ class ETPRuntime:
         padded[layout.rows :].zero_()
         return padded
 
-    def reduce_grad(self, param: torch.Tensor, padded: torch.Tensor) -> None:
-        """Issues the reduce-scatter of a full padded wgrad; see the module doc."""
+    def reduce_grad(self, param: torch.Tensor, wgrad: torch.Tensor) -> None:
+        """Issues the reduce-scatter of a weight gradient; see the module doc.
+
+        ``wgrad`` is either a buffer from ``wgrad_buffer`` or any tensor of the logical
+        shape; the latter is reduced in place when it needs no padding and has the gradient
+        dtype, and copied into a pooled padded buffer otherwise."""
+        layout = param.etp_layout
+        if tuple(wgrad.shape) == tuple(layout.padded_shape) and wgrad.dtype == self._grad_dtype(param):
+            padded = wgrad
+        elif layout.rows == layout.padded_rows and wgrad.dtype == self._grad_dtype(param) and wgrad.is_contiguous():
+            padded = wgrad.view(layout.padded_shape)
+        else:
+            padded = self.wgrad_buffer(param)
+            layout.unpad(padded).copy_(wgrad)
         st = self.state(param)
         if st.reduce is ReduceState.PENDING:
             # A weight consumed twice: its first reduction must land before the second.
@@ -312,7 +324,7 @@ class ETPRuntime:
             param.grad = shard_grad if shard_grad.dtype == param.dtype else shard_grad.to(param.dtype)
         else:
             param.grad.add_(shard_grad)
-        self.pool.release(pending.padded)
+        self.pool.release(pending.padded)  # a no-op for buffers the pool does not own
         st.pending = None
         st.reduce = transition(st.name, "reduce-scatter", st.reduce, ReduceState.IDLE)
         st.grads_done += 1

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import etp.modules
+from etp.gemm import grouped_linear_reference
 from etp import (
     ETPConfig,
     ETPShardedParam,
@@ -34,6 +36,11 @@ from etp import (
 )
 
 RTOL, ATOL = 1e-10, 1e-12
+
+# The unsharded reference computes its experts by plain autograd through a torch.mm loop, so
+# it shares no GEMM code with etp (etp.gemm is checked on its own in tests/test_gemm.py).
+# ETP-sharded weights never take this path.
+etp.modules.plain_grouped_linear = grouped_linear_reference
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -189,12 +196,13 @@ class TinyMoE(nn.Module):
         return self.out(h)
 
 
-def train_parity(ctx, config: ETPConfig, steps: int = 20) -> dict:
-    """Trains TinyMoE with Adam for ``steps`` steps, ETP vs an unsharded reference that sees
-    every rank's batch; returns the max parameter difference after training."""
+def train_parity(ctx, config: ETPConfig, steps: int = 20, make_model=None) -> dict:
+    """Trains TinyMoE (or ``make_model()``, same forward signature) with Adam for ``steps``
+    steps, ETP vs an unsharded reference that sees every rank's batch; returns the max
+    parameter difference after training."""
     world, rank, device = ctx.world_size, ctx.rank, ctx.device
     torch.manual_seed(99)
-    reference = TinyMoE().to(device)
+    reference = (make_model or TinyMoE)().to(device)
     model = copy.deepcopy(reference)
     groups = build_etp_groups(config)
     wrap_module_params_etp(model, config, groups)

@@ -1,0 +1,28 @@
+"""Triton kernels for the FP8 weight gather of Extended Tensor Parallelism.
+
+* :func:`multi_tensor_amax` - max(|x|) of many tensors in one launch.
+* :func:`amax_to_scale` - per-tensor scale ``448 / amax``.
+* :func:`multi_tensor_cast_fp8` - per-tensor-scaled e4m3 cast of many tensors in
+  one launch, optionally writing the transposed copy in the same pass.
+* :func:`quantize_blockwise` / :func:`dequantize_fp8` - (1, 128) / (128, 128)
+  blockwise format and dequantization.
+
+Every op takes ``impl="auto" | "triton" | "torch"``; the pure-torch references
+in :mod:`etp.kernels.reference` define the numerics and are the CPU fallback.
+To run the Triton kernels on CPU set ``TRITON_INTERPRET=1`` before triton is
+first imported.
+"""
+
+from etp.kernels.amax import multi_tensor_amax
+from etp.kernels.blockwise import dequantize_fp8, quantize_blockwise
+from etp.kernels.cast import amax_to_scale, multi_tensor_cast_fp8
+from etp.kernels.reference import FP8_E4M3_MAX
+
+__all__ = [
+    "FP8_E4M3_MAX",
+    "amax_to_scale",
+    "dequantize_fp8",
+    "multi_tensor_amax",
+    "multi_tensor_cast_fp8",
+    "quantize_blockwise",
+]

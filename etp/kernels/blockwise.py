@@ -1,0 +1,353 @@
+"""Blockwise FP8 quantization and (tensorwise or blockwise) dequantization.
+
+Block (1, 128) is the activation format (one scale per row and 128 columns),
+(128, 128) the weight format.  3-D inputs ``[E, R, C]`` are blocked per expert.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from etp.kernels.amax import (
+    _DTYPE_CODE,
+    EXACT_FP,
+    _abs_bits,
+    _to_f32,
+    check_input_dtype,
+    interpreter_active,
+    next_pow2,
+    select_impl,
+)
+from etp.kernels.cast import _e4m3_bits_to_f32, _f32_to_bf16_bits, _quantize_f32
+from etp.kernels.reference import (
+    FP8_E4M3_MAX,
+    blockwise_scale_shape,
+    dequantize_fp8_ref,
+    quantize_blockwise_ref,
+)
+
+__all__ = ["quantize_blockwise", "dequantize_fp8"]
+
+# Rows per program when block_rows == 1: 32 rows x 128 cols = 4096 elements,
+# the same work per program as one (32, 128) block.
+_ROWS_PER_PROGRAM = 32
+# Tile and chunk of the dequantize kernels.
+_DQ_TILE_R = 64
+_DQ_TILE_C = 128
+_DQ_BLOCK = 4096
+_MAX_GRID_YZ = 65535  # CUDA limit on grid dims 1 and 2
+
+# Output dtype codes for the dequantize kernels (same numbering as inputs).
+_OUT_CODE = _DTYPE_CODE
+
+
+@triton.jit
+def _amax_to_scale(amax, FP8_MAX: tl.constexpr):
+    """scale = FP8_MAX / amax (correctly rounded), 1.0 where amax == 0.
+
+    div_rn because a plain ``/`` on fp32 lowers to the approximate
+    ``div.full.f32`` on NVIDIA GPUs, which would not match torch bit-exactly.
+    """
+    is_zero = amax == 0
+    safe = tl.where(is_zero, 1.0, amax)
+    scale = tl.math.div_rn(tl.zeros_like(safe) + FP8_MAX, safe)
+    return tl.where(is_zero, 1.0, scale)
+
+
+@triton.jit
+def _quantize_blockwise_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    R,
+    C,
+    NBR,
+    NBC,
+    DTYPE: tl.constexpr,
+    SOFT: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    BR: tl.constexpr,  # block rows
+    BC: tl.constexpr,  # block cols
+    TR: tl.constexpr,  # tile rows: rows per program (ROW_MODE) or next_pow2(BR)
+    TC: tl.constexpr,  # next_pow2(BC)
+    ROW_MODE: tl.constexpr,  # BR == 1: each of the TR tile rows is its own block
+):
+    """Per block b of expert e: s = FP8_MAX / max_{i in b} |x_i| (1 where 0),
+    q_i = e4m3fn(clamp(x_i * s, -FP8_MAX, FP8_MAX)).
+
+    Grid: (row tiles, column blocks, experts).  The block max is the
+    NaN-propagating integer max of |x| bits (see ``_abs_bits``); masked
+    elements load 0 and so never change it.
+    """
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    e = tl.program_id(2).to(tl.int64)
+    ar = tl.arange(0, TR)
+    ac = tl.arange(0, TC)
+    if ROW_MODE:
+        rows = pid_r * TR + ar
+        rmask = rows < R
+    else:
+        rows = pid_r * BR + ar
+        rmask = (ar < BR) & (rows < R)
+    cols = pid_c * BC + ac
+    cmask = (ac < BC) & (cols < C)
+    mask = rmask[:, None] & cmask[None, :]
+    offs = e * R * C + rows[:, None].to(tl.int64) * C + cols[None, :]
+    x = _to_f32(tl.load(x_ptr + offs, mask=mask, other=0), DTYPE, SOFT)
+    bits = _abs_bits(x)
+    s_base = s_ptr + e * NBR * NBC
+    if ROW_MODE:
+        amax = tl.max(bits, axis=1).to(tl.float32, bitcast=True)
+        scale = _amax_to_scale(amax, FP8_MAX)
+        q = _quantize_f32(x, scale[:, None], FP8_MAX, SOFT)
+        tl.store(s_base + rows * NBC + pid_c, scale, mask=rmask)
+    else:
+        amax = tl.max(tl.max(bits, axis=1), axis=0).to(tl.float32, bitcast=True)
+        scale = _amax_to_scale(amax, FP8_MAX)
+        q = _quantize_f32(x, scale, FP8_MAX, SOFT)
+        tl.store(s_base + pid_r * NBC + pid_c, scale)
+    tl.store(q_ptr + offs, q, mask=mask)
+
+
+@triton.jit
+def _store_out(ptrs, x, mask, OUT: tl.constexpr, SOFT: tl.constexpr):
+    """Store float32 ``x`` as bf16 / fp16 / fp32, rounding to nearest even."""
+    if OUT == 0:
+        if SOFT:
+            tl.store(ptrs, _f32_to_bf16_bits(x), mask=mask)
+        else:
+            tl.store(ptrs, x.to(tl.bfloat16), mask=mask)
+    elif OUT == 1:
+        tl.store(ptrs, x.to(tl.float16), mask=mask)
+    else:
+        tl.store(ptrs, x, mask=mask)
+
+
+@triton.jit
+def _load_e4m3(ptrs, mask, SOFT: tl.constexpr):
+    if SOFT:
+        q = _e4m3_bits_to_f32(tl.load(ptrs, mask=mask, other=0))
+    else:
+        q = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    return q
+
+
+@triton.jit
+def _dequantize_tensorwise_kernel(q_ptr, s_ptr, out_ptr, N, OUT: tl.constexpr, SOFT: tl.constexpr,
+                                  BLOCK: tl.constexpr):
+    """out_i = cast_out(q_i / s) with one float32 scale s (correctly rounded division)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    q = _load_e4m3(q_ptr + offs, mask, SOFT)
+    s = tl.load(s_ptr)
+    _store_out(out_ptr + offs, tl.math.div_rn(q, tl.zeros_like(q) + s), mask, OUT, SOFT)
+
+
+@triton.jit
+def _dequantize_blockwise_kernel(q_ptr, s_ptr, out_ptr, R, C, NBR, NBC,
+                                 OUT: tl.constexpr, SOFT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                                 TILE_R: tl.constexpr, TILE_C: tl.constexpr, ROW_SCALES: tl.constexpr):
+    """out[e, r, c] = cast_out(q[e, r, c] / s[e, r // BR, c // BC]) (correctly rounded division).
+
+    ROW_SCALES (BC a multiple of TILE_C): the tile lies in one block column,
+    so one scale per tile row is loaded and broadcast; otherwise the scale is
+    gathered per element.
+    """
+    e = tl.program_id(2).to(tl.int64)
+    pid_c = tl.program_id(1)
+    rows = tl.program_id(0) * TILE_R + tl.arange(0, TILE_R)
+    cols = pid_c * TILE_C + tl.arange(0, TILE_C)
+    rmask = rows < R
+    mask = rmask[:, None] & (cols[None, :] < C)
+    offs = e * R * C + rows[:, None].to(tl.int64) * C + cols[None, :]
+    q = _load_e4m3(q_ptr + offs, mask, SOFT)
+    s_base = s_ptr + e * NBR * NBC
+    if ROW_SCALES:
+        s_row = tl.load(s_base + (rows // BR) * NBC + (pid_c * TILE_C) // BC, mask=rmask, other=1.0)
+        x = tl.math.div_rn(q, tl.zeros_like(q) + s_row[:, None])
+    else:
+        s = tl.load(s_base + (rows // BR)[:, None] * NBC + (cols // BC)[None, :], mask=mask, other=1.0)
+        x = tl.math.div_rn(q, s)
+    _store_out(out_ptr + offs, x, mask, OUT, SOFT)
+
+
+def _soft_view(t: torch.Tensor, soft: bool) -> torch.Tensor:
+    """In SOFT (interpreter) mode hand bf16 / fp8 to the kernel as raw integer bits."""
+    if not soft:
+        return t
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16)
+    if t.dtype == torch.float8_e4m3fn:
+        return t.view(torch.uint8)
+    return t
+
+
+def _as_3d(t: torch.Tensor) -> torch.Tensor:
+    return t.unsqueeze(0) if t.dim() == 2 else t
+
+
+def _check_grid(grid, what: str) -> None:
+    if grid[1] > _MAX_GRID_YZ or grid[2] > _MAX_GRID_YZ:
+        raise ValueError(f"{what}: grid {grid} exceeds the CUDA limit of {_MAX_GRID_YZ} in dims 1 and 2")
+
+
+def _launch_quantize_blockwise(x: torch.Tensor, block_rows: int, block_cols: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    soft = interpreter_active()
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(blockwise_scale_shape(x.shape, block_rows, block_cols), dtype=torch.float32, device=x.device)
+    if x.numel() == 0:
+        # Some dim is 0, so the scale tensor is empty as well.
+        return q, s
+    x3, q3 = _as_3d(x), _as_3d(q)
+    n_exp, rows, cols = x3.shape
+    nbr, nbc = s.shape[-2], s.shape[-1]
+    row_mode = block_rows == 1
+    tr = _ROWS_PER_PROGRAM if row_mode else next_pow2(block_rows)
+    grid = (triton.cdiv(rows, tr) if row_mode else nbr, nbc, n_exp)
+    _check_grid(grid, "quantize_blockwise")
+    tc = next_pow2(block_cols)
+    _quantize_blockwise_kernel[grid](
+        _soft_view(x3, soft), _soft_view(q3, soft), s, rows, cols, nbr, nbc,
+        DTYPE=_DTYPE_CODE[x.dtype], SOFT=soft, FP8_MAX=FP8_E4M3_MAX,
+        BR=block_rows, BC=block_cols, TR=tr, TC=tc, ROW_MODE=row_mode,
+        num_warps=8 if tr * tc >= 8192 else 4,
+        **EXACT_FP,
+    )
+    return q, s
+
+
+def _launch_dequantize(q: torch.Tensor, scale: torch.Tensor, block: Optional[Tuple[int, int]],
+                       out_dtype: torch.dtype) -> torch.Tensor:
+    soft = interpreter_active()
+    out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+    if q.numel() == 0:
+        return out
+    scale = scale.float().contiguous()
+    if block is None:
+        grid = (triton.cdiv(q.numel(), _DQ_BLOCK),)
+        _dequantize_tensorwise_kernel[grid](
+            _soft_view(q, soft), scale, _soft_view(out, soft), q.numel(),
+            OUT=_OUT_CODE[out_dtype], SOFT=soft, BLOCK=_DQ_BLOCK, num_warps=4, **EXACT_FP,
+        )
+        return out
+    q3, o3 = _as_3d(q), _as_3d(out)
+    n_exp, rows, cols = q3.shape
+    grid = (triton.cdiv(rows, _DQ_TILE_R), triton.cdiv(cols, _DQ_TILE_C), n_exp)
+    _check_grid(grid, "dequantize_fp8")
+    _dequantize_blockwise_kernel[grid](
+        _soft_view(q3, soft), scale, _soft_view(o3, soft), rows, cols, scale.shape[-2], scale.shape[-1],
+        OUT=_OUT_CODE[out_dtype], SOFT=soft, BR=block[0], BC=block[1],
+        TILE_R=_DQ_TILE_R, TILE_C=_DQ_TILE_C, ROW_SCALES=block[1] % _DQ_TILE_C == 0,
+        num_warps=4, **EXACT_FP,
+    )
+    return out
+
+
+def quantize_blockwise(
+    x: torch.Tensor, block_rows: int, block_cols: int = 128, *, impl: str = "auto"
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Quantize to float8_e4m3fn with one float32 scale per ``block_rows x block_cols`` block.
+
+    Per block: ``scale = 448 / amax(block)`` (correctly rounded float32
+    division; 1.0 for an all-zero block) and
+    ``q = float8_e4m3fn(clamp(x * scale, -448, 448))`` rounded to nearest even.
+    Ragged edge blocks only cover existing elements.  A block containing NaN
+    gets a NaN scale (all its q are NaN); a block containing +-inf gets scale 0
+    (its finite values become 0, the infs NaN), as in the reference.
+
+    Args:
+        x: contiguous bf16 / fp16 / fp32 tensor ``[R, C]`` or ``[E, R, C]`` (blocked per expert).
+        block_rows: rows per block (1 for activations, 128 for weights).
+        block_cols: columns per block (128).
+        impl: ``"auto"`` (Triton on CUDA tensors, torch reference otherwise),
+            ``"triton"`` (CPU tensors only under ``TRITON_INTERPRET=1``) or ``"torch"``.
+
+    Returns:
+        ``(q, scales)``: q like x in float8_e4m3fn; scales float32
+        ``[ceil(R / block_rows), ceil(C / block_cols)]`` (leading E for 3-D input).
+
+    Example::
+
+        q, s = quantize_blockwise(weight, 128, 128)          # weights
+        qa, sa = quantize_blockwise(activation, 1, 128)      # activations
+        w = dequantize_fp8(q, s, block=(128, 128))
+    """
+    check_input_dtype(x, "x")
+    if x.dim() not in (2, 3):
+        raise ValueError(f"quantize_blockwise expects a 2-D or 3-D tensor, got shape {tuple(x.shape)}")
+    if block_rows < 1 or block_cols < 1:
+        raise ValueError(f"block sizes must be >= 1, got ({block_rows}, {block_cols})")
+    if not x.is_contiguous():
+        raise ValueError("x is not contiguous; call .contiguous() first")
+    if not select_impl(impl, x.device):
+        return quantize_blockwise_ref(x, block_rows, block_cols)
+    if x.device.type == "cuda" and interpreter_active():
+        # The interpreter copies tensor arguments itself; stage anyway so every
+        # op behaves the same way under TRITON_INTERPRET=1.
+        q, s = _launch_quantize_blockwise(x.cpu(), block_rows, block_cols)
+        return q.to(x.device), s.to(x.device)
+    return _launch_quantize_blockwise(x, block_rows, block_cols)
+
+
+def dequantize_fp8(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    block: Optional[Tuple[int, int]] = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Dequantize float8_e4m3fn: ``x = (q.float() / scale).to(out_dtype)``.
+
+    The division is a correctly rounded float32 division and the final cast
+    rounds to nearest even, so the result is bit-exact to the torch reference.
+    For a value quantized with RTNE the error is bounded by half an e4m3 ulp:
+    ``|x - deq| <= 2^-4 |x|`` for values that were e4m3 normals after scaling,
+    ``<= 2^-10 / scale`` for e4m3 subnormals, plus the rounding of
+    ``out_dtype`` (``2^-9 |x|`` for bf16).
+
+    Args:
+        q: contiguous float8_e4m3fn tensor; ``[R, C]`` or ``[E, R, C]`` when blockwise.
+        scale: tensorwise (``block=None``): a tensor with one element; blockwise:
+            float32 scales shaped as returned by :func:`quantize_blockwise`.
+        block: None for tensorwise, else ``(block_rows, block_cols)``.
+        out_dtype: torch.bfloat16, torch.float16 or torch.float32.
+        impl: ``"auto"`` (Triton on CUDA tensors, torch reference otherwise),
+            ``"triton"`` (CPU tensors only under ``TRITON_INTERPRET=1``) or ``"torch"``.
+
+    Returns:
+        Tensor shaped like ``q`` with dtype ``out_dtype``.
+
+    Example::
+
+        q, s = quantize_blockwise(weight, 128, 128)
+        w = dequantize_fp8(q, s, block=(128, 128), out_dtype=torch.bfloat16)
+    """
+    if q.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"q must be float8_e4m3fn, got {q.dtype}")
+    if out_dtype not in _OUT_CODE:
+        raise TypeError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
+    if not q.is_contiguous():
+        raise ValueError("q is not contiguous; call .contiguous() first")
+    if scale.device != q.device:
+        raise ValueError(f"q and scale must be on one device, got {q.device} and {scale.device}")
+    if block is None:
+        if scale.numel() != 1:
+            raise ValueError(f"tensorwise dequantization needs a single scale, got shape {tuple(scale.shape)}")
+    else:
+        if q.dim() not in (2, 3):
+            raise ValueError(f"blockwise dequantization expects a 2-D or 3-D q, got shape {tuple(q.shape)}")
+        block = (int(block[0]), int(block[1]))
+        expected = blockwise_scale_shape(q.shape, *block)
+        if tuple(scale.shape) != expected:
+            raise ValueError(f"scale shape {tuple(scale.shape)} does not match {expected} for block {block}")
+    if not select_impl(impl, q.device):
+        return dequantize_fp8_ref(q, scale, block=block, out_dtype=out_dtype)
+    if q.device.type == "cuda" and interpreter_active():
+        return _launch_dequantize(q.cpu(), scale.cpu(), block, out_dtype).to(q.device)
+    return _launch_dequantize(q, scale, block, out_dtype)

@@ -1,0 +1,418 @@
+"""Fused multi-tensor FP8 (e4m3fn) cast with an optional transposed copy.
+
+Also the float32 <-> e4m3 / bf16 conversion helpers shared with
+:mod:`etp.kernels.blockwise`.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from etp.kernels.amax import (
+    _DTYPE_CODE,
+    _FLAT_BLOCK,
+    _FLAT_ITERS,
+    _FLAT_WARPS,
+    _LINEAR_SEARCH_MAX_TENSORS,
+    EXACT_FP,
+    _find_tensor,
+    _to_f32,
+    block_starts,
+    check_impl,
+    check_input_dtype,
+    common_device,
+    group_by_dtype,
+    interpreter_active,
+    load_ty,
+    needs_staging,
+    next_pow2,
+    select_impl,
+    upload_tables,
+)
+from etp.kernels.reference import FP8_E4M3_MAX, amax_to_scale_ref, multi_tensor_cast_fp8_ref
+
+__all__ = ["FP8_E4M3_MAX", "amax_to_scale", "multi_tensor_cast_fp8"]
+
+# Tile of the transposing path.  128 rows make every transposed store a full
+# 128-byte line of fp8; 128 columns keep a bf16 row of the tile at 256 bytes.
+_TILE_R = 128
+_TILE_C = 128
+_TILE_WARPS = 8
+
+
+# --------------------------------------------------------------------------
+# Conversion helpers (bit-exact in the interpreter, see etp.kernels.amax)
+# --------------------------------------------------------------------------
+
+
+@triton.jit
+def _f32_to_e4m3_bits(y):
+    """float32 -> e4m3fn bit pattern (uint8), round to nearest even.
+
+    Expects |y| <= 448 or NaN (callers clamp first).  Normal results
+    (|y| >= 2^-6): round the fp32 bits to 3 mantissa bits and rebias the
+    exponent (127 -> 7, i.e. subtract 120 << 3 = 960); a mantissa carry rolls
+    into the exponent as it should.  Subnormal results: m = rtne(|y| * 2^9)
+    from the 24-bit significand (m == 8 correctly encodes 2^-6).  NaN keeps its
+    sign and becomes 0x7F.
+    """
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    lsb = (a >> 20) & 1
+    normal = ((a + 0x7FFFF + lsb) >> 20) - 960
+    # |y| = mant * 2^(e32 - 150); m = mant >> (141 - e32) plus RTNE rounding.
+    # A shift of 25 gives m = 0 and round bit 0 (mant < 2^24), which also
+    # covers e32 == 0.
+    e32 = a >> 23
+    mant = (a & 0x7FFFFF) | 0x800000
+    # Clamped to [1, 25] so no lane (not even the discarded normal ones)
+    # shifts by a negative or oversized amount.
+    sh = tl.minimum(tl.maximum(141 - e32, 1), 25)
+    with_round = mant >> (sh - 1)
+    m = with_round >> 1
+    round_bit = with_round & 1
+    sticky = (with_round << (sh - 1)) != mant
+    up = (round_bit == 1) & (sticky | ((m & 1) == 1))
+    sub = m + up.to(tl.int32)
+    r = tl.where(a >= 0x3C800000, normal, sub)
+    r = tl.where(a > 0x7F800000, 0x7F, r)
+    return (r | sign).to(tl.uint8)
+
+
+@triton.jit
+def _e4m3_bits_to_f32(b):
+    """e4m3fn bit pattern (uint8) -> float32, exact; 0x7F / 0xFF decode to NaN."""
+    b = b.to(tl.int32) & 0xFF
+    sign = (b & 0x80) << 24
+    e = (b >> 3) & 0xF
+    m = b & 0x7
+    normal = ((e + 120) << 23) | (m << 20)
+    # Subnormal: m * 2^-9, exact in float32.
+    sub = (m.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)
+    v = tl.where(e == 0, sub, normal)
+    v = tl.where((b & 0x7F) == 0x7F, 0x7FC00000, v)
+    return (v | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _f32_to_bf16_bits(x):
+    """float32 -> bf16 bit pattern (int16), round to nearest even; NaN stays NaN."""
+    bits = x.to(tl.int32, bitcast=True)
+    lsb = (bits >> 16) & 1
+    r = (bits + 0x7FFF + lsb) >> 16
+    r = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, (bits >> 16) | 0x40, r)
+    return r.to(tl.int16)
+
+
+@triton.jit
+def _quantize_f32(x, scale, FP8_MAX: tl.constexpr, SOFT: tl.constexpr):
+    """q = e4m3fn(clamp(x * scale, -FP8_MAX, FP8_MAX)), round to nearest even.
+
+    The clamp is written as two selects so NaN passes through (a min/max
+    would drop it) and +-inf saturates to +-FP8_MAX.  SOFT returns uint8 bits.
+    """
+    y = x * scale
+    y = tl.where(y > FP8_MAX, FP8_MAX, y)
+    y = tl.where(y < -FP8_MAX, -FP8_MAX, y)
+    if SOFT:
+        q = _f32_to_e4m3_bits(y)
+    else:
+        q = y.to(tl.float8e4nv)
+    return q
+
+
+@triton.jit
+def _cast_flat_chunk(
+    in_base, out_base, start, numel, scale,
+    DTYPE: tl.constexpr, SOFT: tl.constexpr, FP8_MAX: tl.constexpr,
+    BLOCK: tl.constexpr, ITERS: tl.constexpr,
+):
+    """Quantize elements [start, start + BLOCK * ITERS) of one flat tensor."""
+    offs = tl.arange(0, BLOCK)
+    if start + BLOCK * ITERS <= numel:
+        # Full chunk: unmasked accesses vectorise.
+        for i in range(ITERS):
+            o = start + i * BLOCK + offs
+            x = _to_f32(tl.load(in_base + o), DTYPE, SOFT)
+            tl.store(out_base + o, _quantize_f32(x, scale, FP8_MAX, SOFT))
+    else:
+        for i in range(ITERS):
+            o = start + i * BLOCK + offs
+            m = o < numel
+            x = _to_f32(tl.load(in_base + o, mask=m, other=0), DTYPE, SOFT)
+            tl.store(out_base + o, _quantize_f32(x, scale, FP8_MAX, SOFT), mask=m)
+
+
+# --------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------
+
+
+@triton.jit
+def _multi_tensor_cast_fp8_kernel(
+    table_ptr,  # int64 [8, T]: in addr, out addr, out^T addr, numel, rows, cols, first block, scale index
+    scales_ptr,  # float32 [N]
+    T,
+    IN_TY: tl.constexpr,
+    OUT_TY: tl.constexpr,
+    DTYPE: tl.constexpr,
+    SOFT: tl.constexpr,
+    ALIGNED: tl.constexpr,  # addresses 16-B aligned and, for matrices, rows % 16 == cols % 16 == 0
+    LINEAR_SEARCH: tl.constexpr,
+    T_POW2: tl.constexpr,
+    WRITE_T: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ITERS: tl.constexpr,
+    TILE_R: tl.constexpr,
+    TILE_C: tl.constexpr,
+):
+    """q_t = e4m3fn(clamp(x_t * scales[s_t], -FP8_MAX, FP8_MAX)) for every table entry t.
+
+    Without WRITE_T every tensor is processed flat, ``BLOCK * ITERS`` elements
+    per program.  With WRITE_T, tensors with ``rows > 0`` are viewed as
+    ``[B, rows, cols]`` and processed in ``TILE_R x TILE_C`` tiles; each tile is
+    read once and stored twice, at ``[b, r, c]`` in q and at ``[b, c, r]`` in
+    q^T (the layout change happens on chip).  1-D tensors (``rows == 0``) are
+    processed flat and have no separate transposed copy.
+    """
+    pid = tl.program_id(0)
+    tid = _find_tensor(table_ptr + 6 * T, pid, T, LINEAR_SEARCH, T_POW2)
+    in_addr = tl.load(table_ptr + tid)
+    out_addr = tl.load(table_ptr + T + tid)
+    numel = tl.load(table_ptr + 3 * T + tid)
+    first = tl.load(table_ptr + 6 * T + tid)
+    scale = tl.load(scales_ptr + tl.load(table_ptr + 7 * T + tid))
+    in_base = in_addr.to(tl.pointer_type(IN_TY))
+    out_base = out_addr.to(tl.pointer_type(OUT_TY))
+    if ALIGNED:
+        # Hints on the pointers (not the int64 addresses) so accesses vectorise.
+        in_base = tl.multiple_of(in_base, 16)
+        out_base = tl.multiple_of(out_base, 16)
+    local = pid - first
+    if WRITE_T:
+        rows = tl.load(table_ptr + 4 * T + tid)
+        cols = tl.load(table_ptr + 5 * T + tid)
+        if rows == 0:
+            _cast_flat_chunk(in_base, out_base, local * (BLOCK * ITERS), numel, scale,
+                             DTYPE, SOFT, FP8_MAX, BLOCK, ITERS)
+        else:
+            outt_base = tl.load(table_ptr + 2 * T + tid).to(tl.pointer_type(OUT_TY))
+            if ALIGNED:
+                outt_base = tl.multiple_of(outt_base, 16)
+                rows = tl.multiple_of(rows, 16)
+                cols = tl.multiple_of(cols, 16)
+            # Tile coordinates in int32 (block counts are < 2^31; int64
+            # division is several times slower); element offsets stay int64.
+            n_tc = tl.cdiv(cols, TILE_C).to(tl.int32)
+            per_mat = tl.cdiv(rows, TILE_R).to(tl.int32) * n_tc
+            tile = local.to(tl.int32)
+            b = tile // per_mat
+            rem = tile - b * per_mat
+            tr = rem // n_tc
+            tc = rem - tr * n_tc
+            r = tr * TILE_R + tl.arange(0, TILE_R)
+            c = tc * TILE_C + tl.arange(0, TILE_C)
+            mat = b.to(tl.int64) * rows * cols
+            offs = mat + r[:, None] * cols + c[None, :]
+            offs_t = mat + c[None, :] * rows + r[:, None]
+            if ((tr + 1) * TILE_R <= rows) & ((tc + 1) * TILE_C <= cols):
+                x = _to_f32(tl.load(in_base + offs), DTYPE, SOFT)
+                q = _quantize_f32(x, scale, FP8_MAX, SOFT)
+                tl.store(out_base + offs, q)
+                tl.store(outt_base + offs_t, q)
+            else:
+                mask = (r[:, None] < rows) & (c[None, :] < cols)
+                x = _to_f32(tl.load(in_base + offs, mask=mask, other=0), DTYPE, SOFT)
+                q = _quantize_f32(x, scale, FP8_MAX, SOFT)
+                tl.store(out_base + offs, q, mask=mask)
+                tl.store(outt_base + offs_t, q, mask=mask)
+    else:
+        _cast_flat_chunk(in_base, out_base, local * (BLOCK * ITERS), numel, scale,
+                         DTYPE, SOFT, FP8_MAX, BLOCK, ITERS)
+
+
+def _matrix_dims(t: torch.Tensor) -> Tuple[int, int]:
+    """(rows, cols) of the trailing matrix, (0, 0) for 1-D tensors."""
+    if t.dim() < 2:
+        return 0, 0
+    return t.shape[-2], t.shape[-1]
+
+
+def _launch_multi_tensor_cast_fp8(
+    tensors: Sequence[torch.Tensor],
+    scales: torch.Tensor,
+    qs: Sequence[torch.Tensor],
+    qts: Optional[Sequence[torch.Tensor]],
+    *,
+    block: int = _FLAT_BLOCK,
+    iters: int = _FLAT_ITERS,
+    tile_r: int = _TILE_R,
+    tile_c: int = _TILE_C,
+    linear_search_max: int = _LINEAR_SEARCH_MAX_TENSORS,
+    num_warps: Optional[int] = None,
+) -> None:
+    """One launch per input dtype; writes into the preallocated ``qs`` / ``qts``."""
+    soft = interpreter_active()
+    write_t = qts is not None
+    chunk = block * iters
+    if num_warps is None:
+        num_warps = _TILE_WARPS if write_t else _FLAT_WARPS
+    launches, tables = [], []
+    for dtype, idxs in group_by_dtype(tensors).items():
+        cols_tab: List[List[int]] = [[] for _ in range(8)]
+        counts = []
+        aligned = True
+        for i in idxs:
+            x, q = tensors[i], qs[i]
+            qt = qts[i] if write_t else q
+            rows, cols = _matrix_dims(x) if write_t else (0, 0)
+            if rows:
+                counts.append((x.numel() // (rows * cols)) * triton.cdiv(rows, tile_r) * triton.cdiv(cols, tile_c))
+                aligned &= rows % 16 == 0 and cols % 16 == 0
+            else:
+                counts.append(triton.cdiv(x.numel(), chunk))
+            addrs = (x.data_ptr(), q.data_ptr(), qt.data_ptr())
+            aligned &= all(a % 16 == 0 for a in addrs)
+            for col, v in zip(cols_tab, (*addrs, x.numel(), rows, cols, 0, i)):
+                col.append(v)
+        starts, total = block_starts(counts)
+        cols_tab[6] = starts
+        tables.append(cols_tab)
+        launches.append((dtype, len(idxs), total, aligned))
+    if not tables:
+        return
+    dev_tables, _ = upload_tables(tables, scales.device)
+    for table, (dtype, n_t, total, aligned) in zip(dev_tables, launches):
+        _multi_tensor_cast_fp8_kernel[(total,)](
+            table,
+            scales,
+            n_t,
+            IN_TY=load_ty(dtype, soft),
+            OUT_TY=tl.uint8 if soft else tl.float8e4nv,
+            DTYPE=_DTYPE_CODE[dtype],
+            SOFT=soft,
+            ALIGNED=aligned,
+            LINEAR_SEARCH=n_t <= linear_search_max,
+            T_POW2=next_pow2(n_t),
+            WRITE_T=write_t,
+            FP8_MAX=FP8_E4M3_MAX,
+            BLOCK=block,
+            ITERS=iters,
+            TILE_R=tile_r,
+            TILE_C=tile_c,
+            num_warps=num_warps,
+            **EXACT_FP,
+        )
+
+
+def _alloc_outputs(
+    tensors: Sequence[torch.Tensor], write_transposed: bool
+) -> Tuple[List[torch.Tensor], Optional[List[torch.Tensor]]]:
+    qs = [torch.empty(t.shape, dtype=torch.float8_e4m3fn, device=t.device) for t in tensors]
+    if not write_transposed:
+        return qs, None
+    qts = []
+    for t, q in zip(tensors, qs):
+        if t.dim() < 2:
+            qts.append(q)
+        else:
+            shape = (*t.shape[:-2], t.shape[-1], t.shape[-2])
+            qts.append(torch.empty(shape, dtype=torch.float8_e4m3fn, device=t.device))
+    return qs, qts
+
+
+# --------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------
+
+
+def amax_to_scale(amax: torch.Tensor, fp8_max: float = FP8_E4M3_MAX, *, impl: str = "auto") -> torch.Tensor:
+    """Per-tensor FP8 scale from amax: ``fp8_max / amax`` in float32, 1.0 where amax == 0.
+
+    The division is a correctly rounded float32 division (no division by
+    zero ever happens).  amax = inf gives scale 0 and amax = NaN gives NaN.
+    This is a tiny elementwise op, so both impls run the same torch code; the
+    ``impl`` argument is validated for API uniformity.
+
+    Args:
+        amax: amax values (any float dtype, any shape), e.g. from :func:`multi_tensor_amax`.
+        fp8_max: largest representable value of the target format (448 for e4m3fn).
+        impl: ``"auto"``, ``"triton"`` or ``"torch"`` (all use torch here).
+
+    Returns:
+        float32 tensor shaped like ``amax``.
+
+    Example::
+
+        amax = multi_tensor_amax(shards)
+        scales = amax_to_scale(amax)          # scales[i] * amax[i] ~= 448
+    """
+    check_impl(impl)
+    return amax_to_scale_ref(amax, fp8_max)
+
+
+def multi_tensor_cast_fp8(
+    tensors: Sequence[torch.Tensor],
+    scales: torch.Tensor,
+    *,
+    write_transposed: bool = False,
+    impl: str = "auto",
+) -> Tuple[List[torch.Tensor], Optional[List[torch.Tensor]]]:
+    """Cast many tensors to float8_e4m3fn with per-tensor scales in one launch per dtype.
+
+    ``q_i = float8_e4m3fn(clamp(x_i.float() * scales[i], -448, 448))`` with
+    round-to-nearest-even, bit-exact to the torch reference.  +-inf saturates
+    to +-448; NaN stays NaN (the NaN's sign bit is not guaranteed to survive on
+    GPU).  With ``write_transposed`` the same pass also writes ``q_i`` with its
+    last two dims swapped (``[out, in] -> [in, out]``,
+    ``[E, out, in] -> [E, in, out]``) for the backward GEMM; for 1-D inputs
+    that list holds the same tensor object as ``q_i``.  Inputs of mixed dtypes
+    are grouped, one launch per dtype.  The tensor table is uploaded on every
+    call, so the Triton path is not CUDA-graph capturable.
+
+    Args:
+        tensors: contiguous bf16 / fp16 / fp32 tensors with 1, 2 or 3 dims, on one device.
+        scales: float32 tensor ``[len(tensors)]`` on the same device.
+        write_transposed: also produce the transposed copies.
+        impl: ``"auto"`` (Triton on CUDA tensors, torch reference otherwise),
+            ``"triton"`` (CPU tensors only under ``TRITON_INTERPRET=1``) or ``"torch"``.
+
+    Returns:
+        ``(qs, qts)``: the fp8 tensors, and the transposed fp8 tensors or None.
+
+    Example::
+
+        scales = amax_to_scale(multi_tensor_amax(shards))
+        qs, qts = multi_tensor_cast_fp8(shards, scales, write_transposed=True)
+    """
+    tensors = list(tensors)
+    device = common_device(tensors + [scales], "tensors and scales")
+    if scales.dtype != torch.float32:
+        raise TypeError(f"scales must be float32, got {scales.dtype}")
+    if scales.dim() != 1 or scales.numel() != len(tensors):
+        raise ValueError(f"scales must have shape [{len(tensors)}], got {tuple(scales.shape)}")
+    for i, t in enumerate(tensors):
+        check_input_dtype(t, f"tensors[{i}]")
+        if t.dim() not in (1, 2, 3):
+            raise ValueError(f"tensors[{i}] must have 1, 2 or 3 dims, got shape {tuple(t.shape)}")
+        if not t.is_contiguous():
+            raise ValueError(f"tensors[{i}] is not contiguous; call .contiguous() first")
+    if not select_impl(impl, device):
+        return multi_tensor_cast_fp8_ref(tensors, scales, write_transposed=write_transposed)
+    if needs_staging(device):
+        qs, qts = multi_tensor_cast_fp8(
+            [t.cpu() for t in tensors], scales.cpu(), write_transposed=write_transposed, impl="triton"
+        )
+        qs_dev = [q.to(device) for q in qs]
+        if qts is None:
+            return qs_dev, None
+        return qs_dev, [qs_dev[i] if t.dim() < 2 else qt.to(device) for i, (t, qt) in enumerate(zip(tensors, qts))]
+    qs, qts = _alloc_outputs(tensors, write_transposed)
+    _launch_multi_tensor_cast_fp8(tensors, scales.contiguous(), qs, qts)
+    return qs, qts

@@ -1,0 +1,347 @@
+#!/usr/bin/env python
+"""Benchmark the FP8 weight-gather kernels of etp.kernels on one GPU.
+
+Workload: 64 bf16 expert shards of [1536, 1024] (1,572,864 elements each,
+201,326,592 bytes in total), i.e. the local shards one rank quantizes before
+the FP8 weight all-gather.
+
+Measured (median of ``--iters`` runs with CUDA events, after warm-up):
+
+* copy floor: a device-to-device copy of the same bytes.  It moves 2x the
+  bytes (read + write), so ``copy_bw = 2 * bytes / copy_ms`` and the
+  read-only floor of amax is ``copy_ms / 2``.  A prior measurement on H200
+  gave ``copy_ms = 0.095`` (4217 GB/s), reported as an anchor.
+* amax: fused ``multi_tensor_amax`` vs ``torch._foreach_norm(ord=inf)`` vs a
+  Python loop of ``t.abs().amax()``; fraction of copy bandwidth =
+  ``floor_ms / kernel_ms`` (target >= 0.8), plus a small sweep of the
+  kernel's tiling.
+* fp8 cast: fused ``multi_tensor_cast_fp8`` with and without the transposed
+  copy vs the torch reference; floor = (bytes read + bytes written) / copy_bw.
+* blockwise quantize: (128, 128) on the stacked [64, 1536, 1024] weights and
+  (1, 128) on the same data viewed as [98304, 1024] activations.
+* correctness of every fused result against the torch reference (exact /
+  bit-exact), recorded in the JSON.
+
+Before each timed run a 256 MiB buffer is zeroed (evicts the 50 MiB L2) and a
+~0.2 ms spin kernel is queued, so the host has finished enqueueing the
+measured call before the start event fires: the events then bracket device
+time only (for launch-bound baselines such as the Python loops, whose host
+work outlasts the spin, the gaps between their kernels are still included).
+``wall_ms_per_call`` (back-to-back calls, host clock) shows the cost
+including Python and launch overhead.
+
+Output: JSON to ``--out`` (default ``$OUT/bench_kernels.json``, or
+``./bench_kernels.json`` without ``$OUT``), a markdown table on stdout, and a
+block appended to ``--benchmarks-md PATH`` when given.  ``--dry-run`` runs
+every step on tiny CPU tensors (torch reference, or the Triton interpreter
+under ``TRITON_INTERPRET=1``) to check the script itself.
+
+Example::
+
+    python tools/bench_kernels.py --benchmarks-md BENCHMARKS.md
+    TRITON_INTERPRET=1 python tools/bench_kernels.py --dry-run --out /tmp/bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+
+from etp.kernels import (  # noqa: E402
+    amax_to_scale,
+    multi_tensor_amax,
+    multi_tensor_cast_fp8,
+    quantize_blockwise,
+)
+from etp.kernels import amax as amax_mod  # noqa: E402
+from etp.kernels import cast as cast_mod  # noqa: E402
+from etp.kernels.reference import blockwise_scale_shape  # noqa: E402
+
+ANCHOR_COPY_MS = 0.095  # prior H200 measurement: 2 * 201,326,592 B / 4217 GB/s
+AMAX_TARGET_FRACTION = 0.8
+FLUSH_BYTES = 256 << 20
+SPIN_CYCLES = 400_000  # ~0.2 ms at H200 clocks
+
+AMAX_SWEEP = [  # (BLOCK, ITERS, num_warps); the first entry is the default
+    (amax_mod._FLAT_BLOCK, amax_mod._FLAT_ITERS, amax_mod._FLAT_WARPS),
+    (2048, 8, 4),
+    (4096, 8, 8),
+    (8192, 2, 8),
+    (8192, 4, 8),
+    (2048, 4, 4),
+    (1024, 16, 4),
+]
+CAST_SWEEP = [  # (tile_r, tile_c, num_warps) of the transposing path; first = default
+    (cast_mod._TILE_R, cast_mod._TILE_C, cast_mod._TILE_WARPS),
+    (64, 128, 4),
+    (64, 64, 4),
+    (128, 64, 4),
+    (128, 128, 4),
+]
+
+
+def parse_args(argv: List[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=str, default=None, help="JSON output path")
+    p.add_argument("--benchmarks-md", type=str, default=None, help="append a result block to this markdown file")
+    p.add_argument("--num-tensors", type=int, default=64)
+    p.add_argument("--shape", type=int, nargs=2, default=[1536, 1024], metavar=("ROWS", "COLS"))
+    p.add_argument("--iters", type=int, default=100, help="timed runs per measurement (>= 50 on GPU)")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--no-sweep", action="store_true", help="skip the tiling sweeps")
+    p.add_argument("--dry-run", action="store_true", help="tiny CPU run that checks the script end to end")
+    args = p.parse_args(argv)
+    if args.dry_run:
+        args.num_tensors, args.shape, args.iters, args.warmup = min(args.num_tensors, 4), [64, 128], 3, 1
+    return args
+
+
+class Timer:
+    """Median device time of ``fn`` (CUDA events) or host time on CPU (dry run)."""
+
+    def __init__(self, device: torch.device, iters: int, warmup: int):
+        self.device, self.iters, self.warmup = device, iters, warmup
+        self.cuda = device.type == "cuda"
+        self.flush = torch.empty(FLUSH_BYTES if self.cuda else 1 << 10, dtype=torch.uint8, device=device)
+
+    def __call__(self, fn: Callable[[], object]) -> Dict[str, float]:
+        for _ in range(self.warmup):
+            fn()
+        if not self.cuda:
+            times = []
+            for _ in range(self.iters):
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+            return {"median_ms": statistics.median(times), "min_ms": min(times), "runs": self.iters,
+                    "wall_ms_per_call": statistics.median(times)}
+        torch.cuda.synchronize()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.iters)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.iters)]
+        for s, e in zip(starts, ends):
+            self.flush.zero_()
+            torch.cuda._sleep(SPIN_CYCLES)
+            s.record()
+            fn()
+            e.record()
+        torch.cuda.synchronize()
+        times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+        # Host-inclusive cost: back-to-back calls, no flush.
+        t0 = time.perf_counter()
+        for _ in range(self.iters):
+            fn()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3 / self.iters
+        return {
+            "median_ms": statistics.median(times),
+            "min_ms": times[0],
+            "p90_ms": times[int(0.9 * (len(times) - 1))],
+            "runs": self.iters,
+            "wall_ms_per_call": wall,
+        }
+
+
+def fp8_bit_mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
+    an, bn = a.float().isnan(), b.float().isnan()
+    if not torch.equal(an, bn):
+        return int((an != bn).sum())
+    return int(((a.view(torch.uint8) != b.view(torch.uint8)) & ~an).sum())
+
+
+def float_mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
+    an, bn = a.isnan(), b.isnan()
+    return int((an != bn).sum()) + int(((a != b) & ~an & ~bn).sum())
+
+
+def main(argv: List[str]) -> int:
+    args = parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.dry_run
+    if not cuda and not args.dry_run:
+        print("bench_kernels.py needs a CUDA GPU (use --dry-run to check the script on CPU)", file=sys.stderr)
+        return 2
+    if cuda and args.iters < 50:
+        print("--iters must be >= 50 on GPU", file=sys.stderr)
+        return 2
+    device = torch.device("cuda" if cuda else "cpu")
+    # On GPU the fused path is the compiled Triton kernel; in a dry run it is the
+    # interpreter when TRITON_INTERPRET=1, else the torch reference.
+    fused_impl = "triton" if cuda or amax_mod.interpreter_active() else "torch"
+    timer = Timer(device, args.iters, args.warmup)
+
+    rows, cols = args.shape
+    n_t = args.num_tensors
+    gen = torch.Generator().manual_seed(0)
+    stacked = torch.randn((n_t, rows, cols), generator=gen).to(torch.bfloat16).to(device)
+    shards = list(stacked.unbind(0))  # contiguous views of one allocation
+    shard_bytes = sum(t.numel() * t.element_size() for t in shards)
+    n_elem = sum(t.numel() for t in shards)
+
+    result: Dict[str, object] = {
+        "argv": sys.argv,
+        "command": " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv),
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "dry_run": args.dry_run,
+        "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
+        "versions": {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()},
+        "fused_impl": fused_impl,
+        "config": {"num_tensors": n_t, "shape": [rows, cols], "dtype": "bfloat16", "bytes": shard_bytes,
+                   "iters": args.iters, "warmup": args.warmup},
+    }
+
+    # ---- copy floor ----------------------------------------------------------
+    src = torch.empty(shard_bytes, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    copy = timer(lambda: dst.copy_(src))
+    copy_bw = 2 * shard_bytes / (copy["median_ms"] * 1e-3) / 1e9  # GB/s, read + write
+    result["copy"] = {**copy, "bandwidth_GBps": copy_bw, "anchor_copy_ms": ANCHOR_COPY_MS,
+                      "anchor_note": "prior H200 measurement of this copy: 2 * 201,326,592 B / 4217 GB/s"}
+    del src, dst
+
+    def floor_ms(bytes_moved: int) -> float:
+        return bytes_moved / (copy_bw * 1e9) * 1e3
+
+    rows_md = [("d2d copy (floor ref)", "torch", copy["median_ms"], 2 * shard_bytes, 1.0)]
+
+    # ---- amax ------------------------------------------------------------------
+    amax_floor = floor_ms(shard_bytes)
+    fused = timer(lambda: multi_tensor_amax(shards, impl=fused_impl))
+    foreach = timer(lambda: torch._foreach_norm(shards, ord=float("inf")))
+    loop = timer(lambda: [t.abs().amax() for t in shards])
+    frac = amax_floor / fused["median_ms"]
+    amax_res: Dict[str, object] = {
+        "floor_ms": amax_floor,
+        "fused": {**fused, "fraction_of_copy_bw": frac},
+        "foreach_norm_inf": {**foreach, "fraction_of_copy_bw": amax_floor / foreach["median_ms"]},
+        "loop_abs_amax": {**loop, "fraction_of_copy_bw": amax_floor / loop["median_ms"]},
+        "target_fraction": AMAX_TARGET_FRACTION,
+        "meets_target": frac >= AMAX_TARGET_FRACTION,
+    }
+    rows_md += [
+        ("amax fused", fused_impl, fused["median_ms"], shard_bytes, frac),
+        ("amax _foreach_norm(inf)", "torch", foreach["median_ms"], shard_bytes, amax_floor / foreach["median_ms"]),
+        ("amax loop abs().amax()", "torch", loop["median_ms"], shard_bytes, amax_floor / loop["median_ms"]),
+    ]
+    if fused_impl == "triton" and not args.no_sweep:
+        sweep = []
+        out = torch.zeros(n_t, dtype=torch.float32, device=device)
+        for block, iters, warps in AMAX_SWEEP:
+            def run(b=block, i=iters, w=warps):
+                out.zero_()
+                amax_mod._launch_multi_tensor_amax(shards, out, block=b, iters=i, num_warps=w)
+            t = timer(run)
+            sweep.append({"block": block, "iters": iters, "num_warps": warps, "median_ms": t["median_ms"],
+                          "fraction_of_copy_bw": amax_floor / t["median_ms"]})
+        amax_res["sweep"] = sweep
+    result["amax"] = amax_res
+
+    # ---- fp8 cast -------------------------------------------------------------
+    amax = multi_tensor_amax(shards, impl=fused_impl)
+    scales = amax_to_scale(amax)
+    cast_res: Dict[str, object] = {}
+    for write_t in (False, True):
+        key = "transposed" if write_t else "plain"
+        moved = shard_bytes + n_elem * (2 if write_t else 1)  # bf16 read + fp8 written (x2 with q^T)
+        fl = floor_ms(moved)
+        f = timer(lambda w=write_t: multi_tensor_cast_fp8(shards, scales, write_transposed=w, impl=fused_impl))
+        r = timer(lambda w=write_t: multi_tensor_cast_fp8(shards, scales, write_transposed=w, impl="torch"))
+        cast_res[key] = {"bytes_moved": moved, "floor_ms": fl,
+                         "fused": {**f, "fraction_of_copy_bw": fl / f["median_ms"]},
+                         "torch_ref": {**r, "fraction_of_copy_bw": fl / r["median_ms"]}}
+        rows_md += [(f"fp8 cast {key} fused", fused_impl, f["median_ms"], moved, fl / f["median_ms"]),
+                    (f"fp8 cast {key} torch", "torch", r["median_ms"], moved, fl / r["median_ms"])]
+    if fused_impl == "triton" and not args.no_sweep:
+        sweep = []
+        qs, qts = multi_tensor_cast_fp8(shards, scales, write_transposed=True, impl=fused_impl)
+        fl = cast_res["transposed"]["floor_ms"]
+        for tr, tc, warps in CAST_SWEEP:
+            def run(a=tr, b=tc, w=warps):
+                cast_mod._launch_multi_tensor_cast_fp8(shards, scales, qs, qts, tile_r=a, tile_c=b, num_warps=w)
+            t = timer(run)
+            sweep.append({"tile_r": tr, "tile_c": tc, "num_warps": warps, "median_ms": t["median_ms"],
+                          "fraction_of_copy_bw": fl / t["median_ms"]})
+        cast_res["transposed_sweep"] = sweep
+    result["cast"] = cast_res
+
+    # ---- blockwise --------------------------------------------------------------
+    acts = stacked.view(n_t * rows, cols)
+    bw_res = {}
+    for name, x, block in (("weights_128x128", stacked, (128, 128)), ("activations_1x128", acts, (1, 128))):
+        n_scales = math.prod(blockwise_scale_shape(x.shape, *block))
+        moved = shard_bytes + n_elem + 4 * n_scales
+        fl = floor_ms(moved)
+        f = timer(lambda x=x, b=block: quantize_blockwise(x, *b, impl=fused_impl))
+        r = timer(lambda x=x, b=block: quantize_blockwise(x, *b, impl="torch"))
+        bw_res[name] = {"bytes_moved": moved, "floor_ms": fl,
+                        "fused": {**f, "fraction_of_copy_bw": fl / f["median_ms"]},
+                        "torch_ref": {**r, "fraction_of_copy_bw": fl / r["median_ms"]}}
+        rows_md += [(f"blockwise {name} fused", fused_impl, f["median_ms"], moved, fl / f["median_ms"]),
+                    (f"blockwise {name} torch", "torch", r["median_ms"], moved, fl / r["median_ms"])]
+    result["blockwise"] = bw_res
+
+    # ---- correctness (fused vs torch reference) ---------------------------------
+    ref_amax = multi_tensor_amax(shards, impl="torch")
+    foreach_amax = torch.stack(torch._foreach_norm(shards, ord=float("inf"))).float()
+    corr: Dict[str, object] = {
+        "amax_mismatches_vs_ref": float_mismatches(amax, ref_amax),
+        "amax_mismatches_vs_foreach_norm": float_mismatches(amax, foreach_amax),
+    }
+    qs, qts = multi_tensor_cast_fp8(shards, scales, write_transposed=True, impl=fused_impl)
+    rqs, rqts = multi_tensor_cast_fp8(shards, scales, write_transposed=True, impl="torch")
+    corr["cast_bit_mismatches"] = sum(fp8_bit_mismatches(a, b) for a, b in zip(qs, rqs))
+    corr["cast_transposed_bit_mismatches"] = sum(fp8_bit_mismatches(a, b) for a, b in zip(qts, rqts))
+    (q_plain,), _ = multi_tensor_cast_fp8(shards[:1], scales[:1], impl=fused_impl)
+    corr["cast_plain_bit_mismatches"] = fp8_bit_mismatches(q_plain, rqs[0])
+    for name, x, block in (("weights_128x128", stacked, (128, 128)), ("activations_1x128", acts, (1, 128))):
+        q, s = quantize_blockwise(x, *block, impl=fused_impl)
+        rq, rs = quantize_blockwise(x, *block, impl="torch")
+        corr[f"blockwise_{name}_bit_mismatches"] = fp8_bit_mismatches(q, rq) + float_mismatches(s, rs)
+    corr["all_exact"] = all(v == 0 for v in corr.values())
+    result["correctness"] = corr
+
+    # ---- output -------------------------------------------------------------------
+    out_path = Path(args.out) if args.out else Path(os.environ.get("OUT", ".")) / "bench_kernels.json"
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(result, indent=2) + "\n")
+
+    table = ["| op | impl | median ms | GB/s | fraction of copy bw |", "|---|---|---:|---:|---:|"]
+    for name, impl, ms, moved, fr in rows_md:
+        table.append(f"| {name} | {impl} | {ms:.4f} | {moved / (ms * 1e-3) / 1e9:.0f} | {fr:.2f} |")
+    summary = (
+        f"amax fused {fused['median_ms']:.4f} ms = {frac:.2f} of copy bandwidth "
+        f"(target {AMAX_TARGET_FRACTION}, {'met' if amax_res['meets_target'] else 'NOT met'}); "
+        f"copy {copy['median_ms']:.4f} ms (anchor {ANCHOR_COPY_MS} ms); "
+        f"correctness: {'exact' if corr['all_exact'] else 'MISMATCH'}"
+    )
+    sys.stdout.write("\n".join(table) + "\n\n" + summary + "\n")
+    if args.benchmarks_md:
+        block = [
+            f"\n## bench_kernels {result['timestamp']} ({result['device']})\n",
+            f"`{result['command']}`  \n",
+            f"torch {torch.__version__}, triton {triton.__version__}; {n_t} x {rows}x{cols} bf16 "
+            f"= {shard_bytes:,} bytes; median of {args.iters} runs{' (DRY RUN, CPU)' if args.dry_run else ''}\n\n",
+            "\n".join(table) + "\n\n",
+            summary + "\n",
+        ]
+        with open(args.benchmarks_md, "a") as f:
+            f.writelines(block)
+    return 0 if corr["all_exact"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
