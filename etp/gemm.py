@@ -87,7 +87,8 @@ class GroupedGemm:
     @staticmethod
     def wgrad(gy, x, counts, out: torch.Tensor | None = None) -> torch.Tensor:
         if _use_grouped_mm(x):
-            return torch._grouped_mm(gy.t(), x, offs=_offsets(counts, x.device))
+            result = torch._grouped_mm(gy.t(), x, offs=_offsets(counts, x.device))
+            return result if out is None else out.copy_(result)
         splits = _splits(counts)
         if out is None:
             out = x.new_empty((len(splits), gy.shape[-1], x.shape[-1]))

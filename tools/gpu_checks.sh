@@ -23,6 +23,8 @@ tests)
     tests/test_megatron_linears.py -k "not tp2" 2>&1 | tee "$OUT/nccl8.log" | tail -6
   ;;
 bench)
+  echo "=== GPU grouped GEMM test"
+  python3 -m pytest -q tests/test_gemm.py 2>&1 | tail -2
   echo "=== kernel benchmark (1 GPU)"
   python3 tools/bench_kernels.py --benchmarks-md "$OUT/BENCHMARKS_kernels.md" 2>&1 | tee "$OUT/bench_kernels.log" | tail -25
   echo "=== expert stack benchmark (8 GPUs)"
