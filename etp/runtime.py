@@ -75,6 +75,7 @@ class RuntimeStats:
 
     gathers_on_demand: int = 0
     gathers_prefetched: int = 0
+    gathers_reused: int = 0  # backward served from a forward buffer of the same pass
     order_misses: int = 0
     reduce_scatters: int = 0
 
@@ -101,6 +102,9 @@ class ETPRuntime:
         self._phase = Role.BWD  # so that the first forward consume starts a pass
         self._consumed: dict[Role, set[int]] = {Role.FWD: set(), Role.BWD: set()}
         self._expected: dict[tuple[ChainKey, Role], torch.Tensor | None] = {}
+        # id(ticket buffer) -> id(param) whose gather it holds, valid within one pass only
+        # (the optimizer may update shards between passes without bumping any version).
+        self._holder: dict[int, int] = {}
 
     # ------------------------------------------------------------------ registration
     def register(self, param: torch.Tensor, name: str, kind: str, chain_class: str = "eager") -> None:
@@ -131,6 +135,7 @@ class ETPRuntime:
             if chain.orders[Role.BWD].params:
                 chain.orders[Role.BWD].freeze()
         self._consumed = {Role.FWD: set(), Role.BWD: set()}
+        self._holder.clear()
         for st in self._states.values():
             st.fwd_uses = st.grads_done = 0
         self._expected = {
@@ -186,6 +191,7 @@ class ETPRuntime:
         CommStreams.wait(streams.ag, current_stream_event(param.device))
         with streams.use(streams.ag):
             buffer, work = all_gather_rows(source, param.etp_group, out=self._buffer(st, role), async_op=True)
+        self._holder[id(buffer)] = id(param)
         st.in_flight[role] = _InFlight(buffer, work, source)
         self.stats.gathers_prefetched += 1
 
@@ -200,8 +206,23 @@ class ETPRuntime:
     def _gather_now(self, st: _ParamState, role: Role, into_ticket: bool) -> torch.Tensor:
         out = self._buffer(st, role) if into_ticket else None
         buffer, _ = all_gather_rows(self._source(st.param), st.param.etp_group, out=out)
+        if into_ticket:
+            self._holder[id(buffer)] = id(st.param)
         self.stats.gathers_on_demand += 1
         return buffer
+
+    def _resident(self, st: _ParamState) -> torch.Tensor | None:
+        """A ticket buffer that already holds this pass's complete gather of ``st``'s weight
+        (the last forward weights of a chain are the first backward ones: no second gather)."""
+        for role in Role:
+            buffer = self.cache.existing(id(st.param), role)
+            if (
+                buffer is not None
+                and self._holder.get(id(buffer)) == id(st.param)
+                and st.gather[role] is GatherState.IDLE
+            ):
+                return buffer
+        return None
 
     def acquire(self, param: torch.Tensor, role: Role, compute_dtype: torch.dtype) -> torch.Tensor:
         """The full logical weight of ``param`` for a GEMM of ``role``; see the module doc."""
@@ -231,6 +252,9 @@ class ETPRuntime:
 
         if st.gather[role] is GatherState.IN_FLIGHT:
             buffer = self._take(st, role)
+        elif self.config.prefetch and (resident := self._resident(st)) is not None:
+            buffer = resident
+            self.stats.gathers_reused += 1
         else:
             if (
                 self.config.debug_checks and self.config.prefetch and first_use and order.frozen
@@ -253,7 +277,9 @@ class ETPRuntime:
         if self.config.prefetch:
             if successor is not None and id(successor) not in self._consumed[role]:
                 nxt = self.state(successor)
-                if nxt.gather[role] is GatherState.IDLE:
+                if self._resident(nxt) is not None:
+                    pass  # already gathered in this pass: its consume re-uses that buffer
+                elif nxt.gather[role] is GatherState.IDLE:
                     self._issue(nxt, role)
                 elif self.config.debug_checks:
                     raise ETPStateError(f"ETP {role.value} gather of '{nxt.name}' issued twice")

@@ -47,9 +47,10 @@ class Stack(nn.Module):
 COUNTS = torch.tensor([3, 5])
 
 
-def _step(model, config, groups, seed):
+def _step(model, config, groups, seed, input_grad=False):
     device = model.l0.bias.device
     x = torch.randn(8, 8, generator=torch.Generator().manual_seed(seed)).to(device)
+    x.requires_grad_(input_grad)  # with it, l0's weight is consumed in backward too
     model(x, COUNTS).square().mean().backward()
     finalize_grads(model, config, groups)
 
@@ -114,17 +115,17 @@ def _order_and_buffers(ctx):
             iteration[0] = it
             if it == 2:
                 log.clear()
-            _step(model, config, groups, seed=it)
+            _step(model, config, groups, seed=it, input_grad=True)
             if it == 2:
                 replay_log = list(log)
     finally:
         runtime_module.all_gather_rows = original_gather
         runtime.acquire = original_acquire
-    return replay_log, pointers
+    return replay_log, pointers, runtime.stats.gathers_reused
 
 
 def test_gathers_issued_one_consume_ahead_and_buffers_never_shared():
-    replay_log, pointers = run_distributed(_order_and_buffers, 2)[0]
+    replay_log, pointers, reused = run_distributed(_order_and_buffers, 2)[0]
     # Chains (see [Note: ETP chains]): dense [l0, l1, l2]; expert fc1 [e0, e1]; fc2 [e0, e1].
     # The prefetch of a weight is issued by its chain predecessor's consume; `current` is the
     # weight being consumed when the gather call happens, so prefetches are logged under it.
@@ -137,15 +138,20 @@ def test_gathers_issued_one_consume_ahead_and_buffers_never_shared():
         ("consume", "fwd", "e1.fc2_weight"),
         ("consume", "fwd", "l2.weight"),
     ]
+    # Backward: the forward buffers still hold this pass's gathers of every weight but l0
+    # (l2, two positions later with the same shape, took l0's buffer), so those are re-used
+    # without a collective, and only l0 is prefetched, by its backward predecessor l1.
     bwd = [
-        ("consume", "bwd", "l2.weight"), ("gather", "l2.weight"), ("prefetch", "l2.weight"),
-        ("consume", "bwd", "e1.fc2_weight"), ("gather", "e1.fc2_weight"), ("prefetch", "e1.fc2_weight"),
-        ("consume", "bwd", "e1.fc1_weight"), ("gather", "e1.fc1_weight"), ("prefetch", "e1.fc1_weight"),
-        ("consume", "bwd", "l1.weight"),
+        ("consume", "bwd", "l2.weight"),
+        ("consume", "bwd", "e1.fc2_weight"),
+        ("consume", "bwd", "e1.fc1_weight"),
+        ("consume", "bwd", "l1.weight"), ("prefetch", "l1.weight"),
         ("consume", "bwd", "e0.fc2_weight"),
         ("consume", "bwd", "e0.fc1_weight"),
-    ]  # l0's input needs no gradient: its weight is never consumed in backward
+        ("consume", "bwd", "l0.weight"),
+    ]
     assert replay_log == fwd + bwd
+    assert reused == 6 * 4  # six backward consumes served from forward buffers, 4 iterations
     # Stable addresses across iterations, and chain neighbours on different buffers.
     assert pointers[2] == pointers[3]
     by_chain = {}
@@ -294,6 +300,7 @@ def _debug_errors(ctx):
         weight = _acquire(param, role, dtype)
         if param is model.l0.weight and role is Role.FWD:
             original_take(runtime.state(model.l1.weight), Role.FWD)
+            runtime._holder.clear()  # and forget that the buffer holds it: the gather is lost
         return weight
 
     runtime.acquire = steal_after_l0

@@ -58,6 +58,11 @@ class WeightCache:
                 log.debug("etp cache: allocated %s (%d bytes)", key, buffer.numel() * buffer.element_size())
         return buffer
 
+    def existing(self, param_id: int, role: Role) -> torch.Tensor | None:
+        """The buffer of (param, role) if that ticket was ever issued, else None."""
+        key = self._tickets.get((param_id, role))
+        return None if key is None else self._buffers.get(key)
+
     @property
     def num_buffers(self) -> int:
         return len(self._buffers)
