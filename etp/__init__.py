@@ -9,6 +9,7 @@ from .groups import ETPGroups, ShardGroup, build_etp_groups
 from .layout import ShardLayout
 from .modules import GroupedSwiGLUExperts
 from .param import ETPShardedParam, shard_parameter
+from .quant import quantize_shards
 from .runtime import ETPRuntime, register_grad_ready_hook
 from .state import ETPStateError
 from .wrap import WrapSummary, runtime_of, wrap_module_params_etp
@@ -27,6 +28,7 @@ __all__ = [
     "etp_grouped_linear",
     "etp_linear",
     "finalize_grads",
+    "quantize_shards",
     "register_grad_ready_hook",
     "runtime_of",
     "shard_parameter",

@@ -20,6 +20,9 @@ GATHER_DTYPES: dict[str, torch.dtype | None] = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
     "fp32": torch.float32,
+    # One byte per element on the wire; see [Note: ETP FP8 gathers] in etp/quant.py.
+    "fp8_tensorwise": torch.float8_e4m3fn,
+    "fp8_blockwise": torch.float8_e4m3fn,
 }
 
 #: How weight gradients combine over the ETP group. ETP peers see different data, so their
@@ -42,8 +45,10 @@ class ETPConfig:
         pad_for_alignment: each rank's shard holds a multiple of this many rows; the logical
             weight is padded to ``pad_for_alignment * size`` rows before slicing. Power of two.
         reduction: "mean" or "sum" of weight gradients over the ETP group.
-        gather_dtype: dtype the weight travels in for the all-gather: "param" (the
-            parameter's own dtype), "bf16", "fp16" or "fp32".
+        gather_dtype: format the weight travels in for the all-gather: "param" (the
+            parameter's own dtype), "bf16", "fp16", "fp32", "fp8_tensorwise" (e4m3, one
+            scale per weight or per expert) or "fp8_blockwise" (e4m3, 128x128 blocks; needs
+            pad_for_alignment a multiple of 128).
         prefetch: gather the next weight of the chain while the current GEMM runs.
         async_reduce: reduce-scatter weight gradients on a side stream, finalized later.
         debug_checks: check every gather / reduce-scatter state transition (slower) and log
@@ -84,6 +89,11 @@ class ETPConfig:
             raise ValueError(
                 f"ETPConfig.gather_dtype={self.gather_dtype!r}: allowed values are "
                 f"{list(GATHER_DTYPES)}"
+            )
+        if self.gather_dtype == "fp8_blockwise" and self.pad_for_alignment % 128:
+            raise ValueError(
+                f"ETPConfig.pad_for_alignment={self.pad_for_alignment!r}: gather_dtype="
+                "'fp8_blockwise' needs shards of whole 128-row blocks: use a multiple of 128"
             )
         for key in ("prefetch", "async_reduce", "debug_checks"):
             value = getattr(self, key)

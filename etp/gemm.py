@@ -7,6 +7,10 @@ both. ``wgrad`` writes into ``out`` (a view of a pooled, padded buffer) when
 has no ``out=``, and copying its result into the pool would cost a full extra pass over the
 weight gradient.
 
+FP8 weights (``FP8Weight``, see [Note: ETP FP8 gathers]) run ``torch._scaled_mm`` /
+``torch._scaled_grouped_mm`` on sm90+ with bf16 activations quantized on the fly, and are
+dequantized for the ordinary GEMMs everywhere else. Weight gradients stay in bf16/fp32.
+
 Grouped GEMMs run as ``torch._grouped_mm`` on CUDA for bf16 on sm90+ (its supported case);
 everywhere else (CPU, other dtypes, older GPUs) as a per-expert loop of ``torch.mm``, which is
 exact and is what the CPU tests compare against an unsharded reference.
@@ -16,19 +20,69 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DenseGemm", "GroupedGemm", "grouped_linear", "grouped_linear_reference"]
+from .quant import FP8Weight
+
+__all__ = ["DenseGemm", "GroupedGemm", "grouped_linear", "grouped_linear_reference", "quantize_activation"]
+
+
+def _sm90(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
+def _fp8_shapes_ok(w: FP8Weight) -> bool:
+    # The FP8 tensor-core GEMMs need both weight dims to be multiples of 16.
+    return w.data.shape[-1] % 16 == 0 and w.data.shape[-2] % 16 == 0
+
+
+def _scaled_dense_ok(x: torch.Tensor, w) -> bool:
+    return (isinstance(w, FP8Weight) and not w.blockwise and x.dtype == torch.bfloat16
+            and hasattr(torch, "_scaled_mm") and _sm90(x) and _fp8_shapes_ok(w))
+
+
+def _scaled_grouped_ok(x: torch.Tensor, w) -> bool:
+    return (isinstance(w, FP8Weight) and not w.blockwise and x.dtype == torch.bfloat16
+            and hasattr(torch, "_scaled_grouped_mm") and _sm90(x) and _fp8_shapes_ok(w))
+
+
+def _dense(w, dtype: torch.dtype) -> torch.Tensor:
+    """A plain weight in ``dtype``: FP8 weights are dequantized (the non-sm90 path)."""
+    return w.dequantize(dtype) if isinstance(w, FP8Weight) else w
+
+
+def quantize_activation(x: torch.Tensor, dtype: torch.dtype, rowwise: bool):
+    """On-the-fly FP8 quantization of a 2-D activation / gradient: ``(q, scale_inv)`` with one
+    scale per tensor or per row (``scale = fp8_max / amax``, 1 for all-zero rows)."""
+    fp8_max = torch.finfo(dtype).max
+    amax = x.abs().amax(dim=-1, keepdim=True) if rowwise else x.abs().amax()
+    amax = amax.float()
+    scale = torch.where(amax > 0, fp8_max / amax, torch.ones_like(amax))
+    q = (x.float() * scale).clamp_(-fp8_max, fp8_max).to(dtype)
+    return q, (1.0 / scale).reshape(-1) if rowwise else (1.0 / scale).reshape(())
 
 
 class DenseGemm:
-    """``y = x @ w.T`` with ``x [..., in]`` and ``w [out, in]``."""
+    """``y = x @ w.T`` with ``x [..., in]`` and ``w [out, in]`` (plain or ``FP8Weight``)."""
 
     @staticmethod
-    def forward(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, w)
+    def forward(x: torch.Tensor, w, counts: torch.Tensor | None) -> torch.Tensor:
+        if _scaled_dense_ok(x, w):
+            xq, x_inv = quantize_activation(x.reshape(-1, x.shape[-1]), torch.float8_e4m3fn, rowwise=False)
+            y = torch._scaled_mm(xq, w.data.t(), scale_a=x_inv, scale_b=w.scale_inv.reshape(()),
+                                 out_dtype=x.dtype)
+            return y.view(*x.shape[:-1], y.shape[-1])
+        return F.linear(x, _dense(w, x.dtype))
 
     @staticmethod
-    def dgrad(gy: torch.Tensor, w: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
-        return gy.matmul(w)
+    def dgrad(gy: torch.Tensor, w, counts: torch.Tensor | None) -> torch.Tensor:
+        if _scaled_dense_ok(gy, w):
+            # Gradients need range more than precision: e5m2. The weight operand must be
+            # column-major: the transposed copy of the gathered FP8 weight (no re-quantizing).
+            gq, g_inv = quantize_activation(gy.reshape(-1, gy.shape[-1]), torch.float8_e5m2, rowwise=False)
+            w_col = w.data.t().contiguous().t()
+            dx = torch._scaled_mm(gq, w_col, scale_a=g_inv, scale_b=w.scale_inv.reshape(()),
+                                  out_dtype=gy.dtype)
+            return dx.view(*gy.shape[:-1], dx.shape[-1])
+        return gy.matmul(_dense(w, gy.dtype))
 
     @staticmethod
     def writes_into(x: torch.Tensor) -> bool:
@@ -68,13 +122,27 @@ class GroupedGemm:
     per expert, ``w [E, out, in]``."""
 
     @staticmethod
-    def forward(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(x: torch.Tensor, w, counts: torch.Tensor) -> torch.Tensor:
+        if _scaled_grouped_ok(x, w):
+            xq, x_inv = quantize_activation(x, torch.float8_e4m3fn, rowwise=True)
+            scale_b = w.scale_inv[:, None].expand(w.data.shape[0], w.data.shape[1]).contiguous()
+            return torch._scaled_grouped_mm(xq, w.data.transpose(-2, -1), x_inv, scale_b,
+                                            offs=_offsets(counts, x.device), out_dtype=x.dtype)
+        w = _dense(w, x.dtype)
         if _use_grouped_mm(x):
             return torch._grouped_mm(x, w.transpose(-2, -1), offs=_offsets(counts, x.device))
         return grouped_linear_reference(x, w, counts)
 
     @staticmethod
-    def dgrad(gy: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def dgrad(gy: torch.Tensor, w, counts: torch.Tensor) -> torch.Tensor:
+        if _scaled_grouped_ok(gy, w):
+            gq, g_inv = quantize_activation(gy, torch.float8_e4m3fn, rowwise=True)
+            # [E, out, in] column-major per expert: the transposed copy of the FP8 weight.
+            w_col = w.data.transpose(-2, -1).contiguous().transpose(-2, -1)
+            scale_b = w.scale_inv[:, None].expand(w.data.shape[0], w.data.shape[2]).contiguous()
+            return torch._scaled_grouped_mm(gq, w_col, g_inv, scale_b,
+                                            offs=_offsets(counts, gy.device), out_dtype=gy.dtype)
+        w = _dense(w, gy.dtype)
         if _use_grouped_mm(gy):
             return torch._grouped_mm(gy, w, offs=_offsets(counts, gy.device))
         parts = torch.split(gy, _splits(counts))

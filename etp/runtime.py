@@ -33,6 +33,7 @@ from .cache import BufferKey, Role, WeightCache, WgradPool
 from .chain import Chain, ChainKey
 from .collectives import all_gather_rows, reduce_scatter_rows
 from .config import ETPConfig
+from .quant import FP8Weight, QuantizedShard, quantize_shards
 from .state import ETPStateError, GatherState, ReduceState, transition
 from .streams import CommStreams, StreamRegistry, current_stream_event
 
@@ -64,6 +65,7 @@ class _ParamState:
     in_flight: dict = field(default_factory=dict)
     reduce: ReduceState = ReduceState.IDLE
     pending: _PendingReduce | None = None
+    quant: QuantizedShard | None = None  # FP8 shard of this step (FP8 gathers only)
     fwd_uses: int = 0  # forward consumes this pass: how many gradients to expect
     grads_done: int = 0
     hooks: list = field(default_factory=list)
@@ -129,8 +131,18 @@ class ETPRuntime:
         self.state(param).hooks.append(hook)
 
     # ------------------------------------------------------------------ passes
+    @property
+    def fp8(self) -> bool:
+        return self.config.gather_dtype.startswith("fp8")
+
     def _start_pass(self) -> None:
         self._discard_in_flight()
+        if self.fp8 and any(
+            st.quant is None or st.quant.version != st.param._version for st in self._states.values()
+        ):
+            # A shard changed since it was quantized (an optimizer step): quantize all of them
+            # once for this step. Every rank sees the same versions, so all take part.
+            quantize_shards(st.param for st in self._states.values())
         for chain in self._chains.values():
             if chain.orders[Role.BWD].params:
                 chain.orders[Role.BWD].freeze()
@@ -176,6 +188,14 @@ class ETPRuntime:
         return self.cache.ticket(id(param), role, key)
 
     def _source(self, param: torch.Tensor) -> torch.Tensor:
+        if self.fp8:
+            quant = self.state(param).quant
+            if quant is None or quant.version != param._version:
+                raise ETPStateError(
+                    f"the FP8 shard of '{self.state(param).name}' is older than the parameter: "
+                    "call etp.quantize_shards(model) after changing weights mid-step"
+                )
+            return quant.data
         shard = param.detach()
         wire = self._wire_dtype(param)
         return shard if shard.dtype == wire else shard.to(wire)
@@ -285,6 +305,9 @@ class ETPRuntime:
                     raise ETPStateError(f"ETP {role.value} gather of '{nxt.name}' issued twice")
 
         weight = param.etp_layout.unpad(buffer)
+        if self.fp8:
+            return FP8Weight(weight, st.quant.scale, self.config.gather_dtype == "fp8_blockwise",
+                             buffer, param.etp_layout.rows)
         return weight if weight.dtype == compute_dtype else weight.to(compute_dtype)
 
     # ------------------------------------------------------------------ gradients

@@ -19,28 +19,63 @@ Variants, side by side in one process group, in this order (each freed before th
 * ``ddp``: torch DistributedDataParallel over the world, default buckets, bf16 all-reduce;
 * ``fsdp2``: ``fully_shard`` on every layer, then on the root (bf16 gathers);
 * ``etp_sync``: ETP over the world, ``prefetch=False, async_reduce=False``;
-* ``etp_async``: ETP over the world, ``prefetch=True, async_reduce=True``.
+* ``etp_async``: ETP over the world, ``prefetch=True, async_reduce=True``;
+* ``etp_async_fp8``: ``etp_async`` with ``gather_dtype="fp8_tensorwise"``: weights travel as
+  float8_e4m3fn (1 byte per element) plus a scale, and ``etp.quantize_shards`` runs once per
+  step (see below);
+* ``etp_async_fp8_blockwise`` (opt-in through ``--variants``): ``gather_dtype="fp8_blockwise"``
+  with ``pad_for_alignment=128``.
 
-Every variant runs the same grouped-GEMM kernels (``torch._grouped_mm`` for bf16 on sm90,
-as etp's sharded path does), so differences are communication and scheduling.
-A step is forward + backward (+ ``etp.finalize_grads`` for ETP), timed with CUDA events;
-gradients are set to None between steps and no optimizer runs. Reported per variant: median
-step ms on rank 0 and the max over ranks of the per-rank medians, TFLOP/s per GPU, % of
-``replicated`` throughput, exposed communication (step ms minus replicated step ms), peak
-allocated memory (reset before warm-up), parameter bytes per rank and bytes received per
-rank per step on the wire (analytic, see ``wire_bytes``).
+The baselines run the same grouped-GEMM kernels as etp's sharded bf16 path
+(``torch._grouped_mm`` for bf16 on sm90), so differences among the bf16 variants are
+communication and scheduling; the FP8 variants use etp's FP8 GEMMs (``torch._scaled_mm`` /
+``torch._scaled_grouped_mm`` on sm90, a dequantized weight elsewhere).
+A step is forward + backward (+ ``etp.finalize_grads`` for ETP, then, for the FP8 variants,
+``etp.quantize_shards`` — the fused amax, coalesced all-reduce(MAX) and fused cast that a
+training loop runs once after each optimizer step; no optimizer runs here, but its cost is
+charged to every step), timed with CUDA events; gradients are set to None between steps.
+When this etp has no FP8 gathers (no ``etp.quantize_shards``), the FP8 variants are reported
+as skipped. Reported per variant: median step ms on rank 0 and the max over ranks of the
+per-rank medians, TFLOP/s per GPU, % of ``replicated`` throughput, exposed communication
+(step ms minus replicated step ms), peak allocated memory (reset before warm-up), parameter
+bytes per rank and bytes received per rank per step on the wire (analytic, see
+``sharded_wire_bytes``: FP8 gathers move 1 byte per element, the gradient reduce-scatter
+stays in the parameter dtype). The correctness check (output sum over ranks, mean-gradient
+norm) must agree across the bf16 variants up to rounding; the FP8 variants differ by FP8
+rounding, which is printed and stored as a relative difference from ``replicated``, never
+treated as a failure.
 
-``--trace DIR`` records one torch.profiler trace of 3 ``etp_async`` steps on rank 0
-(``DIR/etp_async_trace.json``) and, from its device timeline, how much NCCL kernel time
-overlaps GEMM kernels.
+``--nccl-max-ctas N`` sets ``NCCL_MAX_CTAS=N`` before the process group (and so every NCCL
+communicator) is created: it caps the SMs NCCL's kernels take from concurrent GEMMs. The value
+(and every ``NCCL_*`` variable in effect) is recorded in the JSON and the BENCHMARKS section.
 
-Output: JSON to ``--out`` (default ``$OUT/bench_expert_stack.json``), a markdown table on
-rank 0's stdout, and a section appended to ``--benchmarks-md PATH`` when given.
+Gather bandwidth (after the variants): for the largest weight, one layer's
+``fc1_weight [E, 2·ffn, hidden]``, the median over 20 iterations (after 5 warm-up) of
+(a) a raw NCCL ``all_gather_into_tensor`` over etp's all-gather communicator of a uint8
+tensor with exactly the bytes of the FP8 shard, and of a bf16 tensor with the bytes of the
+bf16 shard; (b) etp's own synchronous gather (``ETPRuntime._gather_now`` into the cache's
+ticket buffer) of that weight in a 1-layer ETP model with ``gather_dtype="fp8_tensorwise"``
+(after ``etp.quantize_shards``) and with ``gather_dtype="bf16"``. Reported: algbw (bytes
+gathered / time) and busbw (algbw·(W−1)/W) in GB/s (1e9), and the ratio of etp's FP8 busbw
+to the raw uint8 busbw (target >= 0.90).
+
+``--trace DIR`` records one torch.profiler trace of 3 steps on rank 0 for ``etp_async`` and
+``etp_async_fp8`` (``DIR/<variant>_trace.json``) and, from its device timeline, how much
+NCCL kernel time overlaps GEMM kernels.
+
+Output: JSON to ``--out`` (default ``$OUT/bench_expert_stack.json``), two markdown tables
+(variants, gather bandwidth) on rank 0's stdout, and a section appended to
+``--benchmarks-md PATH`` when given.
 
 The 8×H200 run::
 
     torchrun --nproc-per-node=8 tools/bench_expert_stack.py --trace $OUT/trace \\
         --out $OUT/bench_expert_stack.json --benchmarks-md BENCHMARKS.md
+
+The same with NCCL capped at 8 CTAs per collective::
+
+    torchrun --nproc-per-node=8 tools/bench_expert_stack.py --nccl-max-ctas 8 \\
+        --variants replicated,etp_async,etp_async_fp8 --out $OUT/bench_expert_stack_ctas8.json
 
 CPU check of the script itself (gloo, float32, tiny shapes, host timers)::
 
@@ -74,7 +109,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import etp  # noqa: E402
 
-VARIANTS = ("replicated", "ddp", "fsdp2", "etp_sync", "etp_async")
+VARIANTS = ("replicated", "ddp", "fsdp2", "etp_sync", "etp_async", "etp_async_fp8",
+            "etp_async_fp8_blockwise")
+DEFAULT_VARIANTS = VARIANTS[:-1]  # blockwise FP8 is opt-in (--variants)
+# variant -> (ETPConfig.gather_dtype, ETPConfig.pad_for_alignment or None for the default)
+FP8_VARIANTS = {
+    "etp_async_fp8": ("fp8_tensorwise", None),
+    "etp_async_fp8_blockwise": ("fp8_blockwise", 128),
+}
+PROFILED = ("etp_async", "etp_async_fp8")  # traced under --trace
 GPU_DEFAULTS = dict(layers=8, experts=16, tokens_per_expert=2048, hidden=4096, ffn=1536, warmup=5, steps=20)
 SMOKE_DEFAULTS = dict(layers=2, experts=4, tokens_per_expert=8, hidden=32, ffn=16, warmup=2, steps=2)
 # Measured separately on 2026-11-21 (shared/anchors.md), same workload and machine kind.
@@ -83,6 +126,8 @@ PROFILE_STEPS = 3
 NCCL_MARKERS = ("nccl",)
 GEMM_MARKERS = ("gemm", "cutlass", "sm90", "nvjet", "groupedmm", "grouped")
 GIB = 1024**3
+GATHER_WARMUP, GATHER_ITERS = 5, 20
+GATHER_TARGET = 0.90  # etp's FP8 gather busbw over the raw uint8 all-gather's
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -95,8 +140,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ffn", type=int, default=None, help="expert ffn width (1536)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per variant (5)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per variant (20)")
-    p.add_argument("--variants", type=str, default=",".join(VARIANTS),
-                   help=f"comma-separated subset of {','.join(VARIANTS)} (run in that order)")
+    p.add_argument("--variants", type=str, default=",".join(DEFAULT_VARIANTS),
+                   help=f"comma-separated subset of {','.join(VARIANTS)} (run in that order; "
+                        f"default {','.join(DEFAULT_VARIANTS)})")
+    p.add_argument("--nccl-max-ctas", type=int, default=None, metavar="N",
+                   help="set NCCL_MAX_CTAS=N before any NCCL communicator exists (default: "
+                        "leave the environment as it is)")
     p.add_argument("--trace", type=str, default=None, help="directory for the etp_async profiler trace")
     p.add_argument("--out", type=str, default=None, help="JSON path (default $OUT/bench_expert_stack.json)")
     p.add_argument("--benchmarks-md", type=str, default=None, help="append a result section to this file")
@@ -115,6 +164,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if unknown or not names:
         p.error(f"--variants={args.variants!r}: choose from {','.join(VARIANTS)}")
     args.variants = [v for v in VARIANTS if v in names]  # the fixed order keeps runs comparable
+    if args.nccl_max_ctas is not None and args.nccl_max_ctas < 1:
+        p.error(f"--nccl-max-ctas={args.nccl_max_ctas}: expected an integer >= 1")
     return args
 
 
@@ -142,8 +193,12 @@ def _default_single_process_env() -> None:
                       LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
 
 
-def init_distributed(cpu_smoke: bool) -> Env:
+def init_distributed(cpu_smoke: bool, nccl_max_ctas: int | None = None) -> Env:
     _default_single_process_env()
+    if nccl_max_ctas is not None:
+        # NCCL reads it when a communicator is created: before init_process_group, so that
+        # the world communicator and etp's groups (created later) all see it.
+        os.environ["NCCL_MAX_CTAS"] = str(nccl_max_ctas)
     if cpu_smoke:
         torch.set_num_threads(1)  # ranks share few cores; oversubscription only adds noise
         dist.init_process_group("gloo")
@@ -280,6 +335,11 @@ class Prepared:
     grads: str                        # after a step: "local" (this rank's own), "mean" (the
                                       # full mean gradient on every rank) or "sharded" (a shard
                                       # of the mean gradient)
+    info: dict = dataclasses.field(default_factory=dict)  # extra JSON fields of the result
+
+
+class Unsupported(Exception):
+    """This etp lacks a feature the variant needs (FP8 gathers): skipped, not failed."""
 
 
 def _bytes(tensors) -> int:
@@ -298,6 +358,19 @@ def wire_bytes(kind: str, world: int, full_bytes: int) -> int:
     if kind == "allreduce":
         return 2 * (world - 1) * full_bytes // world
     return 0
+
+
+def sharded_wire_bytes(world: int, full_numel: int, gather_elem_bytes: int, reduce_elem_bytes: int) -> dict:
+    """Bytes each rank receives per step for sharded weights of ``full_numel`` (padded)
+    elements in all: two all-gathers (forward, backward) of ``gather_elem_bytes`` per element
+    and one reduce-scatter of ``reduce_elem_bytes`` per element, each bringing (W-1)/W of the
+    full weights. bf16 gathers: (2·2 + 2) bytes, as ``wire_bytes("sharded")``; FP8 gathers:
+    (2·1 + 2). Not counted: the FP8 scales (tensorwise: one fp32 per expert, exchanged by
+    ``quantize_shards``' all-reduce(MAX); blockwise: one fp32 per 128×128 block, all-gathered
+    once per step), under 0.03% of the bytes."""
+    all_gather = 2 * (world - 1) * full_numel * gather_elem_bytes // world
+    reduce_scatter = (world - 1) * full_numel * reduce_elem_bytes // world
+    return {"all_gather": all_gather, "reduce_scatter": reduce_scatter, "total": all_gather + reduce_scatter}
 
 
 def prepare_replicated(args, env, _groups) -> Prepared:
@@ -328,23 +401,65 @@ def prepare_fsdp2(args, env, _groups) -> Prepared:
     return Prepared(model, model, lambda: None, local, wire, "sharded")
 
 
-def _prepare_etp(args, env, groups_cache: dict, prefetch: bool) -> Prepared:
-    cfg = etp.ETPConfig(etp_size=env.world, expert_etp_size=env.world,
-                        prefetch=prefetch, async_reduce=prefetch)
-    # Groups depend only on the sizes: sharing them keeps both ETP variants on the same
-    # communicators instead of paying NCCL setup (and its buffers) twice.
+def _etp_config(env: Env, prefetch: bool = True, gather_dtype: str = "param",
+                pad_for_alignment: int | None = None) -> "etp.ETPConfig":
+    """ETP over the world; raises ``Unsupported`` when this etp cannot gather in FP8."""
+    fp8 = gather_dtype.startswith("fp8")
+    if fp8 and getattr(etp, "quantize_shards", None) is None:
+        raise Unsupported(f"this etp has no quantize_shards: no {gather_dtype} gathers yet")
+    kw = dict(etp_size=env.world, expert_etp_size=env.world, prefetch=prefetch, async_reduce=prefetch)
+    if gather_dtype != "param":
+        kw["gather_dtype"] = gather_dtype
+    if pad_for_alignment is not None:
+        kw["pad_for_alignment"] = pad_for_alignment
+    try:
+        return etp.ETPConfig(**kw)
+    except ValueError as exc:
+        if fp8 and "gather_dtype" in str(exc):
+            raise Unsupported(str(exc)) from exc
+        raise
+
+
+def _etp_groups(cfg, groups_cache: dict):
+    # Groups depend only on the sizes: sharing them keeps every ETP variant on the same
+    # communicators instead of paying NCCL setup (and its buffers) again.
     if "etp" not in groups_cache:
         groups_cache["etp"] = etp.build_etp_groups(cfg)
-    groups = groups_cache["etp"]
+    return groups_cache["etp"]
+
+
+def _gather_elem_bytes(cfg, param: torch.Tensor) -> int:
+    if cfg.gather_dtype.startswith("fp8"):
+        return 1  # float8_e4m3fn
+    return torch.empty((), dtype=cfg.gather_torch_dtype or param.dtype).element_size()
+
+
+def _prepare_etp(args, env, groups_cache: dict, prefetch: bool, gather_dtype: str = "param",
+                 pad_for_alignment: int | None = None) -> Prepared:
+    cfg = _etp_config(env, prefetch, gather_dtype, pad_for_alignment)
+    groups = _etp_groups(cfg, groups_cache)
     model = build_model(args, env)
     summary = etp.wrap_module_params_etp(model, cfg, groups)
-    shard_bytes = _bytes(p for p in model.parameters() if isinstance(p, etp.ETPShardedParam))
+    shards = [p for p in model.parameters() if isinstance(p, etp.ETPShardedParam)]
+    quantize = etp.quantize_shards if cfg.gather_dtype.startswith("fp8") else None
+    if quantize is not None:
+        quantize(model)  # the shards' first quantization, as after initialization
+
+    def finalize() -> None:
+        etp.finalize_grads(model, cfg, groups, replicate=False)
+        if quantize is not None:
+            quantize(model)  # once per optimizer step in training: charged to every step
+
+    # The gradient reduce-scatter runs in the gradient dtype (the parameter's: no main_grad).
+    wire = {"all_gather": 0, "reduce_scatter": 0, "total": 0}
+    for p in shards:
+        part = sharded_wire_bytes(env.world, p.numel() * env.world, _gather_elem_bytes(cfg, p), p.element_size())
+        wire = {k: wire[k] + part[k] for k in wire}
     return Prepared(
-        model, model,
-        lambda: etp.finalize_grads(model, cfg, groups, replicate=False),
-        summary.bytes_after,
-        wire_bytes("sharded", env.world, shard_bytes * env.world),
-        "sharded",
+        model, model, finalize, summary.bytes_after, wire["total"], "sharded",
+        info={"etp_config": {"gather_dtype": cfg.gather_dtype, "pad_for_alignment": cfg.pad_for_alignment,
+                             "prefetch": cfg.prefetch, "async_reduce": cfg.async_reduce},
+              "wire_bytes_breakdown": wire},
     )
 
 
@@ -356,12 +471,24 @@ def prepare_etp_async(args, env, groups_cache) -> Prepared:
     return _prepare_etp(args, env, groups_cache, prefetch=True)
 
 
+def prepare_etp_async_fp8(args, env, groups_cache) -> Prepared:
+    dtype, pad = FP8_VARIANTS["etp_async_fp8"]
+    return _prepare_etp(args, env, groups_cache, prefetch=True, gather_dtype=dtype, pad_for_alignment=pad)
+
+
+def prepare_etp_async_fp8_blockwise(args, env, groups_cache) -> Prepared:
+    dtype, pad = FP8_VARIANTS["etp_async_fp8_blockwise"]
+    return _prepare_etp(args, env, groups_cache, prefetch=True, gather_dtype=dtype, pad_for_alignment=pad)
+
+
 PREPARE = {
     "replicated": prepare_replicated,
     "ddp": prepare_ddp,
     "fsdp2": prepare_fsdp2,
     "etp_sync": prepare_etp_sync,
     "etp_async": prepare_etp_async,
+    "etp_async_fp8": prepare_etp_async_fp8,
+    "etp_async_fp8_blockwise": prepare_etp_async_fp8_blockwise,
 }
 
 
@@ -446,14 +573,15 @@ def measure(name: str, args, env: Env, work: Workload, groups_cache: dict) -> di
         "param_bytes_per_rank": prep.param_bytes,
         "wire_bytes_per_step_per_rank": prep.wire_bytes,
         "runtime_stats": runtime_stats(prep.model) if name.startswith("etp") else None,
+        **prep.info,
     }
     medians = [None] * env.world
     dist.all_gather_object(medians, result["step_ms"])
     result["step_ms_per_rank"] = medians
     result["step_ms_max_over_ranks"] = max(medians)
     result["check"] = check_step(prep, work, env)
-    if name == "etp_async" and args.trace:
-        result["profile"] = profile_steps(prep, work, env, args.trace)
+    if name in PROFILED and args.trace:
+        result["profile"] = profile_steps(prep, work, env, args.trace, name)
     zero_grads(prep, work)
     del prep
     reset_memory(env)
@@ -492,7 +620,7 @@ def check_step(prep: Prepared, work: Workload, env: Env) -> dict:
 
 
 # ----------------------------------------------------------------------------- profiler
-def profile_steps(prep: Prepared, work: Workload, env: Env, trace_dir: str) -> dict | None:
+def profile_steps(prep: Prepared, work: Workload, env: Env, trace_dir: str, name: str) -> dict | None:
     """Runs PROFILE_STEPS steps on every rank (they are collectives), recording rank 0 only."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -501,7 +629,7 @@ def profile_steps(prep: Prepared, work: Workload, env: Env, trace_dir: str) -> d
             timed_step(prep, work, env)
         return None
     os.makedirs(trace_dir, exist_ok=True)
-    path = os.path.join(trace_dir, "etp_async_trace.json")
+    path = os.path.join(trace_dir, f"{name}_trace.json")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.cuda else [])
     # CPU activity adds the etp:: labels that make the trace readable; no stacks or shapes,
     # which would multiply the file size.
@@ -582,16 +710,179 @@ def kernel_overlap(trace_path: str, steps: int) -> dict:
     }
 
 
+# ----------------------------------------------------------------------------- gather bandwidth
+def time_calls(fn: Callable[[], object], env: Env, warmup: int = GATHER_WARMUP,
+               iters: int = GATHER_ITERS) -> list[float]:
+    """Milliseconds of each of ``iters`` calls of a synchronous collective after ``warmup``.
+
+    On GPU the calls are queued back to back, each between two CUDA events on the current
+    stream (a synchronous collective makes the current stream wait for it), and read after
+    one synchronize; on CPU, host timers."""
+    for _ in range(warmup):
+        fn()
+    if env.cuda:
+        torch.cuda.synchronize()
+    dist.barrier()
+    if not env.cuda:
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return times
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) for start, end in events]
+
+
+def bandwidth_entry(what: str, times: list[float], shard_bytes: int, world: int, env: Env) -> dict:
+    """algbw = bytes gathered (``world`` shards) / median time; busbw = algbw·(W−1)/W (GB/s, 1e9)."""
+    median = statistics.median(times)
+    medians = [None] * env.world
+    dist.all_gather_object(medians, median)
+    gathered = shard_bytes * world
+    algbw = gathered / (median * 1e-3) / 1e9
+    return {
+        "status": "ok",
+        "what": what,
+        "shard_bytes": shard_bytes,
+        "gathered_bytes": gathered,
+        "median_ms": median,
+        "ms_all": times,
+        "median_ms_per_rank": medians,
+        "algbw_gbps": algbw,
+        "busbw_gbps": algbw * (world - 1) / world,
+    }
+
+
+def _nbytes(obj) -> int:
+    """Bytes of a tensor, or of the tensors in a tuple / list / dataclass (a gather result)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (tuple, list)):
+        return sum(_nbytes(o) for o in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return sum(_nbytes(getattr(obj, f.name)) for f in dataclasses.fields(obj))
+    return 0
+
+
+def _etp_gather_entry(args, env: Env, groups_cache: dict, gather_dtype: str, what: str) -> tuple[dict, tuple]:
+    """Times etp's own synchronous gather of ``layers.0.fc1_weight`` in a 1-layer ETP model
+    (after ``etp.quantize_shards`` for FP8); also returns the shard's (logical, shard) shapes."""
+    from etp.cache import Role
+
+    if env.world == 1:
+        raise Unsupported("a world of 1: ETP shards nothing, there is no gather")
+    cfg = _etp_config(env, prefetch=False, gather_dtype=gather_dtype)
+    groups = _etp_groups(cfg, groups_cache)
+    model = build_model(argparse.Namespace(**{**vars(args), "layers": 1}), env)
+    etp.wrap_module_params_etp(model, cfg, groups)
+    if gather_dtype.startswith("fp8"):
+        etp.quantize_shards(model)
+    param = model.layers[0].fc1_weight
+    runtime = etp.runtime_of(model)
+    st = runtime.state(param)
+    gather = lambda: runtime._gather_now(st, Role.FWD, into_ticket=True)  # noqa: E731
+    entry = bandwidth_entry(what, time_calls(gather, env),
+                            param.numel() * _gather_elem_bytes(cfg, param), env.world, env)
+    entry["result_bytes"] = _nbytes(gather())  # what _gather_now handed back, for a cross-check
+    entry["gather_dtype"] = gather_dtype
+    shapes = (tuple(param.etp_layout.logical_shape), tuple(param.etp_layout.shard_shape))
+    del gather, st, runtime, param, model
+    return entry, shapes
+
+
+def _failed_entry(exc: Exception, env: Env, what: str) -> dict:
+    if isinstance(exc, Unsupported):
+        return {"status": f"skipped: {exc}", "what": what}
+    trace = traceback.format_exc()
+    if env.rank == 0:
+        print(f"[bench_expert_stack] gather bandwidth ({what}) failed:\n{trace}", file=sys.stderr)
+    return {"status": f"failed: {type(exc).__name__}: {exc}".splitlines()[0][:200], "what": what,
+            "traceback": trace}
+
+
+def gather_bandwidth(args, env: Env, groups_cache: dict) -> dict:
+    """The gather-bandwidth section: raw NCCL all-gathers of the FP8 / bf16 shard bytes of the
+    largest weight against etp's own FP8 / bf16 gathers of it (see the module doc)."""
+    entries: dict[str, dict] = {}
+    # etp's FP8 and bf16 gathers first: they fix the shard shape each raw gather copies.
+    default_cfg = _etp_config(env)
+    layout = etp.ShardLayout((args.experts, 2 * args.ffn, args.hidden), env.world, 0,
+                             default_cfg.pad_for_alignment)  # etp's default layout (a fallback)
+    shapes = {"fp8": (tuple(layout.logical_shape), tuple(layout.shard_shape))}
+    shapes["bf16"] = shapes["fp8"]
+    for key, dtype, kind, what in (
+        ("etp_fp8_tensorwise", "fp8_tensorwise", "fp8", "etp _gather_now, fp8_tensorwise"),
+        ("etp_bf16", "bf16", "bf16", "etp _gather_now, bf16"),
+    ):
+        try:
+            entries[key], shapes[kind] = _etp_gather_entry(args, env, groups_cache, dtype, what)
+            entries[key]["shard_shape"] = list(shapes[kind][1])
+        except Exception as exc:  # noqa: BLE001 - report, keep measuring the others
+            entries[key] = _failed_entry(exc, env, what)
+        reset_memory(env)
+    logical = shapes["fp8"][0]
+    group = _etp_groups(default_cfg, groups_cache).expert.ag_group
+    for key, dtype, what in (("raw_nccl_uint8", torch.uint8, "raw all_gather_into_tensor, uint8 (FP8 shard bytes)"),
+                             ("raw_nccl_bf16", torch.bfloat16, "raw all_gather_into_tensor, bf16 shard")):
+        shard = shapes["fp8" if dtype is torch.uint8 else "bf16"][1]
+        shard_numel = shard[0] * shard[1]
+        try:
+            src = torch.ones(shard_numel, dtype=dtype, device=env.device)
+            out = torch.empty(shard_numel * env.world, dtype=dtype, device=env.device)
+            gather = lambda: dist.all_gather_into_tensor(out, src, group=group)  # noqa: E731
+            entries[key] = bandwidth_entry(what, time_calls(gather, env), shard_numel * src.element_size(),
+                                           env.world, env)
+            entries[key]["shard_shape"] = list(shard)
+            del gather, src, out
+        except Exception as exc:  # noqa: BLE001
+            entries[key] = _failed_entry(exc, env, what)
+        reset_memory(env)
+    order = ("raw_nccl_uint8", "etp_fp8_tensorwise", "raw_nccl_bf16", "etp_bf16")
+    entries = {k: entries[k] for k in order}
+    return {
+        "tensor": "layers.0.fc1_weight",
+        "logical_shape": list(logical),
+        "group_size": env.world,
+        "warmup": GATHER_WARMUP,
+        "iters": GATHER_ITERS,
+        "entries": entries,
+        "etp_fp8_over_raw_uint8_busbw": _busbw_ratio(entries, "etp_fp8_tensorwise", "raw_nccl_uint8"),
+        "etp_bf16_over_raw_bf16_busbw": _busbw_ratio(entries, "etp_bf16", "raw_nccl_bf16"),
+        "target_etp_fp8_over_raw_uint8": GATHER_TARGET,
+    }
+
+
+def _busbw_ratio(entries: dict, num: str, den: str) -> float | None:
+    a, b = entries.get(num, {}), entries.get(den, {})
+    if a.get("status") != "ok" or b.get("status") != "ok" or not b["busbw_gbps"]:
+        return None
+    return a["busbw_gbps"] / b["busbw_gbps"]
+
+
 # ----------------------------------------------------------------------------- reporting
 def add_derived(results: dict, flops: float) -> None:
-    """TFLOP/s, fraction of replicated throughput and exposed communication per variant."""
-    base = results.get("replicated", {}).get("step_ms")
+    """TFLOP/s, fraction of replicated throughput, exposed communication and the check's
+    relative difference from ``replicated`` per variant."""
+    replicated = results.get("replicated", {})
+    base = replicated.get("step_ms")
+    base_check = replicated.get("check") if replicated.get("status") == "ok" else None
     for r in results.values():
         if r.get("status") != "ok":
             continue
         r["tflops_per_gpu"] = flops / (r["step_ms"] * 1e-3) / 1e12
         r["fraction_of_replicated"] = base / r["step_ms"] if base else None
         r["exposed_comm_ms"] = r["step_ms"] - base if base else None
+        r["check_rel_diff_vs_replicated"] = (
+            {k: abs(r["check"][k] - base_check[k]) / abs(base_check[k]) if base_check[k] else None
+             for k in ("output_sum", "grad_norm")}
+            if base_check else None
+        )
 
 
 def environment(env: Env) -> dict:
@@ -604,6 +895,8 @@ def environment(env: Env) -> dict:
         "world_size": env.world,
         "dtype": str(env.dtype),
         "git_commit": _git_commit(),
+        # What NCCL was told through the environment (NCCL_MAX_CTAS from --nccl-max-ctas).
+        "nccl_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")},
     }
     if env.cuda:
         info.update(
@@ -671,25 +964,70 @@ def markdown_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def overlap_line(results: dict) -> str | None:
-    prof = results.get("etp_async", {}).get("profile")
-    if not prof:
-        return None
-    frac = prof["nccl_overlap_fraction"]
-    return (
-        f"etp_async profile ({prof['steps']} steps, rank 0): NCCL kernels "
-        f"{prof['nccl_kernel_ms_per_step']:.2f} ms/step, of which "
-        f"{prof['nccl_overlapped_by_gemm_ms_per_step']:.2f} ms overlap GEMM kernels "
-        f"({_fmt(None if frac is None else 100 * frac, '.0f')}%)."
-    )
+def overlap_lines(results: dict) -> list[str]:
+    lines = []
+    for name in PROFILED:
+        prof = results.get(name, {}).get("profile")
+        if not prof:
+            continue
+        frac = prof["nccl_overlap_fraction"]
+        lines.append(
+            f"{name} profile ({prof['steps']} steps, rank 0): NCCL kernels "
+            f"{prof['nccl_kernel_ms_per_step']:.2f} ms/step, of which "
+            f"{prof['nccl_overlapped_by_gemm_ms_per_step']:.2f} ms overlap GEMM kernels "
+            f"({_fmt(None if frac is None else 100 * frac, '.0f')}%)."
+        )
+    return lines
 
 
 def checks_line(results: dict) -> str:
-    parts = [
-        f"{name} {r['check']['output_sum']:.6g} / {r['check']['grad_norm']:.6g}"
-        for name, r in results.items() if r.get("status") == "ok"
+    parts = []
+    for name, r in results.items():
+        if r.get("status") != "ok":
+            continue
+        part = f"{name} {r['check']['output_sum']:.6g} / {r['check']['grad_norm']:.6g}"
+        rel = r.get("check_rel_diff_vs_replicated")
+        if name in FP8_VARIANTS and rel:
+            part += (f" (FP8: rel. diff. vs replicated {_fmt(rel['output_sum'], '.2e')} / "
+                     f"{_fmt(rel['grad_norm'], '.2e')})")
+        parts.append(part)
+    return ("checks (output sum over ranks / mean-gradient norm; should agree, FP8 variants up to "
+            "FP8 rounding): " + ", ".join(parts))
+
+
+def nccl_ctas_text(report: dict) -> str:
+    value = report["environment"].get("nccl_env", {}).get("NCCL_MAX_CTAS")
+    return f"NCCL_MAX_CTAS={value}" if value is not None else "NCCL_MAX_CTAS unset (NCCL's default)"
+
+
+def gather_table(section: dict) -> str:
+    """The gather-bandwidth table; "vs raw" = busbw over the raw gather of the same bytes."""
+    entries = section["entries"]
+    raw_of = {"etp_fp8_tensorwise": "raw_nccl_uint8", "etp_bf16": "raw_nccl_bf16"}
+    lines = [
+        f"| gather of {section['tensor']} {tuple(section['logical_shape'])}, W={section['group_size']} "
+        "| MB gathered | median ms | algbw GB/s | busbw GB/s | busbw vs raw |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
-    return "checks (output sum over ranks / mean-gradient norm; should agree): " + ", ".join(parts)
+    for key, e in entries.items():
+        if e.get("status") != "ok":
+            lines.append(f"| {e.get('what', key)} | {e['status'].replace('|', '/')[:120]} | | | | |")
+            continue
+        ratio = _busbw_ratio(entries, key, raw_of[key]) if key in raw_of else None
+        lines.append(
+            f"| {e['what']} | {e['gathered_bytes'] / 1e6:.1f} | {e['median_ms']:.3f} "
+            f"| {e['algbw_gbps']:.1f} | {e['busbw_gbps']:.1f} | {_fmt(ratio, '.3f')} |"
+        )
+    return "\n".join(lines)
+
+
+def gather_line(section: dict) -> str:
+    ratio = section["etp_fp8_over_raw_uint8_busbw"]
+    target = section["target_etp_fp8_over_raw_uint8"]
+    verdict = "not measured" if ratio is None else ("met" if ratio >= target else "missed")
+    return (f"etp FP8 gather busbw / raw uint8 all-gather busbw = {_fmt(ratio, '.3f')} "
+            f"(target >= {target:.2f}: {verdict}); median of {section['iters']} after "
+            f"{section['warmup']} warm-up, rank 0; busbw = algbw·(W−1)/W.")
 
 
 def append_benchmarks_md(path: str, report: dict, table: str) -> None:
@@ -698,8 +1036,8 @@ def append_benchmarks_md(path: str, report: dict, table: str) -> None:
     smoke = " (CPU smoke run: checks the script, not a measurement)" if report["config"]["cpu_smoke"] else ""
     parts = [
         f"\n## Expert stack fwd+bwd: replicated / DDP / FSDP2 / ETP — {report['date']}{smoke}\n",
-        f"{device}; torch {info['torch']}, NCCL {info.get('nccl', '–')}, etp {info['etp']}, "
-        f"commit {info['git_commit']}.\n",
+        f"{device}; torch {info['torch']}, NCCL {info.get('nccl', '–')}, {nccl_ctas_text(report)}, "
+        f"etp {info['etp']}, commit {info['git_commit']}.\n",
         f"```\n{report['command']}\n```\n",
         table + "\n",
         "step ms: median of rank 0 (max over ranks of the per-rank medians in parentheses); "
@@ -707,10 +1045,12 @@ def append_benchmarks_md(path: str, report: dict, table: str) -> None:
         "(analytic). Anchors from ../shared/anchors.md were measured separately on 2026-11-21: "
         f"replicated {ANCHOR_MS['replicated']} ms, FSDP2 {ANCHOR_MS['fsdp2']} ms.\n",
     ]
-    line = overlap_line(report["results"])
-    if line:
-        parts.append(line + "\n")
+    parts.extend(line + "\n" for line in overlap_lines(report["results"]))
     parts.append(checks_line(report["results"]) + "\n")
+    section = report.get("gather_bandwidth")
+    if section:
+        parts.append(gather_table(section) + "\n")
+        parts.append(gather_line(section) + "\n")
     with open(path, "a", encoding="utf-8") as f:
         f.write("\n".join(parts))
 
@@ -719,6 +1059,11 @@ def append_benchmarks_md(path: str, report: dict, table: str) -> None:
 def run_variant(name: str, args, env: Env, work: Workload, groups_cache: dict) -> dict:
     try:
         return measure(name, args, env, work, groups_cache)
+    except Unsupported as exc:  # raised on every rank alike, before any collective
+        reset_memory(env)
+        if env.rank == 0:
+            print(f"[bench_expert_stack] {name} skipped: {exc}", file=sys.stderr)
+        return {"status": f"skipped: {exc}"}
     except Exception as exc:  # noqa: BLE001 - one broken variant must not hide the others
         reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
         trace = traceback.format_exc()
@@ -733,13 +1078,14 @@ def run_variant(name: str, args, env: Env, work: Workload, groups_cache: dict) -
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    env = init_distributed(args.cpu_smoke)
+    env = init_distributed(args.cpu_smoke, args.nccl_max_ctas)
     work = make_workload(args, env)
     groups_cache: dict = {}
     results = {}
     for name in args.variants:
         results[name] = run_variant(name, args, env, work, groups_cache)
     add_derived(results, work.flops)
+    gathers = gather_bandwidth(args, env, groups_cache)
     report = {
         "benchmark": "expert_stack",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -748,15 +1094,18 @@ def main(argv: list[str]) -> int:
         "environment": environment(env),
         "config": {
             **{k: getattr(args, k) for k in ("layers", "experts", "tokens_per_expert", "hidden",
-                                             "ffn", "warmup", "steps", "variants", "cpu_smoke")},
+                                             "ffn", "warmup", "steps", "variants", "cpu_smoke",
+                                             "nccl_max_ctas")},
             "tokens_per_rank": work.x.shape[0],
             "flops_per_step_per_gpu": work.flops,
             "etp": {"etp_size": env.world, "expert_etp_size": env.world},
         },
         "anchors_ms_2026_11_21": ANCHOR_MS,
         "results": results,
+        "gather_bandwidth": gathers,
     }
     failed = [n for n, r in results.items() if r["status"].startswith("failed")]
+    failed += [f"gather:{k}" for k, e in gathers["entries"].items() if e["status"].startswith("failed")]
     if env.rank == 0:
         write_outputs(args, report)
     dist.barrier()
@@ -770,10 +1119,11 @@ def write_outputs(args, report: dict) -> None:
     out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     table = markdown_table(report["results"])
     print(f"\n{report['command']}\n\n{table}")
-    line = overlap_line(report["results"])
-    if line:
+    for line in overlap_lines(report["results"]):
         print(line)
     print(checks_line(report["results"]))
+    print(f"{nccl_ctas_text(report)}.")
+    print(f"\n{gather_table(report['gather_bandwidth'])}\n{gather_line(report['gather_bandwidth'])}")
     print(f"\nJSON: {out}")
     if args.benchmarks_md:
         append_benchmarks_md(args.benchmarks_md, report, table)

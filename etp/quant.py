@@ -1,0 +1,194 @@
+"""Quantized weight gathers: FP8 shards produced once per optimizer step.
+
+[Note: ETP FP8 gathers]
+With ``gather_dtype`` ``fp8_tensorwise`` or ``fp8_blockwise`` every ETP weight travels as
+float8_e4m3fn (one byte per element instead of two), so an all-gather moves half the bytes.
+The FP8 shard is made once per optimizer step by ``quantize_shards`` (never per microbatch):
+
+* ``fp8_tensorwise``: one scale per *scale group*, the whole weight for a dense weight and
+  each expert for stacked ``[E, out, in]`` experts. One fused multi-tensor amax launch over
+  the pieces of all shards, one coalesced all-reduce(MAX) per ETP group (not one per weight
+  or expert: a small all-reduce costs ~79 us on H200), one fused cast. Every rank then holds
+  the same full set of scales, so the gather moves FP8 bytes only.
+* ``fp8_blockwise``: one scale per 128x128 block. Shards are whole blocks
+  (``pad_for_alignment`` a multiple of 128), so each rank quantizes its own shard with no
+  reduction; the (tiny) block scales of every weight are all-gathered once per step, in one
+  collective per ETP group.
+
+``quantize_shards`` runs by itself at the first forward after a shard changed (detected by
+the parameter's version counter, which in-place optimizer updates bump); call it explicitly
+after the optimizer step when the optimizer writes parameters through other views (as
+megatron-core's distributed optimizer does).
+
+A gathered weight reaches the GEMMs as an ``FP8Weight``: on sm90+ they run
+``torch._scaled_mm`` / ``torch._scaled_grouped_mm`` with the activation quantized on the fly;
+elsewhere (CPU included) the weight is dequantized and the ordinary GEMM runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.autograd.profiler import record_function
+
+from .kernels import amax_to_scale, dequantize_fp8, multi_tensor_amax, multi_tensor_cast_fp8, quantize_blockwise
+
+__all__ = ["FP8Weight", "QuantizedShard", "quantize_shards", "FP8_DTYPE", "BLOCK"]
+
+FP8_DTYPE = torch.float8_e4m3fn
+BLOCK = 128  # rows and columns of one fp8_blockwise weight block
+
+
+@dataclass(eq=False)
+class QuantizedShard:
+    """This rank's FP8 shard of one weight and the scales of the *full* weight.
+
+    ``scale`` is what real values were multiplied by before the cast (``448 / amax``):
+    ``[groups]`` for tensorwise, ``[padded_rows / 128, ceil(cols / 128)]`` for blockwise;
+    ``scale_inv = 1 / scale`` is the dequantization multiplier the scaled GEMMs take.
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    version: int
+
+    @property
+    def scale_inv(self) -> torch.Tensor:
+        return 1.0 / self.scale
+
+
+@dataclass(frozen=True, eq=False)
+class FP8Weight:
+    """A gathered FP8 weight: ``data`` in the logical shape, plus its dequantization scales."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    blockwise: bool
+    padded: torch.Tensor  # the gathered [padded_rows, cols] buffer (blockwise dequantizes it)
+    rows: int
+
+    @property
+    def groups(self) -> int:
+        return 1 if self.data.dim() == 2 else self.data.shape[0]
+
+    @property
+    def scale_inv(self) -> torch.Tensor:
+        return 1.0 / self.scale
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight in ``dtype``, ``q / scale`` (the fallback path of every FP8 GEMM)."""
+        if self.blockwise:
+            full = dequantize_fp8(self.padded, self.scale, block=(BLOCK, BLOCK), out_dtype=dtype)
+            return full[: self.rows].view(self.data.shape)
+        if self.groups == 1:
+            return dequantize_fp8(self.data, self.scale.reshape(()), out_dtype=dtype)
+        return (self.data.to(torch.float32) / self.scale.view(-1, 1, 1)).to(dtype)
+
+
+def _groups(param) -> tuple[int, int]:
+    """(number of scale groups, logical rows per group) of a weight."""
+    shape = param.etp_layout.logical_shape
+    if len(shape) == 3:
+        return shape[0], shape[1]
+    return 1, param.etp_layout.rows
+
+
+def _pieces(param) -> list[tuple[int, int, int]]:
+    """The logical rows of this rank's shard cut at scale-group boundaries:
+    ``(group, first local row, end local row)`` for each piece."""
+    layout = param.etp_layout
+    _, per_group = _groups(param)
+    start, stop = layout.row_start, layout.row_start + layout.valid_rows
+    pieces = []
+    for group in range(start // per_group, -(-stop // per_group)):
+        a, b = max(start, group * per_group), min(stop, (group + 1) * per_group)
+        if b > a:
+            pieces.append((group, a - start, b - start))
+    return pieces
+
+
+def _quantize_tensorwise(params, group) -> None:
+    """amax (one launch), all-reduce(MAX) (one collective), cast (one launch)."""
+    device = params[0].device
+    first_slot, pieces, slots = {}, [], []
+    total = 0
+    for param in params:
+        first_slot[id(param)] = total
+        for g, lo, hi in _pieces(param):
+            pieces.append((param, lo, hi))
+            slots.append(total + g)
+        total += _groups(param)[0]
+    views = [param.detach()[lo:hi] for param, lo, hi in pieces]
+    slot_index = torch.tensor(slots, dtype=torch.int64, device=device)
+    amax = torch.zeros(total, dtype=torch.float32, device=device)
+    if views:
+        amax.scatter_reduce_(0, slot_index, multi_tensor_amax(views), reduce="amax")
+    if group.size > 1:
+        with record_function("etp::all_reduce"):
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group.ag_group)
+    scales = amax_to_scale(amax)
+    casts = multi_tensor_cast_fp8(views, scales[slot_index])[0] if views else []
+    quantized = {}
+    for param in params:
+        state = param.etp_runtime.state(param)
+        buffer = state.quant.data if state.quant is not None else None
+        if buffer is None:  # padding rows stay fp8 zeros (all bits 0) forever
+            buffer = torch.zeros(param.shape, dtype=FP8_DTYPE, device=device)
+        quantized[id(param)] = buffer
+    for (param, lo, hi), cast in zip(pieces, casts):
+        quantized[id(param)][lo:hi].copy_(cast)
+    for param in params:
+        first, n = first_slot[id(param)], _groups(param)[0]
+        scale = scales[first : first + n].contiguous()
+        param.etp_runtime.state(param).quant = QuantizedShard(quantized[id(param)], scale, param._version)
+
+
+def _quantize_blockwise(params, group) -> None:
+    """Local blockwise quantization; one all-gather of every weight's block scales."""
+    local = []
+    for param in params:
+        q, scales = quantize_blockwise(param.detach(), BLOCK, BLOCK)
+        local.append((param, q, scales))
+    flat = torch.cat([s.reshape(-1) for _, _, s in local])
+    gathered = flat.new_empty(flat.numel() * group.size)
+    if group.size > 1:
+        with record_function("etp::all_gather"):
+            dist.all_gather_into_tensor(gathered, flat, group=group.ag_group)
+    else:
+        gathered.copy_(flat)
+    per_rank = gathered.view(group.size, -1)
+    offset = 0
+    for param, q, scales in local:
+        n = scales.numel()
+        full = per_rank[:, offset : offset + n].reshape(group.size * scales.shape[0], scales.shape[1])
+        offset += n
+        state = param.etp_runtime.state(param)
+        state.quant = QuantizedShard(q, full.contiguous(), param._version)
+
+
+def quantize_shards(model_or_params) -> int:
+    """Quantizes every FP8-gathered ETP shard of a model (or an iterable of ETP params) for
+    the coming step; a collective over the ETP groups (every rank calls it). Returns the
+    number of weights quantized. See [Note: ETP FP8 gathers].
+
+    Example::
+
+        optimizer.step()
+        etp.quantize_shards(model)   # optional with torch optimizers: etp notices updates
+    """
+    from .param import ETPShardedParam  # param -> runtime -> quant: import at call time
+
+    params = model_or_params.parameters() if hasattr(model_or_params, "parameters") else model_or_params
+    by_group: dict[tuple, list] = {}
+    for param in params:
+        if isinstance(param, ETPShardedParam) and param.etp_config.gather_dtype.startswith("fp8"):
+            by_group.setdefault((param.etp_group.ranks, param.etp_config.gather_dtype), []).append(param)
+    with torch.no_grad(), record_function("etp::quantize_shards"):
+        for (_, mode), group_params in sorted(by_group.items(), key=lambda kv: kv[0]):
+            group = group_params[0].etp_group
+            if mode == "fp8_tensorwise":
+                _quantize_tensorwise(group_params, group)
+            else:
+                _quantize_blockwise(group_params, group)
+    return sum(len(v) for v in by_group.values())
