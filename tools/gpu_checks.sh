@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # GPU verification on the device machine (8×H200), from the repository root:
-#   bash tools/gpu_checks.sh tests   -> GPU unit tests, NCCL parity / async tests on 2 and 8 GPUs
-#   bash tools/gpu_checks.sh bench   -> kernel benchmark (1 GPU) and expert-stack benchmark (8 GPUs)
+#   bash tools/gpu_checks.sh tests    GPU unit tests; NCCL parity / async tests on 2 and 8 GPUs
+#   bash tools/gpu_checks.sh fp8      FP8 GEMM test (1 GPU), FP8-vs-bf16 training on 2 GPUs (NCCL)
+#   bash tools/gpu_checks.sh kernels  kernel benchmark (1 GPU)
+#   bash tools/gpu_checks.sh bench    expert-stack benchmark, all default variants (8 GPUs)
+#   bash tools/gpu_checks.sh ctas N   expert-stack benchmark with NCCL_MAX_CTAS=N (8 GPUs)
 # Logs and JSON go to $OUT (the device tool's output folder). Needs the wheels of
 # ../shared/device/wheels.sh in .whl/ (megatron-core is not on the GPU image).
 set -uo pipefail
@@ -22,14 +25,23 @@ tests)
   ETP_TEST_BACKEND=nccl ETP_TEST_SIZES=8 python3 -m pytest -q tests/test_parity.py \
     tests/test_megatron_linears.py -k "not tp2" 2>&1 | tee "$OUT/nccl8.log" | tail -6
   ;;
-bench)
-  echo "=== GPU grouped GEMM test"
-  python3 -m pytest -q tests/test_gemm.py 2>&1 | tail -2
-  echo "=== kernel benchmark (1 GPU)"
+fp8)
+  echo "=== FP8: scaled GEMMs (1 GPU), grouped GEMM; FP8-vs-bf16 training and wire bytes on 2 GPUs (NCCL)"
+  python3 -m pytest -q tests/test_gemm.py tests/test_fp8.py -k "gemm" 2>&1 | tail -3
+  ETP_TEST_BACKEND=nccl python3 -m pytest -q -rA tests/test_fp8.py -k "training or byte" 2>&1 \
+    | tee "$OUT/gpu_fp8.log" | tail -8
+  ;;
+kernels)
   python3 tools/bench_kernels.py --benchmarks-md "$OUT/BENCHMARKS_kernels.md" 2>&1 | tee "$OUT/bench_kernels.log" | tail -25
-  echo "=== expert stack benchmark (8 GPUs)"
+  ;;
+bench)
   torchrun --nproc-per-node=8 tools/bench_expert_stack.py --trace "$OUT/trace" \
     --out "$OUT/bench_expert_stack.json" --benchmarks-md "$OUT/BENCHMARKS_expert_stack.md" 2>&1 \
-    | tee "$OUT/bench_expert_stack.log" | tail -30
+    | grep -v "^W1121\|OMP_NUM_THREADS\|\*\*\*\*\|_warn_once\|acc_events" | tail -40
+  ;;
+ctas)
+  torchrun --nproc-per-node=8 tools/bench_expert_stack.py --nccl-max-ctas "$2" \
+    --variants replicated,etp_async,etp_async_fp8 --out "$OUT/bench_expert_stack_ctas$2.json" \
+    --benchmarks-md "$OUT/BENCHMARKS_expert_stack.md" 2>&1 | grep "^|" | tail -12
   ;;
 esac
