@@ -5,6 +5,7 @@
 #   bash tools/gpu_checks.sh kernels  kernel benchmark (1 GPU)
 #   bash tools/gpu_checks.sh bench    expert-stack benchmark, all default variants (8 GPUs)
 #   bash tools/gpu_checks.sh ctas N   expert-stack benchmark with NCCL_MAX_CTAS=N (8 GPUs)
+# NPROC=4 runs the benchmarks on 4 GPUs instead of 8.
 # Logs and JSON go to $OUT (the device tool's output folder). Needs the wheels of
 # ../shared/device/wheels.sh in .whl/ (megatron-core is not on the GPU image).
 set -uo pipefail
@@ -35,12 +36,12 @@ kernels)
   python3 tools/bench_kernels.py --benchmarks-md "$OUT/BENCHMARKS_kernels.md" 2>&1 | tee "$OUT/bench_kernels.log" | tail -25
   ;;
 bench)
-  torchrun --nproc-per-node=8 tools/bench_expert_stack.py --trace "$OUT/trace" \
+  torchrun --nproc-per-node=${NPROC:-8} tools/bench_expert_stack.py --trace "$OUT/trace" \
     --out "$OUT/bench_expert_stack.json" --benchmarks-md "$OUT/BENCHMARKS_expert_stack.md" 2>&1 \
     | grep -v "^W1121\|OMP_NUM_THREADS\|\*\*\*\*\|_warn_once\|acc_events" | tail -40
   ;;
 ctas)
-  torchrun --nproc-per-node=8 tools/bench_expert_stack.py --nccl-max-ctas "$2" \
+  torchrun --nproc-per-node=${NPROC:-8} tools/bench_expert_stack.py --nccl-max-ctas "$2" \
     --variants replicated,etp_async,etp_async_fp8 --out "$OUT/bench_expert_stack_ctas$2.json" \
     --benchmarks-md "$OUT/BENCHMARKS_expert_stack.md" 2>&1 | grep "^|" | tail -12
   ;;
