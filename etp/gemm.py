@@ -8,7 +8,8 @@ has no ``out=``, and copying its result into the pool would cost a full extra pa
 weight gradient.
 
 FP8 weights (``FP8Weight``, see [Note: ETP FP8 gathers]) run ``torch._scaled_mm`` /
-``torch._scaled_grouped_mm`` on sm90+ with bf16 activations quantized on the fly, and are
+``torch._scaled_grouped_mm`` on sm90+ with bf16 activations quantized on the fly (one fused
+pass, one scale per row: ``etp.kernels.quantize_rowwise``), and are
 dequantized for the ordinary GEMMs everywhere else. Weight gradients stay in bf16/fp32.
 
 Grouped GEMMs run as ``torch._grouped_mm`` on CUDA for bf16 on sm90+ (its supported case);
@@ -20,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .kernels import quantize_rowwise, transpose_last2
 from .quant import FP8Weight
 
 __all__ = ["DenseGemm", "GroupedGemm", "grouped_linear", "grouped_linear_reference", "quantize_activation"]
@@ -49,15 +51,11 @@ def _dense(w, dtype: torch.dtype) -> torch.Tensor:
     return w.dequantize(dtype) if isinstance(w, FP8Weight) else w
 
 
-def quantize_activation(x: torch.Tensor, dtype: torch.dtype, rowwise: bool):
-    """On-the-fly FP8 quantization of a 2-D activation / gradient: ``(q, scale_inv)`` with one
-    scale per tensor or per row (``scale = fp8_max / amax``, 1 for all-zero rows)."""
-    fp8_max = torch.finfo(dtype).max
-    amax = x.abs().amax(dim=-1, keepdim=True) if rowwise else x.abs().amax()
-    amax = amax.float()
-    scale = torch.where(amax > 0, fp8_max / amax, torch.ones_like(amax))
-    q = (x.float() * scale).clamp_(-fp8_max, fp8_max).to(dtype)
-    return q, (1.0 / scale).reshape(-1) if rowwise else (1.0 / scale).reshape(())
+def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """On-the-fly FP8 (e4m3) quantization of a 2-D activation or gradient, one scale per row,
+    in one fused pass: ``(q, scale_inv)`` with ``x ~= q * scale_inv[:, None]``."""
+    q, scale = quantize_rowwise(x.contiguous())
+    return q, 1.0 / scale
 
 
 class DenseGemm:
@@ -66,22 +64,25 @@ class DenseGemm:
     @staticmethod
     def forward(x: torch.Tensor, w, counts: torch.Tensor | None) -> torch.Tensor:
         if _scaled_dense_ok(x, w):
-            xq, x_inv = quantize_activation(x.reshape(-1, x.shape[-1]), torch.float8_e4m3fn, rowwise=False)
-            y = torch._scaled_mm(xq, w.data.t(), scale_a=x_inv, scale_b=w.scale_inv.reshape(()),
+            xq, x_inv = quantize_activation(x.reshape(-1, x.shape[-1]))
+            out = w.data.shape[0]
+            y = torch._scaled_mm(xq, w.data.t(), scale_a=x_inv[:, None],
+                                 scale_b=w.scale_inv.reshape(1, 1).expand(1, out).contiguous(),
                                  out_dtype=x.dtype)
-            return y.view(*x.shape[:-1], y.shape[-1])
+            return y.view(*x.shape[:-1], out)
         return F.linear(x, _dense(w, x.dtype))
 
     @staticmethod
     def dgrad(gy: torch.Tensor, w, counts: torch.Tensor | None) -> torch.Tensor:
         if _scaled_dense_ok(gy, w):
-            # Gradients need range more than precision: e5m2. The weight operand must be
-            # column-major: the transposed copy of the gathered FP8 weight (no re-quantizing).
-            gq, g_inv = quantize_activation(gy.reshape(-1, gy.shape[-1]), torch.float8_e5m2, rowwise=False)
-            w_col = w.data.t().contiguous().t()
-            dx = torch._scaled_mm(gq, w_col, scale_a=g_inv, scale_b=w.scale_inv.reshape(()),
+            # The weight operand must be column-major: the transposed copy of the gathered FP8
+            # weight (bytes moved, nothing re-quantized).
+            gq, g_inv = quantize_activation(gy.reshape(-1, gy.shape[-1]))
+            inp = w.data.shape[1]
+            dx = torch._scaled_mm(gq, transpose_last2(w.data).t(), scale_a=g_inv[:, None],
+                                  scale_b=w.scale_inv.reshape(1, 1).expand(1, inp).contiguous(),
                                   out_dtype=gy.dtype)
-            return dx.view(*gy.shape[:-1], dx.shape[-1])
+            return dx.view(*gy.shape[:-1], inp)
         return gy.matmul(_dense(w, gy.dtype))
 
     @staticmethod
@@ -124,7 +125,7 @@ class GroupedGemm:
     @staticmethod
     def forward(x: torch.Tensor, w, counts: torch.Tensor) -> torch.Tensor:
         if _scaled_grouped_ok(x, w):
-            xq, x_inv = quantize_activation(x, torch.float8_e4m3fn, rowwise=True)
+            xq, x_inv = quantize_activation(x)
             scale_b = w.scale_inv[:, None].expand(w.data.shape[0], w.data.shape[1]).contiguous()
             return torch._scaled_grouped_mm(xq, w.data.transpose(-2, -1), x_inv, scale_b,
                                             offs=_offsets(counts, x.device), out_dtype=x.dtype)
@@ -136,9 +137,9 @@ class GroupedGemm:
     @staticmethod
     def dgrad(gy: torch.Tensor, w, counts: torch.Tensor) -> torch.Tensor:
         if _scaled_grouped_ok(gy, w):
-            gq, g_inv = quantize_activation(gy, torch.float8_e4m3fn, rowwise=True)
+            gq, g_inv = quantize_activation(gy)
             # [E, out, in] column-major per expert: the transposed copy of the FP8 weight.
-            w_col = w.data.transpose(-2, -1).contiguous().transpose(-2, -1)
+            w_col = transpose_last2(w.data).transpose(-2, -1)
             scale_b = w.scale_inv[:, None].expand(w.data.shape[0], w.data.shape[2]).contiguous()
             return torch._scaled_grouped_mm(gq, w_col, g_inv, scale_b,
                                             offs=_offsets(counts, gy.device), out_dtype=gy.dtype)

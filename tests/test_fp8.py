@@ -111,7 +111,7 @@ def _wire_bytes(ctx, mode):
     config = ETPConfig(etp_size=ctx.world_size, expert_etp_size=ctx.world_size, gather_dtype=mode,
                        pad_for_alignment=align)
     torch.manual_seed(3)
-    model = Model()
+    model = Model().to(ctx.device)
     groups = build_etp_groups(config)
     wrap_module_params_etp(model, config, groups)
     shard_elements = {p.numel(): p for p in model.parameters() if isinstance(p, ETPShardedParam)}
@@ -124,7 +124,7 @@ def _wire_bytes(ctx, mode):
 
     torch.distributed.all_gather_into_tensor = recording
     try:
-        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(ctx.rank))
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(ctx.rank)).to(ctx.device)
         for _ in range(2):  # the second step replays the prefetch chains
             moved.clear()
             model(x, COUNTS).square().mean().backward()
@@ -219,7 +219,7 @@ def test_scaled_gemms_match_dequantized_path():
     dense_w = w.dequantize(torch.bfloat16)
     # Only the activation's on-the-fly quantization differs: relative error ~2^-5 rms.
     assert _rel(DenseGemm.forward(x, w, None), F.linear(x, dense_w)) < 0.05
-    assert _rel(DenseGemm.dgrad(gy, w, None), gy @ dense_w) < 0.08  # e5m2 gradient
+    assert _rel(DenseGemm.dgrad(gy, w, None), gy @ dense_w) < 0.05
 
     counts = torch.tensor([64, 0, 128, 64], device="cuda")
     we = _fp8_weight(torch.randn(4, 384, 512, device="cuda", generator=gen) * 0.02)

@@ -594,3 +594,34 @@ def test_argument_validation():
         K.dequantize_fp8(q, s, block=(128, 128), impl="torch")
     with pytest.raises(ValueError, match="single scale"):
         K.dequantize_fp8(q, s, impl="torch")
+
+
+# ---------------------------------------------------------------- rowwise quant, fp8 transpose
+@pytest.mark.parametrize("shape", [(1, 1), (5, 123), (33, 4096), (7, 1536)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantize_rowwise_matches_reference_and_float64(shape, dtype):
+    from etp.kernels import quantize_rowwise
+    from etp.kernels.reference import quantize_blockwise_ref
+
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
+    x[0, 0] = 0.0
+    if shape[0] > 2:
+        x[2] = 0  # an all-zero row gets scale 1
+    q, s = quantize_rowwise(x, impl="triton")
+    q_ref, s_ref = quantize_blockwise_ref(x, 1, shape[1])
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(s, s_ref.reshape(-1))
+    amax = x.double().abs().amax(dim=1)
+    want = torch.where(amax > 0, 448.0 / amax, torch.ones_like(amax)).float()
+    assert torch.equal(s, want)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (5, 123), (130, 67), (3, 70, 129)])
+def test_transpose_last2_matches_torch(shape):
+    from etp.kernels import transpose_last2
+
+    x = torch.randint(0, 256, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    x8 = x.view(torch.float8_e4m3fn)
+    got = transpose_last2(x8, impl="triton")
+    assert got.dtype == torch.float8_e4m3fn and got.is_contiguous()
+    assert torch.equal(got.view(torch.uint8), x.transpose(-2, -1).contiguous())

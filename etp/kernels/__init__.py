@@ -6,6 +6,8 @@
   one launch, optionally writing the transposed copy in the same pass.
 * :func:`quantize_blockwise` / :func:`dequantize_fp8` - (1, 128) / (128, 128)
   blockwise format and dequantization.
+* :func:`quantize_rowwise` - one-pass per-row FP8 quantization of activations.
+* :func:`transpose_last2` - tiled transpose of FP8 matrices (the backward GEMM operand).
 
 Every op takes ``impl="auto" | "triton" | "torch"``; the pure-torch references
 in :mod:`etp.kernels.reference` define the numerics and are the CPU fallback.
@@ -14,9 +16,10 @@ first imported.
 """
 
 from etp.kernels.amax import multi_tensor_amax
-from etp.kernels.blockwise import dequantize_fp8, quantize_blockwise
+from etp.kernels.blockwise import dequantize_fp8, quantize_blockwise, quantize_rowwise
 from etp.kernels.cast import amax_to_scale, multi_tensor_cast_fp8
 from etp.kernels.reference import FP8_E4M3_MAX
+from etp.kernels.transpose import transpose_last2
 
 __all__ = [
     "FP8_E4M3_MAX",
@@ -25,4 +28,6 @@ __all__ = [
     "multi_tensor_amax",
     "multi_tensor_cast_fp8",
     "quantize_blockwise",
+    "quantize_rowwise",
+    "transpose_last2",
 ]

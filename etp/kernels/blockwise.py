@@ -351,3 +351,48 @@ def dequantize_fp8(
     if q.device.type == "cuda" and interpreter_active():
         return _launch_dequantize(q.cpu(), scale.cpu(), block, out_dtype).to(q.device)
     return _launch_dequantize(q, scale, block, out_dtype)
+
+
+def quantize_rowwise(x: torch.Tensor, *, impl: str = "auto") -> Tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D activation to float8_e4m3fn with one float32 scale per row, in one pass.
+
+    ``scale_r = 448 / amax(x[r, :])`` (1.0 for an all-zero row) and
+    ``q[r, c] = float8_e4m3fn(clamp(x[r, c] * scale_r, -448, 448))``: the (1, C) case of
+    :func:`quantize_blockwise`, launched with one or a few whole rows per program so that the
+    row's maximum and its cast happen in one read of x. This is the activation side of the
+    FP8 GEMMs (``torch._scaled_mm`` / ``torch._scaled_grouped_mm`` with rowwise scales).
+
+    Args:
+        x: contiguous bf16 / fp16 / fp32 ``[R, C]`` with C <= 16384.
+        impl: ``"auto"``, ``"triton"`` or ``"torch"`` as for the other ops.
+
+    Returns:
+        ``(q, scales)``: q ``[R, C]`` float8_e4m3fn, scales float32 ``[R]``.
+
+    Example::
+
+        q, s = quantize_rowwise(activation)      # dequantized value: q / s[:, None]
+    """
+    check_input_dtype(x, "x")
+    if x.dim() != 2 or not x.is_contiguous():
+        raise ValueError(f"quantize_rowwise expects a contiguous 2-D tensor, got shape {tuple(x.shape)}")
+    rows, cols = x.shape
+    if cols > 16384:
+        raise ValueError(f"quantize_rowwise supports rows of up to 16384 elements, got {cols}")
+    if not select_impl(impl, x.device) or x.numel() == 0:
+        q, s = quantize_blockwise_ref(x, 1, max(cols, 1))
+        return q, s.reshape(rows)
+    device = x.device
+    if device.type == "cuda" and interpreter_active():
+        x = x.cpu()
+    soft = interpreter_active()
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    tc = next_pow2(cols)
+    tr = max(1, 8192 // tc)  # ~8K elements in registers per program
+    _quantize_blockwise_kernel[(triton.cdiv(rows, tr), 1, 1)](
+        _soft_view(x.unsqueeze(0), soft), _soft_view(q.unsqueeze(0), soft), s, rows, cols, rows, 1,
+        DTYPE=_DTYPE_CODE[x.dtype], SOFT=soft, FP8_MAX=FP8_E4M3_MAX,
+        BR=1, BC=cols, TR=tr, TC=tc, ROW_MODE=True, num_warps=8, **EXACT_FP,
+    )
+    return q.to(device), s.reshape(rows).to(device)
