@@ -607,7 +607,9 @@ def test_quantize_rowwise_matches_reference_and_float64(shape, dtype):
     x[0, 0] = 0.0
     if shape[0] > 2:
         x[2] = 0  # an all-zero row gets scale 1
-    q, s = quantize_rowwise(x, impl="triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on GPU, interpreted on CPU
+    q, s = quantize_rowwise(x.to(device), impl="triton")
+    q, s = q.cpu(), s.cpu()
     q_ref, s_ref = quantize_blockwise_ref(x, 1, shape[1])
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
     assert torch.equal(s, s_ref.reshape(-1))
@@ -622,6 +624,7 @@ def test_transpose_last2_matches_torch(shape):
 
     x = torch.randint(0, 256, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
     x8 = x.view(torch.float8_e4m3fn)
-    got = transpose_last2(x8, impl="triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    got = transpose_last2(x8.to(device), impl="triton").cpu()
     assert got.dtype == torch.float8_e4m3fn and got.is_contiguous()
     assert torch.equal(got.view(torch.uint8), x.transpose(-2, -1).contiguous())
