@@ -1,0 +1,44 @@
+"""The multi-process harness reports a failing rank's traceback and a hung rank's stack."""
+import time
+
+import pytest
+import torch.distributed as dist
+
+from harness import run_distributed
+
+
+def _one_rank_raises(ctx):
+    if ctx.rank == 1:
+        raise ValueError("boom on purpose")
+    dist.barrier()  # rank 0 blocks on its peer, as real tests do after a failure
+    return ctx.rank
+
+
+def _one_rank_hangs(ctx):
+    if ctx.rank == 1:
+        time.sleep(3600)
+    return ctx.rank
+
+
+def _ok(ctx):
+    return ctx.rank * 10
+
+
+def test_results_come_back_in_rank_order():
+    assert run_distributed(_ok, 3) == [0, 10, 20]
+
+
+def test_a_raising_rank_fails_the_test_with_its_traceback():
+    with pytest.raises(AssertionError) as info:
+        run_distributed(_one_rank_raises, 2, timeout=30)
+    message = str(info.value)
+    assert "rank 1 raised" in message and "ValueError: boom on purpose" in message
+    assert "_one_rank_raises" in message
+
+
+def test_a_hung_rank_is_reported_with_its_stack():
+    with pytest.raises(AssertionError) as info:
+        run_distributed(_one_rank_hangs, 2, timeout=8)
+    message = str(info.value)
+    assert "rank 1 hung or died" in message
+    assert "in _one_rank_hangs" in message  # faulthandler's stack names where it was stuck
