@@ -75,15 +75,38 @@ def _from_partition(groups: list[dist.ProcessGroup | None]) -> list[ShardGroup]:
     dist.all_gather_object(everyone, mine)
     result = []
     for index, group in enumerate(groups):
-        # Every rank creates every communicator of the partition, its own or not.
-        partition = sorted({ranks[index] for ranks in everyone if ranks[index] is not None})
-        created = {ranks: dist.new_group(list(ranks)) for ranks in partition}
+        partition = [ranks[index] for ranks in everyone if ranks[index] is not None]
+        reduce_groups = new_groups(partition)  # every rank creates every communicator
         if mine[index] is None:
             result.append(ShardGroup.single())
         else:
             ranks = mine[index]
-            result.append(ShardGroup(group, created[ranks], ranks, ranks.index(dist.get_rank())))
+            result.append(ShardGroup(group, reduce_groups, ranks, ranks.index(dist.get_rank())))
     return result
+
+
+def new_groups(partition) -> dist.ProcessGroup | None:
+    """Creates a process group for every rank list of ``partition`` (a collective: every rank
+    calls it with the same partition; duplicates are created once, in sorted order) and
+    returns the one this rank belongs to (None if none, or if it holds only this rank)."""
+    me = dist.get_rank()
+    mine = None
+    for ranks in sorted({tuple(r) for r in partition if len(r) > 1}):  # singletons need none
+        group = dist.new_group(list(ranks))
+        if me in ranks:
+            mine = group
+    return mine
+
+
+def shard_group_from_partition(partition) -> ShardGroup:
+    """This rank's ShardGroup of a partition into shard groups: two communicators per group
+    (all-gather and reduce-scatter). A collective, like ``new_groups``."""
+    me = dist.get_rank()
+    ag, rs = new_groups(partition), new_groups(partition)
+    for ranks in partition:
+        if me in ranks and len(ranks) > 1:
+            return ShardGroup(ag, rs, tuple(ranks), tuple(ranks).index(me))
+    return ShardGroup.single()
 
 
 @dataclass(frozen=True)
@@ -130,22 +153,9 @@ class ETPGroups:
 def _contiguous_groups(world: int, size: int) -> tuple[ShardGroup, dist.ProcessGroup | None]:
     """Creates (on every rank, in the same order) the contiguous shard groups of ``size``
     and the strided replicate groups; returns this rank's pair."""
-    me = dist.get_rank()
-    mine: ShardGroup = ShardGroup.single()
-    if size > 1:
-        for start in range(0, world, size):
-            ranks = list(range(start, start + size))
-            ag, rs = dist.new_group(ranks), dist.new_group(ranks)
-            if me in ranks:
-                mine = ShardGroup(ag, rs, tuple(ranks), ranks.index(me))
-    replicate: dist.ProcessGroup | None = None
-    if world // size > 1:
-        for offset in range(size):
-            ranks = list(range(offset, world, size))
-            group = dist.new_group(ranks)
-            if me in ranks:
-                replicate = group
-    return mine, replicate
+    shards = [tuple(range(start, start + size)) for start in range(0, world, size)]
+    replicas = [tuple(range(offset, world, size)) for offset in range(size)]
+    return shard_group_from_partition(shards), new_groups(replicas)
 
 
 def build_etp_groups(config: ETPConfig) -> ETPGroups:
