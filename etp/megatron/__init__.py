@@ -1,1 +1,10 @@
-"""megatron-core integration of etp. megatron-core is imported lazily, only from here."""
+"""megatron-core integration of etp. megatron-core is imported lazily, only where needed.
+
+So far: ETP groups inside megatron-core's data-parallel groups (``groups``), the TP-linear
+plug point (``layers``), recipe parsing and validation (``recipe``) and the Megatron-LM
+flags (``args``).
+"""
+from .args import add_etp_args, etp_config_from_args
+from .recipe import Recipe, RecipeError
+
+__all__ = ["Recipe", "RecipeError", "add_etp_args", "etp_config_from_args"]

@@ -1,0 +1,358 @@
+"""Recipes and flags (etp/megatron/recipe.py, etp/megatron/args.py): the bundled recipes
+validate, every kind of bad value fails before any process group exists with a message
+naming the key and the value, overrides, YAML details, and the Megatron-LM flags."""
+import argparse
+import dataclasses
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from etp import ETPConfig
+from etp.megatron import recipe as recipe_module
+from etp.megatron.args import ETP_ARG_DESTS, add_etp_args, etp_config_from_args
+from etp.megatron.recipe import (
+    Recipe,
+    RecipeError,
+    check_parallel_layout,
+    load_recipe_yaml,
+    parse_overrides,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "recipes" / "tiny_moe_cpu.yaml"
+BIG = ROOT / "recipes" / "moe_h200x8.yaml"
+
+
+@pytest.fixture(scope="module")
+def tiny_values():
+    return load_recipe_yaml(TINY)
+
+
+# ---------------------------------------------------------------------------- bundled recipes
+def test_tiny_cpu_recipe_validates():
+    r = Recipe.from_yaml(TINY)
+    r.check_world_size(2)
+    assert r.parallel.world_size == 2 and r.parallel.backend == "gloo"
+    assert (r.etp.etp_size, r.etp.expert_etp_size) == (2, 2)
+    assert r.model.num_experts == 4 and r.model.moe_router_topk == 2
+    assert r.model.vocab_size == 256 and not r.train.bf16
+    assert r.train.data == "etp/data/tiny_corpus.txt"
+    assert (r.data_parallel_size(), r.expert_data_parallel_size()) == (2, 2)
+    assert (r.replicate_size(), r.expert_replicate_size()) == (1, 1)
+    assert (r.global_batch_size(), r.num_microbatches()) == (8, 1)
+    # Matches megatron-core's GPTModel(local spec) parameter count for these settings.
+    assert r.num_params() == 164_672 and r.num_params(active=True) == 115_520
+
+
+def test_h200_recipe_validates_and_is_over_a_billion_parameters():
+    r = Recipe.from_yaml(BIG)
+    r.check_world_size(8)
+    assert r.model.is_moe and r.train.bf16 and r.parallel.world_size == 8
+    assert (r.etp.etp_size, r.etp.expert_etp_size) == (8, 8)
+    assert r.num_params() == 4_695_558_144  # the figure in the recipe's comment
+    assert r.num_params() >= 1_000_000_000
+    assert (r.data_parallel_size(), r.expert_data_parallel_size()) == (8, 8)
+    assert r.num_microbatches() == 2
+    # The baseline of the GPU comparison is the same recipe with ETP off.
+    baseline = r.replace(etp={"etp_size": 1, "expert_etp_size": 1})
+    assert baseline.model == r.model and baseline.train == r.train
+    assert baseline.replicate_size() == 8
+
+
+def test_recipes_parse_3e_minus_3_as_float_and_refuse_duplicate_keys(tmp_path):
+    loaded = load_recipe_yaml("lr: 3e-3\nn: 1\nx: 1.5\n", text=True)
+    assert loaded == {"lr": 0.003, "n": 1, "x": 1.5}
+    path = tmp_path / "dup.yaml"
+    path.write_text(TINY.read_text() + "num_layers: 4\n")
+    with pytest.raises(RecipeError, match="num_layers") as info:
+        Recipe.from_yaml(path)
+    assert "twice" in str(info.value)
+
+
+# ---------------------------------------------------------------------------- validation
+# (overrides, world size or None, key at fault, offending value)
+BAD = {
+    # unknown keys, with the closest known name
+    "unknown key": ({"num_layer": 2}, None, "num_layer", 2),
+    "unknown etp key": ({"etp": {"etp_sizes": 2}}, None, "etp.etp_sizes", 2),
+    # wrong types (bool is a subclass of int and is refused)
+    "bool for int": ({"num_layers": True}, None, "num_layers", True),
+    "float for int": ({"hidden_size": 64.0}, None, "hidden_size", 64.0),
+    "str for int": ({"num_experts": "4"}, None, "num_experts", "4"),
+    "str for float": ({"lr": "fast"}, None, "lr", "fast"),
+    "bool for float": ({"min_lr": False}, None, "min_lr", False),
+    "int for bool": ({"bf16": 1}, None, "bf16", 1),
+    "int for str": ({"data": 5}, None, "data", 5),
+    "etp bad type": ({"etp": {"prefetch": "yes"}}, None, "etp.prefetch", "yes"),
+    # out of range
+    "zero size": ({"num_layers": 0}, None, "num_layers", 0),
+    "negative batch": ({"micro_batch_size": -1}, None, "micro_batch_size", -1),
+    "zero tp": ({"tensor_model_parallel_size": 0}, None, "tensor_model_parallel_size", 0),
+    "zero etp_size": ({"etp": {"etp_size": 0}}, None, "etp.etp_size", 0),
+    "zero lr": ({"lr": 0.0}, None, "lr", 0.0),
+    "beta2 of 1": ({"adam_beta2": 1.0}, None, "adam_beta2", 1.0),
+    "dropout above 1": ({"hidden_dropout": 1.5}, None, "hidden_dropout", 1.5),
+    "min_lr above lr": ({"min_lr": 1.0}, None, "min_lr", 1.0),
+    "warmup past the end": ({"lr_warmup_iters": 61}, None, "lr_warmup_iters", 61),
+    # choices
+    "dispatcher": (
+        {"moe_token_dispatcher_type": "all2all"}, None, "moe_token_dispatcher_type", "all2all"
+    ),
+    "load balancing": (
+        {"moe_router_load_balancing_type": "aux"}, None, "moe_router_load_balancing_type", "aux"
+    ),
+    "normalization": ({"normalization": "rmsnorm"}, None, "normalization", "rmsnorm"),
+    "lr decay": ({"lr_decay_style": "exp"}, None, "lr_decay_style", "exp"),
+    "backend": ({"backend": "mpi"}, None, "backend", "mpi"),
+    "etp reduction": ({"etp": {"reduction": "avg"}}, None, "etp.reduction", "avg"),
+    "etp pad for fp8_blockwise": (
+        {"bf16": True, "etp": {"gather_dtype": "fp8_blockwise"}}, None, "etp.pad_for_alignment", 16
+    ),
+    # inconsistent sizes and settings
+    "hidden % heads": ({"hidden_size": 66}, None, "hidden_size", 66),
+    "heads % query groups": ({"num_query_groups": 3}, None, "num_query_groups", 3),
+    "heads % TP": (
+        {"tensor_model_parallel_size": 3, "world_size": None}, None, "num_attention_heads", 4
+    ),
+    "experts % EP": ({"expert_model_parallel_size": 3, "world_size": None}, None, "num_experts", 4),
+    "topk > experts": ({"moe_router_topk": 5}, None, "moe_router_topk", 5),
+    "layers % PP": ({"pipeline_model_parallel_size": 3, "world_size": None}, None, "num_layers", 2),
+    "seq % 2CP": ({"context_parallel_size": 3, "world_size": None}, None, "seq_length", 64),
+    "max positions < seq": ({"max_position_embeddings": 32}, None, "max_position_embeddings", 32),
+    "bf16 and fp16": ({"bf16": True, "fp16": True}, None, "fp16", True),
+    "sequence parallel without TP": ({"sequence_parallel": True}, None, "sequence_parallel", True),
+    "EP and TP without SP": (
+        {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2, "world_size": None},
+        None, "sequence_parallel", False,
+    ),
+    "fp8 gathers without bf16": (
+        {"etp": {"gather_dtype": "fp8_tensorwise"}}, None, "etp.gather_dtype", "fp8_tensorwise"
+    ),
+    "expert ETP on a dense model": (
+        {"num_experts": None, "moe_ffn_hidden_size": None}, None, "etp.expert_etp_size", 2
+    ),
+    "moe width on a dense model": (
+        {"num_experts": None, "etp": {"expert_etp_size": 1}}, None, "moe_ffn_hidden_size", 64
+    ),
+    "EP on a dense model": (
+        {"num_experts": None, "moe_ffn_hidden_size": None, "expert_model_parallel_size": 2,
+         "etp": {"expert_etp_size": 1}}, None, "expert_model_parallel_size", 2,
+    ),
+    "byte corpus needs 256 ids": ({"vocab_size": 100}, None, "vocab_size", 100),
+    "save_interval without save": ({"save_interval": 10}, None, "save_interval", 10),
+    # checks that need the world size (the recipe's world_size, or check_world_size(n))
+    "world % (TP x PP x CP)": (
+        {"tensor_model_parallel_size": 2, "world_size": 3}, None, "world_size", 3
+    ),
+    "DP % etp_size": ({"world_size": None, "etp": {"etp_size": 4}}, 6, "etp.etp_size", 4),
+    "expert DP % expert_etp_size": (
+        {"world_size": None, "expert_model_parallel_size": 2, "etp": {"expert_etp_size": 4}},
+        4, "etp.expert_etp_size", 4,
+    ),
+    "world % (ETP_tp x EP x PP)": (
+        {"world_size": None, "num_experts": 6, "expert_model_parallel_size": 3}, 4,
+        "expert_model_parallel_size", 3,
+    ),
+    "global batch % (micro x DP)": ({"global_batch_size": 12}, None, "global_batch_size", 12),
+    "recipe world != launched world": ({}, 4, "world_size", 2),
+    "bad world": ({"world_size": None}, 0, "world_size", 0),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
+def test_bad_recipe_raises_value_error_naming_key_and_value(tiny_values, case):
+    overrides, world, key, value = BAD[case]
+    with pytest.raises(ValueError) as info:
+        recipe = Recipe.from_dict(tiny_values, **overrides)
+        assert world is not None, "expected the recipe itself to be refused"
+        recipe.check_world_size(world)
+    error = info.value
+    assert isinstance(error, RecipeError)
+    assert (error.key, error.value) == (key, value)
+    message = str(error)
+    assert key in message, message
+    assert repr(value) in message, message
+
+
+def test_missing_required_key(tiny_values):
+    values = {k: v for k, v in tiny_values.items() if k != "num_layers"}
+    with pytest.raises(RecipeError, match=r"num_layers is required") as info:
+        Recipe.from_dict(values)
+    assert info.value.key == "num_layers"
+
+
+@pytest.mark.parametrize(
+    "key,suggestion",
+    [
+        ("num_layer", "num_layers"),
+        ("moe_router_top_k", "moe_router_topk"),
+        ("num-attention-heads", "num_attention_heads"),
+        ("tensor_parallel_size", "tensor_model_parallel_size"),
+    ],
+)
+def test_unknown_key_suggests_closest_name(tiny_values, key, suggestion):
+    with pytest.raises(RecipeError, match=rf"did you mean '{suggestion}'\?"):
+        Recipe.from_dict({**tiny_values, key: 1})
+
+
+def test_unknown_keys_in_the_wrong_section(tiny_values):
+    with pytest.raises(RecipeError, match=r"etp_size is an ETP setting: put it in the etp:"):
+        Recipe.from_dict({**tiny_values, "etp_size": 2})
+    with pytest.raises(RecipeError, match=r"num_layers is a top-level recipe key"):
+        Recipe.from_dict({**tiny_values, "etp": {"num_layers": 2}})
+    with pytest.raises(RecipeError, match=r"did you mean 'gather_dtype'\?"):
+        Recipe.from_dict({**tiny_values, "etp": {"gather_dtypes": "bf16"}})
+    with pytest.raises(RecipeError, match=r"expected a mapping"):
+        Recipe.from_dict({**tiny_values, "etp": 2})
+
+
+def test_several_unknown_keys_are_all_named(tiny_values):
+    with pytest.raises(RecipeError) as info:
+        Recipe.from_dict({**tiny_values, "num_layer": 1, "hiden_size": 2})
+    assert "num_layer" in str(info.value) and "hiden_size" in str(info.value)
+
+
+# ---------------------------------------------------------------------------- overrides
+def test_overrides(tiny_values):
+    r = Recipe.from_yaml(TINY, train_iters=5, lr=1, etp_size=1, etp={"gather_dtype": "fp32"})
+    assert r.train.train_iters == 5 and r.train.lr_decay_iters == 5
+    assert r.train.lr == 1.0 and isinstance(r.train.lr, float)
+    # etp_size routed to the etp section; etp={...} merged into it, not replacing it
+    assert r.etp == ETPConfig(etp_size=1, expert_etp_size=2, gather_dtype="fp32")
+    assert r.source == TINY
+    # replace() derives the derived defaults again
+    wide = Recipe.from_dict({**tiny_values}).replace(hidden_size=128, world_size=None)
+    assert wide.model.ffn_hidden_size == int(4 * 128 * 2 / 3 / 64) * 64 == 320
+    assert wide.parallel.world_size is None
+
+
+def test_parse_overrides_feeds_from_yaml():
+    overrides = parse_overrides(
+        ["train_iters=5", "lr=3e-4", "etp.etp_size=1", "save=/tmp/x", "load="]
+    )
+    assert overrides == {
+        "train_iters": 5, "lr": 3e-4, "etp": {"etp_size": 1}, "save": "/tmp/x", "load": None
+    }
+    r = Recipe.from_yaml(TINY, **overrides)
+    assert (r.train.train_iters, r.etp.etp_size, r.train.save) == (5, 1, "/tmp/x")
+    with pytest.raises(ValueError, match="expected key=value"):
+        parse_overrides(["train_iters"])
+
+
+def test_derived_defaults_follow_megatron_lm(tiny_values):
+    minimal = {k: tiny_values[k] for k in ("num_layers", "hidden_size", "num_attention_heads",
+                                           "seq_length", "vocab_size", "micro_batch_size",
+                                           "train_iters", "lr")}
+    r = Recipe.from_dict(minimal)
+    m, p, t = r.model, r.parallel, r.train
+    assert m.ffn_hidden_size == 4 * 64 and m.num_query_groups == 4
+    assert m.max_position_embeddings == 64 and m.moe_ffn_hidden_size is None and not m.is_moe
+    assert (m.normalization, m.position_embedding_type, m.add_bias_linear) == (
+        "LayerNorm", "learned_absolute", True)
+    assert p.expert_tensor_parallel_size == 1 and p.world_size is None and p.backend == "auto"
+    assert (t.weight_decay, t.clip_grad, t.adam_beta2, t.seed, t.log_interval) == (
+        0.01, 1.0, 0.999, 1234, 100)
+    assert t.global_batch_size is None and t.data == "synthetic"
+    assert r.etp == ETPConfig()
+    assert r.global_batch_size(4) == 4 * tiny_values["micro_batch_size"]
+    assert Recipe.from_dict({**minimal, "num_experts": 2}).model.moe_ffn_hidden_size == 256
+    assert Recipe.from_dict({**minimal, "vocab_size": 300}).padded_vocab_size == 384
+    with pytest.raises(RecipeError, match="world_size is not set"):
+        r.data_parallel_size()
+
+
+def test_to_dict_round_trip_and_lookup():
+    r = Recipe.from_yaml(BIG)
+    flat = r.to_dict()
+    assert Recipe.from_dict(flat) == r
+    assert set(flat) == set(Recipe.keys()) | {"etp"}
+    assert r["num_experts"] == 64 and r["etp_size"] == 8 and r["expert_tensor_parallel_size"] == 1
+    with pytest.raises(KeyError, match="num_expert"):
+        r["num_expert"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.model.num_layers = 3
+
+
+def test_every_key_is_documented_in_the_module_docstring():
+    doc = recipe_module.__doc__
+    missing = [k for k in (*Recipe.keys(), *ETP_ARG_DESTS) if k not in doc]
+    assert not missing
+
+
+def test_resolve_data_path(tmp_path):
+    assert Recipe.from_yaml(BIG).resolve_data_path() is None
+    (tmp_path / "corpus.txt").write_text("hello world\n")
+    path = tmp_path / "r.yaml"
+    path.write_text(TINY.read_text().replace("etp/data/tiny_corpus.txt", "corpus.txt"))
+    assert Recipe.from_yaml(path).resolve_data_path() == tmp_path / "corpus.txt"
+    missing = Recipe.from_yaml(TINY, data="no/such/corpus.txt")
+    with pytest.raises(RecipeError, match=r"data='no/such/corpus.txt': no such file") as info:
+        missing.resolve_data_path()
+    assert info.value.key == "data"
+
+
+def test_check_parallel_layout():
+    assert check_parallel_layout(8, tensor_model_parallel_size=2, etp_size=4) == (4, 4)
+    assert check_parallel_layout(
+        8, tensor_model_parallel_size=2, expert_model_parallel_size=2,
+        expert_tensor_parallel_size=1, etp_size=2, expert_etp_size=4,
+    ) == (4, 4)
+    with pytest.raises(RecipeError, match=r"etp.etp_size=8 does not divide the data-parallel size"):
+        check_parallel_layout(8, tensor_model_parallel_size=2, etp_size=8)
+
+
+# ---------------------------------------------------------------------------- Megatron-LM flags
+def test_add_etp_args_defaults_are_etp_config_defaults():
+    args = add_etp_args(argparse.ArgumentParser()).parse_args([])
+    assert etp_config_from_args(args) == ETPConfig()
+
+
+def test_add_etp_args_round_trip():
+    parser = add_etp_args(argparse.ArgumentParser(allow_abbrev=False))
+    args = parser.parse_args(
+        ["--etp-size", "4", "--etp-gather-dtype", "fp8_tensorwise", "--expert-etp-size", "2",
+         "--etp-no-prefetch", "--etp-no-async-reduce", "--etp-pad-for-alignment", "128",
+         "--etp-reduction", "sum", "--etp-debug-checks"]
+    )
+    assert etp_config_from_args(args) == ETPConfig(
+        etp_size=4, expert_etp_size=2, gather_dtype="fp8_tensorwise", prefetch=False,
+        async_reduce=False, pad_for_alignment=128, reduction="sum", debug_checks=True,
+    )
+    short = parser.parse_args(["--etp-size", "4", "--etp-gather-dtype", "fp8_tensorwise"])
+    assert etp_config_from_args(short) == ETPConfig(etp_size=4, gather_dtype="fp8_tensorwise")
+
+
+def test_add_etp_args_is_idempotent():
+    parser = argparse.ArgumentParser()
+    assert add_etp_args(parser) is parser
+    assert add_etp_args(parser) is parser  # no "conflicting option string"
+    assert [g.title for g in parser._action_groups].count("etp") == 1
+    assert parser.format_help().count("\n  --etp-size") == 1  # once in the options list
+    assert etp_config_from_args(parser.parse_args(["--etp-size", "2"])).etp_size == 2
+
+
+@pytest.mark.parametrize(
+    "argv", [["--etp-size", "0"], ["--etp-size", "two"], ["--etp-gather-dtype", "int8"],
+             ["--etp-reduction", "avg"]]
+)
+def test_bad_flags_are_argparse_errors(argv, capsys):
+    with pytest.raises(SystemExit):
+        add_etp_args(argparse.ArgumentParser()).parse_args(argv)
+    assert argv[0] in capsys.readouterr().err
+
+
+def test_etp_config_from_args_errors():
+    with pytest.raises(ValueError, match=r"args has no 'etp_size'.*add_etp_args"):
+        etp_config_from_args(SimpleNamespace())
+    args = add_etp_args(argparse.ArgumentParser()).parse_args(["--etp-pad-for-alignment", "12"])
+    with pytest.raises(ValueError, match=r"pad_for_alignment=12"):
+        etp_config_from_args(args)
+    # Megatron-LM's args after validate_args carry the world and parallel sizes.
+    args = add_etp_args(argparse.ArgumentParser()).parse_args(["--etp-size", "4"])
+    args.world_size, args.tensor_model_parallel_size = 8, 4
+    args.pipeline_model_parallel_size = args.context_parallel_size = 1
+    args.expert_model_parallel_size, args.expert_tensor_parallel_size = 1, 4
+    with pytest.raises(RecipeError, match=r"etp_size=4 does not divide the data-parallel size 2"):
+        etp_config_from_args(args)
+    assert etp_config_from_args(args, check_layout=False).etp_size == 4
