@@ -70,7 +70,12 @@ class GroupedSwiGLUExperts(nn.Module):
             weight.allreduce = False
             weight.is_expert = True
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``x [T, hidden]`` sorted by expert, ``tokens_per_expert [E]``; ``probs [T]``, when
+        given, scales each token's hidden activation before fc2 (megatron-core's MoE
+        convention for router probabilities)."""
         if tokens_per_expert.numel() != self.num_experts:
             raise ValueError(
                 f"tokens_per_expert has {tokens_per_expert.numel()} entries; this module holds "
@@ -78,7 +83,10 @@ class GroupedSwiGLUExperts(nn.Module):
             )
         gate_up = grouped_linear(x, self.fc1_weight, tokens_per_expert)
         gate, up = gate_up.chunk(2, dim=-1)
-        return grouped_linear(F.silu(gate) * up, self.fc2_weight, tokens_per_expert)
+        hidden = F.silu(gate) * up
+        if probs is not None:
+            hidden = (hidden * probs.unsqueeze(-1)).to(hidden.dtype)
+        return grouped_linear(hidden, self.fc2_weight, tokens_per_expert)
 
     def extra_repr(self) -> str:
         return (

@@ -7,11 +7,11 @@ For Megatron-LM users (``pretrain_gpt.py``)::
     pretrain(train_ds_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
              extra_args_provider=add_etp_args)
 
-and the two-line hook at the end of ``model_provider`` (planned: ``apply_etp`` is not in
-this version yet; it arrives with the megatron-core model wrapping)::
+and the two-line hook at the end of ``model_provider`` (DDP / optimizer integration is not
+in this version yet)::
 
     model = GPTModel(...)
-    etp.megatron.apply_etp(model, etp_config_from_args(get_args()))
+    etp.megatron.model.apply_etp(model, etp_config_from_args(get_args()))
 
 The flags (defaults are :class:`etp.ETPConfig`'s, so without flags ETP is off)::
 

@@ -1,0 +1,127 @@
+"""ETP for megatron-core models: grouped experts for ``MoELayer`` and ``apply_etp``.
+
+``ETPGroupedExperts`` is a megatron-core experts module (the ``experts`` submodule of
+``MoELayer``) computed with ``torch._grouped_mm`` through ``etp.GroupedSwiGLUExperts``: no
+``grouped_gemm`` or TransformerEngine package needed. ``apply_etp`` shards a built model's
+attention and MLP linears (``ColumnParallelLinear`` / ``RowParallelLinear``, composed with
+TP), ``SequentialMLP`` experts and ``ETPGroupedExperts``; norms, biases, routers and
+embeddings stay replicated.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from ..config import ETPConfig
+from ..groups import ETPGroups
+from ..modules import GroupedSwiGLUExperts
+from ..wrap import WrapSummary, wrap_module_params_etp
+from .groups import build_megatron_etp_groups
+
+__all__ = ["ETPGroupedExperts", "apply_etp", "etp_gpt_layer_spec", "patch_megatron"]
+
+
+def patch_megatron() -> None:
+    """Makes stock megatron-core 0.16 run without TransformerEngine; idempotent.
+
+    megatron/core/transformer/moe/moe_utils.py imports ``te_general_gemm`` only when TE is
+    installed but tests the name unconditionally in the router, which raises NameError on a
+    TE-free install; defining it as None (only when missing) restores the TE-free path.
+    """
+    moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
+    if moe_utils is None:
+        import megatron.core.transformer.moe.moe_utils as moe_utils
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _megatron_module():
+    from megatron.core.transformer.module import MegatronModule
+
+    return MegatronModule
+
+
+class ETPGroupedExperts(_megatron_module()):
+    """megatron-core ``MoELayer`` experts as one stacked SwiGLU weight pair.
+
+    Same constructor and forward contract as megatron-core's ``GroupedMLP``:
+    ``forward(permuted_hidden [T, hidden], tokens_per_expert [E], permuted_probs [T])`` returns
+    ``(output [T, hidden], None)``. Needs ``gated_linear_unit=True`` with SiLU, no linear
+    biases, and expert tensor parallelism 1 (ETP shards the experts instead).
+
+    Example::
+
+        spec = etp_gpt_layer_spec(num_experts=64)
+        model = GPTModel(config=config, transformer_layer_spec=spec, ...)
+    """
+
+    def __init__(self, num_local_experts: int, config, pg_collection=None, submodules=None):
+        super().__init__(config=config)
+        if not config.gated_linear_unit or config.activation_func is not torch.nn.functional.silu:
+            raise ValueError(
+                "ETPGroupedExperts computes SwiGLU experts: set gated_linear_unit=True and "
+                "activation_func=torch.nn.functional.silu in the TransformerConfig"
+            )
+        if config.add_bias_linear:
+            raise ValueError("ETPGroupedExperts has no biases: set add_bias_linear=False")
+        if (config.expert_tensor_parallel_size or 1) != 1:
+            raise ValueError(
+                f"expert_tensor_parallel_size={config.expert_tensor_parallel_size}: ETPGroupedExperts "
+                "needs 1 (shard experts with expert_etp_size instead)"
+            )
+        ffn = config.moe_ffn_hidden_size or config.ffn_hidden_size
+        device = None if config.use_cpu_initialization else torch.cuda.current_device()
+        self.num_local_experts = num_local_experts
+        self.experts = GroupedSwiGLUExperts(
+            num_local_experts, config.hidden_size, ffn, dtype=config.params_dtype,
+            device=device, init_std=config.init_method_std,
+        )
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        counts = tokens_per_expert.to(torch.int64)
+        out = self.experts(permuted_local_hidden_states, counts, permuted_probs)
+        return out, None
+
+
+def etp_gpt_layer_spec(num_experts: int | None = None, **kwargs):
+    """megatron-core's local GPT layer spec with ``ETPGroupedExperts`` as the MoE experts.
+
+    Example::
+
+        spec = etp_gpt_layer_spec(num_experts=8, normalization="RMSNorm")
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, **kwargs)
+    if num_experts:
+        spec.submodules.mlp.submodules.experts = ModuleSpec(module=ETPGroupedExperts)
+    return spec
+
+
+def apply_etp(model: torch.nn.Module, config: ETPConfig, groups: ETPGroups | None = None) -> WrapSummary:
+    """Shards a built megatron-core model in place (every rank calls it, after
+    ``parallel_state.initialize_model_parallel``, before DDP wrapping).
+
+    Routed-expert weights (``SequentialMLP`` and ``ETPGroupedExperts``) shard over the
+    expert ETP group; everything else over the dense one. With tied embedding / output
+    weights megatron-core's output layer holds no weight of its own and stays untouched.
+
+    Example::
+
+        model = GPTModel(...)
+        summary = apply_etp(model, ETPConfig(etp_size=8, expert_etp_size=8))
+    """
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    patch_megatron()
+    if groups is None:
+        groups = build_megatron_etp_groups(config)
+    for module in model.modules():
+        if isinstance(module, (SequentialMLP, ETPGroupedExperts)):
+            # With EP = 1 megatron-core leaves expert weights marked allreduce=True, like dense
+            # ones; ETP still needs to know they are experts to pick the expert group.
+            for param in module.parameters():
+                param.is_expert = True
+    return wrap_module_params_etp(model, config, groups)
