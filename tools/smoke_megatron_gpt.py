@@ -13,7 +13,6 @@ their relative difference (bf16: expect agreement to ~1e-2, drifting slowly).
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import sys
@@ -56,11 +55,16 @@ def main() -> int:
         moe_token_dispatcher_type="allgather", bf16=True, params_dtype=torch.bfloat16,
         use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
     )
-    torch.manual_seed(0)
-    base = GPTModel(config=config, transformer_layer_spec=etp_gpt_layer_spec(num_experts=8),
-                    vocab_size=1024, max_sequence_length=256,
-                    share_embeddings_and_output_weights=False).cuda()
-    reference = Float16Module(config, copy.deepcopy(base))
+    def build():
+        torch.manual_seed(0)
+        return GPTModel(config=config, transformer_layer_spec=etp_gpt_layer_spec(num_experts=8),
+                        vocab_size=1024, max_sequence_length=256,
+                        share_embeddings_and_output_weights=False).cuda()
+
+    base = build()
+    ref_base = build()  # megatron modules hold process groups: no deepcopy; copy the weights
+    ref_base.load_state_dict(base.state_dict())
+    reference = Float16Module(config, ref_base)
     model = Float16Module(config, base)
     etp_size = args.etp or world
     cfg = etp.ETPConfig(etp_size=etp_size, expert_etp_size=etp_size)
