@@ -9,7 +9,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["etp", "etp.*"]),
-    package_data={"etp": ["data/*.yaml"]},
+    package_data={"etp": ["data/*.txt"]},
+    entry_points={"console_scripts": ["etp-train = etp.train:main"]},
     install_requires=[
         # torch 2.11 (the GPU machines) through 2.13 (CPU machines) are tested.
         "torch>=2.11",

@@ -4,7 +4,7 @@ Public API; see README.md for an example.
 """
 from .autograd import etp_grouped_linear, etp_linear
 from .config import ETPConfig
-from .grads import finalize_grads
+from .grads import clip_grad_norm_, finalize_grads, global_grad_norm
 from .groups import ETPGroups, ShardGroup, build_etp_groups
 from .layout import ShardLayout
 from .modules import GroupedSwiGLUExperts
@@ -27,7 +27,9 @@ __all__ = [
     "build_etp_groups",
     "etp_grouped_linear",
     "etp_linear",
+    "clip_grad_norm_",
     "finalize_grads",
+    "global_grad_norm",
     "quantize_shards",
     "register_grad_ready_hook",
     "runtime_of",

@@ -14,13 +14,18 @@ from torch.autograd.profiler import record_function
 
 from .groups import ShardGroup
 
-__all__ = ["all_gather_rows", "reduce_scatter_rows", "all_reduce_coalesced"]
+__all__ = ["all_gather_rows", "reduce_scatter_rows", "all_reduce_coalesced", "all_gather_tensor"]
 
 _FLOAT8_DTYPES = tuple(
     getattr(torch, name)
     for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
     if hasattr(torch, name)
 )
+
+
+# torch 2.13 renamed the tensor collectives (the old names warn); torch 2.11 has only those.
+all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _wire_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -44,7 +49,7 @@ def all_gather_rows(
         out.copy_(shard)
         return out, None
     with record_function("etp::all_gather"):
-        work = dist.all_gather_into_tensor(
+        work = all_gather_tensor(
             _wire_view(out), _wire_view(shard.contiguous()), group=group.ag_group, async_op=async_op
         )
     return out, work
@@ -69,7 +74,7 @@ def reduce_scatter_rows(
         out.copy_(full)
         return out, None
     with record_function("etp::reduce_scatter"):
-        work = dist.reduce_scatter_tensor(
+        work = _reduce_scatter_tensor(
             out, full.contiguous(), op=dist.ReduceOp.SUM, group=group.rs_group, async_op=async_op
         )
     return out, work

@@ -9,6 +9,7 @@ replicate group too.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.autograd.profiler import record_function
 
@@ -18,7 +19,7 @@ from .groups import ETPGroups
 from .param import ETPShardedParam
 from .wrap import is_expert_param
 
-__all__ = ["finalize_grads"]
+__all__ = ["finalize_grads", "global_grad_norm", "clip_grad_norm_"]
 
 
 def _grad_of(param: torch.Tensor) -> torch.Tensor | None:
@@ -69,3 +70,74 @@ def finalize_grads(
         expert_all = expert_repl + [_grad_of(p) for p in shards if is_expert_param(p)]
         all_reduce_coalesced(dense_all, groups.dense_replicate, mean)
         all_reduce_coalesced(expert_all, groups.expert_replicate, mean)
+
+
+def _is_tp_split(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "tensor_model_parallel", False))
+
+
+def global_grad_norm(model: nn.Module, groups: ETPGroups, tp_group=None) -> torch.Tensor:
+    """The L2 norm of the whole model's gradient, every logical element counted once.
+
+    Call after ``finalize_grads`` (replicated gradients are then equal on every rank).
+    ETP shards count their logical rows only (padding never) and are summed over their
+    shard group; tensor-parallel pieces (``tensor_model_parallel`` attribute) are summed over
+    ``tp_group`` as well; everything else counts once. A collective over those groups.
+
+    Example::
+
+        norm = global_grad_norm(model, groups)
+    """
+    device = next(model.parameters()).device
+    # [dense shards, expert shards, dense TP-split shards, expert TP-split shards,
+    #  replicated TP-split, replicated]
+    sums = torch.zeros(6, dtype=torch.float64, device=device)
+    for param in model.parameters():
+        grad = _grad_of(param)
+        if grad is None:
+            continue
+        tp = _is_tp_split(param)
+        if isinstance(param, ETPShardedParam):
+            square = grad[: param.etp_layout.valid_rows].double().pow(2).sum()
+            slot = (2 if tp else 0) + (1 if is_expert_param(param) else 0)
+        else:
+            square = grad.double().pow(2).sum()
+            slot = 4 if tp else 5
+        sums[slot] += square
+    dense_group, expert_group = groups.dense.ag_group, groups.expert.ag_group
+    if dense_group is expert_group:
+        sums[0] += sums[1]; sums[1] = 0  # noqa: E702 - one group: one collective
+        sums[2] += sums[3]; sums[3] = 0  # noqa: E702
+    with record_function("etp::grad_norm"):
+        if dense_group is not None:
+            dense = sums[[0, 2]].clone()
+            dist.all_reduce(dense, group=dense_group)
+            sums[[0, 2]] = dense
+        if expert_group is not None and expert_group is not dense_group:
+            expert = sums[[1, 3]].clone()
+            dist.all_reduce(expert, group=expert_group)
+            sums[[1, 3]] = expert
+        if tp_group is not None and dist.get_world_size(tp_group) > 1:
+            split = sums[[2, 3, 4]].clone()
+            dist.all_reduce(split, group=tp_group)
+            sums[[2, 3, 4]] = split
+    return sums.sum().sqrt()
+
+
+def clip_grad_norm_(model: nn.Module, groups: ETPGroups, max_norm: float, tp_group=None) -> torch.Tensor:
+    """Scales every gradient so that ``global_grad_norm`` is at most ``max_norm``; returns
+    the norm before clipping.
+
+    Example::
+
+        finalize_grads(model, config, groups)
+        clip_grad_norm_(model, groups, max_norm=1.0)
+        optimizer.step()
+    """
+    norm = global_grad_norm(model, groups, tp_group)
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for param in model.parameters():
+        grad = _grad_of(param)
+        if grad is not None:
+            grad.mul_(scale.to(grad.dtype))
+    return norm

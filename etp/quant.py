@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
+from .collectives import all_gather_tensor
 from .kernels import amax_to_scale, dequantize_fp8, multi_tensor_amax, multi_tensor_cast_fp8, quantize_blockwise
 
 __all__ = ["FP8Weight", "QuantizedShard", "quantize_shards", "FP8_DTYPE", "BLOCK"]
@@ -154,7 +155,7 @@ def _quantize_blockwise(params, group) -> None:
     gathered = flat.new_empty(flat.numel() * group.size)
     if group.size > 1:
         with record_function("etp::all_gather"):
-            dist.all_gather_into_tensor(gathered, flat, group=group.ag_group)
+            all_gather_tensor(gathered, flat, group=group.ag_group)
     else:
         gathered.copy_(flat)
     per_rank = gathered.view(group.size, -1)

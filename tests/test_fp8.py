@@ -116,13 +116,16 @@ def _wire_bytes(ctx, mode):
     wrap_module_params_etp(model, config, groups)
     shard_elements = {p.numel(): p for p in model.parameters() if isinstance(p, ETPShardedParam)}
     moved = []
-    original = torch.distributed.all_gather_into_tensor
+    import etp.collectives as collectives_module
+
+    original = collectives_module.all_gather_tensor
 
     def recording(out, inp, group=None, async_op=False):
         moved.append((inp.numel() * inp.element_size(), inp.numel(), inp.dtype))
         return original(out, inp, group=group, async_op=async_op)
 
-    torch.distributed.all_gather_into_tensor = recording
+    # Every all-gather etp issues goes through this one function (weights and block scales).
+    collectives_module.all_gather_tensor = quant_module.all_gather_tensor = recording
     try:
         x = torch.randn(16, 32, generator=torch.Generator().manual_seed(ctx.rank)).to(ctx.device)
         for _ in range(2):  # the second step replays the prefetch chains
@@ -130,7 +133,7 @@ def _wire_bytes(ctx, mode):
             model(x, COUNTS).square().mean().backward()
             finalize_grads(model, config, groups)
     finally:
-        torch.distributed.all_gather_into_tensor = original
+        collectives_module.all_gather_tensor = quant_module.all_gather_tensor = original
     weight_gathers = [m for m in moved if m[1] in shard_elements]
     scale_gathers = [m for m in moved if m[1] not in shard_elements]
     return weight_gathers, scale_gathers, sum(shard_elements)

@@ -94,7 +94,7 @@ BAD = {
     "beta2 of 1": ({"adam_beta2": 1.0}, None, "adam_beta2", 1.0),
     "dropout above 1": ({"hidden_dropout": 1.5}, None, "hidden_dropout", 1.5),
     "min_lr above lr": ({"min_lr": 1.0}, None, "min_lr", 1.0),
-    "warmup past the end": ({"lr_warmup_iters": 61}, None, "lr_warmup_iters", 61),
+    "warmup past the end": ({"lr_warmup_iters": 301}, None, "lr_warmup_iters", 301),
     # choices
     "dispatcher": (
         {"moe_token_dispatcher_type": "all2all"}, None, "moe_token_dispatcher_type", "all2all"

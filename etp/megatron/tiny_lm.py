@@ -1,0 +1,128 @@
+"""A small MoE language model that runs anywhere, CPU included: megatron-core TP linears for
+attention and the output head, etp's grouped SwiGLU experts, a top-k router.
+
+megatron-core's own attention, MoE router and token dispatchers call ``torch.cuda`` and do
+not run on a CPU-only torch; this model keeps the same parameter layout (what ETP shards)
+with torch implementations of those parts, so the CPU recipe trains the same kind of model.
+On GPUs the driver builds megatron-core's ``GPTModel`` instead.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..modules import GroupedSwiGLUExperts
+
+__all__ = ["TinyMoELM"]
+
+
+def _rope(x: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding over the last dim of ``x [b, heads, s, d]``."""
+    s, d = x.shape[-2], x.shape[-1]
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
+    angles = torch.arange(s, dtype=torch.float32, device=x.device)[:, None] * inv[None, :]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+
+
+class _Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int, config, init) -> None:
+        super().__init__()
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+        self.heads = heads
+        self.qkv = ColumnParallelLinear(hidden, 3 * hidden, config=config, init_method=init,
+                                        bias=False, gather_output=False)
+        self.proj = RowParallelLinear(hidden, hidden, config=config, init_method=init, bias=False,
+                                      input_is_parallel=True, skip_bias_add=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [s, b, h]
+        qkv, _ = self.qkv(x)
+        s, b, width = qkv.shape
+        local_heads = self.heads * width // (3 * x.shape[-1])
+        q, k, v = qkv.view(s, b, local_heads, 3, -1).permute(3, 1, 2, 0, 4)  # 3 x [b, heads, s, d]
+        out = F.scaled_dot_product_attention(_rope(q), _rope(k), v, is_causal=True)
+        out, _ = self.proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))
+        return out
+
+
+class _MoE(nn.Module):
+    def __init__(self, hidden: int, experts: int, ffn: int, topk: int, dtype, init_std) -> None:
+        super().__init__()
+        self.topk, self.num_experts = topk, experts
+        # A plain parameter, not an nn.Linear: routers stay replicated under ETP.
+        self.router_weight = nn.Parameter(torch.empty(experts, hidden, dtype=dtype))
+        nn.init.normal_(self.router_weight, std=init_std)
+        self.experts = GroupedSwiGLUExperts(experts, hidden, ffn, dtype=dtype, init_std=init_std)
+        self.aux_loss = torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        scores = F.linear(tokens, self.router_weight).float().softmax(dim=-1)
+        probs, expert = scores.topk(self.topk, dim=-1)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+        # Switch-style load balancing: experts' token share times their mean router score.
+        share = F.one_hot(expert, self.num_experts).float().sum(dim=(0, 1)) / expert.numel()
+        self.aux_loss = self.num_experts * (share * scores.mean(dim=0)).sum()
+        flat_expert = expert.reshape(-1)
+        order = torch.argsort(flat_expert, stable=True)
+        token_of = torch.arange(tokens.shape[0], device=x.device).repeat_interleave(self.topk)[order]
+        counts = torch.bincount(flat_expert, minlength=self.num_experts).cpu()
+        out = self.experts(tokens[token_of], counts, probs.reshape(-1)[order].to(x.dtype))
+        combined = torch.zeros_like(tokens).index_add_(0, token_of, out)
+        return combined.view(shape)
+
+
+class TinyMoELM(nn.Module):
+    """Decoder-only MoE LM: ``forward(tokens [b, s]) -> logits [b, s, vocab]``.
+
+    Args:
+        recipe: an ``etp.megatron.Recipe`` (model sizes, init std).
+        dtype: parameter dtype.
+
+    Example::
+
+        model = TinyMoELM(Recipe.from_yaml("recipes/tiny_moe_cpu.yaml"))
+    """
+
+    def __init__(self, recipe, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        from megatron.core import ModelParallelConfig
+
+        m = recipe.model
+        config = ModelParallelConfig(
+            tensor_model_parallel_size=recipe.parallel.tensor_model_parallel_size,
+            params_dtype=dtype, use_cpu_initialization=True,
+        )
+        init = lambda w: nn.init.normal_(w, std=m.init_method_std)  # noqa: E731
+        hidden, vocab = m.hidden_size, recipe.padded_vocab_size
+        self.embedding = nn.Embedding(vocab, hidden, dtype=dtype)
+        nn.init.normal_(self.embedding.weight, std=m.init_method_std)
+        self.layers = nn.ModuleList()
+        for _ in range(m.num_layers):
+            self.layers.append(nn.ModuleDict({
+                "attn_norm": nn.RMSNorm(hidden, dtype=dtype),
+                "attention": _Attention(hidden, m.num_attention_heads, config, init),
+                "mlp_norm": nn.RMSNorm(hidden, dtype=dtype),
+                "moe": _MoE(hidden, m.num_experts, m.moe_ffn_hidden_size or m.ffn_hidden_size,
+                            m.moe_router_topk, dtype, m.init_method_std),
+            }))
+        self.final_norm = nn.RMSNorm(hidden, dtype=dtype)
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+        self.output = ColumnParallelLinear(hidden, vocab, config=config, init_method=init,
+                                           bias=False, gather_output=True)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(tokens).transpose(0, 1)  # [s, b, h], megatron's layout
+        for layer in self.layers:
+            x = x + layer["attention"](layer["attn_norm"](x))
+            x = x + layer["moe"](layer["mlp_norm"](x))
+        logits, _ = self.output(self.final_norm(x))
+        return logits.transpose(0, 1)
+
+    def aux_loss(self) -> torch.Tensor:
+        return sum(layer["moe"].aux_loss for layer in self.layers)

@@ -1,0 +1,264 @@
+"""etp-train: train a recipe with ETP (``etp-train --recipe FILE`` or ``python -m etp.train``).
+
+* Without GPUs (recipe ``backend: gloo``, or no CUDA): spawns ``world_size`` gloo ranks on
+  loopback and trains ``TinyMoELM`` (megatron-core TP linears, etp grouped experts) on the
+  recipe's corpus, read as bytes.
+* Under ``torchrun`` with GPUs: builds megatron-core's ``GPTModel`` with etp's grouped experts
+  (bf16 through ``Float16Module`` when the recipe says ``bf16: true``), on synthetic tokens
+  or the corpus.
+
+Both apply ETP (``etp.megatron.model.apply_etp``), step torch AdamW with the recipe's
+warm-up + decay schedule, complete gradients with ``etp.finalize_grads`` (ETP group and
+data-parallel replicas), clip with ``etp.clip_grad_norm_`` (every element counted once),
+and log every ``log_interval`` iterations: loss, step time, TFLOP/s per rank (6 x active
+parameters x tokens, attention excluded) and peak memory.
+
+Example::
+
+    etp-train --recipe recipes/tiny_moe_cpu.yaml
+    torchrun --nproc-per-node=8 -m etp.train --recipe recipes/moe_h200x8.yaml
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+__all__ = ["main", "train"]
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(prog="etp-train", description=__doc__.split("\n")[0])
+    parser.add_argument("--recipe", required=True, help="YAML recipe (see recipes/)")
+    parser.add_argument("--train-iters", type=int, help="override the recipe's train_iters")
+    parser.add_argument("--log-interval", type=int, help="override the recipe's log_interval")
+    return parser.parse_args(argv)
+
+
+def _lr(recipe, iteration: int) -> float:
+    t = recipe.train
+    if t.lr_warmup_iters and iteration < t.lr_warmup_iters:
+        return t.lr * (iteration + 1) / t.lr_warmup_iters
+    span = max(1, (t.lr_decay_iters or t.train_iters) - t.lr_warmup_iters)
+    progress = min(1.0, (iteration - t.lr_warmup_iters) / span)
+    if t.lr_decay_style == "constant":
+        return t.lr
+    if t.lr_decay_style == "cosine":
+        return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))
+    return t.lr - (t.lr - t.min_lr) * progress  # linear (and the rest, approximately)
+
+
+class _Batches:
+    """Per-rank random windows of the corpus (bytes), or synthetic tokens."""
+
+    def __init__(self, recipe, rank: int, device) -> None:
+        path = recipe.resolve_data_path()
+        self.data = None if path is None else torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
+        self.gen = torch.Generator().manual_seed(recipe.train.seed + 1000 * rank)
+        self.shape = (recipe.train.micro_batch_size, recipe.model.seq_length + 1)
+        self.vocab, self.device = recipe.model.vocab_size, device
+
+    def next(self) -> torch.Tensor:
+        if self.data is None:
+            return torch.randint(0, self.vocab, self.shape, generator=self.gen).to(self.device)
+        starts = torch.randint(0, self.data.numel() - self.shape[1], (self.shape[0],), generator=self.gen)
+        rows = torch.stack([self.data[s : s + self.shape[1]] for s in starts.tolist()])
+        return rows.long().to(self.device)
+
+
+def _build(recipe, device):
+    """(model, loss function of a [b, s+1] token batch, dtype)."""
+    from .megatron.model import etp_gpt_layer_spec
+
+    m = recipe.model
+    if device.type == "cpu":
+        from .megatron.tiny_lm import TinyMoELM
+
+        torch.manual_seed(recipe.train.seed)
+        model = TinyMoELM(recipe)
+
+        def loss_fn(batch):
+            logits = model(batch[:, :-1])
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+            return loss, loss + m.moe_aux_loss_coeff * model.aux_loss()
+
+        return model, loss_fn
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = torch.bfloat16 if recipe.train.bf16 else torch.float32
+    model_parallel_cuda_manual_seed(recipe.train.seed)
+    torch.manual_seed(recipe.train.seed)
+    p = recipe.parallel
+    config = TransformerConfig(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups, ffn_hidden_size=m.ffn_hidden_size,
+        num_moe_experts=m.num_experts, moe_router_topk=m.moe_router_topk,
+        moe_ffn_hidden_size=m.moe_ffn_hidden_size, moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+        moe_router_load_balancing_type=m.moe_router_load_balancing_type,
+        moe_token_dispatcher_type=m.moe_token_dispatcher_type,
+        gated_linear_unit=m.swiglu, activation_func=F.silu if m.swiglu else F.gelu,
+        add_bias_linear=m.add_bias_linear, normalization=m.normalization,
+        init_method_std=m.init_method_std, hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout, bf16=recipe.train.bf16, params_dtype=dtype,
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        expert_model_parallel_size=p.expert_model_parallel_size,
+        sequence_parallel=p.sequence_parallel, use_cpu_initialization=True,
+    )
+    spec = etp_gpt_layer_spec(num_experts=m.num_experts, normalization=m.normalization)
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=recipe.padded_vocab_size,
+                     max_sequence_length=m.max_position_embeddings or m.seq_length,
+                     position_embedding_type=m.position_embedding_type,
+                     share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights).to(device)
+    if recipe.train.bf16:
+        model = Float16Module(config, model)
+
+    def loss_fn(batch):
+        tokens = batch[:, :-1]
+        position_ids = torch.arange(tokens.shape[1], device=device).expand_as(tokens)
+        loss = model(tokens, position_ids, None, labels=batch[:, 1:]).float().mean()
+        return loss, loss  # megatron adds the router's aux loss to the gradient itself
+
+    return model, loss_fn
+
+
+def train(rank: int, world: int, recipe, port: int | None = None) -> list[float]:
+    """One rank of a run; returns the data-parallel mean loss of every iteration."""
+    from megatron.core import parallel_state as ps
+
+    import etp
+
+    from .megatron.groups import build_megatron_etp_groups
+    from .megatron.model import apply_etp
+
+    backend = recipe.parallel.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if not dist.is_initialized():
+        init = dict(backend=backend, timeout=datetime.timedelta(minutes=10))
+        if port is not None:
+            init.update(init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        dist.init_process_group(**init)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    recipe.check_world_size(world)
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    p = recipe.parallel
+    ps.initialize_model_parallel(tensor_model_parallel_size=p.tensor_model_parallel_size,
+                                 pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+                                 expert_model_parallel_size=p.expert_model_parallel_size,
+                                 context_parallel_size=p.context_parallel_size)
+    groups = build_megatron_etp_groups(recipe.etp)
+    model, loss_fn = _build(recipe, device)
+    summary = apply_etp(model, recipe.etp, groups)
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.train.lr, weight_decay=recipe.train.weight_decay,
+                            betas=(recipe.train.adam_beta1, recipe.train.adam_beta2), eps=recipe.train.adam_eps)
+    batches = _Batches(recipe, ps.get_data_parallel_rank(), device)
+    micro = recipe.num_microbatches(world)
+    tokens_per_iter = micro * recipe.train.micro_batch_size * recipe.model.seq_length
+    flops_per_iter = 6 * recipe.num_params(active=True) * tokens_per_iter
+    tp_group = ps.get_tensor_model_parallel_group()
+    if rank == 0:
+        print(f"etp-train: {recipe.source or 'recipe'} on {world} ranks ({backend}); {summary}", flush=True)
+    losses, window = [], time.perf_counter()
+    for iteration in range(recipe.train.train_iters):
+        for group in opt.param_groups:
+            group["lr"] = _lr(recipe, iteration)
+        opt.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=device)
+        for _ in range(micro):
+            loss, objective = loss_fn(batches.next())
+            (objective / micro).backward()
+            total += loss.detach() / micro
+        etp.finalize_grads(model, recipe.etp, groups)
+        norm = etp.clip_grad_norm_(model, groups, recipe.train.clip_grad, tp_group)
+        opt.step()
+        dist.all_reduce(total, group=ps.get_data_parallel_group())
+        losses.append(total.item() / ps.get_data_parallel_world_size())
+        last = iteration + 1 == recipe.train.train_iters
+        if (iteration + 1) % recipe.train.log_interval == 0 or last:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            elapsed = (time.perf_counter() - window) / ((iteration % recipe.train.log_interval) + 1)
+            window = time.perf_counter()
+            peak = (f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if device.type == "cuda" else "n/a (CPU)")
+            if rank == 0:
+                print(f"iter {iteration + 1:5d}/{recipe.train.train_iters} | loss {losses[-1]:.4f} | "
+                      f"grad norm {norm.item():.3f} | {elapsed * 1e3:8.1f} ms/iter | "
+                      f"{flops_per_iter / elapsed / 1e12:7.3f} TFLOP/s/rank | peak {peak}", flush=True)
+    ps.destroy_model_parallel()
+    return losses
+
+
+def _spawned(rank, world, recipe, port, results):
+    try:
+        losses = train(rank, world, recipe, port)
+        results.put((rank, losses, None))
+    except BaseException as exc:  # noqa: BLE001 - report, then fail the run
+        import traceback
+
+        results.put((rank, None, traceback.format_exc()))
+        raise SystemExit(1) from exc
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    from .megatron.recipe import Recipe
+
+    overrides = {}
+    if args.train_iters is not None:
+        overrides["train_iters"] = args.train_iters
+    if args.log_interval is not None:
+        overrides["log_interval"] = args.log_interval
+    recipe = Recipe.from_yaml(args.recipe, **overrides)  # every validation error before any work
+    if "RANK" in os.environ:  # launched by torchrun
+        train(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), recipe)
+        dist.destroy_process_group()
+        return 0
+    world = recipe.parallel.world_size or 1
+    if recipe.parallel.backend == "nccl" or (recipe.parallel.backend == "auto" and torch.cuda.is_available()):
+        raise SystemExit(f"etp-train: run GPU recipes under torchrun, e.g. torchrun --nproc-per-node={world} "
+                         f"-m etp.train --recipe {args.recipe}")
+    recipe.check_world_size(world)
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    procs = [context.Process(target=_spawned, args=(r, world, recipe, port, results)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    failures = []
+    for _ in range(world):
+        rank, losses, error = results.get()
+        if error:
+            failures.append(f"rank {rank}:\n{error}")
+    for proc in procs:
+        proc.join()
+    if failures:
+        print("etp-train failed:\n" + "\n".join(failures), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
