@@ -40,6 +40,8 @@ def _parse(argv):
     parser.add_argument("--recipe", required=True, help="YAML recipe (see recipes/)")
     parser.add_argument("--train-iters", type=int, help="override the recipe's train_iters")
     parser.add_argument("--log-interval", type=int, help="override the recipe's log_interval")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override any recipe key (etp.KEY for the etp section); repeatable")
     return parser.parse_args(argv)
 
 
@@ -222,7 +224,9 @@ def main(argv=None) -> int:
     args = _parse(argv)
     from .megatron.recipe import Recipe
 
-    overrides = {}
+    from .megatron.recipe import parse_overrides
+
+    overrides = parse_overrides(args.set)
     if args.train_iters is not None:
         overrides["train_iters"] = args.train_iters
     if args.log_interval is not None:
