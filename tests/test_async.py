@@ -2,7 +2,6 @@
 reduce-scatter, grad-ready hooks, tied weights, and every debug-state error."""
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import etp.runtime as runtime_module

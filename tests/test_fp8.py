@@ -8,7 +8,7 @@ from torch import nn
 
 import etp.quant as quant_module
 from etp import ETPConfig, ETPShardedParam, GroupedSwiGLUExperts, build_etp_groups, finalize_grads
-from etp import quantize_shards, runtime_of, wrap_module_params_etp
+from etp import quantize_shards, wrap_module_params_etp
 from etp.gemm import DenseGemm, GroupedGemm
 from etp.quant import FP8Weight
 from harness import run_distributed
