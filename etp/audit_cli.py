@@ -1,0 +1,124 @@
+"""etp-audit: predicted per-rank memory of a recipe with and without ETP (no GPU needed).
+
+    etp-audit --recipe recipes/moe_h200x8.yaml [--world-size 8] [--etp-size 8]
+              [--expert-etp-size 8] [--gather-dtype fp8_tensorwise]
+              [--distributed-optimizer] [--json out.json | --json -] [--plot out.png]
+
+See [Note: ETP memory prediction] in etp/audit.py for what each category counts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .audit import CATEGORIES, predict_memory
+
+__all__ = ["main", "audit"]
+
+GIB = 1024**3
+
+
+def audit(recipe_path: str, world_size: int | None = None, etp_size: int | None = None,
+          expert_etp_size: int | None = None, gather_dtype: str | None = None,
+          distributed_optimizer: bool | None = None) -> dict:
+    """The audit report (a JSON-ready dict): per-rank bytes of every category for the
+    layouts ``without_etp`` and ``with_etp``.
+
+    Example::
+
+        report = audit("recipes/moe_h200x8.yaml")
+        report["layouts"]["with_etp"]["total"] / 2**30
+    """
+    from .megatron.recipe import Recipe
+
+    etp = {k: v for k, v in (("etp_size", etp_size), ("expert_etp_size", expert_etp_size),
+                              ("gather_dtype", gather_dtype)) if v is not None}
+    overrides = {"etp": etp} if etp else {}
+    if world_size is not None:
+        overrides["world_size"] = world_size
+    recipe = Recipe.from_yaml(recipe_path, **overrides)
+    world = recipe.parallel.world_size
+    if world is None:
+        raise ValueError("the recipe sets no world_size: pass --world-size")
+    recipe.check_world_size(world)
+    without = recipe.etp.replace(etp_size=1, expert_etp_size=1)
+    layouts = {"without_etp": predict_memory(recipe, world, without, distributed_optimizer),
+               "with_etp": predict_memory(recipe, world, recipe.etp, distributed_optimizer)}
+    for values in layouts.values():
+        values["total"] = sum(values[c] for c in CATEGORIES)
+    return {
+        "recipe": recipe_path,
+        "world_size": world,
+        "etp": {"etp_size": recipe.etp.etp_size, "expert_etp_size": recipe.etp.expert_etp_size,
+                "gather_dtype": recipe.etp.gather_dtype, "pad_for_alignment": recipe.etp.pad_for_alignment},
+        "distributed_optimizer": bool(recipe.parallel.use_distributed_optimizer
+                                      if distributed_optimizer is None else distributed_optimizer),
+        "parameters": recipe.num_params(),
+        "units": "bytes per rank",
+        "layouts": layouts,
+    }
+
+
+def format_table(report: dict) -> str:
+    rows = [f"{'category':<14}{'without ETP':>14}{'with ETP':>14}   (GiB per rank)"]
+    for key in (*CATEGORIES, "total"):
+        a, b = (report["layouts"][name][key] / GIB for name in ("without_etp", "with_etp"))
+        rows.append(f"{key:<14}{a:>14.3f}{b:>14.3f}")
+    return "\n".join(rows)
+
+
+def plot(report: dict, path: str) -> None:
+    """Stacked bars of the two layouts, one segment per category (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = ("without_etp", "with_etp")
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    bottom = [0.0, 0.0]
+    for category in CATEGORIES:
+        values = [report["layouts"][n][category] / GIB for n in names]
+        ax.bar(["without ETP", "with ETP"], values, bottom=bottom, label=category)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_ylabel("GiB per rank")
+    ax.set_title(f"{report['recipe']} on {report['world_size']} ranks")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="etp-audit", description=__doc__.split("\n")[0])
+    parser.add_argument("--recipe", required=True)
+    parser.add_argument("--world-size", type=int)
+    parser.add_argument("--etp-size", type=int)
+    parser.add_argument("--expert-etp-size", type=int)
+    parser.add_argument("--gather-dtype")
+    parser.add_argument("--distributed-optimizer", action="store_true", default=None)
+    parser.add_argument("--json", metavar="PATH", help="write the report as JSON ('-': stdout)")
+    parser.add_argument("--plot", metavar="PATH", help="write a stacked-bar PNG")
+    args = parser.parse_args(argv)
+    if args.world_size is not None and args.world_size <= 0:
+        parser.error(f"--world-size={args.world_size}: must be a positive integer")
+    try:
+        report = audit(args.recipe, args.world_size, args.etp_size, args.expert_etp_size,
+                       args.gather_dtype, args.distributed_optimizer)
+    except (ValueError, OSError) as exc:
+        parser.error(str(exc))
+    if args.json == "-":
+        print(json.dumps(report, indent=1))
+    else:
+        print(format_table(report))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
+    if args.plot:
+        plot(report, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

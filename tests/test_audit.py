@@ -1,0 +1,126 @@
+"""The memory audit: its parameter inventory against a CPU-built megatron-core GPTModel, its
+arithmetic against hand-computed byte counts, the CLI (table, JSON, plot, errors) and a
+DeepSeek-V3-sized recipe in well under a minute."""
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from etp.audit import predict_memory, weight_inventory
+from etp.audit_cli import audit, main
+from etp.megatron.recipe import Recipe
+from harness import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SMALL = dict(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=256,
+             num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_grouped_gemm=True,
+             swiglu=True, add_bias_linear=False, normalization="RMSNorm", position_embedding_type="rope",
+             untie_embeddings_and_output_weights=True, micro_batch_size=2, train_iters=1, lr=1e-3,
+             bf16=True, world_size=2, etp={"etp_size": 2, "expert_etp_size": 2, "pad_for_alignment": 16})
+
+
+def test_arithmetic_against_hand_counts():
+    recipe = Recipe.from_dict(SMALL)
+    got = predict_memory(recipe, 2)
+    # Replicated: embedding 256x64, 3 RMSNorms of 64, router 4x64.
+    replicated = 256 * 64 + 3 * 64 + 4 * 64
+    # Shards (N = 2, 16-row alignment: units of 32 rows): qkv 192 -> 96 rows x 64, proj 64 -> 32
+    # x 64, fc1 4x64 rows -> 128 x 64, fc2 4x64 rows -> 128 x 32, output 256 -> 128 x 64.
+    shards = 96 * 64 + 32 * 64 + 128 * 64 + 128 * 32 + 128 * 64
+    elements = replicated + shards
+    assert got["params"] == 2 * elements          # bf16
+    assert got["main_grad"] == 4 * elements       # fp32
+    assert got["optimizer"] == 12 * elements      # fp32 master + 2 Adam moments
+    # One buffer per (chain, role, shape, parity): dense qkv/proj/output at positions 0/1/2,
+    # fc1 and fc2 one each; bf16 (param dtype) gathers.
+    per_role = 2 * (192 * 64 + 64 * 64 + 256 * 64 + 256 * 64 + 256 * 32)
+    assert got["gather_fwd"] == got["gather_bwd"] == per_role
+    assert got["wgrad_pool"] == 2 * 4 * (192 * 64 + 64 * 64 + 256 * 64)  # dense shapes, fp32
+    assert got["fp8_shards"] == 0
+    fp8 = predict_memory(recipe, 2, recipe.etp.replace(gather_dtype="fp8_tensorwise"))
+    assert fp8["fp8_shards"] == shards and fp8["gather_fwd"] == per_role // 2
+    dist_opt = predict_memory(recipe.replace(world_size=4), 4, distributed_optimizer=True)
+    assert dist_opt["optimizer"] < got["optimizer"]  # divided over the replicate group of 2
+
+
+def _built_shapes(ctx, grouped, moe):
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from etp.megatron.model import etp_gpt_layer_spec
+
+    ps.initialize_model_parallel()
+    try:
+        experts = 4 if moe else None
+        config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96,
+                                   num_moe_experts=experts, moe_ffn_hidden_size=32 if moe else None,
+                                   gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+                                   normalization="RMSNorm", use_cpu_initialization=True)
+        spec = (etp_gpt_layer_spec(num_experts=experts, normalization="RMSNorm") if grouped
+                else get_gpt_layer_local_spec(num_experts=experts, normalization="RMSNorm"))
+        model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=256, max_sequence_length=16,
+                         position_embedding_type="rope", share_embeddings_and_output_weights=False)
+        return sorted(tuple(p.shape) for p in model.parameters())
+    finally:
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("grouped,moe", [(True, True), (False, True), (False, False)])
+def test_inventory_matches_a_built_megatron_model(grouped, moe):
+    recipe = Recipe.from_dict({**SMALL, "num_layers": 2, "ffn_hidden_size": 96, "moe_grouped_gemm": grouped,
+                               "world_size": 1, "etp": {},
+                               **({} if moe else {"num_experts": None, "moe_ffn_hidden_size": None})})
+    built = run_distributed(_built_shapes, 1, grouped, moe)[0]
+    assert sorted(w.shape for w in weight_inventory(recipe)) == built
+
+
+def test_cli_table_json_and_plot(tmp_path, capsys):
+    png, out = tmp_path / "audit.png", tmp_path / "audit.json"
+    assert main(["--recipe", str(ROOT / "recipes/moe_h200x8.yaml"), "--json", str(out), "--plot", str(png)]) == 0
+    table = capsys.readouterr().out
+    assert "without ETP" in table and "total" in table
+    report = json.loads(out.read_text())
+    assert set(report) >= {"recipe", "world_size", "etp", "parameters", "units", "layouts"}
+    for layout in ("without_etp", "with_etp"):
+        values = report["layouts"][layout]
+        assert set(values) == {"params", "main_grad", "optimizer", "gather_fwd", "gather_bwd",
+                               "wgrad_pool", "fp8_shards", "activations", "total"}
+        assert values["total"] == sum(v for k, v in values.items() if k != "total")
+    assert report["layouts"]["with_etp"]["params"] < report["layouts"]["without_etp"]["params"] / 4
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["--recipe", str(ROOT / "recipes/moe_h200x8.yaml"), "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["world_size"] == 8
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--world-size", "6"], "does not divide the data-parallel size 6"),
+    (["--world-size", "0"], "--world-size=0"),
+    (["--gather-dtype", "int4"], "gather_dtype"),
+    (["--etp-size", "3"], "etp_size=3"),
+])
+def test_cli_validation_errors(args, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--recipe", str(ROOT / "recipes/moe_h200x8.yaml"), *args])
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_deepseek_sized_recipe_in_under_a_minute(tmp_path):
+    recipe = tmp_path / "dsv3.yaml"
+    recipe.write_text(
+        "num_layers: 61\nhidden_size: 7168\nnum_attention_heads: 128\nseq_length: 4096\nvocab_size: 129280\n"
+        "num_experts: 256\nmoe_router_topk: 8\nmoe_ffn_hidden_size: 2048\nmoe_grouped_gemm: true\n"
+        "swiglu: true\nadd_bias_linear: false\nnormalization: RMSNorm\nposition_embedding_type: rope\n"
+        "untie_embeddings_and_output_weights: true\nexpert_model_parallel_size: 8\nmicro_batch_size: 1\n"
+        "train_iters: 10\nlr: 1.0e-4\nbf16: true\nworld_size: 64\nuse_distributed_optimizer: true\n"
+        "etp:\n  etp_size: 8\n  expert_etp_size: 8\n  gather_dtype: fp8_tensorwise\n")
+    start = time.perf_counter()
+    report = audit(str(recipe))
+    assert time.perf_counter() - start < 60
+    assert report["parameters"] > 600e9
+    with_etp, without = report["layouts"]["with_etp"], report["layouts"]["without_etp"]
+    assert with_etp["params"] < without["params"] / 4 and with_etp["fp8_shards"] > 0

@@ -1,0 +1,14 @@
+#!/usr/bin/env python
+"""Same as the ``etp-audit`` console script: predicted per-rank memory with and without ETP.
+
+    python tools/memory_audit.py --recipe recipes/moe_h200x8.yaml --plot audit.png
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from etp.audit_cli import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())
