@@ -70,5 +70,10 @@ def etp_grouped_linear(
     x: torch.Tensor, weight: ETPShardedParam, tokens_per_expert: torch.Tensor
 ) -> torch.Tensor:
     """Per-expert linear ``y_e = x_e @ W_e.T`` for an ETP-sharded ``[E, out, in]`` weight;
-    ``x`` holds the tokens sorted by expert, ``tokens_per_expert[e]`` of them for expert e."""
+    ``x`` holds the tokens sorted by expert, ``tokens_per_expert[e]`` of them for expert e.
+
+    Example::
+
+        y = etp_grouped_linear(x_sorted, experts.fc1_weight, torch.tensor([5, 0, 9]))
+    """
     return _ETPWeightFunction.apply(x, weight, GroupedGemm, tokens_per_expert)

@@ -121,6 +121,10 @@ def shard_parameter(
 
     Raises:
         ValueError: ``param`` is already an ``ETPShardedParam`` or has fewer than 2 dims.
+
+    Example::
+
+        layer.weight = shard_parameter(layer.weight, groups.dense, config, name="layer.weight")
     """
     if isinstance(param, ETPShardedParam):
         raise ValueError(

@@ -90,6 +90,11 @@ class ETPRuntime:
 
     ``reset()`` forgets chains, states, buffers and streams (for rebuilding a model in the
     same process); no state is process-global.
+
+    Example::
+
+        runtime = etp.runtime_of(model)
+        runtime.stats.gathers_prefetched, runtime.nbytes()["gather_fwd"]
     """
 
     def __init__(self, config: ETPConfig) -> None:

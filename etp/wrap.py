@@ -104,6 +104,10 @@ def runtime_of(model: nn.Module) -> ETPRuntime:
 
     Raises:
         ValueError: the model holds no ETP weights.
+
+    Example::
+
+        print(runtime_of(model).stats, runtime_of(model).nbytes())
     """
     runtime = _runtime_of(model)
     if runtime is None:
