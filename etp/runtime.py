@@ -88,7 +88,7 @@ class ETPRuntime:
     Args:
         config: prefetch / async_reduce / debug_checks / reduction / gather dtype.
 
-    ``reset()`` forgets chains, states, buffers and streams (for rebuilding a model in the
+    ``reset()`` forgets recorded chains, buffers and streams (for rebuilding a model in the
     same process); no state is process-global.
 
     Example::
