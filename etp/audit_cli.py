@@ -70,7 +70,10 @@ def format_table(report: dict) -> str:
 
 def plot(report: dict, path: str) -> None:
     """Stacked bars of the two layouts, one segment per category (PNG)."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib (or etp[audit])") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
