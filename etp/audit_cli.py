@@ -119,7 +119,10 @@ def main(argv=None) -> int:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=1)
     if args.plot:
-        plot(report, args.plot)
+        try:
+            plot(report, args.plot)
+        except (ValueError, OSError) as exc:
+            parser.error(str(exc))
     return 0
 
 
