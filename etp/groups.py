@@ -54,14 +54,6 @@ class ShardGroup:
         me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         return cls(None, None, (me,), 0)
 
-    @classmethod
-    def from_process_group(cls, group: dist.ProcessGroup | None) -> "ShardGroup":
-        """Wraps an existing group, adding a second communicator over its ranks for
-        reduce-scatters. A collective over the world: every rank calls it (with its own group
-        of the same partition), because ``new_group`` must be called by all ranks in one order.
-        """
-        return _from_partition([group])[0]
-
 
 def _from_partition(groups: list[dist.ProcessGroup | None]) -> list[ShardGroup]:
     """ShardGroups for this rank's member of each of several partitions of the world."""

@@ -117,6 +117,3 @@ class ShardLayout:
     def unpad(self, gathered: torch.Tensor) -> torch.Tensor:
         """The logical weight as a view of a gathered ``[padded_rows, cols]`` buffer."""
         return gathered[: self.rows].view(self.logical_shape)
-
-    def for_rank(self, rank: int) -> "ShardLayout":
-        return ShardLayout(self.logical_shape, self.world, rank, self.align)

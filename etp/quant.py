@@ -53,10 +53,11 @@ class QuantizedShard:
     data: torch.Tensor
     scale: torch.Tensor
     version: int
+    scale_inv: torch.Tensor | None = None
 
-    @property
-    def scale_inv(self) -> torch.Tensor:
-        return 1.0 / self.scale
+    def __post_init__(self) -> None:
+        if self.scale_inv is None:  # once per step, not once per GEMM
+            self.scale_inv = 1.0 / self.scale
 
 
 @dataclass(frozen=True, eq=False)
@@ -65,6 +66,7 @@ class FP8Weight:
 
     data: torch.Tensor
     scale: torch.Tensor
+    scale_inv: torch.Tensor
     blockwise: bool
     padded: torch.Tensor  # the gathered [padded_rows, cols] buffer (blockwise dequantizes it)
     rows: int
@@ -72,10 +74,6 @@ class FP8Weight:
     @property
     def groups(self) -> int:
         return 1 if self.data.dim() == 2 else self.data.shape[0]
-
-    @property
-    def scale_inv(self) -> torch.Tensor:
-        return 1.0 / self.scale
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight in ``dtype``, ``q / scale`` (the fallback path of every FP8 GEMM)."""

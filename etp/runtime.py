@@ -311,7 +311,8 @@ class ETPRuntime:
 
         weight = param.etp_layout.unpad(buffer)
         if self.fp8:
-            return FP8Weight(weight, st.quant.scale, self.config.gather_dtype == "fp8_blockwise",
+            return FP8Weight(weight, st.quant.scale, st.quant.scale_inv,
+                             self.config.gather_dtype == "fp8_blockwise",
                              buffer, param.etp_layout.rows)
         return weight if weight.dtype == compute_dtype else weight.to(compute_dtype)
 

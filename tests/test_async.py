@@ -176,15 +176,19 @@ def _no_growth(ctx):
         _step(model, config, groups, seed=it)
         opt.step()
         if it in (3, 50):
-            snapshots[it] = (runtime.cache.num_buffers, runtime.cache.nbytes(), runtime.pool.allocations,
+            snapshots[it] = (runtime.cache.num_buffers, runtime.cache.num_tickets, runtime.cache.nbytes(),
+                             runtime.pool.allocations,
                              runtime.pool.num_free, runtime.pool.in_use)
     assert snapshots[3] == snapshots[50], snapshots
     return snapshots[50]
 
 
 def test_cache_and_pool_do_not_grow():
-    buffers, nbytes, allocations, free, in_use = run_distributed(_no_growth, 2)[0]
+    buffers, tickets, nbytes, allocations, free, in_use = run_distributed(_no_growth, 2)[0]
     assert in_use == 0 and buffers > 0 and allocations <= 2 * 3  # 3 wgrad shapes, 2 each
+    # 7 forward tickets; backward re-uses them all (every weight consumed in backward is still
+    # resident from this pass's forward), so no backward ticket is ever issued.
+    assert tickets == 7
 
 
 def test_wgrad_pool_never_keeps_foreign_buffers():

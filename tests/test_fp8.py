@@ -206,7 +206,7 @@ def _fp8_weight(w: torch.Tensor) -> FP8Weight:
     amax = w.float().abs().amax(dim=tuple(range(1, w.dim())) if w.dim() == 3 else None)
     scale = (FP8_MAX / amax).reshape(-1).float()
     rows = q.numel() // q.shape[-1]
-    return FP8Weight(q, scale, False, q.view(rows, -1), rows)
+    return FP8Weight(q, scale, 1.0 / scale, False, q.view(rows, -1), rows)
 
 
 def _rel(a, b):

@@ -38,7 +38,8 @@ def _layout(ctx, tp, cp, ep, etp, eetp):
         assert len(repl) * etp == len(dpcp_g)
         assert len(expert) == eetp and set(expert) <= set(edp_g)
         assert set(erepl) & set(expert) == {me} and len(erepl) * eetp == len(edp_g)
-        assert groups.dense.rank == dense.index(me) and groups.dense.rs_group is not None or etp == 1
+        assert groups.dense.rank == dense.index(me)
+        assert groups.dense.rs_group is not None and groups.dense.rs_group is not groups.dense.ag_group
         return {"dense": dense, "replicate": repl, "expert": expert, "expert_replicate": erepl}
     finally:
         ps.destroy_model_parallel()

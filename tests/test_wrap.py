@@ -57,11 +57,13 @@ def _wrap_checks(ctx):
     w0 = model[0].weight
     assert isinstance(w0, ETPShardedParam)
     assert (w0.allreduce, w0.tensor_model_parallel, w0.partition_dim) == (True, True, 0)
+    assert w0.row_range == (ctx.rank * 16, ctx.rank * 16 + 16)  # 30 rows -> 32 padded -> 16 each
+    assert w0.padding_rows == (2 if ctx.rank == 1 else 0)
     assert model[2].weight.requires_grad is False
     assert model.experts.fc1_weight.is_expert and model.experts.fc1_weight.allreduce is False
     assert model[0].bias.__class__ is nn.Parameter
 
-    # Byte accounting, computed by hand: shards of 32/2=16 rows x 8, 8/2... see layout.
+    # Byte accounting by hand: shard rows = rows padded to a multiple of align x N = 8, over N.
     def shard_bytes(rows, cols, align=4, world=2):
         unit = align * world
         return (max(unit, -(-rows // unit) * unit) // world) * cols * 4
