@@ -99,6 +99,7 @@ class ETPRuntime:
 
     def __init__(self, config: ETPConfig) -> None:
         self.config = config
+        self.groups = None  # the ETPGroups of the wrapped model, set by wrap_module_params_etp
         self.cache = WeightCache(debug=config.debug_checks)
         self.pool = WgradPool(debug=config.debug_checks)
         self.streams = StreamRegistry()

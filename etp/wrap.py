@@ -169,6 +169,7 @@ def wrap_module_params_etp(
                 )
 
     runtime = _runtime_of(model) or ETPRuntime(config)
+    runtime.groups = groups
     new_params: dict[int, ETPShardedParam] = {}  # tied weights share one shard
     for name, module, attrs, install in targets:
         for attr in attrs:

@@ -1,9 +1,10 @@
 """megatron-core integration of etp. megatron-core is imported lazily, only where needed.
 
-So far: ETP groups inside megatron-core's data-parallel groups (``groups``), the TP-linear
-plug point (``layers``), ``apply_etp`` and the grouped-experts ModuleSpec (``model``, which
-imports megatron-core: import it explicitly), recipe parsing and validation (``recipe``)
-and the Megatron-LM flags (``args``).
+ETP groups inside megatron-core's data-parallel groups (``groups``), the TP-linear plug
+point (``layers``), ``apply_etp`` and the grouped-experts ModuleSpec (``model``),
+megatron-core DDP / optimizer / finalize for ETP models (``ddp``, ``optimizer``,
+``finalize``: import them explicitly, they import megatron-core), recipe parsing and
+validation (``recipe``) and the Megatron-LM flags (``args``).
 """
 from .args import add_etp_args, etp_config_from_args
 from .recipe import Recipe, RecipeError

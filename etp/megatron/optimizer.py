@@ -1,0 +1,110 @@
+"""megatron-core's optimizer over ETP-wrapped models.
+
+``get_etp_megatron_optimizer`` builds megatron-core's optimizer (Adam / SGD, mixed precision,
+distributed optimizer) on the replicate groups and makes two things exact:
+
+* **Grad norm** (clipping, logging): every logical element counted once. ETP shards are
+  distinct on every ETP peer; replicated params are equal on them after
+  ``finalize_model_grads``. Replicated params are marked ``shared`` (megatron-core's "counted
+  elsewhere" flag, the one tied embeddings use) on every ETP rank but the first, and the
+  statistics group spans the ETP axis: the world for the distributed optimizer (megatron's
+  default), model-parallel x ETP ranks otherwise. Padding rows hold zero gradients, so they
+  add nothing.
+* **FP8 gathers**: after each step the FP8 shard copies are re-quantized (the optimizer
+  writes the shards through buffer views, which no version counter sees).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch.distributed as dist
+
+from ..groups import new_groups
+from ..param import ETPShardedParam
+from ..quant import quantize_shards
+from ..wrap import is_expert_param, runtime_of
+
+__all__ = ["get_etp_megatron_optimizer"]
+
+
+def _stats_group(replicate: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The ranks sharing this rank's index within its replicate group: every distinct piece
+    of the model once (TP x PP x ETP x EP). A collective; None means the world."""
+    me = dist.get_rank()
+    index = dist.get_process_group_ranks(replicate).index(me) if replicate is not None else 0
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, index)
+    if len(set(everyone)) == 1:
+        return None
+    partition = [tuple(r for r, i in enumerate(everyone) if i == value) for value in sorted(set(everyone))]
+    return new_groups(partition)
+
+
+def _model_params(inner) -> list:
+    """The model params an inner megatron optimizer steps (its own params may be fp32 copies)."""
+    if hasattr(inner, "float16_groups"):
+        return [p for group in inner.float16_groups + inner.fp32_from_fp32_groups for p in group]
+    return inner.get_parameters()
+
+
+def _mark_duplicates(chunks, groups) -> None:
+    for chunk in chunks:
+        for param in chunk.parameters():
+            if isinstance(param, ETPShardedParam):
+                continue
+            peer = groups.expert if is_expert_param(param) else groups.dense
+            if peer.rank != 0:
+                param.shared = True  # equal on ETP peers: counted once, on the first
+
+
+def get_etp_megatron_optimizer(config, model_chunks, **kwargs):
+    """megatron-core ``get_megatron_optimizer`` for ``ETPDistributedDataParallel`` chunks.
+
+    Args:
+        config: megatron-core ``OptimizerConfig``.
+        model_chunks: the DDP-wrapped model chunks (a list, or one module).
+        kwargs: passed on (``config_overrides`` ...); ``pg_collection`` and
+            ``use_gloo_process_groups`` are set here.
+
+    Example::
+
+        opt = get_etp_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-4, bf16=True,
+                                         use_distributed_optimizer=True, clip_grad=1.0), [ddp])
+        finalize_model_grads([ddp]); ok, grad_norm, _ = opt.step()
+    """
+    from megatron.core.optimizer import ChainedOptimizer, get_megatron_optimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from .ddp import ETPDistributedDataParallel
+
+    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    for chunk in chunks:
+        if not isinstance(chunk, ETPDistributedDataParallel):
+            raise ValueError(f"model chunk {type(chunk).__name__} is not ETPDistributedDataParallel: "
+                             "wrap each chunk with etp.megatron.ETPDistributedDataParallel first")
+    for key in ("pg_collection", "use_gloo_process_groups"):
+        if key in kwargs:
+            raise ValueError(f"get_etp_megatron_optimizer sets {key} itself: drop it")
+    groups = runtime_of(chunks[0]).groups
+    _mark_duplicates(chunks, groups)
+    dense_stats, expert_stats = _stats_group(groups.dense_replicate), _stats_group(groups.expert_replicate)
+    optimizer = get_megatron_optimizer(config, chunks, pg_collection=chunks[0].etp_pg_collection,
+                                       use_gloo_process_groups=False, **kwargs)
+    inner = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    for opt in inner:
+        if isinstance(opt, DistributedOptimizer):
+            continue  # statistics over the world already; duplicates are marked shared
+        expert = any(is_expert_param(p) for p in _model_params(opt))
+        opt.grad_stats_parallel_group = expert_stats if expert else dense_stats
+
+    step = optimizer.step
+
+    @functools.wraps(step)
+    def step_and_requantize(*args, **kw):
+        result = step(*args, **kw)
+        for chunk in chunks:
+            quantize_shards(chunk)  # a no-op without FP8 gathers
+        return result
+
+    optimizer.step = step_and_requantize
+    return optimizer

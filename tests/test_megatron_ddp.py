@@ -1,0 +1,152 @@
+"""ETPDistributedDataParallel + etp.megatron.finalize_model_grads on 4 CPU ranks (gloo).
+
+World 4 = data parallel 4; dense ETP 2 (x replicate 2), expert ETP 4 (replicate 1): the
+dense and expert buffers reduce over different replicate groups. A model of a megatron-core
+ColumnParallelLinear, RowParallelLinear, a replicated scale vector and etp grouped experts
+(rows padded and straddling experts) runs one mean-loss step per rank on rank-specific data;
+every ``main_grad`` after finalize must equal the float64 gradient of the unsharded model on
+all ranks' data (independent autograd reference), with ``overlap_grad_reduce`` off and on.
+With overlap on, DDP's grad-ready must only be fired for an ETP weight once its
+reduce-scattered gradient is in ``main_grad``.
+
+megatron-core's DDP allocates its buffers on ``torch.cuda.current_device()``; on CPU the
+test points that at "cpu" (DDP's collectives are plain torch.distributed calls).
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harness import run_distributed
+from parity import assert_close
+
+pytest.importorskip("megatron.core")
+
+HIDDEN, FFN, EXPERTS, EFFN, SEQ, BATCH = 8, 12, 3, 5, 4, 2
+
+
+def _reference(device):
+    g = torch.Generator().manual_seed(11)
+    return {
+        "col": torch.randn(FFN, HIDDEN, generator=g, dtype=torch.float64) * 0.3,
+        "row": torch.randn(HIDDEN, FFN, generator=g, dtype=torch.float64) * 0.3,
+        "scale": 1 + 0.1 * torch.randn(HIDDEN, generator=g, dtype=torch.float64),
+        "fc1": torch.randn(EXPERTS, 2 * EFFN, HIDDEN, generator=g, dtype=torch.float64) * 0.3,
+        "fc2": torch.randn(EXPERTS, HIDDEN, EFFN, generator=g, dtype=torch.float64) * 0.3,
+    }
+
+
+def _data(rank):
+    g = torch.Generator().manual_seed(200 + rank)
+    x = torch.randn(SEQ, BATCH, HIDDEN, generator=g, dtype=torch.float64)
+    counts = torch.tensor([3, 0, SEQ * BATCH - 3])  # an expert with no tokens
+    return x, counts
+
+
+def _forward(w, x, counts, experts):
+    h = F.linear(F.gelu(F.linear(x, w["col"])), w["row"]) * w["scale"]
+    flat = h.reshape(-1, HIDDEN)
+    return (flat + experts(flat, counts)).square().mean()
+
+
+def _reference_experts(w):
+    def run(flat, counts):
+        outs, start = [], 0
+        for e, n in enumerate(counts.tolist()):
+            t = flat[start : start + n]
+            gate, up = F.linear(t, w["fc1"][e]).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(gate) * up, w["fc2"][e]))
+            start += n
+        return torch.cat(outs)
+
+    return run
+
+
+def _ddp_step(ctx, overlap: bool):
+    torch.cuda.current_device = lambda: "cpu"  # megatron-core DDP buffers on CPU, see the doc
+    from megatron.core import ModelParallelConfig
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from etp import ETPConfig, ETPShardedParam, GroupedSwiGLUExperts
+    from etp.megatron.ddp import ETPDistributedDataParallel
+    from etp.megatron.finalize import finalize_model_grads
+    from etp.megatron.model import apply_etp
+
+    ps.initialize_model_parallel()
+    try:
+        w = _reference(ctx.device)
+        ref = {k: v.clone().requires_grad_(True) for k, v in w.items()}
+        losses = [_forward(ref, *_data(r), _reference_experts(ref)) for r in range(ctx.world_size)]
+        names = ["col", "row", "fc1", "fc2"]
+        per_rank = [torch.autograd.grad(loss, [ref[n] for n in names], retain_graph=True) for loss in losses]
+        torch.stack(losses).mean().backward()  # a mean loss: megatron's default convention
+
+        mp = ModelParallelConfig(params_dtype=torch.float64, use_cpu_initialization=True)
+        init = torch.nn.init.zeros_
+        model = torch.nn.Module()
+        model.col = ColumnParallelLinear(HIDDEN, FFN, config=mp, init_method=init, bias=False,
+                                         gather_output=False)
+        model.row = RowParallelLinear(FFN, HIDDEN, config=mp, init_method=init, bias=False,
+                                      input_is_parallel=True, skip_bias_add=True)
+        model.scale = torch.nn.Parameter(w["scale"].clone())
+        model.experts = GroupedSwiGLUExperts(EXPERTS, HIDDEN, EFFN, dtype=torch.float64)
+        with torch.no_grad():
+            model.col.weight.copy_(w["col"]); model.row.weight.copy_(w["row"])  # noqa: E702
+            model.experts.fc1_weight.copy_(w["fc1"]); model.experts.fc2_weight.copy_(w["fc2"])  # noqa: E702
+        for p in model.experts.parameters():
+            p.is_expert = True
+        apply_etp(model, ETPConfig(etp_size=2, expert_etp_size=4, reduction="sum"))
+        assert isinstance(model.experts.fc1_weight, ETPShardedParam)
+
+        config = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=1,
+                                   params_dtype=torch.float64, use_cpu_initialization=True)
+        ddp = ETPDistributedDataParallel(config, DistributedDataParallelConfig(
+            overlap_grad_reduce=overlap, bucket_size=40 if overlap else None), model)
+        at_ready = {}  # id(param) -> main_grad when DDP was told it is ready
+        if overlap:
+            for param in model.parameters():
+                if isinstance(param, ETPShardedParam):
+                    bucket_group = ddp.param_to_bucket_group[param]
+                    original = bucket_group.register_grad_ready
+
+                    def spy(p, *a, _original=original, **k):
+                        if isinstance(p, ETPShardedParam):
+                            at_ready[id(p)] = p.main_grad.clone()
+                        return _original(p, *a, **k)
+
+                    bucket_group.register_grad_ready = spy
+        ddp.zero_grad_buffer()
+
+        def run(flat, counts):
+            return model.experts(flat, counts)
+
+        module = ddp.module
+        x, counts = _data(ctx.rank)
+        h = module.row(F.gelu(module.col(x)[0]))[0] * module.scale
+        flat = h.reshape(-1, HIDDEN)
+        (flat + run(flat, counts)).square().mean().backward()
+        finalize_model_grads([ddp])
+
+        for index, (name, param, full) in enumerate([("col", module.col.weight, ref["col"]), ("row", module.row.weight, ref["row"]),
+                                  ("fc1", module.experts.fc1_weight, ref["fc1"]),
+                                  ("fc2", module.experts.fc2_weight, ref["fc2"])]):
+            layout = param.etp_layout
+            start, valid = param.row_range[0], layout.valid_rows
+            expected = full.grad.reshape(-1, full.shape[-1])[start : start + valid]
+            assert_close(param.main_grad[:valid], expected, name)
+            if overlap:  # when DDP heard "ready": the ETP-group sum of local grads, unscaled
+                local = sum(per_rank[r][index] for r in param.etp_group.ranks)
+                local = local.reshape(-1, full.shape[-1])[start : start + valid]
+                assert_close(at_ready[id(param)][:valid], local, f"{name} at grad-ready")
+            assert torch.count_nonzero(param.main_grad[layout.valid_rows :]) == 0, f"{name} padding"
+        assert_close(module.scale.main_grad, ref["scale"].grad, "scale (replicated)")
+        return True
+    finally:
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap_grad_reduce"])
+def test_etp_ddp_gradients_equal_unsharded_reference(overlap):
+    assert run_distributed(_ddp_step, 4, overlap) == [True] * 4
