@@ -7,11 +7,15 @@
   (bf16 through ``Float16Module`` when the recipe says ``bf16: true``), on synthetic tokens
   or the corpus.
 
-Both apply ETP (``etp.megatron.model.apply_etp``), step torch AdamW with the recipe's
-warm-up + decay schedule, complete gradients with ``etp.finalize_grads`` (ETP group and
-data-parallel replicas), clip with ``etp.clip_grad_norm_`` (every element counted once),
-and log every ``log_interval`` iterations: loss, step time, TFLOP/s per rank (6 x active
-parameters x tokens, attention excluded) and peak memory.
+Both apply ETP (``etp.megatron.model.apply_etp``) and follow the recipe's warm-up + decay
+schedule. On GPUs the model is wrapped in megatron-core DDP (``ETPDistributedDataParallel``
+with ETP weights) and stepped by megatron-core's Adam (``get_etp_megatron_optimizer``:
+mixed precision with fp32 main params and grads, distributed optimizer when the recipe asks,
+grad-norm clipping counting every element once, FP8 shards re-quantized after each step).
+On CPU (megatron-core's DDP and optimizer need CUDA) torch AdamW steps the model after
+``etp.finalize_grads`` and ``etp.clip_grad_norm_``. Every ``log_interval`` iterations: loss,
+step time, TFLOP/s per rank (6 x active parameters x tokens, attention excluded) and peak
+memory.
 
 Example::
 
@@ -21,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import math
 import os
@@ -40,9 +45,22 @@ def _parse(argv):
     parser.add_argument("--recipe", required=True, help="YAML recipe (see recipes/)")
     parser.add_argument("--train-iters", type=int, help="override the recipe's train_iters")
     parser.add_argument("--log-interval", type=int, help="override the recipe's log_interval")
+    parser.add_argument("--json", metavar="PATH", help="write losses, step times, TFLOP/s and peak memory")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override any recipe key (etp.KEY for the etp section); repeatable")
     return parser.parse_args(argv)
+
+
+def _silence_fallback_warnings(rank: int) -> None:
+    """megatron-core warns once per module and process that neither TransformerEngine nor
+    apex is installed; etp needs neither. One line from rank 0 instead."""
+    import importlib.util
+    import warnings
+
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+    if rank == 0 and importlib.util.find_spec("apex") is None:
+        print("etp-train: NVIDIA apex not found: megatron-core uses its torch fallbacks "
+              "(no fused apex kernels); TransformerEngine is not used", flush=True)
 
 
 def _lr(recipe, iteration: int) -> float:
@@ -77,7 +95,7 @@ class _Batches:
 
 
 def _build(recipe, device):
-    """(model, loss function of a [b, s+1] token batch, dtype)."""
+    """(model, ``loss_fn(module, batch)`` of a [b, s+1] token batch, megatron config or None)."""
     from .megatron.model import etp_gpt_layer_spec
 
     m = recipe.model
@@ -87,12 +105,12 @@ def _build(recipe, device):
         torch.manual_seed(recipe.train.seed)
         model = TinyMoELM(recipe)
 
-        def loss_fn(batch):
-            logits = model(batch[:, :-1])
+        def loss_fn(module, batch):
+            logits = module(batch[:, :-1])
             loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-            return loss, loss + m.moe_aux_loss_coeff * model.aux_loss()
+            return loss, loss + m.moe_aux_loss_coeff * module.aux_loss()
 
-        return model, loss_fn
+        return model, loss_fn, None
     from megatron.core.models.gpt import GPTModel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.module import Float16Module
@@ -115,7 +133,7 @@ def _build(recipe, device):
         attention_dropout=m.attention_dropout, bf16=recipe.train.bf16, params_dtype=dtype,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         expert_model_parallel_size=p.expert_model_parallel_size,
-        sequence_parallel=p.sequence_parallel, use_cpu_initialization=True,
+        sequence_parallel=p.sequence_parallel, use_cpu_initialization=device.type == "cpu",
     )
     spec = etp_gpt_layer_spec(num_experts=m.num_experts, normalization=m.normalization)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=recipe.padded_vocab_size,
@@ -125,20 +143,97 @@ def _build(recipe, device):
     if recipe.train.bf16:
         model = Float16Module(config, model)
 
-    def loss_fn(batch):
+    def loss_fn(module, batch):
         tokens = batch[:, :-1]
         position_ids = torch.arange(tokens.shape[1], device=device).expand_as(tokens)
-        loss = model(tokens, position_ids, None, labels=batch[:, 1:]).float().mean()
+        loss = module(tokens, position_ids, None, labels=batch[:, 1:]).float().mean()
         return loss, loss  # megatron adds the router's aux loss to the gradient itself
 
-    return model, loss_fn
+    return model, loss_fn, config
 
 
-def train(rank: int, world: int, recipe, port: int | None = None) -> list[float]:
-    """One rank of a run; returns the data-parallel mean loss of every iteration."""
+class _TorchStep:
+    """CPU: torch AdamW, ``etp.finalize_grads`` (ETP group and data-parallel replicas) and
+    ``etp.clip_grad_norm_`` (megatron-core's DDP and optimizer need CUDA)."""
+
+    def __init__(self, recipe, model, groups, tp_group) -> None:
+        t = recipe.train
+        self.recipe, self.model, self.groups, self.tp_group = recipe, model, groups, tp_group
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
+                                           betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
+
+    def microbatches(self, count: int):
+        self.optimizer.zero_grad(set_to_none=True)
+        return [contextlib.nullcontext()] * count
+
+    def step(self, lr: float) -> float:
+        import etp
+
+        etp.finalize_grads(self.model, self.recipe.etp, self.groups)
+        norm = etp.clip_grad_norm_(self.model, self.groups, self.recipe.train.clip_grad, self.tp_group)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        return norm.item()
+
+
+class _MegatronStep:
+    """GPU: megatron-core DDP (fp32 gradient buffers) and megatron-core's Adam (mixed
+    precision, optionally distributed); ``ETPDistributedDataParallel`` and etp's finalize /
+    optimizer builder when the model holds ETP weights, megatron-core's own otherwise."""
+
+    def __init__(self, recipe, model, config) -> None:
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        from .megatron.ddp import ETPDistributedDataParallel
+        from .megatron.finalize import finalize_model_grads as etp_finalize_model_grads
+        from .megatron.optimizer import get_etp_megatron_optimizer
+        from .wrap import _runtime_of
+
+        p, t = recipe.parallel, recipe.train
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=p.overlap_grad_reduce,
+            use_distributed_optimizer=p.use_distributed_optimizer)
+        opt_config = OptimizerConfig(
+            optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
+            adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
+            clip_grad=t.clip_grad, bf16=t.bf16, fp16=t.fp16, params_dtype=config.params_dtype,
+            use_distributed_optimizer=p.use_distributed_optimizer)
+        if _runtime_of(model) is not None:
+            self.model = ETPDistributedDataParallel(config, ddp_config, model)
+            self.optimizer = get_etp_megatron_optimizer(opt_config, [self.model])
+            self.finalize = etp_finalize_model_grads
+        else:
+            self.model = DistributedDataParallel(config, ddp_config, model)
+            self.optimizer = get_megatron_optimizer(opt_config, [self.model], use_gloo_process_groups=False)
+            self.finalize = finalize_model_grads
+
+    def microbatches(self, count: int):
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        # Gradient reduction waits for the last microbatch, as in megatron's schedules.
+        return [self.model.no_sync() for _ in range(count - 1)] + [contextlib.nullcontext()]
+
+    def step(self, lr: float) -> float:
+        self.finalize([self.model])
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise FloatingPointError("megatron-core's optimizer skipped the step (inf / nan gradients)")
+        return float(grad_norm)
+
+
+def train(rank: int, world: int, recipe, port: int | None = None, json_path: str | None = None) -> list[float]:
+    """One rank of a run; returns the data-parallel mean loss of every iteration. Rank 0
+    writes the run's figures to ``json_path`` (when given)."""
+    _silence_fallback_warnings(rank)
     from megatron.core import parallel_state as ps
-
-    import etp
 
     from .megatron.groups import build_megatron_etp_groups
     from .megatron.model import apply_etp
@@ -165,30 +260,25 @@ def train(rank: int, world: int, recipe, port: int | None = None) -> list[float]
                                  expert_model_parallel_size=p.expert_model_parallel_size,
                                  context_parallel_size=p.context_parallel_size)
     groups = build_megatron_etp_groups(recipe.etp)
-    model, loss_fn = _build(recipe, device)
+    model, loss_fn, config = _build(recipe, device)
     summary = apply_etp(model, recipe.etp, groups)
-    opt = torch.optim.AdamW(model.parameters(), lr=recipe.train.lr, weight_decay=recipe.train.weight_decay,
-                            betas=(recipe.train.adam_beta1, recipe.train.adam_beta2), eps=recipe.train.adam_eps)
+    tp_group = ps.get_tensor_model_parallel_group()
+    trainer = _TorchStep(recipe, model, groups, tp_group) if config is None else _MegatronStep(recipe, model, config)
     batches = _Batches(recipe, ps.get_data_parallel_rank(), device)
     micro = recipe.num_microbatches(world)
     tokens_per_iter = micro * recipe.train.micro_batch_size * recipe.model.seq_length
     flops_per_iter = 6 * recipe.num_params(active=True) * tokens_per_iter
-    tp_group = ps.get_tensor_model_parallel_group()
     if rank == 0:
         print(f"etp-train: {recipe.source or 'recipe'} on {world} ranks ({backend}); {summary}", flush=True)
-    losses, window = [], time.perf_counter()
+    losses, records, window = [], [], time.perf_counter()
     for iteration in range(recipe.train.train_iters):
-        for group in opt.param_groups:
-            group["lr"] = _lr(recipe, iteration)
-        opt.zero_grad(set_to_none=True)
         total = torch.zeros((), device=device)
-        for _ in range(micro):
-            loss, objective = loss_fn(batches.next())
-            (objective / micro).backward()
+        for context in trainer.microbatches(micro):
+            with context:
+                loss, objective = loss_fn(trainer.model, batches.next())
+                (objective / micro).backward()
             total += loss.detach() / micro
-        etp.finalize_grads(model, recipe.etp, groups)
-        norm = etp.clip_grad_norm_(model, groups, recipe.train.clip_grad, tp_group)
-        opt.step()
+        norm = trainer.step(_lr(recipe, iteration))
         dist.all_reduce(total, group=ps.get_data_parallel_group())
         losses.append(total.item() / ps.get_data_parallel_world_size())
         last = iteration + 1 == recipe.train.train_iters
@@ -198,17 +288,40 @@ def train(rank: int, world: int, recipe, port: int | None = None) -> list[float]
             elapsed = (time.perf_counter() - window) / ((iteration % recipe.train.log_interval) + 1)
             window = time.perf_counter()
             peak = (f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if device.type == "cuda" else "n/a (CPU)")
+            records.append({"iteration": iteration + 1, "loss": losses[-1], "grad_norm": norm,
+                            "ms_per_iter": elapsed * 1e3, "tflops_per_rank": flops_per_iter / elapsed / 1e12})
             if rank == 0:
                 print(f"iter {iteration + 1:5d}/{recipe.train.train_iters} | loss {losses[-1]:.4f} | "
-                      f"grad norm {norm.item():.3f} | {elapsed * 1e3:8.1f} ms/iter | "
+                      f"grad norm {norm:.3f} | {elapsed * 1e3:8.1f} ms/iter | "
                       f"{flops_per_iter / elapsed / 1e12:7.3f} TFLOP/s/rank | peak {peak}", flush=True)
+    if json_path and rank == 0:
+        _write_report(json_path, recipe, world, backend, summary, losses, records, device)
     ps.destroy_model_parallel()
     return losses
 
 
-def _spawned(rank, world, recipe, port, results):
+def _write_report(path, recipe, world, backend, summary, losses, records, device) -> None:
+    import json
+
+    steady = records[1:] or records  # the first window holds warm-up and compilation
+    report = {
+        "recipe": str(recipe.source), "world_size": world, "backend": backend, "etp": vars(recipe.etp),
+        "params": recipe.num_params(), "active_params": recipe.num_params(active=True),
+        "param_bytes_per_rank": {"before_etp": summary.bytes_before, "after_etp": summary.bytes_after},
+        "losses": losses, "log": records,
+        "ms_per_iter": sum(r["ms_per_iter"] for r in steady) / len(steady),
+        "tflops_per_rank": sum(r["tflops_per_rank"] for r in steady) / len(steady),
+        "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else None,
+    }
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    print(f"etp-train: wrote {path}", flush=True)
+
+
+def _spawned(rank, world, recipe, port, results, json_path):
     try:
-        losses = train(rank, world, recipe, port)
+        losses = train(rank, world, recipe, port, json_path)
         results.put((rank, losses, None))
     except BaseException as exc:  # noqa: BLE001 - report, then fail the run
         import traceback
@@ -222,18 +335,20 @@ def _spawned(rank, world, recipe, port, results):
 
 def main(argv=None) -> int:
     args = _parse(argv)
-    from .megatron.recipe import Recipe
-
-    from .megatron.recipe import parse_overrides
+    from .megatron.recipe import Recipe, RecipeError, parse_overrides
 
     overrides = parse_overrides(args.set)
     if args.train_iters is not None:
         overrides["train_iters"] = args.train_iters
     if args.log_interval is not None:
         overrides["log_interval"] = args.log_interval
-    recipe = Recipe.from_yaml(args.recipe, **overrides)  # every validation error before any work
+    try:
+        recipe = Recipe.from_yaml(args.recipe, **overrides)  # every validation error before any work
+    except RecipeError as error:
+        print(f"etp-train: {error}", file=sys.stderr)
+        return 2
     if "RANK" in os.environ:  # launched by torchrun
-        train(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), recipe)
+        train(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), recipe, json_path=args.json)
         dist.destroy_process_group()
         return 0
     world = recipe.parallel.world_size or 1
@@ -248,7 +363,7 @@ def main(argv=None) -> int:
         port = sock.getsockname()[1]
     context = mp.get_context("spawn")
     results = context.Queue()
-    procs = [context.Process(target=_spawned, args=(r, world, recipe, port, results)) for r in range(world)]
+    procs = [context.Process(target=_spawned, args=(r, world, recipe, port, results, args.json)) for r in range(world)]
     for proc in procs:
         proc.start()
     failures = []

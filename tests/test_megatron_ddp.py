@@ -5,7 +5,8 @@ dense and expert buffers reduce over different replicate groups. A model of a me
 ColumnParallelLinear, RowParallelLinear, a replicated scale vector and etp grouped experts
 (rows padded and straddling experts) runs one mean-loss step per rank on rank-specific data;
 every ``main_grad`` after finalize must equal the float64 gradient of the unsharded model on
-all ranks' data (independent autograd reference), with ``overlap_grad_reduce`` off and on.
+all ranks' data (independent autograd reference), with ``overlap_grad_reduce`` off and on
+and either ETP reduction (DDP's scaling adapts).
 With overlap on, DDP's grad-ready must only be fired for an ETP weight once its
 reduce-scattered gradient is in ``main_grad``.
 
@@ -61,7 +62,7 @@ def _reference_experts(w):
     return run
 
 
-def _ddp_step(ctx, overlap: bool):
+def _ddp_step(ctx, overlap: bool, reduction: str):
     torch.cuda.current_device = lambda: "cpu"  # megatron-core DDP buffers on CPU, see the doc
     from megatron.core import ModelParallelConfig
     from megatron.core import parallel_state as ps
@@ -97,7 +98,7 @@ def _ddp_step(ctx, overlap: bool):
             model.experts.fc1_weight.copy_(w["fc1"]); model.experts.fc2_weight.copy_(w["fc2"])  # noqa: E702
         for p in model.experts.parameters():
             p.is_expert = True
-        apply_etp(model, ETPConfig(etp_size=2, expert_etp_size=4, reduction="sum"))
+        apply_etp(model, ETPConfig(etp_size=2, expert_etp_size=4, reduction=reduction))
         assert isinstance(model.experts.fc1_weight, ETPShardedParam)
 
         config = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=1,
@@ -138,6 +139,7 @@ def _ddp_step(ctx, overlap: bool):
             assert_close(param.main_grad[:valid], expected, name)
             if overlap:  # when DDP heard "ready": the ETP-group sum of local grads, unscaled
                 local = sum(per_rank[r][index] for r in param.etp_group.ranks)
+                local = local / (param.etp_group.size if reduction == "mean" else 1)
                 local = local.reshape(-1, full.shape[-1])[start : start + valid]
                 assert_close(at_ready[id(param)][:valid], local, f"{name} at grad-ready")
             assert torch.count_nonzero(param.main_grad[layout.valid_rows :]) == 0, f"{name} padding"
@@ -147,6 +149,7 @@ def _ddp_step(ctx, overlap: bool):
         ps.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap_grad_reduce"])
-def test_etp_ddp_gradients_equal_unsharded_reference(overlap):
-    assert run_distributed(_ddp_step, 4, overlap) == [True] * 4
+@pytest.mark.parametrize("overlap,reduction", [(False, "mean"), (True, "sum")],
+                         ids=["sync-mean", "overlap_grad_reduce-sum"])
+def test_etp_ddp_gradients_equal_unsharded_reference(overlap, reduction):
+    assert run_distributed(_ddp_step, 4, overlap, reduction) == [True] * 4

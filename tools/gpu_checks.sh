@@ -5,6 +5,8 @@
 #   bash tools/gpu_checks.sh kernels  kernel benchmark (1 GPU)
 #   bash tools/gpu_checks.sh bench    expert-stack benchmark, all default variants (8 GPUs)
 #   bash tools/gpu_checks.sh ctas N   expert-stack benchmark with NCCL_MAX_CTAS=N (8 GPUs)
+#   bash tools/gpu_checks.sh megatron  driver vs stock megatron-core on 2 GPUs (pytest), then
+#                                      recipes/moe_h200x8.yaml with and without ETP (NPROC GPUs)
 # NPROC=4 runs the benchmarks on 4 GPUs instead of 8.
 # Logs and JSON go to $OUT (the device tool's output folder). Needs the wheels of
 # ../shared/device/wheels.sh in .whl/ (megatron-core is not on the GPU image).
@@ -44,5 +46,19 @@ ctas)
   torchrun --nproc-per-node=${NPROC:-8} tools/bench_expert_stack.py --nccl-max-ctas "$2" \
     --variants replicated,etp_async,etp_async_fp8 --out "$OUT/bench_expert_stack_ctas$2.json" \
     --benchmarks-md "$OUT/BENCHMARKS_expert_stack.md" 2>&1 | grep "^|" | tail -12
+  ;;
+megatron)
+  echo "=== NCCL, 2 GPUs: etp-train's megatron path (ETP DDP + megatron Adam) vs stock megatron-core"
+  ETP_TEST_BACKEND=nccl python3 -m pytest -q tests/test_megatron_train_gpu.py 2>&1 | tee "$OUT/megatron_train_gpu.log" | tail -6
+  N=${NPROC:-8}; ITERS=${ITERS:-50}
+  if [ "$N" != 8 ]; then SET="--set world_size=$N --set etp.etp_size=$N --set etp.expert_etp_size=$N --set global_batch_size=$((4 * N))"; else SET=""; fi
+  CMD="torchrun --nproc-per-node=$N -m etp.train --recipe recipes/moe_h200x8.yaml --train-iters $ITERS --log-interval 5 $SET"
+  echo "=== $CMD"
+  $CMD --json "$OUT/recipe_etp.json" 2>&1 | grep -v "^W1121\|OMP_NUM\|\*\*\*\*" | tail -14
+  echo "=== same, without ETP"
+  $CMD --set etp.etp_size=1 --set etp.expert_etp_size=1 --json "$OUT/recipe_plain.json" 2>&1 \
+    | grep -v "^W1121\|OMP_NUM\|\*\*\*\*" | tail -14
+  python3 tools/compare_recipe_runs.py --etp "$OUT/recipe_etp.json" --baseline "$OUT/recipe_plain.json" \
+    --tolerance 0.02 --command "$CMD" --out "$OUT/moe_h200x8_compare.json"
   ;;
 esac

@@ -14,11 +14,12 @@ them further. What changes:
   reduce-scattered shard gradient into ``main_grad`` and only then calls DDP's
   ``register_grad_ready`` (never before), which starts the bucket's reduction when
   ``overlap_grad_reduce`` is on.
-* **Scaling.** Every gradient is *summed* over all data-parallel ranks exactly once — ETP
-  axis by etp (``reduction="sum"``), the replicate axis by DDP — and scaled once, by the
-  factor megatron-core uses without ETP: ``1 / (data-parallel x context-parallel size)``
-  for mean losses, 1 for per-token losses (``finalize_model_grads`` divides by the token
-  count). DDP's buckets are re-scaled accordingly after construction.
+* **Scaling.** Every gradient is summed over all data-parallel ranks exactly once (the ETP
+  axis by etp, the replicate axis by DDP) and scaled once, by the factor megatron-core uses
+  without ETP: ``1 / (data-parallel x context-parallel size)`` for mean losses, 1 for
+  per-token losses (``finalize_model_grads`` divides by the token count). DDP's bucket
+  factors are reset after construction to give exactly that, undoing the ETP group size
+  when ``ETPConfig.reduction`` is ``"mean"`` (so either setting gives the same gradients).
 * **Replicated params** (norms, biases, router, embeddings) get partial gradients on each
   ETP peer: ``etp.megatron.finalize_model_grads`` sums them over the ETP group after DDP's
   reduction. With the distributed optimizer only the rank's own chunk of a bucket is
@@ -101,12 +102,11 @@ class ETPDistributedDataParallel(_megatron_ddp()):
 
     Raises:
         ValueError: ``overlap_param_gather``, several distributed-optimizer instances, a
-            ``pg_collection`` argument, a model without ETP weights, or an ETP config whose
-            ``reduction`` is not ``"sum"``.
+            ``pg_collection`` argument, or a model without ETP weights.
 
     Example::
 
-        summary = apply_etp(model, ETPConfig(etp_size=8, expert_etp_size=8, reduction="sum"))
+        summary = apply_etp(model, ETPConfig(etp_size=8, expert_etp_size=8))
         model = ETPDistributedDataParallel(transformer_config, DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=True), model)
     """
@@ -127,10 +127,6 @@ class ETPDistributedDataParallel(_megatron_ddp()):
         runtime = runtime_of(module)
         if runtime.groups is None:
             raise ValueError("the model's ETP weights carry no groups: wrap it with apply_etp")
-        if runtime.config.reduction != "sum":
-            raise ValueError(f"ETPConfig.reduction={runtime.config.reduction!r}: under megatron-core DDP "
-                             "etp sums over the ETP axis and DDP scales once; set reduction='sum' (the "
-                             "recipe driver does)")
         groups: ETPGroups = runtime.groups
         for param in module.parameters():
             if is_expert_param(param):
@@ -139,7 +135,7 @@ class ETPDistributedDataParallel(_megatron_ddp()):
                 param.allreduce = False
         pgs = etp_process_groups(groups)
         super().__init__(config, ddp_config, module, disable_bucketing=disable_bucketing, pg_collection=pgs)
-        self.etp_groups, self.etp_pg_collection = groups, pgs
+        self.etp_groups, self.etp_pg_collection, self.etp_config = groups, pgs, runtime.config
         self._rescale_buckets(config)
         for param in module.parameters():
             if isinstance(param, ETPShardedParam) and param.requires_grad:
@@ -155,19 +151,23 @@ class ETPDistributedDataParallel(_megatron_ddp()):
             self.param_to_bucket_group[param].register_grad_ready(param, self.force_all_reduce)
 
     def _rescale_buckets(self, config) -> None:
-        """Scales every bucket so each gradient ends summed over all data-parallel ranks and
-        scaled once, as without ETP. See [Note: ETP under megatron-core DDP]."""
+        """Scales every bucket so that each gradient ends as it would without ETP: summed over
+        all data-parallel ranks and scaled once. See [Note: ETP under megatron-core DDP]."""
         from megatron.core import parallel_state as ps
 
-        if config.calculate_per_token_loss:
-            return  # factor 1: finalize_model_grads divides by the global token count
-        dp_cp = ps.get_data_parallel_world_size(with_context_parallel=True)
-        for buffer in self.buffers + self.expert_parallel_buffers:
-            averaged = buffer.data_parallel_group.size() if self.ddp_config.average_in_collective else 1
-            factor = averaged / dp_cp
-            buffer.gradient_scaling_factor = factor
-            for bucket in buffer.buckets:
-                bucket.gradient_scaling_factor = factor
+        # What the ETP reduction already divided by (reduce-scatter of shards, all-reduce of
+        # replicated params in finalize): undone here so that one factor remains.
+        mean = self.etp_config.reduction == "mean"
+        dense = self.etp_groups.dense.size if mean else 1
+        expert = self.etp_groups.expert.size if mean else 1
+        dp_cp = 1 if config.calculate_per_token_loss else ps.get_data_parallel_world_size(with_context_parallel=True)
+        for buffers, etp_divisor in ((self.buffers, dense), (self.expert_parallel_buffers, expert)):
+            for buffer in buffers:
+                averaged = buffer.data_parallel_group.size() if self.ddp_config.average_in_collective else 1
+                factor = averaged * etp_divisor / dp_cp
+                buffer.gradient_scaling_factor = factor
+                for bucket in buffer.buckets:
+                    bucket.gradient_scaling_factor = factor
 
 
 def _no_hook(*unused) -> None:

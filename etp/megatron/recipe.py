@@ -53,6 +53,7 @@ Parallelism (``recipe.parallel``, :class:`ParallelSpec`):
     tensor_model_parallel_size: 1. pipeline_model_parallel_size: 1.
     expert_model_parallel_size: 1. expert_tensor_parallel_size: None -> tensor size.
     context_parallel_size: 1. sequence_parallel: false. use_distributed_optimizer: false.
+    overlap_grad_reduce: false.
     world_size: None (etp driver key: ranks the recipe is meant for; the CPU driver spawns
         this many; under torchrun it must equal WORLD_SIZE).
     backend: auto (etp driver key: auto | gloo | nccl; auto is nccl with CUDA, else gloo).
@@ -389,6 +390,7 @@ class ParallelSpec:
     context_parallel_size: int = _positive(1, "context-parallel size (CP)")
     sequence_parallel: bool = _key(False, _BOOL, "sequence parallelism (needs TP > 1)")
     use_distributed_optimizer: bool = _key(False, _BOOL, "shard optimizer state over DP")
+    overlap_grad_reduce: bool = _key(False, _BOOL, "overlap DDP gradient reduction with backward")
     world_size: int | None = _positive(None, "ranks the recipe is meant for (etp driver key)")
     backend: str = _key("auto", _STR, "process-group backend (etp driver key)", choices=_BACKENDS)
 
