@@ -281,7 +281,7 @@ def test_every_key_is_documented_in_the_module_docstring():
 
 
 def test_resolve_data_path(tmp_path):
-    assert Recipe.from_yaml(BIG).resolve_data_path() is None
+    assert Recipe.from_yaml(BIG, data="synthetic").resolve_data_path() is None
     (tmp_path / "corpus.txt").write_text("hello world\n")
     path = tmp_path / "r.yaml"
     path.write_text(TINY.read_text().replace("etp/data/tiny_corpus.txt", "corpus.txt"))
