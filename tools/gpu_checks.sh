@@ -52,7 +52,7 @@ megatron)
   ETP_TEST_BACKEND=nccl python3 -m pytest -q tests/test_megatron_train_gpu.py 2>&1 | tee "$OUT/megatron_train_gpu.log" | tail -6
   N=${NPROC:-8}; ITERS=${ITERS:-50}
   if [ "$N" != 8 ]; then SET="--set world_size=$N --set etp.etp_size=$N --set etp.expert_etp_size=$N --set global_batch_size=$((4 * N))"; else SET=""; fi
-  CMD="torchrun --nproc-per-node=$N -m etp.train --recipe recipes/moe_h200x8.yaml --train-iters $ITERS --log-interval 5 $SET"
+  CMD="torchrun --nproc-per-node=$N -m etp.train --recipe recipes/moe_h200x8.yaml --train-iters $ITERS --log-interval 5 $SET ${EXTRA:-}"
   echo "=== $CMD"
   $CMD --json "$OUT/recipe_etp.json" 2>&1 | grep -v "^W1121\|OMP_NUM\|\*\*\*\*" | tail -14
   echo "=== same, without ETP"
