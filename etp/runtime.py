@@ -142,6 +142,10 @@ class ETPRuntime:
         return self.config.gather_dtype.startswith("fp8")
 
     def _start_pass(self) -> None:
+        # Reductions of the previous pass complete (and fire their grad-ready hooks) before
+        # this pass counts gradients: a microbatch under DDP's no_sync must not have its last
+        # reduction land in the next microbatch, where DDP would count it as the next one's.
+        self.drain_reductions()
         self._discard_in_flight()
         if self.fp8 and any(
             st.quant is None or st.quant.version != st.param._version for st in self._states.values()

@@ -13,6 +13,8 @@ reduce-scattered gradient is in ``main_grad``.
 megatron-core's DDP allocates its buffers on ``torch.cuda.current_device()``; on CPU the
 test points that at "cpu" (DDP's collectives are plain torch.distributed calls).
 """
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -106,29 +108,37 @@ def _ddp_step(ctx, overlap: bool, reduction: str):
         ddp = ETPDistributedDataParallel(config, DistributedDataParallelConfig(
             overlap_grad_reduce=overlap, bucket_size=40 if overlap else None), model)
         at_ready = {}  # id(param) -> main_grad when DDP was told it is ready
+        ready_calls = {}  # id(param) -> grad-ready calls in the last microbatch of an iteration
         if overlap:
             for param in model.parameters():
                 if isinstance(param, ETPShardedParam):
                     bucket_group = ddp.param_to_bucket_group[param]
                     original = bucket_group.register_grad_ready
 
-                    def spy(p, *a, _original=original, **k):
-                        if isinstance(p, ETPShardedParam):
+                    def spy(p, *a, _original=original, _group=bucket_group, **k):
+                        if isinstance(p, ETPShardedParam) and _group.is_last_microbatch:
                             at_ready[id(p)] = p.main_grad.clone()
+                            ready_calls[id(p)] = ready_calls.get(id(p), 0) + 1
                         return _original(p, *a, **k)
 
                     bucket_group.register_grad_ready = spy
-        ddp.zero_grad_buffer()
-
-        def run(flat, counts):
-            return model.experts(flat, counts)
-
         module = ddp.module
         x, counts = _data(ctx.rank)
-        h = module.row(F.gelu(module.col(x)[0]))[0] * module.scale
-        flat = h.reshape(-1, HIDDEN)
-        (flat + run(flat, counts)).square().mean().backward()
-        finalize_model_grads([ddp])
+        # Two iterations of two microbatches each (the first under no_sync), the same data
+        # twice at half weight: DDP's first-batch bookkeeping and its later checks both see
+        # ETP's grad-ready calls, and the gradient equals one full microbatch's.
+        for _ in range(2):
+            ready_calls.clear()
+            ddp.zero_grad_buffer()
+            for micro in range(2):
+                with ddp.no_sync() if micro == 0 else contextlib.nullcontext():
+                    h = module.row(F.gelu(module.col(x)[0]))[0] * module.scale
+                    flat = h.reshape(-1, HIDDEN)
+                    ((flat + module.experts(flat, counts)).square().mean() / 2).backward()
+            finalize_model_grads([ddp])
+            if overlap:  # exactly once per ETP weight, in the last microbatch (DDP counts them)
+                etp_ids = {id(p) for p in model.parameters() if isinstance(p, ETPShardedParam)}
+                assert ready_calls == dict.fromkeys(etp_ids, 1), sorted(ready_calls.values())
 
         for index, (name, param, full) in enumerate([("col", module.col.weight, ref["col"]), ("row", module.row.weight, ref["row"]),
                                   ("fc1", module.experts.fc1_weight, ref["fc1"]),
@@ -138,7 +148,7 @@ def _ddp_step(ctx, overlap: bool, reduction: str):
             expected = full.grad.reshape(-1, full.shape[-1])[start : start + valid]
             assert_close(param.main_grad[:valid], expected, name)
             if overlap:  # when DDP heard "ready": the ETP-group sum of local grads, unscaled
-                local = sum(per_rank[r][index] for r in param.etp_group.ranks)
+                local = sum(per_rank[r][index] for r in param.etp_group.ranks)  # both halves
                 local = local / (param.etp_group.size if reduction == "mean" else 1)
                 local = local.reshape(-1, full.shape[-1])[start : start + valid]
                 assert_close(at_ready[id(param)][:valid], local, f"{name} at grad-ready")

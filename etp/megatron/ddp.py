@@ -30,6 +30,8 @@ them further. What changes:
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -136,10 +138,20 @@ class ETPDistributedDataParallel(_megatron_ddp()):
         pgs = etp_process_groups(groups)
         super().__init__(config, ddp_config, module, disable_bucketing=disable_bucketing, pg_collection=pgs)
         self.etp_groups, self.etp_pg_collection, self.etp_config = groups, pgs, runtime.config
+        self._etp_runtime = runtime
         self._rescale_buckets(config)
         for param in module.parameters():
             if isinstance(param, ETPShardedParam) and param.requires_grad:
                 register_grad_ready_hook(param, self._etp_grad_ready)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """megatron-core's ``no_sync`` that also lands the microbatch's last ETP reductions
+        before DDP counts grad-ready calls again (the first pass has no recorded order to
+        tell the runtime which reduction is its last)."""
+        with super().no_sync():
+            yield
+            self._etp_runtime.drain_reductions()
 
     def _make_backward_post_hook(self, param: torch.nn.Parameter):
         if isinstance(param, ETPShardedParam):
