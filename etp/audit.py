@@ -24,8 +24,10 @@ from dataclasses import dataclass
 
 from .config import GATHER_DTYPES, ETPConfig
 from .layout import ShardLayout
+from .memory_audit import MemoryAudit
 
-__all__ = ["WeightSpec", "weight_inventory", "predict_memory", "CATEGORIES"]
+# MemoryAudit is the runtime half (measured bytes, the same category names), re-exported here.
+__all__ = ["CATEGORIES", "MemoryAudit", "WeightSpec", "predict_memory", "weight_inventory"]
 
 CATEGORIES = ("params", "main_grad", "optimizer", "gather_fwd", "gather_bwd", "wgrad_pool",
               "fp8_shards", "activations")

@@ -10,6 +10,15 @@ buffer, even with the same shape. A buffer is only re-used two chain positions l
 the side stream has waited on an event recorded behind the GEMM that read it (see
 [Note: ETP streams]). Buffers are allocated lazily, never freed until ``clear()``, and so
 keep their addresses across iterations (what CUDA-graph replay needs).
+
+[Note: ETP buffer logging]
+The cache and the wgrad pool log on the ``etp.cache`` logger only when built with
+``debug=True`` (the runtime passes ``ETPConfig.debug_checks``); otherwise they log nothing,
+not even a filtered record, since they run once per GEMM. Allocations and ``clear()`` log at
+INFO, every ticket / acquire / release at DEBUG. To see them::
+
+    logging.basicConfig()
+    logging.getLogger("etp.cache").setLevel(logging.DEBUG)
 """
 from __future__ import annotations
 
@@ -40,7 +49,14 @@ class BufferKey(NamedTuple):
 
 
 class WeightCache:
-    """Buffers for gathered weights. ``debug`` logs every allocation (off by default)."""
+    """Buffers for gathered weights. ``debug`` logs allocations and tickets (off by
+    default); see [Note: ETP buffer logging].
+
+    Example::
+
+        cache = WeightCache()
+        buffer = cache.ticket(id(param), Role.FWD, key)   # allocated on first use
+    """
 
     def __init__(self, debug: bool = False) -> None:
         self._buffers: dict[BufferKey, torch.Tensor] = {}
@@ -55,7 +71,10 @@ class WeightCache:
             buffer = torch.empty(key.shape, dtype=key.dtype, device=key.device)
             self._buffers[key] = buffer
             if self.debug:
-                log.debug("etp cache: allocated %s (%d bytes)", key, buffer.numel() * buffer.element_size())
+                log.info("etp cache: allocated %s (%d bytes; %d buffers)", key,
+                         buffer.numel() * buffer.element_size(), len(self._buffers))
+        elif self.debug:
+            log.debug("etp cache: ticket (param %#x, %s) -> %s", param_id, role.value, key)
         return buffer
 
     def existing(self, param_id: int, role: Role) -> torch.Tensor | None:
@@ -80,5 +99,7 @@ class WeightCache:
         )
 
     def clear(self) -> None:
+        if self.debug:
+            log.info("etp cache: cleared %d buffers (%d bytes)", len(self._buffers), self.nbytes())
         self._buffers.clear()
         self._tickets.clear()
