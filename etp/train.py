@@ -46,6 +46,9 @@ def _parse(argv):
     parser.add_argument("--train-iters", type=int, help="override the recipe's train_iters")
     parser.add_argument("--log-interval", type=int, help="override the recipe's log_interval")
     parser.add_argument("--json", metavar="PATH", help="write losses, step times, TFLOP/s and peak memory")
+    parser.add_argument("--audit", nargs="?", const="etp_audit.json", metavar="PATH",
+                        help="record per-phase memory (etp.audit.MemoryAudit), print it against the "
+                             "prediction and write every rank's to PATH (default etp_audit.json)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override any recipe key (etp.KEY for the etp section); repeatable")
     return parser.parse_args(argv)
@@ -166,14 +169,16 @@ class _TorchStep:
         self.optimizer.zero_grad(set_to_none=True)
         return [contextlib.nullcontext()] * count
 
-    def step(self, lr: float) -> float:
+    def step(self, lr: float, phase) -> float:
         import etp
 
-        etp.finalize_grads(self.model, self.recipe.etp, self.groups)
-        norm = etp.clip_grad_norm_(self.model, self.groups, self.recipe.train.clip_grad, self.tp_group)
+        with phase("finalize"):
+            etp.finalize_grads(self.model, self.recipe.etp, self.groups)
+            norm = etp.clip_grad_norm_(self.model, self.groups, self.recipe.train.clip_grad, self.tp_group)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.step()
+        with phase("optimizer"):
+            self.optimizer.step()
         return norm.item()
 
 
@@ -219,19 +224,23 @@ class _MegatronStep:
         # Gradient reduction waits for the last microbatch, as in megatron's schedules.
         return [self.model.no_sync() for _ in range(count - 1)] + [contextlib.nullcontext()]
 
-    def step(self, lr: float) -> float:
-        self.finalize([self.model])
+    def step(self, lr: float, phase) -> float:
+        with phase("finalize"):
+            self.finalize([self.model])
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        ok, grad_norm, _ = self.optimizer.step()
+        with phase("optimizer"):  # clipping included: megatron's step computes the norm
+            ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise FloatingPointError("megatron-core's optimizer skipped the step (inf / nan gradients)")
         return float(grad_norm)
 
 
-def train(rank: int, world: int, recipe, port: int | None = None, json_path: str | None = None) -> list[float]:
+def train(rank: int, world: int, recipe, port: int | None = None, json_path: str | None = None,
+          audit_path: str | None = None) -> list[float]:
     """One rank of a run; returns the data-parallel mean loss of every iteration. Rank 0
-    writes the run's figures to ``json_path`` (when given)."""
+    writes the run's figures to ``json_path`` and, with ``audit_path``, the memory audit of
+    every rank (``etp.audit.MemoryAudit``: per-phase peaks, measured vs predicted bytes)."""
     _silence_fallback_warnings(rank)
     from megatron.core import parallel_state as ps
 
@@ -264,6 +273,12 @@ def train(rank: int, world: int, recipe, port: int | None = None, json_path: str
     summary = apply_etp(model, recipe.etp, groups)
     tp_group = ps.get_tensor_model_parallel_group()
     trainer = _TorchStep(recipe, model, groups, tp_group) if config is None else _MegatronStep(recipe, model, config)
+    audit = None
+    if audit_path:
+        from .audit import MemoryAudit
+
+        audit = MemoryAudit(trainer.model, trainer.optimizer, device)
+    phase = audit.phase if audit is not None else _no_phase
     batches = _Batches(recipe, ps.get_data_parallel_rank(), device)
     micro = recipe.num_microbatches(world)
     tokens_per_iter = micro * recipe.train.micro_batch_size * recipe.model.seq_length
@@ -275,10 +290,14 @@ def train(rank: int, world: int, recipe, port: int | None = None, json_path: str
         total = torch.zeros((), device=device)
         for context in trainer.microbatches(micro):
             with context:
-                loss, objective = loss_fn(trainer.model, batches.next())
-                (objective / micro).backward()
+                with phase("forward"):
+                    loss, objective = loss_fn(trainer.model, batches.next())
+                with phase("backward"):
+                    (objective / micro).backward()
             total += loss.detach() / micro
-        norm = trainer.step(_lr(recipe, iteration))
+        norm = trainer.step(_lr(recipe, iteration), phase)
+        if audit is not None:
+            audit.step_done()
         dist.all_reduce(total, group=ps.get_data_parallel_group())
         losses.append(total.item() / ps.get_data_parallel_world_size())
         last = iteration + 1 == recipe.train.train_iters
@@ -296,8 +315,35 @@ def train(rank: int, world: int, recipe, port: int | None = None, json_path: str
                       f"{flops_per_iter / elapsed / 1e12:7.3f} TFLOP/s/rank | peak {peak}", flush=True)
     if json_path and rank == 0:
         _write_report(json_path, recipe, world, backend, summary, losses, records, device)
+    if audit is not None:
+        _write_audit(audit_path, audit, recipe, world, rank)
     ps.destroy_model_parallel()
     return losses
+
+
+@contextlib.contextmanager
+def _no_phase(name: str):
+    yield
+
+
+def _write_audit(path, audit, recipe, world: int, rank: int) -> None:
+    """Gathers every rank's audit to rank 0, which prints its own table against the
+    prediction and writes all of them (a collective)."""
+    import json
+
+    from .audit import predict_memory
+
+    prediction = predict_memory(recipe, world)
+    mine = {"report": audit.report(), "comparison": audit.compare(prediction)}
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine)
+    if rank != 0:
+        return
+    print(audit.format_table(prediction), flush=True)
+    with open(path, "w") as f:
+        json.dump({"recipe": str(recipe.source), "world_size": world, "prediction": prediction,
+                   "ranks": everyone}, f, indent=1, default=str)
+    print(f"etp-train: wrote the memory audit of {world} ranks to {path}", flush=True)
 
 
 def _write_report(path, recipe, world, backend, summary, losses, records, device) -> None:
@@ -319,9 +365,9 @@ def _write_report(path, recipe, world, backend, summary, losses, records, device
     print(f"etp-train: wrote {path}", flush=True)
 
 
-def _spawned(rank, world, recipe, port, results, json_path):
+def _spawned(rank, world, recipe, port, results, json_path, audit_path):
     try:
-        losses = train(rank, world, recipe, port, json_path)
+        losses = train(rank, world, recipe, port, json_path, audit_path)
         results.put((rank, losses, None))
     except BaseException as exc:  # noqa: BLE001 - report, then fail the run
         import traceback
@@ -348,7 +394,7 @@ def main(argv=None) -> int:
         print(f"etp-train: {error}", file=sys.stderr)
         return 2
     if "RANK" in os.environ:  # launched by torchrun
-        train(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), recipe, json_path=args.json)
+        train(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), recipe, json_path=args.json, audit_path=args.audit)
         dist.destroy_process_group()
         return 0
     world = recipe.parallel.world_size or 1
@@ -363,7 +409,7 @@ def main(argv=None) -> int:
         port = sock.getsockname()[1]
     context = mp.get_context("spawn")
     results = context.Queue()
-    procs = [context.Process(target=_spawned, args=(r, world, recipe, port, results, args.json)) for r in range(world)]
+    procs = [context.Process(target=_spawned, args=(r, world, recipe, port, results, args.json, args.audit)) for r in range(world)]
     for proc in procs:
         proc.start()
     failures = []

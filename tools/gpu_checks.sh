@@ -54,10 +54,10 @@ megatron)
   if [ "$N" != 8 ]; then SET="--set world_size=$N --set etp.etp_size=$N --set etp.expert_etp_size=$N --set global_batch_size=$((4 * N))"; else SET=""; fi
   CMD="torchrun --nproc-per-node=$N -m etp.train --recipe recipes/moe_h200x8.yaml --train-iters $ITERS --log-interval 5 $SET ${EXTRA:-}"
   echo "=== $CMD"
-  $CMD --json "$OUT/recipe_etp.json" 2>&1 | grep -v "^W1121\|OMP_NUM\|\*\*\*\*" | tail -14
+  $CMD --json "$OUT/recipe_etp.json" --audit "$OUT/audit_etp.json" 2>&1 | grep -v "^W1121\|OMP_NUM\|\*\*\*\*" | tail -30
   echo "=== same, without ETP"
   $CMD --set etp.etp_size=1 --set etp.expert_etp_size=1 --json "$OUT/recipe_plain.json" 2>&1 \
-    | grep -v "^W1121\|OMP_NUM\|\*\*\*\*" | tail -14
+    | grep -v "^W1121\|OMP_NUM\|\*\*\*\*" | tail -30
   python3 tools/compare_recipe_runs.py --etp "$OUT/recipe_etp.json" --baseline "$OUT/recipe_plain.json" \
     --tolerance 0.02 --command "$CMD" --out "$OUT/moe_h200x8_compare.json"
   ;;
