@@ -56,7 +56,7 @@ megatron)
   echo "=== $CMD"
   $CMD --json "$OUT/recipe_etp.json" --audit "$OUT/audit_etp.json" 2>&1 | grep -v "^W1121\|OMP_NUM\|\*\*\*\*" | tail -30
   echo "=== same, without ETP"
-  $CMD --set etp.etp_size=1 --set etp.expert_etp_size=1 --json "$OUT/recipe_plain.json" 2>&1 \
+  $CMD --set etp.etp_size=1 --set etp.expert_etp_size=1 --json "$OUT/recipe_plain.json" --audit "$OUT/audit_plain.json" 2>&1 \
     | grep -v "^W1121\|OMP_NUM\|\*\*\*\*" | tail -30
   python3 tools/compare_recipe_runs.py --etp "$OUT/recipe_etp.json" --baseline "$OUT/recipe_plain.json" \
     --tolerance 0.02 --command "$CMD" --out "$OUT/moe_h200x8_compare.json"
