@@ -8,8 +8,9 @@ list ``tests/test_audit.py`` checks against a CPU-built model — instead of bui
 model on the meta device: a TP- or EP-sharded megatron model can only be built inside a
 process group of its full size, which one CPU process cannot provide. Each ETP weight then
 takes the bytes of its padded shard (``ShardLayout``), and the runtime's buffers follow the
-runtime's own rules: one gather buffer per (chain, role, padded shape, parity), two wgrad
-pool buffers per dense padded shape, one FP8 copy of every shard for FP8 gathers.
+runtime's own rules: one gather buffer per (chain, role, padded shape, parity), one fp32
+wgrad pool buffer per padded shape (two where weights of one shape reduce back to back),
+one FP8 copy of every shard for FP8 gathers.
 
 Categories (bytes per rank): ``params`` (recipe dtype), ``main_grad`` (fp32, megatron-core
 mixed precision), ``optimizer`` (Adam: fp32 master weights + 2 moments for bf16/fp16
@@ -138,7 +139,7 @@ def predict_memory(recipe, world_size: int, etp: ETPConfig | None = None,
     fp8 = etp.gather_dtype.startswith("fp8")
     result = dict.fromkeys(CATEGORIES, 0)
     buffers: dict[tuple, int] = {}  # (chain, role, padded shape, parity) -> elements
-    pool_shapes: set[tuple] = set()
+    pool_order: list[tuple] = []  # padded shapes of the ETP weights, forward order
     positions: dict[str, int] = {}
     for weight in weight_inventory(recipe):
         size = sizes[weight.expert]
@@ -150,8 +151,7 @@ def predict_memory(recipe, world_size: int, etp: ETPConfig | None = None,
             positions[weight.chain] = position + 1
             for role in ("fwd", "bwd"):
                 buffers[(weight.chain, role, layout.padded_shape, position % 2)] = layout.padded_rows * layout.cols
-            if not weight.chain.startswith("expert:fc"):
-                pool_shapes.add(layout.padded_shape)  # dense GEMMs write wgrads into the pool
+            pool_order.append(layout.padded_shape)
             if fp8:
                 result["fp8_shards"] += numel
         else:
@@ -162,9 +162,21 @@ def predict_memory(recipe, world_size: int, etp: ETPConfig | None = None,
         result["optimizer"] += -(-numel * optimizer_bytes // max(1, divisor))
     for (chain, role, _, _), elements in buffers.items():
         result["gather_" + role] += elements * gather_bytes
-    result["wgrad_pool"] = sum(2 * rows * cols * 4 for rows, cols in pool_shapes)
+    result["wgrad_pool"] = _wgrad_pool_bytes(pool_order)
     result["activations"] = _activation_bytes(recipe)
     return result
+
+
+def _wgrad_pool_bytes(shapes_in_forward_order: list[tuple]) -> int:
+    """The pool holds one fp32 (main-grad dtype) buffer per padded shape, two where two
+    weights of one shape reduce back to back: a weight's buffer returns to the pool when the
+    *next* reduce-scatter is issued, after that one took its own buffer."""
+    counts: dict[tuple, int] = {}
+    previous = None
+    for shape in reversed(shapes_in_forward_order):  # the backward (reduce-scatter) order
+        counts[shape] = max(counts.get(shape, 1), 2 if shape == previous else 1)
+        previous = shape
+    return sum(n * rows * cols * 4 for (rows, cols), n in counts.items())
 
 
 def _activation_bytes(recipe) -> int:

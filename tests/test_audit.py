@@ -37,7 +37,9 @@ def test_arithmetic_against_hand_counts():
     # fc1 and fc2 one each; bf16 (param dtype) gathers.
     per_role = 2 * (192 * 64 + 64 * 64 + 256 * 64 + 256 * 64 + 256 * 32)
     assert got["gather_fwd"] == got["gather_bwd"] == per_role
-    assert got["wgrad_pool"] == 2 * 4 * (192 * 64 + 64 * 64 + 256 * 64)  # dense shapes, fp32
+    # One fp32 buffer per padded shape: qkv, proj, fc1 (= output's 128 x 2 rows x 64), fc2;
+    # fc1 and output share a shape but never reduce back to back (fc2 lies between).
+    assert got["wgrad_pool"] == 4 * (192 * 64 + 64 * 64 + 256 * 64 + 256 * 32)
     assert got["fp8_shards"] == 0
     fp8 = predict_memory(recipe, 2, recipe.etp.replace(gather_dtype="fp8_tensorwise"))
     assert fp8["fp8_shards"] == shards and fp8["gather_fwd"] == per_role // 2
@@ -124,3 +126,12 @@ def test_deepseek_sized_recipe_in_under_a_minute(tmp_path):
     assert report["parameters"] > 600e9
     with_etp, without = report["layouts"]["with_etp"], report["layouts"]["without_etp"]
     assert with_etp["params"] < without["params"] / 4 and with_etp["fp8_shards"] > 0
+
+
+def test_wgrad_pool_doubles_shapes_reduced_back_to_back():
+    from etp.audit import _wgrad_pool_bytes
+
+    # Backward order c, b, b, a: b's two weights are adjacent, so two b buffers are live.
+    a, b, c = (4, 2), (8, 2), (16, 2)
+    assert _wgrad_pool_bytes([a, b, b, c]) == 4 * (8 + 2 * 16 + 32)
+    assert _wgrad_pool_bytes([b, a, b, c]) == 4 * (8 + 16 + 32)  # not adjacent: one each
