@@ -80,19 +80,22 @@ def _lr(recipe, iteration: int) -> float:
 
 
 class _Batches:
-    """Per-rank random windows of the corpus (bytes), or synthetic tokens."""
+    """Per-rank random windows of the corpus (bytes), or synthetic tokens. A batch depends
+    only on (seed, data-parallel rank, iteration, microbatch), so a resumed run reads what
+    the uninterrupted run would have read."""
 
     def __init__(self, recipe, rank: int, device) -> None:
         path = recipe.resolve_data_path()
         self.data = None if path is None else torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
-        self.gen = torch.Generator().manual_seed(recipe.train.seed + 1000 * rank)
+        self.seed, self.rank = recipe.train.seed, rank
         self.shape = (recipe.train.micro_batch_size, recipe.model.seq_length + 1)
         self.vocab, self.device = recipe.model.vocab_size, device
 
-    def next(self) -> torch.Tensor:
+    def get(self, iteration: int, micro: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(hash((self.seed, self.rank, iteration, micro)) % 2**63)
         if self.data is None:
-            return torch.randint(0, self.vocab, self.shape, generator=self.gen).to(self.device)
-        starts = torch.randint(0, self.data.numel() - self.shape[1], (self.shape[0],), generator=self.gen)
+            return torch.randint(0, self.vocab, self.shape, generator=gen).to(self.device)
+        starts = torch.randint(0, self.data.numel() - self.shape[1], (self.shape[0],), generator=gen)
         rows = torch.stack([self.data[s : s + self.shape[1]] for s in starts.tolist()])
         return rows.long().to(self.device)
 
@@ -288,10 +291,10 @@ def train(rank: int, world: int, recipe, port: int | None = None, json_path: str
     losses, records, window = [], [], time.perf_counter()
     for iteration in range(recipe.train.train_iters):
         total = torch.zeros((), device=device)
-        for context in trainer.microbatches(micro):
+        for index, context in enumerate(trainer.microbatches(micro)):
             with context:
                 with phase("forward"):
-                    loss, objective = loss_fn(trainer.model, batches.next())
+                    loss, objective = loss_fn(trainer.model, batches.get(iteration, index))
                 with phase("backward"):
                     (objective / micro).backward()
             total += loss.detach() / micro
