@@ -49,6 +49,10 @@ def _parse(argv):
     parser.add_argument("--audit", nargs="?", const="etp_audit.json", metavar="PATH",
                         help="record per-phase memory (etp.audit.MemoryAudit), print it against the "
                              "prediction and write every rank's to PATH (default etp_audit.json)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the latest checkpoint of the recipe's load (or save) directory")
+    parser.add_argument("--exit-after", type=int, metavar="N",
+                        help="stop after iteration N (the learning-rate schedule still spans train_iters)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override any recipe key (etp.KEY for the etp section); repeatable")
     return parser.parse_args(argv)
@@ -61,6 +65,7 @@ def _silence_fallback_warnings(rank: int) -> None:
     import warnings
 
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+    warnings.filterwarnings("ignore", message="`load_state_dict` is deprecated")  # megatron's DCP call
     if rank == 0 and importlib.util.find_spec("apex") is None:
         print("etp-train: NVIDIA apex not found: megatron-core uses its torch fallbacks "
               "(no fused apex kernels); TransformerEngine is not used", flush=True)
@@ -240,10 +245,14 @@ class _MegatronStep:
 
 
 def train(rank: int, world: int, recipe, port: int | None = None, json_path: str | None = None,
-          audit_path: str | None = None) -> list[float]:
-    """One rank of a run; returns the data-parallel mean loss of every iteration. Rank 0
-    writes the run's figures to ``json_path`` and, with ``audit_path``, the memory audit of
-    every rank (``etp.audit.MemoryAudit``: per-phase peaks, measured vs predicted bytes)."""
+          audit_path: str | None = None, resume: bool = False, exit_after: int | None = None) -> list[float]:
+    """One rank of a run; returns the data-parallel mean loss of every iteration it ran.
+    Rank 0 writes the run's figures to ``json_path`` and, with ``audit_path``, the memory
+    audit of every rank (``etp.audit.MemoryAudit``: per-phase peaks, measured vs predicted
+    bytes). With ``recipe.train.save`` and ``save_interval`` it checkpoints every
+    ``save_interval`` iterations; ``resume`` continues from the latest checkpoint of
+    ``load`` (or ``save``); ``exit_after`` stops after that iteration (the schedule still
+    spans ``train_iters``)."""
     _silence_fallback_warnings(rank)
     from megatron.core import parallel_state as ps
 
@@ -288,8 +297,10 @@ def train(rank: int, world: int, recipe, port: int | None = None, json_path: str
     flops_per_iter = 6 * recipe.num_params(active=True) * tokens_per_iter
     if rank == 0:
         print(f"etp-train: {recipe.source or 'recipe'} on {world} ranks ({backend}); {summary}", flush=True)
+    start = _resume(recipe, trainer, rank) if resume else 0
+    stop = min(recipe.train.train_iters, exit_after or recipe.train.train_iters)
     losses, records, window = [], [], time.perf_counter()
-    for iteration in range(recipe.train.train_iters):
+    for iteration in range(start, stop):
         total = torch.zeros((), device=device)
         for index, context in enumerate(trainer.microbatches(micro)):
             with context:
@@ -303,7 +314,12 @@ def train(rank: int, world: int, recipe, port: int | None = None, json_path: str
             audit.step_done()
         dist.all_reduce(total, group=ps.get_data_parallel_group())
         losses.append(total.item() / ps.get_data_parallel_world_size())
-        last = iteration + 1 == recipe.train.train_iters
+        last = iteration + 1 == stop
+        t = recipe.train
+        if t.save and t.save_interval and ((iteration + 1) % t.save_interval == 0 or iteration + 1 == t.train_iters):
+            began = time.perf_counter()
+            _save(recipe, trainer, iteration + 1, world, rank)
+            window += time.perf_counter() - began  # keep the save out of the step time
         if (iteration + 1) % recipe.train.log_interval == 0 or last:
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -322,6 +338,34 @@ def train(rank: int, world: int, recipe, port: int | None = None, json_path: str
         _write_audit(audit_path, audit, recipe, world, rank)
     ps.destroy_model_parallel()
     return losses
+
+
+def _save(recipe, trainer, iteration: int, world: int, rank: int) -> None:
+    from .megatron.checkpoint import save_training_checkpoint
+
+    p = recipe.parallel
+    layout = {"world_size": world, "tensor_model_parallel_size": p.tensor_model_parallel_size,
+              "expert_model_parallel_size": p.expert_model_parallel_size,
+              "etp_size": recipe.etp.etp_size, "expert_etp_size": recipe.etp.expert_etp_size}
+    began = time.perf_counter()
+    path = save_training_checkpoint(recipe.train.save, iteration, trainer.model, trainer.optimizer,
+                                    {"recipe": str(recipe.source), "layout": layout})
+    if rank == 0:
+        print(f"etp-train: saved iteration {iteration} to {path} ({time.perf_counter() - began:.1f} s)", flush=True)
+
+
+def _resume(recipe, trainer, rank: int) -> int:
+    from .megatron.checkpoint import load_training_checkpoint
+
+    root = recipe.train.load or recipe.train.save
+    if root is None:
+        raise ValueError("--resume needs a checkpoint directory: set the recipe's load (or save) key, "
+                         "e.g. --set load=checkpoints")
+    iteration, metadata, _ = load_training_checkpoint(root, trainer.model, trainer.optimizer)
+    if rank == 0:
+        print(f"etp-train: resumed at iteration {iteration} from {root} (saved with layout "
+              f"{metadata.get('layout')})", flush=True)
+    return iteration
 
 
 @contextlib.contextmanager
@@ -368,9 +412,9 @@ def _write_report(path, recipe, world, backend, summary, losses, records, device
     print(f"etp-train: wrote {path}", flush=True)
 
 
-def _spawned(rank, world, recipe, port, results, json_path, audit_path):
+def _spawned(rank, world, recipe, port, results, json_path, audit_path, resume, exit_after):
     try:
-        losses = train(rank, world, recipe, port, json_path, audit_path)
+        losses = train(rank, world, recipe, port, json_path, audit_path, resume, exit_after)
         results.put((rank, losses, None))
     except BaseException as exc:  # noqa: BLE001 - report, then fail the run
         import traceback
@@ -397,7 +441,8 @@ def main(argv=None) -> int:
         print(f"etp-train: {error}", file=sys.stderr)
         return 2
     if "RANK" in os.environ:  # launched by torchrun
-        train(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), recipe, json_path=args.json, audit_path=args.audit)
+        train(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), recipe, json_path=args.json, audit_path=args.audit,
+              resume=args.resume, exit_after=args.exit_after)
         dist.destroy_process_group()
         return 0
     world = recipe.parallel.world_size or 1
@@ -412,7 +457,8 @@ def main(argv=None) -> int:
         port = sock.getsockname()[1]
     context = mp.get_context("spawn")
     results = context.Queue()
-    procs = [context.Process(target=_spawned, args=(r, world, recipe, port, results, args.json, args.audit)) for r in range(world)]
+    procs = [context.Process(target=_spawned, args=(r, world, recipe, port, results, args.json, args.audit,
+                                                           args.resume, args.exit_after)) for r in range(world)]
     for proc in procs:
         proc.start()
     failures = []

@@ -91,34 +91,9 @@ def _empty_state(rank: int) -> dict:
 
 
 def _sync_torch_dist_strategy():
-    """megatron-core's torch_dist format, written synchronously in-process.
+    from etp.megatron.checkpoint import sync_save_strategy  # see its docstring
 
-    megatron-core 0.16.1's default torch_dist writer cannot run here: it calls
-    ``torch.cuda.synchronize()`` unconditionally (CPU-only torch raises), needs psutil, and
-    forks writer processes plus a multiprocessing Manager, which the harness' daemonic ranks
-    may not start. This strategy produces the same files (``__<rank>_0.distcp``,
-    ``.metadata``) with torch DCP's synchronous ``FileSystemWriter`` and megatron's planner.
-    """
-    import torch.distributed.checkpoint as dcp
-    from megatron.core.dist_checkpointing.strategies.torch import (
-        MCoreSavePlanner,
-        TorchDistSaveShardedStrategy,
-        _replace_state_dict_keys_with_sharded_keys,
-        mcore_to_pyt_state_dict,
-    )
-
-    class SyncTorchDistSave(TorchDistSaveShardedStrategy):
-        def save(self, sharded_state_dict, checkpoint_dir):
-            state, _, _ = _replace_state_dict_keys_with_sharded_keys(
-                sharded_state_dict, self.keep_only_main_replica
-            )
-            planner = MCoreSavePlanner(
-                dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False
-            )
-            dcp.save(mcore_to_pyt_state_dict(state, False), planner=planner,
-                     storage_writer=dcp.FileSystemWriter(checkpoint_dir, thread_count=1))
-
-    return SyncTorchDistSave("torch_dist", 1)
+    return sync_save_strategy()
 
 
 def _megatron_save_fn(rank: int, iteration: int, payload=None):

@@ -23,24 +23,9 @@ HIDDEN, HEADS, FFN, MOE_FFN, EXPERTS, VOCAB, SEQ, ALIGN = 20, 4, 24, 6, 4, 64, 1
 
 
 def _sync_save_strategy():
-    """megatron's torch_dist format written in-process: its default writer forks processes
-    (the harness' daemonic ranks cannot), needs psutil and calls torch.cuda.synchronize()."""
-    import torch.distributed.checkpoint as dcp
-    from megatron.core.dist_checkpointing.strategies.torch import (
-        MCoreSavePlanner,
-        TorchDistSaveShardedStrategy,
-        _replace_state_dict_keys_with_sharded_keys,
-        mcore_to_pyt_state_dict,
-    )
+    from etp.megatron.checkpoint import sync_save_strategy  # see its docstring
 
-    class SyncTorchDistSave(TorchDistSaveShardedStrategy):
-        def save(self, sharded_state_dict, checkpoint_dir):
-            state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, True)
-            planner = MCoreSavePlanner(flatten_state_dict=False)
-            dcp.save(mcore_to_pyt_state_dict(state, False), planner=planner,
-                     storage_writer=dcp.FileSystemWriter(checkpoint_dir, thread_count=1))
-
-    return SyncTorchDistSave("torch_dist", 1)
+    return sync_save_strategy()
 
 
 def _model(kind: str, seed: int, tp: int = 1, etp: int = 1, expert_etp: int | None = None):

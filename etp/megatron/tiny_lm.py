@@ -76,6 +76,23 @@ class _MoE(nn.Module):
         return combined.view(shape)
 
 
+def _sharded_state_dict(module: nn.Module, prefix: str, sharded_offsets: tuple, metadata) -> dict:
+    """Recursive megatron-style description of a plain torch module: children with their
+    own ``sharded_state_dict`` (megatron's TP linears) describe themselves, every other
+    parameter is replicated over TP and DP."""
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    own = {name: p for name, p in module.named_parameters(recurse=False)}
+    result = make_sharded_tensors_for_checkpoint(own, prefix, sharded_offsets=sharded_offsets) if own else {}
+    for name, child in module.named_children():
+        child_prefix = f"{prefix}{name}."
+        if hasattr(child, "sharded_state_dict"):
+            result.update(child.sharded_state_dict(child_prefix, sharded_offsets, metadata))
+        else:
+            result.update(_sharded_state_dict(child, child_prefix, sharded_offsets, metadata))
+    return result
+
+
 class TinyMoELM(nn.Module):
     """Decoder-only MoE LM: ``forward(tokens [b, s]) -> logits [b, s, vocab]``.
 
@@ -123,6 +140,13 @@ class TinyMoELM(nn.Module):
             x = x + layer["moe"](layer["mlp_norm"](x))
         logits, _ = self.output(self.final_norm(x))
         return logits.transpose(0, 1)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """megatron-core's checkpoint description (TP linears TP-sharded, the rest
+        replicated), for ``dist_checkpointing`` and ``etp.megatron.sharded_state``."""
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+        return _sharded_state_dict(self, prefix, sharded_offsets, ensure_metadata_has_dp_cp_group(metadata))
 
     def aux_loss(self) -> torch.Tensor:
         return sum(layer["moe"].aux_loss for layer in self.layers)

@@ -1,0 +1,211 @@
+"""Training checkpoints of ETP models: weights and optimizer state, reshardable, crash-safe.
+
+[Note: ETP training checkpoints]
+A checkpoint is megatron-core ``dist_checkpointing`` (torch_dist format) of
+
+* ``model``: the model's sharded state dict with ETP weights as pieces of the full logical
+  weights (``etp.megatron.sharded_state``: megatron's keys and global shapes, padding
+  excluded, one writer per piece);
+* ``optimizer``: for every parameter with optimizer state, each state tensor (Adam's
+  ``exp_avg`` / ``exp_avg_sq``, megatron's fp32 master weight ``fp32_param``) described
+  exactly like its parameter, under ``optimizer.<state>.<parameter key>`` (megatron's
+  ``make_sharded_optimizer_tensor``); plain values (Adam's step count, the iteration) are
+  common state;
+
+published by ``etp.checkpoint_io`` (temporary directory, manifest with a sha256 per file,
+atomic rename, ``latest`` last) and read back through its verification and restricted
+unpickling. Because every tensor is described by logical position, a checkpoint saved at one
+(TP, ETP, EETP, DP) layout loads at any other, ETP = 1 included: the loader builds the same
+description for its own layout and torch DCP moves the overlapping boxes.
+
+Optimizers: torch optimizers whose per-parameter state is tensors of the parameter's shape
+plus a scalar ``step`` (Adam, AdamW, SGD with momentum), and megatron-core's mixed-precision
+and fp32 optimizers (``ChainedOptimizer`` of ``Float16OptimizerWithFloat16Params`` /
+``FP32Optimizer``). megatron-core's ``DistributedOptimizer`` keeps state as flat buffer
+ranges that etp does not map yet: saving with it raises ``ValueError``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..checkpoint_io import LoadedCheckpoint, load_checkpoint, save_checkpoint
+
+__all__ = ["load_training_checkpoint", "save_training_checkpoint", "sync_save_strategy"]
+
+
+def sync_save_strategy():
+    """megatron-core's torch_dist format written synchronously in-process.
+
+    megatron-core 0.16.1's default torch_dist writer calls ``torch.cuda.synchronize()``
+    unconditionally (CPU-only torch raises), needs psutil and forks writer processes plus a
+    multiprocessing Manager (daemonic spawned ranks may not). This strategy writes the same
+    files (``__<rank>_0.distcp``, ``.metadata``) with torch DCP's synchronous
+    ``FileSystemWriter`` and megatron's save planner, on CPU and GPU alike.
+
+    Example::
+
+        dist_checkpointing.save(state, directory, sharded_strategy=sync_save_strategy())
+    """
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner,
+        TorchDistSaveShardedStrategy,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+
+    class SyncTorchDistSave(TorchDistSaveShardedStrategy):
+        def save(self, sharded_state_dict, checkpoint_dir):
+            state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
+            planner = MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
+                                       flatten_state_dict=False)
+            dcp.save(mcore_to_pyt_state_dict(state, False), planner=planner,
+                     storage_writer=dcp.FileSystemWriter(checkpoint_dir, thread_count=1))
+
+    return SyncTorchDistSave("torch_dist", 1)
+
+
+def _inner_optimizers(optimizer) -> list:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    for opt in inner:
+        if isinstance(opt, DistributedOptimizer):
+            raise ValueError("checkpointing megatron-core's DistributedOptimizer with etp is not "
+                             "supported yet: set use_distributed_optimizer: false (ETP already "
+                             "shards the optimizer state over the ETP group)")
+    return inner
+
+
+def _state_by_param(optimizer) -> dict[int, dict[str, torch.Tensor]]:
+    """id(model param) -> {state name: tensor of the param's shape}; created (zero) when the
+    optimizer has not stepped yet, so that a fresh optimizer can be loaded into."""
+    result: dict[int, dict[str, torch.Tensor]] = {}
+    if isinstance(optimizer, torch.optim.Optimizer):
+        pairs = [(p, p, optimizer) for g in optimizer.param_groups for p in g["params"]]
+    else:
+        pairs = []
+        for opt in _inner_optimizers(optimizer):
+            if hasattr(opt, "float16_groups"):  # mixed precision: fp32 masters beside the model
+                for model_group, main_group in zip(opt.float16_groups, opt.fp32_from_float16_groups):
+                    pairs += [(m, main, opt.optimizer) for m, main in zip(model_group, main_group)]
+                pairs += [(p, p, opt.optimizer) for g in opt.fp32_from_fp32_groups for p in g]
+            else:
+                pairs += [(p, p, opt.optimizer) for g in opt.optimizer.param_groups for p in g["params"]]
+    for model_param, main_param, torch_opt in pairs:
+        state = torch_opt.state[main_param]
+        if not state:  # Adam before its first step: create what its first step would
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(main_param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(main_param, memory_format=torch.preserve_format)
+        tensors = {k: v for k, v in state.items() if torch.is_tensor(v) and v.shape == main_param.shape}
+        if main_param is not model_param:
+            tensors["fp32_param"] = main_param.data
+        result[id(model_param)] = {"tensors": tensors, "state": state}
+    return result
+
+
+def _model_entries(model_sd: dict) -> dict[int, Any]:
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    return {id(e.data): e for e in nested_values(model_sd) if isinstance(e, (ShardedTensor, ShardedTensorFactory))}
+
+
+def _optimizer_sharded_state(model_sd: dict, states: dict) -> tuple[dict, dict]:
+    """(sharded optimizer state, {key: state dict to put steps back into})."""
+    from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+
+    entries = _model_entries(model_sd)
+    sharded, steps = {}, {}
+    for pid, record in states.items():
+        entry = entries.get(pid)
+        if entry is None:
+            raise ValueError("an optimized parameter has no entry in the model's sharded state dict")
+        for name, tensor in record["tensors"].items():
+            sharded[f"{name}.{entry.key}"] = make_sharded_optimizer_tensor(entry, tensor, f"optimizer.{name}")
+        steps[entry.key] = record["state"]
+    return sharded, steps
+
+
+def _model_sharded_state_dict(model: torch.nn.Module):
+    """(the model inside DDP / Float16Module wrappers, its ETP sharded state dict)."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.transformer.module import Float16Module
+
+    from .sharded_state import etp_sharded_state_dict
+
+    inner = model
+    while isinstance(inner, (DistributedDataParallel, Float16Module)):
+        inner = inner.module
+    if not hasattr(type(inner), "sharded_state_dict"):
+        raise ValueError(f"{type(model).__name__} has no megatron-core sharded_state_dict to checkpoint")
+    return inner, etp_sharded_state_dict(inner)
+
+
+def save_training_checkpoint(root: str | Path, iteration: int, model: torch.nn.Module, optimizer,
+                             metadata: dict | None = None) -> Path:
+    """Saves model and optimizer state as ``<root>/iter_<iteration>`` and publishes it as
+    ``latest`` (a collective: every rank calls it). See [Note: ETP training checkpoints].
+
+    Raises:
+        ValueError: an unsupported optimizer (megatron-core's DistributedOptimizer).
+        etp.checkpoint_io.CheckpointError: the save failed on some rank (nothing published).
+
+    Example::
+
+        save_training_checkpoint("ckpt", 100, model, optimizer, {"recipe": "moe.yaml"})
+    """
+    from megatron.core import dist_checkpointing
+
+    _, model_sd = _model_sharded_state_dict(model)
+    opt_sd, steps = _optimizer_sharded_state(model_sd, _state_by_param(optimizer))
+    step_counts = {key: float(state["step"]) for key, state in steps.items() if "step" in state}
+    state = {"model": model_sd, "optimizer": opt_sd, "iteration": iteration, "optimizer_steps": step_counts}
+
+    def save_fn(directory: Path) -> None:
+        dist_checkpointing.save(state, str(directory), sharded_strategy=sync_save_strategy())
+
+    return save_checkpoint(root, iteration, save_fn, metadata or {})
+
+
+def load_training_checkpoint(root: str | Path, model: torch.nn.Module, optimizer,
+                             iteration: int | None = None) -> LoadedCheckpoint:
+    """Loads the checkpoint ``iteration`` (default: ``latest``) of ``root`` into ``model`` and
+    ``optimizer`` at their current layout, whatever layout saved it (a collective). FP8
+    shard copies are re-quantized. Returns ``(iteration, metadata, None)``.
+
+    Raises:
+        etp.checkpoint_io.CheckpointError: no checkpoint, or a corrupt / partial / tampered one.
+
+    Example::
+
+        iteration, metadata, _ = load_training_checkpoint("ckpt", model, optimizer)
+    """
+    from megatron.core import dist_checkpointing
+
+    from ..quant import quantize_shards
+
+    inner, model_sd = _model_sharded_state_dict(model)
+    states = _state_by_param(optimizer)
+    opt_sd, steps = _optimizer_sharded_state(model_sd, states)
+    targets = {key: entry.data for key, entry in opt_sd.items()}
+
+    def load_fn(directory: Path):
+        request = {"model": model_sd, "optimizer": opt_sd, "iteration": None, "optimizer_steps": None}
+        return dist_checkpointing.load(request, str(directory))
+
+    loaded = load_checkpoint(root, load_fn, iteration)
+    state = loaded.result
+    with torch.no_grad():
+        inner.load_state_dict(state["model"])
+        for key, value in state["optimizer"].items():
+            targets[key].copy_(value)
+        for key, step_state in steps.items():
+            if "step" in step_state and key in state["optimizer_steps"]:
+                step_state["step"].fill_(state["optimizer_steps"][key])
+    quantize_shards(inner)
+    return LoadedCheckpoint(state["iteration"], loaded.metadata, None)
