@@ -49,8 +49,9 @@ def _parse(argv):
     parser.add_argument("--audit", nargs="?", const="etp_audit.json", metavar="PATH",
                         help="record per-phase memory (etp.audit.MemoryAudit), print it against the "
                              "prediction and write every rank's to PATH (default etp_audit.json)")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from the latest checkpoint of the recipe's load (or save) directory")
+    parser.add_argument("--resume", nargs="?", const=True, default=False, type=int, metavar="ITERATION",
+                        help="continue from the latest checkpoint (or the given iteration's) of the "
+                             "recipe's load (or save) directory, at any parallel layout")
     parser.add_argument("--exit-after", type=int, metavar="N",
                         help="stop after iteration N (the learning-rate schedule still spans train_iters)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -85,24 +86,27 @@ def _lr(recipe, iteration: int) -> float:
 
 
 class _Batches:
-    """Per-rank random windows of the corpus (bytes), or synthetic tokens. A batch depends
-    only on (seed, data-parallel rank, iteration, microbatch), so a resumed run reads what
-    the uninterrupted run would have read."""
+    """Random windows of the corpus (bytes), or synthetic tokens. Every sample of the global
+    batch depends only on (seed, iteration, its index in the global batch), so a resumed
+    run reads what the uninterrupted run would have read, at any data-parallel layout."""
 
-    def __init__(self, recipe, rank: int, device) -> None:
+    def __init__(self, recipe, rank: int, device, microbatches: int) -> None:
         path = recipe.resolve_data_path()
         self.data = None if path is None else torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
-        self.seed, self.rank = recipe.train.seed, rank
-        self.shape = (recipe.train.micro_batch_size, recipe.model.seq_length + 1)
+        self.seed, self.rank, self.microbatches = recipe.train.seed, rank, microbatches
+        self.rows, self.width = recipe.train.micro_batch_size, recipe.model.seq_length + 1
         self.vocab, self.device = recipe.model.vocab_size, device
 
-    def get(self, iteration: int, micro: int) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(hash((self.seed, self.rank, iteration, micro)) % 2**63)
+    def _sample(self, iteration: int, index: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(hash((self.seed, iteration, index)) % 2**63)
         if self.data is None:
-            return torch.randint(0, self.vocab, self.shape, generator=gen).to(self.device)
-        starts = torch.randint(0, self.data.numel() - self.shape[1], (self.shape[0],), generator=gen)
-        rows = torch.stack([self.data[s : s + self.shape[1]] for s in starts.tolist()])
-        return rows.long().to(self.device)
+            return torch.randint(0, self.vocab, (self.width,), generator=gen)
+        start = int(torch.randint(0, self.data.numel() - self.width, (1,), generator=gen))
+        return self.data[start : start + self.width].long()
+
+    def get(self, iteration: int, micro: int) -> torch.Tensor:
+        first = (self.rank * self.microbatches + micro) * self.rows
+        return torch.stack([self._sample(iteration, first + j) for j in range(self.rows)]).to(self.device)
 
 
 def _build(recipe, device):
@@ -245,13 +249,13 @@ class _MegatronStep:
 
 
 def train(rank: int, world: int, recipe, port: int | None = None, json_path: str | None = None,
-          audit_path: str | None = None, resume: bool = False, exit_after: int | None = None) -> list[float]:
+          audit_path: str | None = None, resume: bool | int = False, exit_after: int | None = None) -> list[float]:
     """One rank of a run; returns the data-parallel mean loss of every iteration it ran.
     Rank 0 writes the run's figures to ``json_path`` and, with ``audit_path``, the memory
     audit of every rank (``etp.audit.MemoryAudit``: per-phase peaks, measured vs predicted
     bytes). With ``recipe.train.save`` and ``save_interval`` it checkpoints every
-    ``save_interval`` iterations; ``resume`` continues from the latest checkpoint of
-    ``load`` (or ``save``); ``exit_after`` stops after that iteration (the schedule still
+    ``save_interval`` iterations; ``resume`` (True, or an iteration) continues from the latest
+    (or that) checkpoint of ``load`` (or ``save``); ``exit_after`` stops after that iteration (the schedule still
     spans ``train_iters``)."""
     _silence_fallback_warnings(rank)
     from megatron.core import parallel_state as ps
@@ -291,13 +295,13 @@ def train(rank: int, world: int, recipe, port: int | None = None, json_path: str
 
         audit = MemoryAudit(trainer.model, trainer.optimizer, device)
     phase = audit.phase if audit is not None else _no_phase
-    batches = _Batches(recipe, ps.get_data_parallel_rank(), device)
     micro = recipe.num_microbatches(world)
+    batches = _Batches(recipe, ps.get_data_parallel_rank(), device, micro)
     tokens_per_iter = micro * recipe.train.micro_batch_size * recipe.model.seq_length
     flops_per_iter = 6 * recipe.num_params(active=True) * tokens_per_iter
     if rank == 0:
         print(f"etp-train: {recipe.source or 'recipe'} on {world} ranks ({backend}); {summary}", flush=True)
-    start = _resume(recipe, trainer, rank) if resume else 0
+    start = _resume(recipe, trainer, rank, None if resume is True else resume) if resume else 0
     stop = min(recipe.train.train_iters, exit_after or recipe.train.train_iters)
     losses, records, window = [], [], time.perf_counter()
     for iteration in range(start, stop):
@@ -354,14 +358,14 @@ def _save(recipe, trainer, iteration: int, world: int, rank: int) -> None:
         print(f"etp-train: saved iteration {iteration} to {path} ({time.perf_counter() - began:.1f} s)", flush=True)
 
 
-def _resume(recipe, trainer, rank: int) -> int:
+def _resume(recipe, trainer, rank: int, iteration: int | None) -> int:
     from .megatron.checkpoint import load_training_checkpoint
 
     root = recipe.train.load or recipe.train.save
     if root is None:
         raise ValueError("--resume needs a checkpoint directory: set the recipe's load (or save) key, "
                          "e.g. --set load=checkpoints")
-    iteration, metadata, _ = load_training_checkpoint(root, trainer.model, trainer.optimizer)
+    iteration, metadata, _ = load_training_checkpoint(root, trainer.model, trainer.optimizer, iteration)
     if rank == 0:
         print(f"etp-train: resumed at iteration {iteration} from {root} (saved with layout "
               f"{metadata.get('layout')})", flush=True)

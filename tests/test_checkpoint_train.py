@@ -83,7 +83,7 @@ def _save_then_load(ctx, root, saved_layout, load_layouts):
 
     recipe = _recipe(*saved_layout)
     model, loss_fn, trainer = _build(recipe)
-    batches = driver._Batches(recipe, ps.get_data_parallel_rank(), torch.device("cpu"))
+    batches = driver._Batches(recipe, ps.get_data_parallel_rank(), torch.device("cpu"), recipe.num_microbatches(4))
     for iteration in range(2):
         if saved_layout[0] == 1:
             for index, context in enumerate(trainer.microbatches(recipe.num_microbatches(4))):
@@ -138,3 +138,20 @@ def test_resume_continues_the_loss_curve(tmp_path):
     assert first == full[:10]
     assert resumed == full[10:]  # same data, same state: the same floats
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["iter_0000010", "iter_0000020", "latest"]
+
+
+def test_resume_at_another_layout_continues_the_loss_curve(tmp_path):
+    """Saved at 2 ranks x ETP 2, resumed at 4 ranks x ETP 4 (the global batch is the same
+    samples at any layout): the losses continue the 2-rank run's within fp32 reduction-order
+    noise."""
+    from etp.train import main
+
+    base = ["--recipe", str(TINY), "--train-iters", "14", "--log-interval", "7",
+            "--set", "micro_batch_size=2", "--set", f"save={tmp_path / 'ckpt'}", "--set", "save_interval=7"]
+    assert main([*base, "--json", str(tmp_path / "two.json")]) == 0
+    four = ["--set", "world_size=4", "--set", "etp.etp_size=4", "--set", "etp.expert_etp_size=4",
+            "--set", f"load={tmp_path / 'ckpt'}", "--set", f"save={tmp_path / 'ckpt4'}"]
+    assert main([*base, *four, "--resume", "7", "--json", str(tmp_path / "four.json")]) == 0
+    two, resumed = (json.loads((tmp_path / f"{n}.json").read_text())["losses"] for n in ("two", "four"))
+    assert len(resumed) == 7
+    assert torch.allclose(torch.tensor(resumed), torch.tensor(two[7:]), rtol=1e-4), (resumed, two[7:])
