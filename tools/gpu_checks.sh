@@ -5,6 +5,8 @@
 #   bash tools/gpu_checks.sh kernels  kernel benchmark (1 GPU)
 #   bash tools/gpu_checks.sh bench    expert-stack benchmark, all default variants (8 GPUs)
 #   bash tools/gpu_checks.sh ctas N   expert-stack benchmark with NCCL_MAX_CTAS=N (8 GPUs)
+#   bash tools/gpu_checks.sh checkpoint  recipe (LAYERS layers) at ETP=NPROC saved at iteration 10,
+#                                      resumed at ETP=NPROC/2 on NPROC/2 GPUs, vs uninterrupted
 #   bash tools/gpu_checks.sh megatron  driver vs stock megatron-core on 2 GPUs (pytest), then
 #                                      recipes/moe_h200x8.yaml with and without ETP (NPROC GPUs)
 # NPROC=4 runs the benchmarks on 4 GPUs instead of 8.
@@ -60,5 +62,24 @@ megatron)
     | grep -v "^W1121\|OMP_NUM\|\*\*\*\*" | tail -30
   python3 tools/compare_recipe_runs.py --etp "$OUT/recipe_etp.json" --baseline "$OUT/recipe_plain.json" \
     --tolerance 0.02 --command "$CMD" --out "$OUT/moe_h200x8_compare.json"
+  ;;
+checkpoint)
+  N=${NPROC:-8}; H=$((N / 2)); CK=${CKPT_DIR:-/tmp/etp_ckpt}; rm -rf "$CK"
+  BASE="--recipe recipes/moe_h200x8.yaml --train-iters 20 --log-interval 5 --set num_layers=${LAYERS:-8} --set global_batch_size=16 --set save_interval=10"
+  echo "=== $N GPUs, ETP $N: 20 iterations, saving at 10 and 20"
+  torchrun --nproc-per-node=$N -m etp.train $BASE --set world_size=$N --set etp.etp_size=$N \
+    --set etp.expert_etp_size=$N --set save="$CK/a" --json "$OUT/ckpt_full.json" 2>&1 | grep "^iter\|^etp-train" | tail -12
+  du -sh "$CK/a/iter_0000010"
+  echo "=== $H GPUs, ETP $H: resume from iteration 10 of the $N-GPU run"
+  torchrun --nproc-per-node=$H -m etp.train $BASE --set world_size=$H --set etp.etp_size=$H \
+    --set etp.expert_etp_size=$H --set load="$CK/a" --set save="$CK/c" --resume 10 --json "$OUT/ckpt_resumed.json" 2>&1 \
+    | grep "^iter\|^etp-train\|Error" | tail -12
+  python3 - "$OUT/ckpt_full.json" "$OUT/ckpt_resumed.json" <<'PY'
+import json, sys
+full, resumed = (json.load(open(p))["losses"] for p in sys.argv[1:])
+rel = [abs(a - b) / b for a, b in zip(resumed, full[10:])]
+print(json.dumps({"iterations": list(range(11, 21)), "uninterrupted": full[10:], "resumed": resumed,
+                  "max_rel_diff": max(rel)}))
+PY
   ;;
 esac
