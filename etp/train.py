@@ -336,12 +336,27 @@ def train(rank: int, world: int, recipe, port: int | None = None, json_path: str
                 print(f"iter {iteration + 1:5d}/{recipe.train.train_iters} | loss {losses[-1]:.4f} | "
                       f"grad norm {norm:.3f} | {elapsed * 1e3:8.1f} ms/iter | "
                       f"{flops_per_iter / elapsed / 1e12:7.3f} TFLOP/s/rank | peak {peak}", flush=True)
+    _quiesce(trainer, device)
     if json_path and rank == 0:
         _write_report(json_path, recipe, world, backend, summary, losses, records, device)
     if audit is not None:
         _write_audit(audit_path, audit, recipe, world, rank)
     ps.destroy_model_parallel()
     return losses
+
+
+def _quiesce(trainer, device) -> None:
+    """Ends the run with nothing in flight: ETP's prefetched gathers discarded, side streams
+    idle, every rank past its last collective (NCCL's destroy_process_group hung at exit on
+    the GPU machine after checkpoint saves without this)."""
+    from .wrap import _runtime_of
+
+    runtime = _runtime_of(trainer.model)
+    if runtime is not None:
+        runtime.drain()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
 
 
 def _save(recipe, trainer, iteration: int, world: int, rank: int) -> None:

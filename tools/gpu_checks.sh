@@ -67,11 +67,11 @@ checkpoint)
   N=${NPROC:-8}; H=$((N / 2)); CK=${CKPT_DIR:-/tmp/etp_ckpt}; rm -rf "$CK"
   BASE="--recipe recipes/moe_h200x8.yaml --train-iters 20 --log-interval 5 --set num_layers=${LAYERS:-8} --set global_batch_size=16 --set save_interval=10"
   echo "=== $N GPUs, ETP $N: 20 iterations, saving at 10 and 20"
-  torchrun --nproc-per-node=$N -m etp.train $BASE --set world_size=$N --set etp.etp_size=$N \
+  timeout 240 torchrun --nproc-per-node=$N -m etp.train $BASE --set world_size=$N --set etp.etp_size=$N \
     --set etp.expert_etp_size=$N --set save="$CK/a" --json "$OUT/ckpt_full.json" 2>&1 | grep "^iter\|^etp-train" | tail -12
   du -sh "$CK/a/iter_0000010"
   echo "=== $H GPUs, ETP $H: resume from iteration 10 of the $N-GPU run"
-  torchrun --nproc-per-node=$H -m etp.train $BASE --set world_size=$H --set etp.etp_size=$H \
+  timeout 240 torchrun --nproc-per-node=$H -m etp.train $BASE --set world_size=$H --set etp.etp_size=$H \
     --set etp.expert_etp_size=$H --set load="$CK/a" --set save="$CK/c" --resume 10 --json "$OUT/ckpt_resumed.json" 2>&1 \
     | grep "^iter\|^etp-train\|Error" | tail -12
   python3 - "$OUT/ckpt_full.json" "$OUT/ckpt_resumed.json" <<'PY'
