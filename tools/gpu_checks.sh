@@ -65,7 +65,7 @@ megatron)
   ;;
 checkpoint)
   N=${NPROC:-8}; H=$((N / 2)); CK=${CKPT_DIR:-/tmp/etp_ckpt}; rm -rf "$CK"
-  BASE="--recipe recipes/moe_h200x8.yaml --train-iters 20 --log-interval 5 --set num_layers=${LAYERS:-8} --set global_batch_size=16 --set save_interval=10"
+  BASE="--recipe recipes/moe_h200x8.yaml --train-iters 20 --log-interval 5 --set num_layers=${LAYERS:-8} --set global_batch_size=16 --set save_interval=10 ${EXTRA:-}"
   echo "=== $N GPUs, ETP $N: 20 iterations, saving at 10 and 20"
   timeout 240 torchrun --nproc-per-node=$N -m etp.train $BASE --set world_size=$N --set etp.etp_size=$N \
     --set etp.expert_etp_size=$N --set save="$CK/a" --json "$OUT/ckpt_full.json" 2>&1 | grep "^iter\|^etp-train" | tail -12
