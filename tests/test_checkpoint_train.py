@@ -155,3 +155,74 @@ def test_resume_at_another_layout_continues_the_loss_curve(tmp_path):
     two, resumed = (json.loads((tmp_path / f"{n}.json").read_text())["losses"] for n in ("two", "four"))
     assert len(resumed) == 7
     assert torch.allclose(torch.tensor(resumed), torch.tensor(two[7:]), rtol=1e-4), (resumed, two[7:])
+
+
+def _gpt(etp_size: int):
+    """A 2-layer megatron-core GPTModel (MoE, etp grouped experts) at ETP ``etp_size`` with
+    AdamW: megatron stacks its layers under one checkpoint key per weight."""
+    import torch.nn.functional as F
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from etp import ETPConfig
+    from etp.megatron.groups import build_megatron_etp_groups
+    from etp.megatron.model import apply_etp, etp_gpt_layer_spec
+
+    ps.initialize_model_parallel()
+    torch.manual_seed(0)
+    config = TransformerConfig(num_layers=2, hidden_size=48, num_attention_heads=4, ffn_hidden_size=96,
+                               num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=36,
+                               use_cpu_initialization=True, gated_linear_unit=True, add_bias_linear=False,
+                               moe_token_dispatcher_type="allgather", activation_func=F.silu,
+                               normalization="RMSNorm")
+    model = GPTModel(config=config, transformer_layer_spec=etp_gpt_layer_spec(num_experts=4, normalization="RMSNorm"),
+                     vocab_size=128, max_sequence_length=32, share_embeddings_and_output_weights=False)
+    etp = ETPConfig(etp_size=etp_size, expert_etp_size=etp_size)
+    apply_etp(model, etp, build_megatron_etp_groups(etp))
+    return model, torch.optim.AdamW(model.parameters())
+
+
+def _gpt_round_trip(ctx, root):
+    from megatron.core import parallel_state as ps
+
+    from etp.megatron.checkpoint import load_training_checkpoint, save_training_checkpoint
+
+    model, optimizer = _gpt(4)
+    for _ in range(2):  # Adam state from made-up gradients (zero on padding rows)
+        for param in model.parameters():
+            param.grad = torch.sin(3 * param.detach())
+        optimizer.step()
+    expected = _snapshot(model, optimizer)
+    save_training_checkpoint(root, 2, model, optimizer)
+    ps.destroy_model_parallel()
+    for size in (2, 1):
+        model, optimizer = _gpt(size)
+        load_training_checkpoint(root, model, optimizer)
+        got = _snapshot(model, optimizer)
+        for name, tensors in expected.items():
+            for key, want in tensors.items():
+                assert torch.equal(got[name][key], want), f"ETP {size}: {name} {key} differs"
+        ps.destroy_model_parallel()
+    return True
+
+
+def test_gpt_model_layers_stacked_under_one_key_round_trip(tmp_path):
+    assert run_distributed(_gpt_round_trip, 4, str(tmp_path / "ckpt")) == [True] * 4
+
+
+def _broken_description(ctx):
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from etp.megatron.checkpoint import _validate_on_every_rank
+
+    # Rank 1 describes half of a 2-row tensor, nobody the other half: megatron's validation
+    # fails on rank 0 only; every rank must raise instead of waiting in the save.
+    piece = ShardedTensor.from_rank_offsets("w", torch.zeros(1, 4), (0, 1, 2), replica_id=0)
+    with pytest.raises(ValueError, match="sharding is invalid"):
+        _validate_on_every_rank({"w": piece} if ctx.rank == 1 else {})
+    return True
+
+
+def test_invalid_sharding_fails_on_every_rank():
+    assert run_distributed(_broken_description, 2, timeout=60) == [True] * 2

@@ -108,27 +108,59 @@ def _state_by_param(optimizer) -> dict[int, dict[str, torch.Tensor]]:
     return result
 
 
-def _model_entries(model_sd: dict) -> dict[int, Any]:
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
+def _model_entries(model_sd: dict) -> dict[int, tuple[str, Any]]:
+    """id(parameter) -> (its path in the sharded state dict, its entry). The path, not the
+    entry's checkpoint key, names it uniquely: megatron stacks the layers of a block under
+    one key (``decoder.layers.<...>``, the layer index being an offset of a prepended axis)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-    return {id(e.data): e for e in nested_values(model_sd) if isinstance(e, (ShardedTensor, ShardedTensorFactory))}
+    found: dict[int, tuple[str, Any]] = {}
+
+    def walk(node, path: str) -> None:
+        for name, value in node.items():
+            if isinstance(value, dict):
+                walk(value, f"{path}{name}.")
+            elif isinstance(value, (ShardedTensor, ShardedTensorFactory)):
+                found[id(value.data)] = (f"{path}{name}", value)
+
+    walk(model_sd, "")
+    return found
 
 
 def _optimizer_sharded_state(model_sd: dict, states: dict) -> tuple[dict, dict]:
-    """(sharded optimizer state, {key: state dict to put steps back into})."""
+    """(sharded optimizer state, {path: optimizer state dict, to put steps back into})."""
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
     entries = _model_entries(model_sd)
     sharded, steps = {}, {}
     for pid, record in states.items():
-        entry = entries.get(pid)
-        if entry is None:
+        if pid not in entries:
             raise ValueError("an optimized parameter has no entry in the model's sharded state dict")
+        path, entry = entries[pid]
         for name, tensor in record["tensors"].items():
-            sharded[f"{name}.{entry.key}"] = make_sharded_optimizer_tensor(entry, tensor, f"optimizer.{name}")
-        steps[entry.key] = record["state"]
+            sharded[f"{name}.{path}"] = make_sharded_optimizer_tensor(entry, tensor, f"optimizer.{name}")
+        steps[path] = record["state"]
     return sharded, steps
+
+
+def _validate_on_every_rank(state: dict) -> None:
+    """megatron validates a checkpoint's sharding on rank 0 only and raises there, while the
+    other ranks go on into the save's collectives and wait forever. Validating first and
+    sharing the verdict makes every rank fail together (nothing is written)."""
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+
+    error = None
+    try:
+        save_preprocess(state, validate_access_integrity=True)  # builds factories in place
+    except Exception as exc:  # noqa: BLE001 - shared with every rank below, then raised
+        error = f"{type(exc).__name__}: {exc}"
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [(rank, e) for rank, e in enumerate(errors) if e]
+    if failed:
+        rank, message = failed[0]
+        raise ValueError(f"the checkpoint's sharding is invalid (rank {rank}; nothing written): {message}")
 
 
 def _model_sharded_state_dict(model: torch.nn.Module):
@@ -167,7 +199,9 @@ def save_training_checkpoint(root: str | Path, iteration: int, model: torch.nn.M
     state = {"model": model_sd, "optimizer": opt_sd, "iteration": iteration, "optimizer_steps": step_counts}
 
     def save_fn(directory: Path) -> None:
-        dist_checkpointing.save(state, str(directory), sharded_strategy=sync_save_strategy())
+        _validate_on_every_rank(state)
+        dist_checkpointing.save(state, str(directory), sharded_strategy=sync_save_strategy(),
+                                validate_access_integrity=False)  # done above, on every rank
 
     return save_checkpoint(root, iteration, save_fn, metadata or {})
 
