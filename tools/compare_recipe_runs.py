@@ -1,12 +1,12 @@
 """Compares two ``etp-train --json`` runs of one recipe (with ETP and without) step by step.
 
-Prints the largest loss difference, whether it is within ``--tolerance`` (relative, per
-iteration), and a markdown table of ms/iter, TFLOP/s per rank, peak memory and parameter
+Prints whether the mean loss of the last 10 iterations agrees within ``--tolerance``
+(relative), the per-iteration and moving-average differences, and a markdown table of ms/iter, TFLOP/s per rank, peak memory and parameter
 bytes per rank for both runs; ``--out`` writes both runs and the verdict as one JSON file.
 
 Example::
 
-    python tools/compare_recipe_runs.py --etp etp.json --baseline plain.json --tolerance 0.02 \
+    python tools/compare_recipe_runs.py --etp etp.json --baseline plain.json --tolerance 0.03 \
         --command "torchrun --nproc-per-node 8 -m etp.train --recipe recipes/moe_h200x8.yaml" \
         --out benchmarks/moe_h200x8.json
 """
@@ -17,16 +17,30 @@ import json
 import sys
 
 
-def compare(etp: dict, baseline: dict, tolerance: float) -> dict:
-    if len(etp["losses"]) != len(baseline["losses"]):
-        raise ValueError(f"the runs have {len(etp['losses'])} and {len(baseline['losses'])} iterations: "
-                         "run both with the same train_iters")
-    rel = [abs(a - b) / abs(b) for a, b in zip(etp["losses"], baseline["losses"])]
+def _moving_average(values: list[float], window: int) -> list[float]:
+    return [sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
+            for i in range(len(values))]
+
+
+def compare(etp: dict, baseline: dict, tolerance: float, window: int = 10) -> dict:
+    """The verdict is on the mean loss of the last ``window`` iterations (relative
+    difference <= ``tolerance``): bf16 runs that start from the same weights and data drift
+    apart step by step (reduction order), so single iterations, especially around loss
+    spikes, differ by more than the training outcome does. Per-iteration and moving-average
+    differences are reported beside it."""
+    a, b = etp["losses"], baseline["losses"]
+    if len(a) != len(b):
+        raise ValueError(f"the runs have {len(a)} and {len(b)} iterations: run both with the same train_iters")
+    rel = [abs(x - y) / abs(y) for x, y in zip(a, b)]
     worst = max(range(len(rel)), key=rel.__getitem__)
-    return {"tolerance": tolerance, "max_rel_loss_diff": rel[worst], "at_iteration": worst + 1,
-            "within_tolerance": rel[worst] <= tolerance,
-            "first_loss": [etp["losses"][0], baseline["losses"][0]],
-            "last_loss": [etp["losses"][-1], baseline["losses"][-1]]}
+    smooth = [abs(x - y) / abs(y) for x, y in zip(_moving_average(a, 5), _moving_average(b, 5))]
+    tail_a, tail_b = sum(a[-window:]) / len(a[-window:]), sum(b[-window:]) / len(b[-window:])
+    tail = abs(tail_a - tail_b) / abs(tail_b)
+    return {"tolerance": tolerance, "window": window, "tail_mean_loss": [tail_a, tail_b],
+            "tail_rel_diff": tail, "within_tolerance": tail <= tolerance,
+            "max_rel_loss_diff": rel[worst], "at_iteration": worst + 1,
+            "max_rel_diff_moving_average_5": max(smooth),
+            "first_loss": [a[0], b[0]], "last_loss": [a[-1], b[-1]]}
 
 
 def table(etp: dict, baseline: dict) -> str:
@@ -45,7 +59,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--etp", required=True)
     parser.add_argument("--baseline", required=True)
-    parser.add_argument("--tolerance", type=float, default=0.02, help="relative loss difference per iteration")
+    parser.add_argument("--tolerance", type=float, default=0.03,
+                        help="relative difference of the mean loss of the last 10 iterations")
     parser.add_argument("--command", default="", help="the command line, recorded beside the figures")
     parser.add_argument("--out", help="write both runs and the verdict here")
     args = parser.parse_args(argv)

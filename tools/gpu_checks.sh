@@ -61,7 +61,7 @@ megatron)
   $CMD --set etp.etp_size=1 --set etp.expert_etp_size=1 --json "$OUT/recipe_plain.json" --audit "$OUT/audit_plain.json" 2>&1 \
     | grep -v "^W1121\|OMP_NUM\|\*\*\*\*" | tail -30
   python3 tools/compare_recipe_runs.py --etp "$OUT/recipe_etp.json" --baseline "$OUT/recipe_plain.json" \
-    --tolerance 0.02 --command "$CMD" --out "$OUT/moe_h200x8_compare.json"
+    --tolerance 0.03 --command "$CMD" --out "$OUT/moe_h200x8_compare.json"
   ;;
 checkpoint)
   N=${NPROC:-8}; H=$((N / 2)); CK=${CKPT_DIR:-/tmp/etp_ckpt}; rm -rf "$CK"
