@@ -5,8 +5,9 @@ dense and expert buffers reduce over different replicate groups. A model of a me
 ColumnParallelLinear, RowParallelLinear, a replicated scale vector and etp grouped experts
 (rows padded and straddling experts) runs one mean-loss step per rank on rank-specific data;
 every ``main_grad`` after finalize must equal the float64 gradient of the unsharded model on
-all ranks' data (independent autograd reference), with ``overlap_grad_reduce`` off and on
-and either ETP reduction (DDP's scaling adapts).
+all ranks' data (independent autograd reference), with ``overlap_grad_reduce`` off and on,
+either ETP reduction (DDP's scaling adapts), and megatron's per-token loss (sums divided by
+the global token count in finalize) with different token counts per rank.
 With overlap on, DDP's grad-ready must only be fired for an ETP weight once its
 reduce-scattered gradient is in ``main_grad``.
 
@@ -38,17 +39,23 @@ def _reference(device):
     }
 
 
-def _data(rank):
+def _data(rank, uneven=False):
     g = torch.Generator().manual_seed(200 + rank)
-    x = torch.randn(SEQ, BATCH, HIDDEN, generator=g, dtype=torch.float64)
-    counts = torch.tensor([3, 0, SEQ * BATCH - 3])  # an expert with no tokens
+    batch = 1 + rank % BATCH if uneven else BATCH  # uneven: ranks hold different token counts
+    x = torch.randn(SEQ, batch, HIDDEN, generator=g, dtype=torch.float64)
+    counts = torch.tensor([3, 0, SEQ * batch - 3])  # an expert with no tokens
     return x, counts
 
 
-def _forward(w, x, counts, experts):
+def _loss(out, per_token):
+    """Mean loss (megatron's default), or the per-token loss's *sum* (its per-token path)."""
+    return out.square().mean(-1).sum() if per_token else out.square().mean()
+
+
+def _forward(w, x, counts, experts, per_token=False):
     h = F.linear(F.gelu(F.linear(x, w["col"])), w["row"]) * w["scale"]
     flat = h.reshape(-1, HIDDEN)
-    return (flat + experts(flat, counts)).square().mean()
+    return _loss(flat + experts(flat, counts), per_token)
 
 
 def _reference_experts(w):
@@ -64,7 +71,7 @@ def _reference_experts(w):
     return run
 
 
-def _ddp_step(ctx, overlap: bool, reduction: str):
+def _ddp_step(ctx, overlap: bool, reduction: str, per_token: bool = False):
     torch.cuda.current_device = lambda: "cpu"  # megatron-core DDP buffers on CPU, see the doc
     from megatron.core import ModelParallelConfig
     from megatron.core import parallel_state as ps
@@ -81,10 +88,15 @@ def _ddp_step(ctx, overlap: bool, reduction: str):
     try:
         w = _reference(ctx.device)
         ref = {k: v.clone().requires_grad_(True) for k, v in w.items()}
-        losses = [_forward(ref, *_data(r), _reference_experts(ref)) for r in range(ctx.world_size)]
+        losses = [_forward(ref, *_data(r, per_token), _reference_experts(ref), per_token)
+                  for r in range(ctx.world_size)]
         names = ["col", "row", "fc1", "fc2"]
         per_rank = [torch.autograd.grad(loss, [ref[n] for n in names], retain_graph=True) for loss in losses]
-        torch.stack(losses).mean().backward()  # a mean loss: megatron's default convention
+        if per_token:  # the global per-token mean over all ranks' tokens
+            tokens = sum(_data(r, True)[0].shape[0] * _data(r, True)[0].shape[1] for r in range(ctx.world_size))
+            (torch.stack(losses).sum() / tokens).backward()
+        else:
+            torch.stack(losses).mean().backward()  # a mean loss: megatron's default convention
 
         mp = ModelParallelConfig(params_dtype=torch.float64, use_cpu_initialization=True)
         init = torch.nn.init.zeros_
@@ -104,6 +116,7 @@ def _ddp_step(ctx, overlap: bool, reduction: str):
         assert isinstance(model.experts.fc1_weight, ETPShardedParam)
 
         config = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=1,
+                                   calculate_per_token_loss=per_token,
                                    params_dtype=torch.float64, use_cpu_initialization=True)
         ddp = ETPDistributedDataParallel(config, DistributedDataParallelConfig(
             overlap_grad_reduce=overlap, bucket_size=40 if overlap else None), model)
@@ -123,7 +136,7 @@ def _ddp_step(ctx, overlap: bool, reduction: str):
 
                     bucket_group.register_grad_ready = spy
         module = ddp.module
-        x, counts = _data(ctx.rank)
+        x, counts = _data(ctx.rank, per_token)
         # Two iterations of two microbatches each (the first under no_sync), the same data
         # twice at half weight: DDP's first-batch bookkeeping and its later checks both see
         # ETP's grad-ready calls, and the gradient equals one full microbatch's.
@@ -134,8 +147,10 @@ def _ddp_step(ctx, overlap: bool, reduction: str):
                 with ddp.no_sync() if micro == 0 else contextlib.nullcontext():
                     h = module.row(F.gelu(module.col(x)[0]))[0] * module.scale
                     flat = h.reshape(-1, HIDDEN)
-                    ((flat + module.experts(flat, counts)).square().mean() / 2).backward()
-            finalize_model_grads([ddp])
+                    (_loss(flat + module.experts(flat, counts), per_token) / 2).backward()
+            # float64: megatron scales by 1.0 / num_tokens, in num_tokens' precision
+            num_tokens = torch.tensor(float(x.shape[0] * x.shape[1]), dtype=torch.float64) if per_token else None
+            finalize_model_grads([ddp], num_tokens=num_tokens)  # megatron sums it over DP
             if overlap:  # exactly once per ETP weight, in the last microbatch (DDP counts them)
                 etp_ids = {id(p) for p in model.parameters() if isinstance(p, ETPShardedParam)}
                 assert ready_calls == dict.fromkeys(etp_ids, 1), sorted(ready_calls.values())
@@ -159,7 +174,8 @@ def _ddp_step(ctx, overlap: bool, reduction: str):
         ps.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("overlap,reduction", [(False, "mean"), (True, "sum")],
-                         ids=["sync-mean", "overlap_grad_reduce-sum"])
-def test_etp_ddp_gradients_equal_unsharded_reference(overlap, reduction):
-    assert run_distributed(_ddp_step, 4, overlap, reduction) == [True] * 4
+@pytest.mark.parametrize("overlap,reduction,per_token", [
+    (False, "mean", False), (True, "sum", False), (False, "mean", True)],
+    ids=["sync-mean", "overlap_grad_reduce-sum", "per-token-loss-uneven-tokens"])
+def test_etp_ddp_gradients_equal_unsharded_reference(overlap, reduction, per_token):
+    assert run_distributed(_ddp_step, 4, overlap, reduction, per_token) == [True] * 4
