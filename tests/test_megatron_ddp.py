@@ -71,7 +71,26 @@ def _reference_experts(w):
     return run
 
 
-def _ddp_step(ctx, overlap: bool, reduction: str, per_token: bool = False):
+def _owned(ddp, param):
+    """The [lo, hi) ranges of ``param.main_grad`` (flattened) that this rank's distributed-
+    optimizer shard of each bucket covers: the only part megatron reduces there."""
+    ranges = []
+    for buffer in ddp.buffers + ddp.expert_parallel_buffers:
+        group_rank, group_size = buffer.data_parallel_group.rank(), buffer.data_parallel_group.size()
+        for bucket in buffer.buckets:
+            if param not in bucket.params:
+                continue
+            item = bucket.grad_data.element_size()
+            offset = (param.main_grad.data_ptr() - bucket.grad_data.data_ptr()) // item
+            shard = bucket.grad_data.numel() // group_size
+            lo = max(group_rank * shard, offset) - offset
+            hi = min((group_rank + 1) * shard, offset + param.main_grad.numel()) - offset
+            if lo < hi:
+                ranges.append((lo, hi))
+    return ranges
+
+
+def _ddp_step(ctx, overlap: bool, reduction: str, per_token: bool = False, distopt: bool = False):
     torch.cuda.current_device = lambda: "cpu"  # megatron-core DDP buffers on CPU, see the doc
     from megatron.core import ModelParallelConfig
     from megatron.core import parallel_state as ps
@@ -119,7 +138,8 @@ def _ddp_step(ctx, overlap: bool, reduction: str, per_token: bool = False):
                                    calculate_per_token_loss=per_token,
                                    params_dtype=torch.float64, use_cpu_initialization=True)
         ddp = ETPDistributedDataParallel(config, DistributedDataParallelConfig(
-            overlap_grad_reduce=overlap, bucket_size=40 if overlap else None), model)
+            overlap_grad_reduce=overlap, bucket_size=40 if overlap else None,
+            use_distributed_optimizer=distopt), model)
         at_ready = {}  # id(param) -> main_grad when DDP was told it is ready
         ready_calls = {}  # id(param) -> grad-ready calls in the last microbatch of an iteration
         if overlap:
@@ -161,6 +181,12 @@ def _ddp_step(ctx, overlap: bool, reduction: str, per_token: bool = False):
             layout = param.etp_layout
             start, valid = param.row_range[0], layout.valid_rows
             expected = full.grad.reshape(-1, full.shape[-1])[start : start + valid]
+            if distopt:  # only this rank's chunk of each bucket is reduced
+                padded = torch.zeros_like(param.main_grad)
+                padded[:valid] = expected
+                for lo, hi in _owned(ddp, param):
+                    assert_close(param.main_grad.flatten()[lo:hi], padded.flatten()[lo:hi], f"{name} chunk")
+                continue
             assert_close(param.main_grad[:valid], expected, name)
             if overlap:  # when DDP heard "ready": the ETP-group sum of local grads, unscaled
                 local = sum(per_rank[r][index] for r in param.etp_group.ranks)  # both halves
@@ -168,6 +194,11 @@ def _ddp_step(ctx, overlap: bool, reduction: str, per_token: bool = False):
                 local = local.reshape(-1, full.shape[-1])[start : start + valid]
                 assert_close(at_ready[id(param)][:valid], local, f"{name} at grad-ready")
             assert torch.count_nonzero(param.main_grad[layout.valid_rows :]) == 0, f"{name} padding"
+        if distopt:
+            owned = _owned(ddp, module.scale)
+            for lo, hi in owned:
+                assert_close(module.scale.main_grad[lo:hi], ref["scale"].grad[lo:hi], "scale chunk")
+            return sum(hi - lo for lo, hi in owned)
         assert_close(module.scale.main_grad, ref["scale"].grad, "scale (replicated)")
         return True
     finally:
@@ -179,3 +210,13 @@ def _ddp_step(ctx, overlap: bool, reduction: str, per_token: bool = False):
     ids=["sync-mean", "overlap_grad_reduce-sum", "per-token-loss-uneven-tokens"])
 def test_etp_ddp_gradients_equal_unsharded_reference(overlap, reduction, per_token):
     assert run_distributed(_ddp_step, 4, overlap, reduction, per_token) == [True] * 4
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap_grad_reduce"])
+def test_etp_ddp_distributed_optimizer_chunks(overlap):
+    """Reduce-scatter buckets (distributed optimizer) over the replicate group: each rank's
+    chunk is exact, including replicated params completed over the ETP group afterwards
+    (ETP peers own the same chunk position)."""
+    owned = run_distributed(_ddp_step, 4, overlap, "mean", False, True)
+    # The replicated vector's chunks: split between the 2 replicas, the same on ETP peers.
+    assert sum(owned) == 2 * HIDDEN and owned[0] == owned[1] and owned[2] == owned[3]
