@@ -99,8 +99,9 @@ class ETPDistributedDataParallel(_megatron_ddp()):
 
     Same constructor as megatron-core's DDP (so Megatron-LM can use it as its ``DDP``
     class); the process groups come from the ETP groups ``apply_etp`` used. See
-    [Note: ETP under megatron-core DDP]. Use ``etp.megatron.finalize_model_grads`` in place
-    of megatron-core's and ``etp.megatron.get_etp_megatron_optimizer`` for the optimizer.
+    [Note: ETP under megatron-core DDP]. Use ``etp.megatron.finalize.finalize_model_grads`` in
+    place of megatron-core's and ``etp.megatron.optimizer.get_etp_megatron_optimizer`` for the
+    optimizer.
 
     Raises:
         ValueError: ``overlap_param_gather``, several distributed-optimizer instances, a

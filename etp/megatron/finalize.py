@@ -33,11 +33,11 @@ def finalize_model_grads(model, num_tokens: torch.Tensor | None = None, pg_colle
     """
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads as megatron_finalize
 
-    chunks = model if isinstance(model, (list, tuple)) else [model]
-    runtimes = [rt for rt in (_runtime_of(chunk) for chunk in chunks) if rt is not None]
-    for runtime in runtimes:
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    wrapped = [(chunk, runtime) for chunk in chunks if (runtime := _runtime_of(chunk)) is not None]
+    for _, runtime in wrapped:
         runtime.drain()
-    megatron_finalize(list(chunks), num_tokens=num_tokens, pg_collection=pg_collection,
+    megatron_finalize(chunks, num_tokens=num_tokens, pg_collection=pg_collection,
                       force_all_reduce=force_all_reduce)
-    for chunk, runtime in zip(chunks, runtimes):
+    for chunk, runtime in wrapped:
         finalize_grads(chunk, runtime.config, runtime.groups, replicate=False)

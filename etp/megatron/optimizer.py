@@ -81,7 +81,7 @@ def get_etp_megatron_optimizer(config, model_chunks, **kwargs):
     for chunk in chunks:
         if not isinstance(chunk, ETPDistributedDataParallel):
             raise ValueError(f"model chunk {type(chunk).__name__} is not ETPDistributedDataParallel: "
-                             "wrap each chunk with etp.megatron.ETPDistributedDataParallel first")
+                             "wrap each chunk with etp.megatron.ddp.ETPDistributedDataParallel first")
     for key in ("pg_collection", "use_gloo_process_groups"):
         if key in kwargs:
             raise ValueError(f"get_etp_megatron_optimizer sets {key} itself: drop it")
