@@ -219,8 +219,9 @@ def _broken_description(ctx):
     # Rank 1 describes half of a 2-row tensor, nobody the other half: megatron's validation
     # fails on rank 0 only; every rank must raise instead of waiting in the save.
     piece = ShardedTensor.from_rank_offsets("w", torch.zeros(1, 4), (0, 1, 2), replica_id=0)
-    with pytest.raises(ValueError, match="sharding is invalid"):
-        _validate_on_every_rank({"w": piece} if ctx.rank == 1 else {})
+    for loading in (False, True):
+        with pytest.raises(ValueError, match="sharding is invalid"):
+            _validate_on_every_rank({"w": piece} if ctx.rank == 1 else {}, loading=loading)
     return True
 
 

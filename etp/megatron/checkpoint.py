@@ -143,16 +143,24 @@ def _optimizer_sharded_state(model_sd: dict, states: dict) -> tuple[dict, dict]:
     return sharded, steps
 
 
-def _validate_on_every_rank(state: dict) -> None:
+def _validate_on_every_rank(state: dict, loading: bool = False) -> None:
     """megatron validates a checkpoint's sharding on rank 0 only and raises there, while the
-    other ranks go on into the save's collectives and wait forever. Validating first and
-    sharing the verdict makes every rank fail together (nothing is written)."""
+    other ranks go on into the save's (or load's) collectives and wait forever. Validating
+    first and sharing the verdict makes every rank fail together (nothing written or read)."""
     import torch.distributed as dist
-    from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+    from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess, save_preprocess
+    from megatron.core.dist_checkpointing.validation import (
+        determine_global_metadata,
+        validate_sharding_integrity,
+    )
 
     error = None
     try:
-        save_preprocess(state, validate_access_integrity=True)  # builds factories in place
+        if loading:  # on a copy: the request keeps its factories for the merge after loading
+            sharded, _, _ = load_preprocess(state)
+            validate_sharding_integrity(determine_global_metadata(sharded)[1])
+        else:
+            save_preprocess(state, validate_access_integrity=True)  # builds factories in place
     except Exception as exc:  # noqa: BLE001 - shared with every rank below, then raised
         error = f"{type(exc).__name__}: {exc}"
     errors: list = [None] * dist.get_world_size()
@@ -160,7 +168,7 @@ def _validate_on_every_rank(state: dict) -> None:
     failed = [(rank, e) for rank, e in enumerate(errors) if e]
     if failed:
         rank, message = failed[0]
-        raise ValueError(f"the checkpoint's sharding is invalid (rank {rank}; nothing written): {message}")
+        raise ValueError(f"the checkpoint's sharding is invalid (rank {rank}; nothing saved or loaded): {message}")
 
 
 def _model_sharded_state_dict(model: torch.nn.Module):
@@ -230,7 +238,8 @@ def load_training_checkpoint(root: str | Path, model: torch.nn.Module, optimizer
 
     def load_fn(directory: Path):
         request = {"model": model_sd, "optimizer": opt_sd, "iteration": None, "optimizer_steps": None}
-        return dist_checkpointing.load(request, str(directory))
+        _validate_on_every_rank({"model": model_sd, "optimizer": opt_sd}, loading=True)
+        return dist_checkpointing.load(request, str(directory), validate_access_integrity=False)
 
     loaded = load_checkpoint(root, load_fn, iteration)
     state = loaded.result
