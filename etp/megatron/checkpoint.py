@@ -68,16 +68,19 @@ def sync_save_strategy():
     return SyncTorchDistSave("torch_dist", 1)
 
 
-def _inner_optimizers(optimizer) -> list:
+def _megatron_param_pairs(optimizer) -> list[tuple]:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    for opt in inner:
+    from .optimizer import inner_optimizers, param_pairs
+
+    pairs = []
+    for opt in inner_optimizers(optimizer):
         if isinstance(opt, DistributedOptimizer):
             raise ValueError("checkpointing megatron-core's DistributedOptimizer with etp is not "
                              "supported yet: set use_distributed_optimizer: false (ETP already "
                              "shards the optimizer state over the ETP group)")
-    return inner
+        pairs += param_pairs(opt)
+    return pairs
 
 
 def _state_by_param(optimizer) -> dict[int, dict[str, torch.Tensor]]:
@@ -87,14 +90,7 @@ def _state_by_param(optimizer) -> dict[int, dict[str, torch.Tensor]]:
     if isinstance(optimizer, torch.optim.Optimizer):
         pairs = [(p, p, optimizer) for g in optimizer.param_groups for p in g["params"]]
     else:
-        pairs = []
-        for opt in _inner_optimizers(optimizer):
-            if hasattr(opt, "float16_groups"):  # mixed precision: fp32 masters beside the model
-                for model_group, main_group in zip(opt.float16_groups, opt.fp32_from_float16_groups):
-                    pairs += [(m, main, opt.optimizer) for m, main in zip(model_group, main_group)]
-                pairs += [(p, p, opt.optimizer) for g in opt.fp32_from_fp32_groups for p in g]
-            else:
-                pairs += [(p, p, opt.optimizer) for g in opt.optimizer.param_groups for p in g["params"]]
+        pairs = _megatron_param_pairs(optimizer)
     for model_param, main_param, torch_opt in pairs:
         state = torch_opt.state[main_param]
         if not state:  # Adam before its first step: create what its first step would

@@ -24,7 +24,7 @@ from ..param import ETPShardedParam
 from ..quant import quantize_shards
 from ..wrap import is_expert_param, runtime_of
 
-__all__ = ["get_etp_megatron_optimizer"]
+__all__ = ["get_etp_megatron_optimizer", "inner_optimizers", "param_pairs"]
 
 
 def _stats_group(replicate: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
@@ -40,11 +40,21 @@ def _stats_group(replicate: dist.ProcessGroup | None) -> dist.ProcessGroup | Non
     return new_groups(partition)
 
 
-def _model_params(inner) -> list:
-    """The model params an inner megatron optimizer steps (its own params may be fp32 copies)."""
+def inner_optimizers(optimizer) -> list:
+    """The optimizers a megatron-core ``ChainedOptimizer`` holds (or the optimizer itself)."""
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def param_pairs(inner) -> list[tuple]:
+    """(model param, param the torch optimizer steps, torch optimizer) for every parameter of
+    one megatron-core optimizer (not the distributed one): mixed precision steps fp32 master
+    copies, the fp32 optimizer the model params themselves."""
     if hasattr(inner, "float16_groups"):
-        return [p for group in inner.float16_groups + inner.fp32_from_fp32_groups for p in group]
-    return inner.get_parameters()
+        pairs = [(model, main, inner.optimizer)
+                 for models, mains in zip(inner.float16_groups, inner.fp32_from_float16_groups)
+                 for model, main in zip(models, mains)]
+        return pairs + [(p, p, inner.optimizer) for group in inner.fp32_from_fp32_groups for p in group]
+    return [(p, p, inner.optimizer) for group in inner.optimizer.param_groups for p in group["params"]]
 
 
 def _mark_duplicates(chunks, groups) -> None:
@@ -72,7 +82,7 @@ def get_etp_megatron_optimizer(config, model_chunks, **kwargs):
                                          use_distributed_optimizer=True, clip_grad=1.0), [ddp])
         finalize_model_grads([ddp]); ok, grad_norm, _ = opt.step()
     """
-    from megatron.core.optimizer import ChainedOptimizer, get_megatron_optimizer
+    from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     from .ddp import ETPDistributedDataParallel
@@ -90,11 +100,10 @@ def get_etp_megatron_optimizer(config, model_chunks, **kwargs):
     dense_stats, expert_stats = _stats_group(groups.dense_replicate), _stats_group(groups.expert_replicate)
     optimizer = get_megatron_optimizer(config, chunks, pg_collection=chunks[0].etp_pg_collection,
                                        use_gloo_process_groups=False, **kwargs)
-    inner = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
-    for opt in inner:
+    for opt in inner_optimizers(optimizer):
         if isinstance(opt, DistributedOptimizer):
             continue  # statistics over the world already; duplicates are marked shared
-        expert = any(is_expert_param(p) for p in _model_params(opt))
+        expert = any(is_expert_param(model) for model, _, _ in param_pairs(opt))
         opt.grad_stats_parallel_group = expert_stats if expert else dense_stats
 
     step = optimizer.step
