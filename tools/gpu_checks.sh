@@ -6,7 +6,9 @@
 #   bash tools/gpu_checks.sh bench    expert-stack benchmark, all default variants (8 GPUs)
 #   bash tools/gpu_checks.sh ctas N   expert-stack benchmark with NCCL_MAX_CTAS=N (8 GPUs)
 #   bash tools/gpu_checks.sh checkpoint  recipe (LAYERS layers) at ETP=NPROC saved at iteration 10,
-#                                      resumed at ETP=NPROC/2 on NPROC/2 GPUs, vs uninterrupted
+#                                      resumed at ETP=NPROC/2 on NPROC/2 GPUs, at ETP=NPROC/2 with
+#                                      the distributed optimizer and at ETP=1 on NPROC GPUs,
+#                                      each vs the uninterrupted run
 #   bash tools/gpu_checks.sh megatron  driver vs stock megatron-core on 2 GPUs (pytest), then
 #                                      recipes/moe_h200x8.yaml with and without ETP (NPROC GPUs)
 # NPROC=4 runs the benchmarks on 4 GPUs instead of 8.
@@ -70,16 +72,31 @@ checkpoint)
   timeout 240 torchrun --nproc-per-node=$N -m etp.train $BASE --set world_size=$N --set etp.etp_size=$N \
     --set etp.expert_etp_size=$N --set save="$CK/a" --json "$OUT/ckpt_full.json" 2>&1 | grep "^iter\|^etp-train" | tail -12
   du -sh "$CK/a/iter_0000010"
-  echo "=== $H GPUs, ETP $H: resume from iteration 10 of the $N-GPU run"
-  timeout 240 torchrun --nproc-per-node=$H -m etp.train $BASE --set world_size=$H --set etp.etp_size=$H \
-    --set etp.expert_etp_size=$H --set load="$CK/a" --set save="$CK/c" --resume 10 --json "$OUT/ckpt_resumed.json" 2>&1 \
-    | grep "^iter\|^etp-train\|Error" | tail -12
-  python3 - "$OUT/ckpt_full.json" "$OUT/ckpt_resumed.json" <<'PY'
+  resume() {  # name, GPUs, then --set overrides: resume from iteration 10 of the first run
+    local name=$1 gpus=$2; shift 2
+    echo "=== $name: $gpus GPUs, resume from iteration 10 of the $N-GPU ETP $N run"
+    timeout 240 torchrun --nproc-per-node=$gpus -m etp.train $BASE --set world_size=$gpus "$@" \
+      --set load="$CK/a" --set save="$CK/$name" --resume 10 --json "$OUT/ckpt_$name.json" 2>&1 \
+      | grep "^iter\|^etp-train\|Error" | tail -12
+  }
+  resume etp$H $H --set etp.etp_size=$H --set etp.expert_etp_size=$H
+  resume etp${H}_distopt $N --set etp.etp_size=$H --set etp.expert_etp_size=$H --set use_distributed_optimizer=true
+  resume etp1 $N --set etp.etp_size=1 --set etp.expert_etp_size=1
+  python3 - "$OUT" etp$H etp${H}_distopt etp1 <<'PY'
 import json, sys
-full, resumed = (json.load(open(p))["losses"] for p in sys.argv[1:])
-rel = [abs(a - b) / b for a, b in zip(resumed, full[10:])]
-print(json.dumps({"iterations": list(range(11, 21)), "uninterrupted": full[10:], "resumed": resumed,
-                  "max_rel_diff": max(rel)}))
+out, names = sys.argv[1], sys.argv[2:]
+full = json.load(open(f"{out}/ckpt_full.json"))["losses"]
+report = {"iterations": list(range(11, 21)), "uninterrupted": full[10:]}
+for name in names:
+    try:
+        resumed = json.load(open(f"{out}/ckpt_{name}.json"))["losses"]
+    except OSError:
+        report[name] = "no result"
+        continue
+    report[name] = {"resumed": resumed,
+                    "max_rel_diff": max(abs(a - b) / b for a, b in zip(resumed, full[10:]))}
+json.dump(report, open(f"{out}/ckpt_compare.json", "w"), indent=1)
+print(json.dumps({k: (v["max_rel_diff"] if isinstance(v, dict) else v) for k, v in report.items()}))
 PY
   ;;
 esac

@@ -19,17 +19,24 @@ unpickling. Because every tensor is described by logical position, a checkpoint 
 description for its own layout and torch DCP moves the overlapping boxes.
 
 Optimizers: torch optimizers whose per-parameter state is tensors of the parameter's shape
-plus a scalar ``step`` (Adam, AdamW, SGD with momentum), and megatron-core's mixed-precision
-and fp32 optimizers (``ChainedOptimizer`` of ``Float16OptimizerWithFloat16Params`` /
-``FP32Optimizer``). megatron-core's ``DistributedOptimizer`` keeps state as flat buffer
-ranges that etp does not map yet: saving with it raises ``ValueError``.
+plus a scalar ``step`` (Adam, AdamW, SGD with momentum), and megatron-core's optimizers
+(``ChainedOptimizer`` of ``Float16OptimizerWithFloat16Params`` / ``FP32Optimizer`` /
+``DistributedOptimizer``). The distributed optimizer steps a 1-D slice of each flattened
+param per replicate rank; each slice is written as the boxes of the full logical tensor that
+it fills, by its one owner. The files hold the same logical tensors whichever optimizer saved
+them: a checkpoint saved with the distributed optimizer loads without it and the other way
+round, at any layout. megatron's own distributed-optimizer formats (``dp_reshardable``: DP
+resharding only; ``fully_sharded_model_space``: needs ``flattened_range``, which 0.16
+removed) are not used.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..checkpoint_io import LoadedCheckpoint, load_checkpoint, save_checkpoint
 
@@ -68,39 +75,47 @@ def sync_save_strategy():
     return SyncTorchDistSave("torch_dist", 1)
 
 
-def _megatron_param_pairs(optimizer) -> list[tuple]:
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+@dataclass
+class _ParamState:
+    """The optimizer state of one model parameter on this rank: tensors shaped like the
+    stepped param (Adam's moments, the fp32 master copy), the torch state dict (its ``step``),
+    and which slice of the flattened model param they cover (None: all of it)."""
 
+    param: torch.Tensor
+    tensors: dict[str, torch.Tensor]
+    state: dict
+    flattened_range: slice | None = None
+    instance: int = 0  # megatron's distributed-optimizer instance: only instance 0 writes
+
+
+def _param_states(optimizer) -> dict[int, _ParamState]:
+    """id(model param) -> its optimizer state; created (zero) when the optimizer has not
+    stepped yet, so that a fresh optimizer can be loaded into."""
     from .optimizer import inner_optimizers, param_pairs
 
-    pairs = []
-    for opt in inner_optimizers(optimizer):
-        if isinstance(opt, DistributedOptimizer):
-            raise ValueError("checkpointing megatron-core's DistributedOptimizer with etp is not "
-                             "supported yet: set use_distributed_optimizer: false (ETP already "
-                             "shards the optimizer state over the ETP group)")
-        pairs += param_pairs(opt)
-    return pairs
-
-
-def _state_by_param(optimizer) -> dict[int, dict[str, torch.Tensor]]:
-    """id(model param) -> {state name: tensor of the param's shape}; created (zero) when the
-    optimizer has not stepped yet, so that a fresh optimizer can be loaded into."""
-    result: dict[int, dict[str, torch.Tensor]] = {}
     if isinstance(optimizer, torch.optim.Optimizer):
-        pairs = [(p, p, optimizer) for g in optimizer.param_groups for p in g["params"]]
+        pairs = [(p, p, optimizer, None, 0) for g in optimizer.param_groups for p in g["params"]]
     else:
-        pairs = _megatron_param_pairs(optimizer)
-    for model_param, main_param, torch_opt in pairs:
+        pairs = []
+        for opt in inner_optimizers(optimizer):
+            if getattr(getattr(opt, "config", None), "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False):
+                raise ValueError("checkpointing megatron-core's precision-aware optimizer is not supported: "
+                                 "set use_precision_aware_optimizer=False")
+            instance = getattr(opt, "distributed_optimizer_instance_id", 0)
+            pairs += [(*pair, instance) for pair in param_pairs(opt)]
+    result: dict[int, _ParamState] = {}
+    for model_param, main_param, torch_opt, flattened_range, instance in pairs:
         state = torch_opt.state[main_param]
         if not state:  # Adam before its first step: create what its first step would
             state["step"] = torch.zeros((), dtype=torch.float32)
             state["exp_avg"] = torch.zeros_like(main_param, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(main_param, memory_format=torch.preserve_format)
         tensors = {k: v for k, v in state.items() if torch.is_tensor(v) and v.shape == main_param.shape}
-        if main_param is not model_param:
+        # A master copy of its own (mixed precision); the fp32 optimizers step the model's
+        # own storage (the param, or a slice of it under the distributed optimizer).
+        if main_param.untyped_storage().data_ptr() != model_param.untyped_storage().data_ptr():
             tensors["fp32_param"] = main_param.data
-        result[id(model_param)] = {"tensors": tensors, "state": state}
+        result[id(model_param)] = _ParamState(model_param, tensors, state, flattened_range, instance)
     return result
 
 
@@ -123,9 +138,20 @@ def _model_entries(model_sd: dict) -> dict[int, tuple[str, Any]]:
     return found
 
 
-def _optimizer_sharded_state(model_sd: dict, states: dict) -> tuple[dict, dict]:
-    """(sharded optimizer state, {path: optimizer state dict, to put steps back into})."""
+def _optimizer_sharded_state(model_sd: dict, states: dict[int, _ParamState], groups) -> tuple[dict, dict]:
+    """(sharded optimizer state, {path: optimizer state dict, to put steps back into}).
+
+    A whole-param state tensor is described exactly like its param (megatron's
+    ``make_sharded_optimizer_tensor``). A distributed-optimizer slice becomes the boxes of
+    the full logical weight that its valid elements fill (``etp.megatron.sharded_state.
+    pieces_of``), written by this rank unless an equal copy elsewhere writes it: each rank of
+    a replicate group owns a distinct slice, ETP peers own equal slices of replicated params
+    (``etp_copy_index``). So the checkpoint holds the same logical tensors whichever
+    optimizer saved it, and either kind loads it."""
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+
+    from .optimizer import etp_copy_index
+    from .sharded_state import _with_replica, pieces_of
 
     entries = _model_entries(model_sd)
     sharded, steps = {}, {}
@@ -133,10 +159,32 @@ def _optimizer_sharded_state(model_sd: dict, states: dict) -> tuple[dict, dict]:
         if pid not in entries:
             raise ValueError("an optimized parameter has no entry in the model's sharded state dict")
         path, entry = entries[pid]
-        for name, tensor in record["tensors"].items():
-            sharded[f"{name}.{path}"] = make_sharded_optimizer_tensor(entry, tensor, f"optimizer.{name}")
-        steps[path] = record["state"]
+        steps[path] = record.state
+        if record.flattened_range is None:
+            for name, tensor in record.tensors.items():
+                sharded[f"{name}.{path}"] = make_sharded_optimizer_tensor(entry, tensor, f"optimizer.{name}")
+            continue
+        pieces = pieces_of(entry)
+        index = etp_copy_index(record.param, groups) + record.instance * dist.get_world_size()
+        replica_id = _with_replica(entry.replica_id, index)
+        for name, tensor in record.tensors.items():
+            boxes, _ = pieces.sharded_tensors(tensor, f"optimizer.{name}.{entry.key}", replica_id,
+                                              record.flattened_range)
+            if boxes:  # none when this slice is all padding rows
+                sharded[f"{name}.{path}"] = boxes
     return sharded, steps
+
+
+def _all_step_counts(steps: dict) -> dict[str, float]:
+    """Every rank's Adam step counts by param path (a collective): common state is written
+    by rank 0 alone, which under the distributed optimizer steps only some params."""
+    local = {path: float(state["step"]) for path, state in steps.items() if "step" in state}
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, local)
+    merged: dict[str, float] = {}
+    for counts in everyone:
+        merged.update(counts)
+    return merged
 
 
 def _validate_on_every_rank(state: dict, loading: bool = False) -> None:
@@ -167,6 +215,14 @@ def _validate_on_every_rank(state: dict, loading: bool = False) -> None:
         raise ValueError(f"the checkpoint's sharding is invalid (rank {rank}; nothing saved or loaded): {message}")
 
 
+def _etp_groups(model: torch.nn.Module):
+    """The model's ETP groups, None for a model without ETP weights."""
+    from ..wrap import _runtime_of
+
+    runtime = _runtime_of(model)
+    return runtime.groups if runtime is not None else None
+
+
 def _model_sharded_state_dict(model: torch.nn.Module):
     """(the model inside DDP / Float16Module wrappers, its ETP sharded state dict)."""
     from megatron.core.distributed import DistributedDataParallel
@@ -188,7 +244,7 @@ def save_training_checkpoint(root: str | Path, iteration: int, model: torch.nn.M
     ``latest`` (a collective: every rank calls it). See [Note: ETP training checkpoints].
 
     Raises:
-        ValueError: an unsupported optimizer (megatron-core's DistributedOptimizer).
+        ValueError: an unsupported optimizer (megatron-core's precision-aware optimizer).
         etp.checkpoint_io.CheckpointError: the save failed on some rank (nothing published).
 
     Example::
@@ -197,10 +253,10 @@ def save_training_checkpoint(root: str | Path, iteration: int, model: torch.nn.M
     """
     from megatron.core import dist_checkpointing
 
-    _, model_sd = _model_sharded_state_dict(model)
-    opt_sd, steps = _optimizer_sharded_state(model_sd, _state_by_param(optimizer))
-    step_counts = {key: float(state["step"]) for key, state in steps.items() if "step" in state}
-    state = {"model": model_sd, "optimizer": opt_sd, "iteration": iteration, "optimizer_steps": step_counts}
+    inner, model_sd = _model_sharded_state_dict(model)
+    opt_sd, steps = _optimizer_sharded_state(model_sd, _param_states(optimizer), _etp_groups(inner))
+    state = {"model": model_sd, "optimizer": opt_sd, "iteration": iteration,
+             "optimizer_steps": _all_step_counts(steps)}
 
     def save_fn(directory: Path) -> None:
         _validate_on_every_rank(state)
@@ -228,9 +284,9 @@ def load_training_checkpoint(root: str | Path, model: torch.nn.Module, optimizer
     from ..quant import quantize_shards
 
     inner, model_sd = _model_sharded_state_dict(model)
-    states = _state_by_param(optimizer)
-    opt_sd, steps = _optimizer_sharded_state(model_sd, states)
-    targets = {key: entry.data for key, entry in opt_sd.items()}
+    opt_sd, steps = _optimizer_sharded_state(model_sd, _param_states(optimizer), _etp_groups(inner))
+    targets = {key: [box.data for box in entry] if isinstance(entry, list) else [entry.data]
+               for key, entry in opt_sd.items()}
 
     def load_fn(directory: Path):
         request = {"model": model_sd, "optimizer": opt_sd, "iteration": None, "optimizer_steps": None}
@@ -242,7 +298,8 @@ def load_training_checkpoint(root: str | Path, model: torch.nn.Module, optimizer
     with torch.no_grad():
         inner.load_state_dict(state["model"])
         for key, value in state["optimizer"].items():
-            targets[key].copy_(value)
+            for target, loaded_value in zip(targets[key], value if isinstance(value, list) else [value], strict=True):
+                target.copy_(loaded_value)
         for key, step_state in steps.items():
             if "step" in step_state and key in state["optimizer_steps"]:
                 step_state["step"].fill_(state["optimizer_steps"][key])

@@ -24,7 +24,7 @@ from ..param import ETPShardedParam
 from ..quant import quantize_shards
 from ..wrap import is_expert_param, runtime_of
 
-__all__ = ["get_etp_megatron_optimizer", "inner_optimizers", "param_pairs"]
+__all__ = ["etp_copy_index", "get_etp_megatron_optimizer", "inner_optimizers", "param_pairs"]
 
 
 def _stats_group(replicate: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
@@ -46,24 +46,43 @@ def inner_optimizers(optimizer) -> list:
 
 
 def param_pairs(inner) -> list[tuple]:
-    """(model param, param the torch optimizer steps, torch optimizer) for every parameter of
-    one megatron-core optimizer (not the distributed one): mixed precision steps fp32 master
-    copies, the fp32 optimizer the model params themselves."""
+    """(model param, param the torch optimizer steps, torch optimizer, flattened range) for
+    every parameter of one megatron-core optimizer that this rank steps. Mixed precision
+    steps fp32 master copies, the fp32 optimizer the model params themselves (range None:
+    the whole param). The distributed optimizer steps a 1-D slice of each param it owns a
+    part of: the range is that slice of the flattened model param (``param_range_map
+    ["param"]`` of megatron's buffer range map)."""
+    if hasattr(inner, "gbuf_ranges"):  # DistributedOptimizer
+        pairs = []
+        for buffer_ranges in inner.gbuf_ranges:
+            for bucket_ranges in buffer_ranges.values():
+                for bucket in bucket_ranges:
+                    for model, ranges in bucket["param_map"].items():
+                        group, order = inner.model_param_group_index_map[model]
+                        main = inner.optimizer.param_groups[group]["params"][order]
+                        pairs.append((model, main, inner.optimizer, slice(ranges["param"].start, ranges["param"].end)))
+        return pairs
     if hasattr(inner, "float16_groups"):
-        pairs = [(model, main, inner.optimizer)
+        pairs = [(model, main, inner.optimizer, None)
                  for models, mains in zip(inner.float16_groups, inner.fp32_from_float16_groups)
                  for model, main in zip(models, mains)]
-        return pairs + [(p, p, inner.optimizer) for group in inner.fp32_from_fp32_groups for p in group]
-    return [(p, p, inner.optimizer) for group in inner.optimizer.param_groups for p in group["params"]]
+        return pairs + [(p, p, inner.optimizer, None) for group in inner.fp32_from_fp32_groups for p in group]
+    return [(p, p, inner.optimizer, None) for group in inner.optimizer.param_groups for p in group["params"]]
+
+
+def etp_copy_index(param, groups) -> int:
+    """Which of the equal copies of ``param`` across its ETP group this rank holds: 0 for an
+    ETP shard (distinct on every ETP peer) and for ``groups`` None (no ETP), else the rank in
+    the (dense or expert) ETP group, over which replicated params are equal."""
+    if groups is None or isinstance(param, ETPShardedParam):
+        return 0
+    return (groups.expert if is_expert_param(param) else groups.dense).rank
 
 
 def _mark_duplicates(chunks, groups) -> None:
     for chunk in chunks:
         for param in chunk.parameters():
-            if isinstance(param, ETPShardedParam):
-                continue
-            peer = groups.expert if is_expert_param(param) else groups.dense
-            if peer.rank != 0:
+            if etp_copy_index(param, groups) != 0:
                 param.shared = True  # equal on ETP peers: counted once, on the first
 
 
@@ -103,7 +122,7 @@ def get_etp_megatron_optimizer(config, model_chunks, **kwargs):
     for opt in inner_optimizers(optimizer):
         if isinstance(opt, DistributedOptimizer):
             continue  # statistics over the world already; duplicates are marked shared
-        expert = any(is_expert_param(model) for model, _, _ in param_pairs(opt))
+        expert = any(is_expert_param(pair[0]) for pair in param_pairs(opt))
         opt.grad_stats_parallel_group = expert_stats if expert else dense_stats
 
     step = optimizer.step

@@ -44,6 +44,7 @@ from ..wrap import is_expert_param
 
 __all__ = [
     "ETPPieces",
+    "pieces_of",
     "etp_sharded_state_dict",
     "etp_sharded_tensors",
     "install_etp_sharded_state_dict",
@@ -276,6 +277,28 @@ def _segments_of_grouped_experts(sh_ten, logical: tuple[int, ...], suffix: str):
         sh_ten.global_offset[:p] + (logical[0] * ep_rank, 0, 0), (1,) * p + tuple(logical),
     )
     return key, (segment,)
+
+
+def pieces_of(entry) -> ETPPieces:
+    """The ``ETPPieces`` of any parameter entry of a sharded state dict: an ETP factory's own,
+    or one built from megatron's stock ``ShardedTensor`` / factory (the whole param, starting
+    at element 0), so that a 1-D slice of any flattened param (the distributed optimizer's
+    state) can be described as boxes of the global tensor.
+
+    Example::
+
+        boxes, _ = pieces_of(entry).sharded_tensors(exp_avg_slice, "optimizer.exp_avg." + entry.key,
+                                                    entry.replica_id, slice(start, stop))
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    if isinstance(entry, ShardedTensorFactory):
+        if isinstance(entry.build_fn, ETPPieces):
+            return entry.build_fn
+        logical = tuple(entry.data.shape)
+        return ETPPieces(entry.key, 0, math.prod(logical), _segments_of_factory(entry, logical))
+    logical = tuple(entry.data.shape)
+    return ETPPieces(entry.key, 0, math.prod(logical), _segments_of_tensor(entry, logical))
 
 
 # ----------------------------------------------------------------- replica ids
