@@ -100,9 +100,19 @@ def _save(model, path):
 
 
 def _load(model, path):
+    """Loads with padding rows made non-zero first (loading must zero them) and checks that
+    ETP weights load in place: megatron's merged values are the parameters themselves."""
     from megatron.core import dist_checkpointing
 
-    model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), path))
+    from etp import ETPShardedParam
+
+    sharded = [p for p in model.parameters() if isinstance(p, ETPShardedParam)]
+    with torch.no_grad():
+        for param in sharded:
+            param.data[param.etp_layout.valid_rows :] = 7.0
+    loaded = dist_checkpointing.load(model.sharded_state_dict(), path)
+    assert all(any(value is param for value in loaded.values()) for param in sharded)
+    model.load_state_dict(loaded)
 
 
 def _coverage(model) -> dict[str, torch.Tensor]:

@@ -8,7 +8,8 @@
 #   bash tools/gpu_checks.sh checkpoint  recipe (LAYERS layers) at ETP=NPROC saved at iteration 10,
 #                                      resumed at ETP=NPROC/2 on NPROC/2 GPUs, at ETP=NPROC/2 with
 #                                      the distributed optimizer and at ETP=1 on NPROC GPUs,
-#                                      each vs the uninterrupted run
+#                                      each vs the uninterrupted run (SAVE_EXTRA: --set overrides
+#                                      of the saving run, e.g. the distributed optimizer)
 #   bash tools/gpu_checks.sh megatron  driver vs stock megatron-core on 2 GPUs (pytest), then
 #                                      recipes/moe_h200x8.yaml with and without ETP (NPROC GPUs)
 # NPROC=4 runs the benchmarks on 4 GPUs instead of 8.
@@ -67,26 +68,32 @@ megatron)
   ;;
 checkpoint)
   N=${NPROC:-8}; H=$((N / 2)); CK=${CKPT_DIR:-/tmp/etp_ckpt}; rm -rf "$CK"
-  BASE="--recipe recipes/moe_h200x8.yaml --train-iters 20 --log-interval 5 --set num_layers=${LAYERS:-8} --set global_batch_size=16 --set save_interval=10 ${EXTRA:-}"
-  echo "=== $N GPUs, ETP $N: 20 iterations, saving at 10 and 20"
+  T=${TRAIN_ITERS:-20}  # 19: one save only (a full-recipe checkpoint is ~66 GB)
+  BASE="--recipe recipes/moe_h200x8.yaml --train-iters $T --log-interval 5 --set num_layers=${LAYERS:-8} --set global_batch_size=16 --set save_interval=10 ${EXTRA:-}"
+  echo "=== $N GPUs, ETP $N ${SAVE_EXTRA:-}: $T iterations, saving every 10"
   timeout 240 torchrun --nproc-per-node=$N -m etp.train $BASE --set world_size=$N --set etp.etp_size=$N \
-    --set etp.expert_etp_size=$N --set save="$CK/a" --json "$OUT/ckpt_full.json" 2>&1 | grep "^iter\|^etp-train" | tail -12
+    --set etp.expert_etp_size=$N ${SAVE_EXTRA:-} --set save="$CK/a" --json "$OUT/ckpt_full.json" 2>&1 | grep "^iter\|^etp-train" | tail -12
   du -sh "$CK/a/iter_0000010"
   resume() {  # name, GPUs, then --set overrides: resume from iteration 10 of the first run
     local name=$1 gpus=$2; shift 2
-    echo "=== $name: $gpus GPUs, resume from iteration 10 of the $N-GPU ETP $N run"
+    echo "=== $name: $gpus GPUs, resume from iteration 10 of the first run"
     timeout 240 torchrun --nproc-per-node=$gpus -m etp.train $BASE --set world_size=$gpus "$@" \
       --set load="$CK/a" --set save="$CK/$name" --resume 10 --json "$OUT/ckpt_$name.json" 2>&1 \
       | grep "^iter\|^etp-train\|Error" | tail -12
   }
-  resume etp$H $H --set etp.etp_size=$H --set etp.expert_etp_size=$H
-  resume etp${H}_distopt $N --set etp.etp_size=$H --set etp.expert_etp_size=$H --set use_distributed_optimizer=true
-  resume etp1 $N --set etp.etp_size=1 --set etp.expert_etp_size=1
+  for name in ${RESUMES:-etp$H etp${H}_distopt etp1}; do
+    case $name in
+      etp$H) resume $name $H --set etp.etp_size=$H --set etp.expert_etp_size=$H ;;
+      etp${H}_distopt) resume $name $N --set etp.etp_size=$H --set etp.expert_etp_size=$H --set use_distributed_optimizer=true ;;
+      etp1) resume $name $N --set etp.etp_size=1 --set etp.expert_etp_size=1 ;;
+    esac
+    rm -rf "$CK/$name"  # its own save: the disk holds about three full-recipe checkpoints
+  done
   python3 - "$OUT" etp$H etp${H}_distopt etp1 <<'PY'
 import json, sys
 out, names = sys.argv[1], sys.argv[2:]
 full = json.load(open(f"{out}/ckpt_full.json"))["losses"]
-report = {"iterations": list(range(11, 21)), "uninterrupted": full[10:]}
+report = {"iterations": list(range(11, len(full) + 1)), "uninterrupted": full[10:]}
 for name in names:
     try:
         resumed = json.load(open(f"{out}/ckpt_{name}.json"))["losses"]

@@ -186,15 +186,28 @@ class ETPPieces:
 
 
 def _merge(loaded) -> torch.Tensor:
-    """megatron's ``merge_fn``: the loaded pieces placed in a zero tensor of the shard's
-    shape, so padding rows load as zeros."""
+    """megatron's ``merge_fn``: the shard-shaped tensor with the loaded pieces in place and
+    padding rows zero. It is the loading tensor itself (the parameter, the optimizer state):
+    megatron loads each piece in place into its ``data``, a view of that tensor, so loading
+    needs no second copy of the model and optimizer state; a piece that is not a view
+    (a non-contiguous template) is copied in."""
     template = loaded[_TEMPLATE] if isinstance(loaded, dict) else loaded
-    out = torch.zeros(template.shape, dtype=template.dtype, device=template.device)
-    if isinstance(loaded, dict):
-        flat = out.view(-1)
-        for (first, count), piece in zip(loaded[_SPANS], loaded[_PIECES]):
-            flat[first : first + count].copy_(piece.reshape(-1))
-    return out
+    with torch.no_grad():
+        if not isinstance(loaded, dict):  # only padding on this rank
+            return template.zero_()
+        contiguous = template.is_contiguous()
+        flat = template.view(-1) if contiguous else template.reshape(-1).clone()
+        covered = 0
+        for (first, count), piece in sorted(zip(loaded[_SPANS], loaded[_PIECES]), key=lambda item: item[0][0]):
+            flat[covered:first].zero_()  # padding (or a gap) before this piece
+            target = flat[first : first + count]
+            if piece.data_ptr() != target.data_ptr():
+                target.copy_(piece.reshape(-1))
+            covered = first + count
+        flat[covered:].zero_()
+        if not contiguous:
+            template.copy_(flat.view(template.shape))
+    return template
 
 
 # ----------------------------------------------------------------- stock descriptions
