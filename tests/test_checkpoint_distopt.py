@@ -21,9 +21,8 @@ inside the spawned ranks only.
 import pytest
 import torch
 import torch.distributed as dist
-
 from harness import run_distributed
-from test_checkpoint_train import _MixedPrecisionOptimizer, _full, _gpt
+from test_checkpoint_train import _full, _gpt, _MixedPrecisionOptimizer
 
 pytest.importorskip("megatron.core")
 KEYS = ("weight", "master", "exp_avg", "exp_avg_sq")
@@ -50,7 +49,10 @@ def _megatron_on_cpu() -> None:
 def _distributed(etp_size: int):
     """(bare GPTModel, DDP, megatron-core's DistributedOptimizer) at ETP ``etp_size``, bf16:
     etp's DDP and optimizer builder, or at ETP 1 stock megatron-core's."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+    )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
@@ -97,7 +99,12 @@ def _written_elements(model, optimizer) -> dict[str, tuple[int, int]]:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import is_main_replica
 
-    from etp.megatron.checkpoint import _etp_groups, _model_sharded_state_dict, _optimizer_sharded_state, _param_states
+    from etp.megatron.checkpoint import (
+        _etp_groups,
+        _model_sharded_state_dict,
+        _optimizer_sharded_state,
+        _param_states,
+    )
 
     inner, model_sd = _model_sharded_state_dict(model)
     opt_sd, _ = _optimizer_sharded_state(model_sd, _param_states(optimizer), _etp_groups(inner))
@@ -150,7 +157,10 @@ def _assert_equal(got: dict, want: dict, where: str) -> None:
 def _round_trips(ctx, root):
     from megatron.core import parallel_state as ps
 
-    from etp.megatron.checkpoint import load_training_checkpoint, save_training_checkpoint
+    from etp.megatron.checkpoint import (
+        load_training_checkpoint,
+        save_training_checkpoint,
+    )
     from etp.megatron.optimizer import inner_optimizers
 
     _megatron_on_cpu()

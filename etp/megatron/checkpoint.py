@@ -123,7 +123,10 @@ def _model_entries(model_sd: dict) -> dict[int, tuple[str, Any]]:
     """id(parameter) -> (its path in the sharded state dict, its entry). The path, not the
     entry's checkpoint key, names it uniquely: megatron stacks the layers of a block under
     one key (``decoder.layers.<...>``, the layer index being an offset of a prepended axis)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedTensor,
+        ShardedTensorFactory,
+    )
 
     found: dict[int, tuple[str, Any]] = {}
 
@@ -192,7 +195,10 @@ def _validate_on_every_rank(state: dict, loading: bool = False) -> None:
     other ranks go on into the save's (or load's) collectives and wait forever. Validating
     first and sharing the verdict makes every rank fail together (nothing written or read)."""
     import torch.distributed as dist
-    from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess, save_preprocess
+    from megatron.core.dist_checkpointing.state_dict_utils import (
+        load_preprocess,
+        save_preprocess,
+    )
     from megatron.core.dist_checkpointing.validation import (
         determine_global_metadata,
         validate_sharding_integrity,
@@ -269,8 +275,10 @@ def save_training_checkpoint(root: str | Path, iteration: int, model: torch.nn.M
 def load_training_checkpoint(root: str | Path, model: torch.nn.Module, optimizer,
                              iteration: int | None = None) -> LoadedCheckpoint:
     """Loads the checkpoint ``iteration`` (default: ``latest``) of ``root`` into ``model`` and
-    ``optimizer`` at their current layout, whatever layout saved it (a collective). FP8
-    shard copies are re-quantized. Returns ``(iteration, metadata, None)``.
+    ``optimizer`` at their current layout, whatever layout saved it (a collective), and
+    whichever optimizer saved it (distributed or not). Tensors load in place into the
+    parameters and the optimizer state: no second copy of either is allocated. FP8 shard
+    copies are re-quantized. Returns ``(iteration, metadata, None)``.
 
     Raises:
         etp.checkpoint_io.CheckpointError: no checkpoint, or a corrupt / partial / tampered one.

@@ -44,10 +44,10 @@ from ..wrap import is_expert_param
 
 __all__ = [
     "ETPPieces",
-    "pieces_of",
     "etp_sharded_state_dict",
     "etp_sharded_tensors",
     "install_etp_sharded_state_dict",
+    "pieces_of",
     "to_etp_sharded_state_dict",
 ]
 
