@@ -22,7 +22,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from harness import run_distributed
-from test_checkpoint_train import _full, _gpt, _MixedPrecisionOptimizer
+from test_checkpoint_train import (
+    _full,
+    _gpt,
+    _mixed_precision,
+    _mixed_precision_snapshot,
+)
 
 pytest.importorskip("megatron.core")
 KEYS = ("weight", "master", "exp_avg", "exp_avg_sq")
@@ -128,22 +133,6 @@ def _steps(optimizer) -> set[float]:
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, sorted(mine))
     return {step for steps in everyone for step in steps}
-
-
-def _mixed_precision(etp_size: int):
-    gpt, _ = _gpt(etp_size)
-    gpt.to(torch.bfloat16)
-    return gpt, _MixedPrecisionOptimizer(gpt)
-
-
-def _mixed_precision_snapshot(gpt, opt) -> dict:
-    out = {}
-    for (name, param), master in zip(gpt.named_parameters(), opt.fp32_from_float16_groups[0]):
-        state = opt.optimizer.state[master]
-        out[name] = {k: _full(param, t) for k, t in (("weight", param.data), ("master", master.data),
-                                                      ("exp_avg", state["exp_avg"]),
-                                                      ("exp_avg_sq", state["exp_avg_sq"]))}
-    return out
 
 
 def _assert_equal(got: dict, want: dict, where: str) -> None:

@@ -241,26 +241,30 @@ class _MixedPrecisionOptimizer:
         self.optimizer = torch.optim.AdamW(self.fp32_from_float16_groups[0])
 
 
+def _mixed_precision(etp_size: int):
+    """The 2-layer GPTModel in bf16 with fp32 masters (megatron's mixed-precision layout)."""
+    model, _ = _gpt(etp_size)
+    model.to(torch.bfloat16)
+    return model, _MixedPrecisionOptimizer(model)
+
+
+def _mixed_precision_snapshot(model, opt) -> dict:
+    """Full weight, fp32 master and Adam moments of every parameter, gathered by the test."""
+    out = {}
+    for (name, param), master in zip(model.named_parameters(), opt.fp32_from_float16_groups[0]):
+        state = opt.optimizer.state[master]
+        out[name] = {k: _full(param, t) for k, t in
+                     (("weight", param.data), ("master", master.data),
+                      ("exp_avg", state["exp_avg"]), ("exp_avg_sq", state["exp_avg_sq"]))}
+    return out
+
+
 def _mixed_precision_round_trip(ctx, root):
     from megatron.core import parallel_state as ps
 
     from etp.megatron.checkpoint import load_training_checkpoint, save_training_checkpoint
 
-    def build(size):
-        model, _ = _gpt(size)
-        model.to(torch.bfloat16)
-        return model, _MixedPrecisionOptimizer(model)
-
-    def snapshot(model, opt):
-        out = {}
-        for (name, param), master in zip(model.named_parameters(), opt.fp32_from_float16_groups[0]):
-            state = opt.optimizer.state[master]
-            out[name] = {k: _full(param, t) for k, t in
-                         (("weight", param.data), ("master", master.data),
-                          ("exp_avg", state["exp_avg"]), ("exp_avg_sq", state["exp_avg_sq"]))}
-        return out
-
-    model, opt = build(4)
+    model, opt = _mixed_precision(4)
     for _ in range(2):
         for param, master in zip(opt.float16_groups[0], opt.fp32_from_float16_groups[0]):
             master.grad = torch.sin(3 * master.detach())
@@ -268,12 +272,12 @@ def _mixed_precision_round_trip(ctx, root):
         with torch.no_grad():
             for param, master in zip(opt.float16_groups[0], opt.fp32_from_float16_groups[0]):
                 param.copy_(master)
-    expected = snapshot(model, opt)
+    expected = _mixed_precision_snapshot(model, opt)
     save_training_checkpoint(root, 2, model, opt)
     ps.destroy_model_parallel()
-    model, opt = build(2)
+    model, opt = _mixed_precision(2)
     load_training_checkpoint(root, model, opt)
-    got = snapshot(model, opt)
+    got = _mixed_precision_snapshot(model, opt)
     for name, tensors in expected.items():
         for key, want in tensors.items():
             assert got[name][key].dtype == want.dtype and torch.equal(got[name][key], want), (name, key)

@@ -194,7 +194,6 @@ def _validate_on_every_rank(state: dict, loading: bool = False) -> None:
     """megatron validates a checkpoint's sharding on rank 0 only and raises there, while the
     other ranks go on into the save's (or load's) collectives and wait forever. Validating
     first and sharing the verdict makes every rank fail together (nothing written or read)."""
-    import torch.distributed as dist
     from megatron.core.dist_checkpointing.state_dict_utils import (
         load_preprocess,
         save_preprocess,
