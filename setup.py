@@ -10,7 +10,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["etp", "etp.*"]),
     package_data={"etp": ["data/*.txt"]},
-    entry_points={"console_scripts": ["etp-train = etp.train:main", "etp-audit = etp.audit_cli:main"]},
+    entry_points={"console_scripts": ["etp-train = etp.megatron.train:main", "etp-audit = etp.audit.cli:main"]},
     install_requires=[
         # torch 2.11 (the GPU machines) through 2.13 (CPU machines) are tested.
         "torch>=2.11",
@@ -19,5 +19,5 @@ setup(
         "triton",
         "pyyaml",
     ],
-    extras_require={"test": ["pytest", "matplotlib"], "audit": ["matplotlib"]},
+    extras_require={"test": ["pytest", "matplotlib", "ruff"], "audit": ["matplotlib"]},
 )

@@ -8,11 +8,11 @@ from .grads import clip_grad_norm_, finalize_grads, global_grad_norm
 from .groups import ETPGroups, ShardGroup, build_etp_groups
 from .layout import ShardLayout
 from .modules import GroupedSwiGLUExperts
-from .param import ETPShardedParam, shard_parameter
+from .param import ETPShardedParam
 from .quant import quantize_shards
 from .runtime import ETPRuntime, register_grad_ready_hook
 from .state import ETPStateError
-from .wrap import WrapSummary, runtime_of, wrap_module_params_etp
+from .wrap import WrapSummary, runtime_of, shard_parameter, wrap_module_params_etp
 
 __all__ = [
     "ETPConfig",

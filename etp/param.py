@@ -1,5 +1,8 @@
 """ETPShardedParam: an ``nn.Parameter`` that holds this rank's row shard of a weight.
 
+It knows its layout, group and config, never the engine that drives it: the runtime is
+attached as ``etp_runtime`` by ``etp.wrap.shard_parameter``.
+
 Optimizers, DDP buffers and ``state_dict`` see only the shard ``[shard_rows, cols]``; the
 full weight exists only transiently, gathered just before its GEMM (see ``etp.autograd``).
 """
@@ -16,7 +19,7 @@ from .config import ETPConfig
 from .groups import ShardGroup
 from .layout import ShardLayout
 
-__all__ = ["ETPShardedParam", "shard_parameter"]
+__all__ = ["ETPShardedParam"]
 
 
 class ETPShardedParam(nn.Parameter):
@@ -98,51 +101,3 @@ class ETPShardedParam(nn.Parameter):
             f"ETPShardedParam(logical_shape={self.logical_shape}, shard={tuple(self.shape)}, "
             f"rank={self.etp_layout.rank}/{self.etp_layout.world}, dtype={self.dtype})"
         )
-
-
-def shard_parameter(
-    param: torch.Tensor,
-    group: ShardGroup,
-    config: ETPConfig,
-    runtime=None,
-    name: str = "weight",
-    kind: str = "dense",
-) -> ETPShardedParam:
-    """Returns an ``ETPShardedParam`` holding this rank's shard of ``param``.
-
-    ``param`` must hold the same full value on every rank of ``group``. Attributes the
-    original parameter carried (``allreduce``, ``tensor_model_parallel``, ``is_expert``, ...)
-    are kept.
-
-    Args:
-        runtime: the ``ETPRuntime`` that will gather it (a new one when None); weights of one
-            model share one runtime so that they form prefetch chains.
-        name: used in error messages. kind: its chain kind, see [Note: ETP chains].
-
-    Raises:
-        ValueError: ``param`` is already an ``ETPShardedParam`` or has fewer than 2 dims.
-
-    Example::
-
-        layer.weight = shard_parameter(layer.weight, groups.dense, config, name="layer.weight")
-    """
-    if isinstance(param, ETPShardedParam):
-        raise ValueError(
-            f"parameter {param!r} is already ETP-sharded; shard each parameter once "
-            "(wrap_module_params_etp skips modules it already wrapped)"
-        )
-    layout = ShardLayout(tuple(param.shape), group.size, group.rank, config.pad_for_alignment)
-    with torch.no_grad():
-        shard = layout.shard_of(param.detach())
-    new = ETPShardedParam(shard, requires_grad=param.requires_grad)
-    for key, value in vars(param).items():
-        setattr(new, key, value)
-    new.etp_layout = layout
-    new.etp_group = group
-    new.etp_config = config
-    if runtime is None:
-        from .runtime import ETPRuntime  # runtime imports param's neighbours; avoid a cycle
-
-        runtime = ETPRuntime(config)
-    runtime.register(new, name, kind)
-    return new

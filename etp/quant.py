@@ -34,6 +34,7 @@ from torch.autograd.profiler import record_function
 
 from .collectives import all_gather_tensor
 from .kernels import amax_to_scale, dequantize_fp8, multi_tensor_amax, multi_tensor_cast_fp8, quantize_blockwise
+from .param import ETPShardedParam
 
 __all__ = ["FP8Weight", "QuantizedShard", "quantize_shards", "FP8_DTYPE", "BLOCK"]
 
@@ -176,7 +177,6 @@ def quantize_shards(model_or_params) -> int:
         optimizer.step()
         etp.quantize_shards(model)   # optional with torch optimizers: etp notices updates
     """
-    from .param import ETPShardedParam  # param -> runtime -> quant: import at call time
 
     params = model_or_params.parameters() if hasattr(model_or_params, "parameters") else model_or_params
     by_group: dict[tuple, list] = {}

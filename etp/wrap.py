@@ -28,13 +28,14 @@ from torch import nn
 
 from .autograd import etp_linear
 from .config import ETPConfig
-from .groups import ETPGroups, ShardGroup
+from .groups import ETPGroups, ShardGroup, build_etp_groups
+from .layout import ShardLayout
 from .megatron.layers import install_forward_impl, megatron_linear_types
 from .modules import GroupedSwiGLUExperts
-from .param import ETPShardedParam, shard_parameter
+from .param import ETPShardedParam
 from .runtime import ETPRuntime
 
-__all__ = ["WrapSummary", "wrap_module_params_etp", "is_expert_param", "runtime_of"]
+__all__ = ["WrapSummary", "wrap_module_params_etp", "is_expert_param", "runtime_of", "shard_parameter"]
 
 _WRAPPED_MARKER = "_etp_wrapped"
 
@@ -76,14 +77,17 @@ def _linear_forward(module: nn.Linear, input: torch.Tensor) -> torch.Tensor:
     return etp_linear(input, module.weight, module.bias)
 
 
+def _install_linear_forward(module: nn.Linear) -> None:
+    module.forward = functools.partial(_linear_forward, module)
+
+
 def _targets(model: nn.Module) -> list[tuple[str, nn.Module, list[str], Callable[[nn.Module], None] | None]]:
     """(module name, module, weight attribute names, installer of the ETP forward)."""
     megatron_types = megatron_linear_types()
     found = []
     for name, module in model.named_modules():
         if type(module) is nn.Linear:
-            install = lambda m: setattr(m, "forward", functools.partial(_linear_forward, m))
-            found.append((name, module, ["weight"], install))
+            found.append((name, module, ["weight"], _install_linear_forward))
         elif megatron_types and isinstance(module, megatron_types):
             if getattr(module, "weight", None) is not None:
                 found.append((name, module, ["weight"], install_forward_impl))
@@ -118,7 +122,7 @@ def runtime_of(model: nn.Module) -> ETPRuntime:
 def wrap_module_params_etp(
     model: nn.Module,
     config: ETPConfig,
-    groups: ETPGroups,
+    groups: ETPGroups | None = None,
     filter_fn: Callable[[str, nn.Module], bool] | None = None,
 ) -> WrapSummary:
     """Replaces the large weights of ``model`` by ETP shards, in place.
@@ -130,7 +134,10 @@ def wrap_module_params_etp(
     Args:
         model: a built model (plain torch, megatron-core, or etp modules).
         config: the ETP settings (padding, reduction, gather dtype).
-        groups: from ``build_etp_groups`` or ``ETPGroups.from_process_groups``.
+        groups: from ``build_etp_groups`` or ``ETPGroups.from_process_groups``; None builds
+            the default groups of ``config`` over the world (``build_etp_groups(config)``).
+            megatron-core models should use ``etp.megatron.apply_etp``, whose default groups
+            follow megatron's parallel state.
         filter_fn: optional ``(module_name, module) -> bool``; False keeps a module replicated.
 
     Returns:
@@ -142,11 +149,19 @@ def wrap_module_params_etp(
 
     Example::
 
-        groups = build_etp_groups(ETPConfig(etp_size=4))
-        summary = wrap_module_params_etp(model, ETPConfig(etp_size=4), groups)
+        summary = wrap_module_params_etp(model, ETPConfig(etp_size=4))  # default groups
         print(summary)   # etp: wrapped 24 weights; parameter bytes per rank ...
     """
     summary = WrapSummary(bytes_before=_param_bytes(model))
+    if groups is None:
+        if config.etp_size == 1 and config.expert_etp_size == 1:
+            summary.bytes_after = summary.bytes_before  # ETP off: no process group needed
+            return summary
+        groups = build_etp_groups(config)
+    elif not isinstance(groups, ETPGroups):
+        raise TypeError(
+            f"groups must be an ETPGroups (from build_etp_groups) or None, got {type(groups).__name__}"
+        )
     if groups.dense.size == 1 and groups.expert.size == 1:
         summary.bytes_after = summary.bytes_before
         return summary
@@ -193,3 +208,48 @@ def wrap_module_params_etp(
             setattr(module, _WRAPPED_MARKER, True)
     summary.bytes_after = _param_bytes(model)
     return summary
+
+def shard_parameter(
+    param: torch.Tensor,
+    group: ShardGroup,
+    config: ETPConfig,
+    runtime=None,
+    name: str = "weight",
+    kind: str = "dense",
+) -> ETPShardedParam:
+    """Returns an ``ETPShardedParam`` holding this rank's shard of ``param``.
+
+    ``param`` must hold the same full value on every rank of ``group``. Attributes the
+    original parameter carried (``allreduce``, ``tensor_model_parallel``, ``is_expert``, ...)
+    are kept.
+
+    Args:
+        runtime: the ``ETPRuntime`` that will gather it (a new one when None); weights of one
+            model share one runtime so that they form prefetch chains.
+        name: used in error messages. kind: its chain kind, see [Note: ETP chains].
+
+    Raises:
+        ValueError: ``param`` is already an ``ETPShardedParam`` or has fewer than 2 dims.
+
+    Example::
+
+        layer.weight = shard_parameter(layer.weight, groups.dense, config, name="layer.weight")
+    """
+    if isinstance(param, ETPShardedParam):
+        raise ValueError(
+            f"parameter {param!r} is already ETP-sharded; shard each parameter once "
+            "(wrap_module_params_etp skips modules it already wrapped)"
+        )
+    layout = ShardLayout(tuple(param.shape), group.size, group.rank, config.pad_for_alignment)
+    with torch.no_grad():
+        shard = layout.shard_of(param.detach())
+    new = ETPShardedParam(shard, requires_grad=param.requires_grad)
+    for key, value in vars(param).items():
+        setattr(new, key, value)
+    new.etp_layout = layout
+    new.etp_group = group
+    new.etp_config = config
+    if runtime is None:
+        runtime = ETPRuntime(config)
+    runtime.register(new, name, kind)
+    return new

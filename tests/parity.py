@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import etp.modules
-from etp.gemm import grouped_linear_reference
 from etp import (
     ETPConfig,
     ETPShardedParam,
@@ -34,6 +33,7 @@ from etp import (
     finalize_grads,
     wrap_module_params_etp,
 )
+from etp.gemm import grouped_linear_reference
 
 RTOL, ATOL = 1e-10, 1e-12
 

@@ -2,6 +2,8 @@
 reduce-scatter, grad-ready hooks, tied weights, and every debug-state error."""
 import pytest
 import torch
+from harness import run_distributed
+from parity import train_parity
 from torch import nn
 
 import etp.runtime as runtime_module
@@ -17,8 +19,6 @@ from etp import (
     wrap_module_params_etp,
 )
 from etp.cache import Role, WgradPool
-from harness import run_distributed
-from parity import train_parity
 
 
 class Stack(nn.Module):

@@ -6,11 +6,11 @@ import time
 from pathlib import Path
 
 import pytest
+from harness import run_distributed
 
 from etp.audit import predict_memory, weight_inventory
-from etp.audit_cli import audit, main
+from etp.audit.cli import audit, main
 from etp.megatron.recipe import Recipe
-from harness import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,10 +48,10 @@ def test_arithmetic_against_hand_counts():
 
 
 def _built_shapes(ctx, grouped, moe):
+    import torch.nn.functional as F
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from etp.megatron.model import etp_gpt_layer_spec
@@ -106,9 +106,9 @@ def test_cli_table_json_and_plot(tmp_path, capsys):
     (["--etp-size", "3"], "etp_size=3"),
 ])
 def test_cli_validation_errors(args, message, capsys):
-    with pytest.raises(SystemExit) as info:
-        main(["--recipe", str(ROOT / "recipes/moe_h200x8.yaml"), *args])
-    assert info.value.code == 2 and message in capsys.readouterr().err
+    assert main(["--recipe", str(ROOT / "recipes/moe_h200x8.yaml"), *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_deepseek_sized_recipe_in_under_a_minute(tmp_path):
@@ -129,7 +129,7 @@ def test_deepseek_sized_recipe_in_under_a_minute(tmp_path):
 
 
 def test_wgrad_pool_doubles_shapes_reduced_back_to_back():
-    from etp.audit import _wgrad_pool_bytes
+    from etp.audit.predict import _wgrad_pool_bytes
 
     # Backward order c, b, b, a: b's two weights are adjacent, so two b buffers are live.
     a, b, c = (4, 2), (8, 2), (16, 2)

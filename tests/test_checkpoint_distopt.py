@@ -104,12 +104,8 @@ def _written_elements(model, optimizer) -> dict[str, tuple[int, int]]:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import is_main_replica
 
-    from etp.megatron.checkpoint import (
-        _etp_groups,
-        _model_sharded_state_dict,
-        _optimizer_sharded_state,
-        _param_states,
-    )
+    from etp.megatron.checkpoint.optimizer_state import _optimizer_sharded_state, _param_states
+    from etp.megatron.checkpoint.training import _etp_groups, _model_sharded_state_dict
 
     inner, model_sd = _model_sharded_state_dict(model)
     opt_sd, _ = _optimizer_sharded_state(model_sd, _param_states(optimizer), _etp_groups(inner))
@@ -146,10 +142,7 @@ def _assert_equal(got: dict, want: dict, where: str) -> None:
 def _round_trips(ctx, root):
     from megatron.core import parallel_state as ps
 
-    from etp.megatron.checkpoint import (
-        load_training_checkpoint,
-        save_training_checkpoint,
-    )
+    from etp.megatron.checkpoint import load_training_checkpoint, save_training_checkpoint
     from etp.megatron.optimizer import inner_optimizers
 
     _megatron_on_cpu()

@@ -1,4 +1,4 @@
-"""etp.checkpoint_io on real megatron-core dist_checkpointing files (2 gloo ranks).
+"""etp.megatron.checkpoint on real megatron-core dist_checkpointing files (2 gloo ranks).
 
 * round trip: two iterations saved and loaded back through ``dist_checkpointing``;
 * crash safety: a rank SIGKILLs itself mid-save (rank 1 in the middle of writing its shard;
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from harness import run_distributed
 
-from etp.checkpoint_io import (
+from etp.megatron.checkpoint import (
     LATEST_NAME,
     MANIFEST_NAME,
     CheckpointError,

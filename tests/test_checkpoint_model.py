@@ -1,4 +1,4 @@
-"""megatron-core dist_checkpointing of ETP models (etp.megatron.sharded_state).
+"""megatron-core dist_checkpointing of ETP models (etp.megatron.checkpoint.model_state).
 
 A CPU-built GPTModel with a dense SwiGLU layer (ColumnParallelLinear / RowParallelLinear,
 megatron's gate / up factory) and an MoE layer (etp's grouped experts, or stock SequentialMLP)
@@ -38,8 +38,8 @@ def _model(kind: str, seed: int, tp: int = 1, etp: int = 1, expert_etp: int | No
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from etp import ETPConfig, ETPShardedParam
+    from etp.megatron.checkpoint.model_state import install_etp_sharded_state_dict
     from etp.megatron.model import apply_etp, etp_gpt_layer_spec
-    from etp.megatron.sharded_state import install_etp_sharded_state_dict
 
     config = TransformerConfig(
         num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=FFN,
@@ -203,7 +203,7 @@ def _optimizer_state(saved, reference, path):
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
     from etp import ETPShardedParam
-    from etp.megatron.sharded_state import (
+    from etp.megatron.checkpoint.model_state import (
         etp_sharded_tensors,
         to_etp_sharded_state_dict,
     )
@@ -347,7 +347,7 @@ def test_checkpoint_tp2_etp2_and_ep2_load_at_tp1_ep1():
 
 
 def test_boxes_cover_flat_ranges_in_order():
-    from etp.megatron.sharded_state import _boxes
+    from etp.megatron.checkpoint.model_state import _boxes
 
     shape = (3, 4, 5)
     index = torch.arange(60).view(shape)
@@ -360,7 +360,7 @@ def test_boxes_cover_flat_ranges_in_order():
 
 def test_pieces_of_a_flattened_range():
     """The distributed optimizer's convention: data is a 1-D slice of the flattened shard."""
-    from etp.megatron.sharded_state import ETPPieces, _Segment
+    from etp.megatron.checkpoint.model_state import ETPPieces, _Segment
 
     glob = torch.arange(6 * 4 * 5, dtype=torch.float32).view(6, 4, 5)
     logical = glob[3:]  # this TP rank's [3, 4, 5] weight sits at offset 3 of the global one
@@ -372,7 +372,7 @@ def test_pieces_of_a_flattened_range():
         data = shard.reshape(-1)[first:stop]
         tensors, spans = pieces.sharded_tensors(data, "w", 0, slice(first, stop))
         assert sum(t.data.numel() for t in tensors) == max(0, min(stop, 35) - first)
-        for t, (at, count) in zip(tensors, spans):
+        for t, (at, _count) in zip(tensors, spans):
             box = tuple(slice(o, o + n) for o, n in zip(t.global_offset, t.local_shape))
             assert torch.equal(t.data, glob[box]) and t.data.data_ptr() == data[at:].data_ptr()
     with pytest.raises(ValueError, match="pass the slice the tensor was cut from"):
@@ -380,7 +380,7 @@ def test_pieces_of_a_flattened_range():
 
 
 def test_replica_index_rejects_etp_groups_outside_data_parallelism():
-    from etp.megatron.sharded_state import _replica_index
+    from etp.megatron.checkpoint.model_state import _replica_index
 
     with pytest.raises(ValueError, match="build_megatron_etp_groups"):
         _replica_index((0, 5), (0, 1, 2, 3), "w")
@@ -388,7 +388,7 @@ def test_replica_index_rejects_etp_groups_outside_data_parallelism():
 
 def test_install_rejects_plain_modules():
     pytest.importorskip("megatron.core")
-    from etp.megatron.sharded_state import install_etp_sharded_state_dict
+    from etp.megatron.checkpoint.model_state import install_etp_sharded_state_dict
 
     with pytest.raises(ValueError, match="no sharded_state_dict"):
         install_etp_sharded_state_dict(torch.nn.Linear(2, 2))

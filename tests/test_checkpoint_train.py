@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-
 from harness import run_distributed
 
 pytest.importorskip("megatron.core")
@@ -63,7 +62,7 @@ def _snapshot(model, optimizer):
 def _build(recipe):
     from megatron.core import parallel_state as ps
 
-    import etp.train as driver
+    import etp.megatron.train as driver
     from etp.megatron.groups import build_megatron_etp_groups
     from etp.megatron.model import apply_etp
 
@@ -78,7 +77,7 @@ def _build(recipe):
 def _save_then_load(ctx, root, saved_layout, load_layouts):
     from megatron.core import parallel_state as ps
 
-    import etp.train as driver
+    import etp.megatron.train as driver
     from etp.megatron.checkpoint import load_training_checkpoint, save_training_checkpoint
 
     recipe = _recipe(*saved_layout)
@@ -86,7 +85,7 @@ def _save_then_load(ctx, root, saved_layout, load_layouts):
     batches = driver._Batches(recipe, ps.get_data_parallel_rank(), torch.device("cpu"), recipe.num_microbatches(4))
     for iteration in range(2):
         if saved_layout[0] == 1:
-            for index, context in enumerate(trainer.microbatches(recipe.num_microbatches(4))):
+            for index, _context in enumerate(trainer.microbatches(recipe.num_microbatches(4))):
                 loss, objective = loss_fn(model, batches.get(iteration, index))
                 objective.backward()
             trainer.step(driver._lr(recipe, iteration), driver._no_phase)
@@ -126,7 +125,7 @@ def test_reshard_weights_and_adam_moments_bit_exact(tmp_path, saved, loads):
 
 
 def test_resume_continues_the_loss_curve(tmp_path):
-    from etp.train import main
+    from etp.megatron.train import main
 
     base = ["--recipe", str(TINY), "--train-iters", "20", "--log-interval", "5"]
     save = ["--set", f"save={tmp_path / 'ckpt'}", "--set", "save_interval=10"]
@@ -144,7 +143,7 @@ def test_resume_at_another_layout_continues_the_loss_curve(tmp_path):
     """Saved at 2 ranks x ETP 2, resumed at 4 ranks x ETP 4 (the global batch is the same
     samples at any layout): the losses continue the 2-rank run's within fp32 reduction-order
     noise."""
-    from etp.train import main
+    from etp.megatron.train import main
 
     base = ["--recipe", str(TINY), "--train-iters", "14", "--log-interval", "7",
             "--set", "micro_batch_size=2", "--set", f"save={tmp_path / 'ckpt'}", "--set", "save_interval=7"]
@@ -214,7 +213,7 @@ def test_gpt_model_layers_stacked_under_one_key_round_trip(tmp_path):
 def _broken_description(ctx):
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from etp.megatron.checkpoint import _validate_on_every_rank
+    from etp.megatron.checkpoint.training import _validate_on_every_rank
 
     # Rank 1 describes half of a 2-row tensor, nobody the other half: megatron's validation
     # fails on rank 0 only; every rank must raise instead of waiting in the save.
@@ -266,7 +265,7 @@ def _mixed_precision_round_trip(ctx, root):
 
     model, opt = _mixed_precision(4)
     for _ in range(2):
-        for param, master in zip(opt.float16_groups[0], opt.fp32_from_float16_groups[0]):
+        for _param, master in zip(opt.float16_groups[0], opt.fp32_from_float16_groups[0]):
             master.grad = torch.sin(3 * master.detach())
         opt.optimizer.step()
         with torch.no_grad():

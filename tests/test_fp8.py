@@ -4,14 +4,21 @@ training numerics vs BF16 gathers, and the FP8 GEMMs (GPU) vs the dequantized pa
 import pytest
 import torch
 import torch.nn.functional as F
+from harness import run_distributed
 from torch import nn
 
 import etp.quant as quant_module
-from etp import ETPConfig, ETPShardedParam, GroupedSwiGLUExperts, build_etp_groups, finalize_grads
-from etp import quantize_shards, wrap_module_params_etp
+from etp import (
+    ETPConfig,
+    ETPShardedParam,
+    GroupedSwiGLUExperts,
+    build_etp_groups,
+    finalize_grads,
+    quantize_shards,
+    wrap_module_params_etp,
+)
 from etp.gemm import DenseGemm, GroupedGemm
 from etp.quant import FP8Weight
-from harness import run_distributed
 
 FP8_MAX = 448.0
 

@@ -2,10 +2,10 @@
 per rank against the unsharded gradient of the global per-token mean loss."""
 import pytest
 import torch
+from harness import run_distributed
 from torch import nn
 
 from etp import ETPConfig, ETPShardedParam, build_etp_groups, finalize_grads, wrap_module_params_etp
-from harness import run_distributed
 
 TOKENS = [3, 7]  # uneven on purpose: per-rank means would weight rank 0's tokens more
 

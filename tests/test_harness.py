@@ -3,7 +3,6 @@ import time
 
 import pytest
 import torch.distributed as dist
-
 from harness import run_distributed
 
 

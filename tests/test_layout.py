@@ -30,15 +30,15 @@ def test_shards_tile_the_padded_weight(shape, world, align):
         assert torch.equal(got, want)
         assert layout.shard_rows % align == 0
         assert torch.count_nonzero(got[layout.valid_rows:]) == 0
-    assert sum(l.valid_rows for l in layouts) == full.numel() // shape[-1]
-    gathered = torch.cat([l.shard_of(full) for l in layouts])
+    assert sum(lay.valid_rows for lay in layouts) == full.numel() // shape[-1]
+    gathered = torch.cat([lay.shard_of(full) for lay in layouts])
     assert torch.equal(layouts[0].unpad(gathered), full)
 
 
 def test_padding_spills_over_several_ranks():
     layouts = [ShardLayout((1, 8), 4, r, 16) for r in range(4)]
-    assert [l.valid_rows for l in layouts] == [1, 0, 0, 0]
-    assert [l.padding_rows for l in layouts] == [15, 16, 16, 16]
+    assert [lay.valid_rows for lay in layouts] == [1, 0, 0, 0]
+    assert [lay.padding_rows for lay in layouts] == [15, 16, 16, 16]
 
 
 @pytest.mark.parametrize("bad", [dict(logical_shape=(8,)), dict(rank=4), dict(align=0)])

@@ -19,7 +19,6 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
-
 from harness import run_distributed
 from parity import assert_close
 

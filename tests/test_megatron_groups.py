@@ -2,7 +2,6 @@
 layouts on 4 gloo ranks: hand-computed tables for the simple layouts, invariants for all."""
 import pytest
 import torch.distributed as dist
-
 from harness import run_distributed
 
 pytest.importorskip("megatron.core")

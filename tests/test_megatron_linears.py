@@ -4,12 +4,12 @@ and TP=2 x ETP=2 (with and without sequence parallelism), against an unsharded f
 The ETP group is megatron's data-parallel group (orthogonal to TP): TP peers see the same
 tokens, ETP peers different ones. See tests/parity.py for the tolerance.
 """
+import functools
 import os
 
 import pytest
 import torch
 import torch.nn.functional as F
-
 from harness import backend, run_distributed
 from parity import assert_close
 
@@ -35,7 +35,7 @@ def _mlp_parity(ctx, tp: int, sequence_parallel: bool):
             tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel,
             params_dtype=torch.float64, use_cpu_initialization=True,
         )
-        init = lambda w: torch.nn.init.normal_(w, std=0.3)
+        init = functools.partial(torch.nn.init.normal_, std=0.3)
         col = ColumnParallelLinear(HIDDEN, FFN, config=config, init_method=init, bias=True,
                                    gather_output=False)
         row = RowParallelLinear(FFN, HIDDEN, config=config, init_method=init, bias=True,
@@ -51,8 +51,10 @@ def _mlp_parity(ctx, tp: int, sequence_parallel: bool):
         col.to(ctx.device), row.to(ctx.device)
         cut = slice(tp_rank * FFN // tp, (tp_rank + 1) * FFN // tp)
         with torch.no_grad():
-            col.weight.copy_(w1[cut]); col.bias.copy_(b1[cut])
-            row.weight.copy_(w2[:, cut]); row.bias.copy_(b2)
+            col.weight.copy_(w1[cut])
+            col.bias.copy_(b1[cut])
+            row.weight.copy_(w2[:, cut])
+            row.bias.copy_(b2)
         reference = [t.clone().requires_grad_(True) for t in (w1, b1, w2, b2)]
 
         cfg = ETPConfig(etp_size=etp_size, expert_etp_size=etp_size)

@@ -4,7 +4,6 @@ experts module against a per-expert float64 reference with router probabilities.
 import pytest
 import torch
 import torch.nn.functional as F
-
 from harness import run_distributed
 
 pytest.importorskip("megatron.core")

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from harness import backend, run_distributed
 
 pytest.importorskip("megatron.core")
@@ -27,7 +26,7 @@ SMALL = dict(num_layers=2, hidden_size=256, num_attention_heads=4, num_query_gro
 
 def _losses(ctx, overrides, etp_sizes):
     from etp.megatron.recipe import Recipe
-    from etp.train import train
+    from etp.megatron.train import train
 
     out, keys = [], dict(overrides)
     etp_keys = keys.pop("etp", {})

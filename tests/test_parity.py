@@ -4,10 +4,10 @@ Adam training parity, mean vs sum, and the negative control that makes the check
 import os
 
 import pytest
-
-from etp import ETPConfig
 from harness import run_distributed
 from parity import check_case, standard_cases, train_parity
+
+from etp import ETPConfig
 
 SIZES = [int(s) for s in os.environ.get("ETP_TEST_SIZES", "1,2,4").split(",")]
 

@@ -3,23 +3,22 @@ element once: shards summed over their group, padding never, replicated params o
 from pathlib import Path
 
 import torch
-
-from etp import ETPConfig, ETPShardedParam, build_etp_groups, finalize_grads, global_grad_norm
-from etp import wrap_module_params_etp
 from harness import run_distributed
 from parity import TinyMoE
+
+from etp import ETPConfig, ETPShardedParam, build_etp_groups, finalize_grads, global_grad_norm, wrap_module_params_etp
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_cpu_recipe_trains_five_steps(capfd):
-    from etp.train import main
+    from etp.megatron.train import main
 
     assert main(["--recipe", str(ROOT / "recipes" / "tiny_moe_cpu.yaml"), "--train-iters", "5",
                  "--log-interval", "1"]) == 0
-    lines = [l for l in capfd.readouterr().out.splitlines() if l.startswith("iter")]
+    lines = [line for line in capfd.readouterr().out.splitlines() if line.startswith("iter")]
     assert len(lines) == 5 and lines[-1].startswith("iter     5/5")
-    losses = [float(l.split("loss ")[1].split()[0]) for l in lines]
+    losses = [float(line.split("loss ")[1].split()[0]) for line in lines]
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
 
 

@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+from harness import run_distributed
 from torch import nn
 
 from etp import (
@@ -14,7 +15,6 @@ from etp import (
     shard_parameter,
     wrap_module_params_etp,
 )
-from harness import run_distributed
 
 
 def _model():
@@ -101,3 +101,32 @@ def _wrap_checks(ctx):
 
 def test_wrap_behaviour():
     run_distributed(_wrap_checks, 2)
+
+
+def _default_groups_match_explicit(ctx):
+    # groups=None builds build_etp_groups(config): the same shards as passing them explicitly.
+    config = ETPConfig(etp_size=2, expert_etp_size=2, pad_for_alignment=4)
+    implicit, explicit = _model(), _model()
+    summary = wrap_module_params_etp(implicit, config)  # groups=None
+    wrap_module_params_etp(explicit, config, build_etp_groups(config))
+    assert summary.params_wrapped == 4
+    for (name, a), (_, b) in zip(implicit.named_parameters(), explicit.named_parameters()):
+        assert type(a) is type(b) and torch.equal(a, b), name
+        if isinstance(a, ETPShardedParam):
+            assert a.etp_group.size == 2 and a.etp_group.rank == ctx.rank
+
+
+def test_wrap_without_groups_builds_the_default_groups():
+    run_distributed(_default_groups_match_explicit, 2)
+
+
+def test_wrap_without_groups_at_size_one_needs_no_process_group():
+    model = _model()
+    before = [p for p in model.parameters()]
+    summary = wrap_module_params_etp(model, ETPConfig())
+    assert summary.params_wrapped == 0 and list(model.parameters()) == before
+
+
+def test_wrap_rejects_groups_of_the_wrong_type():
+    with pytest.raises(TypeError, match="ETPGroups"):
+        wrap_module_params_etp(_model(), ETPConfig(etp_size=2), groups=object())

@@ -143,7 +143,7 @@ class TinyMoELM(nn.Module):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """megatron-core's checkpoint description (TP linears TP-sharded, the rest
-        replicated), for ``dist_checkpointing`` and ``etp.megatron.sharded_state``."""
+        replicated), for ``dist_checkpointing`` and ``etp.megatron.checkpoint.model_state``."""
         from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
         return _sharded_state_dict(self, prefix, sharded_offsets, ensure_metadata_has_dp_cp_group(metadata))

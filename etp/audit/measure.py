@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .categories import CATEGORIES
+
 __all__ = ["SCHEMA_VERSION", "MemoryAudit"]
 
 #: Bumped whenever a key of ``MemoryAudit.report()`` changes meaning or goes away.
@@ -49,12 +51,6 @@ SCHEMA_VERSION = 1
 # DistributedOptimizer); they are also the inner optimizer's params, listed for safety.
 _MAIN_PARAM_GROUPS = ("fp32_from_float16_groups", "shard_fp32_from_float16_groups")
 
-
-def _categories() -> tuple[str, ...]:
-    # etp.audit re-exports this module, so its names are read at call time (no import cycle).
-    from .audit import CATEGORIES
-
-    return CATEGORIES
 
 
 class _Storages:
@@ -166,7 +162,7 @@ class _OpenPhase:
 class MemoryAudit:
     """Measures one rank's memory during training: per-phase CUDA peaks and the byte totals
     of params, main grads, optimizer state and the ETP runtime's buffers.
-    See [Note: ETP runtime memory audit] in etp/memory_audit.py.
+    See [Note: ETP runtime memory audit] in etp/audit/measure.py.
 
     Args:
         model: the (wrapped) model, or a list of model chunks (virtual pipeline stages).
@@ -353,7 +349,7 @@ class MemoryAudit:
             for key, value in record.bytes.items():
                 high[key] = max(high.get(key, 0), value)
         forward = self.phases.get("forward")
-        measured = {name: high.get(name) for name in _categories()}
+        measured = {name: high.get(name) for name in CATEGORIES}
         measured["activations"] = forward.retained if forward is not None else None
         distributed = dist.is_available() and dist.is_initialized()
         return {
@@ -467,7 +463,7 @@ class MemoryAudit:
 
 def _comparison(prediction: Mapping[str, float], measured: Mapping[str, int | None]) -> dict:
     """``MemoryAudit.compare`` against a report's ``bytes``."""
-    names = _categories()
+    names = CATEGORIES
     if not isinstance(prediction, Mapping):
         raise TypeError(f"prediction={type(prediction).__name__}: expected the dict "
                          "etp.audit.predict_memory returns")

@@ -12,7 +12,8 @@ import argparse
 import json
 import sys
 
-from .audit import CATEGORIES, predict_memory
+from .categories import CATEGORIES
+from .predict import predict_memory
 
 __all__ = ["main", "audit"]
 
@@ -21,20 +22,30 @@ GIB = 1024**3
 
 def audit(recipe_path: str, world_size: int | None = None, etp_size: int | None = None,
           expert_etp_size: int | None = None, gather_dtype: str | None = None,
-          distributed_optimizer: bool | None = None) -> dict:
+          distributed_optimizer: bool | None = None, overrides: dict | None = None) -> dict:
     """The audit report (a JSON-ready dict): per-rank bytes of every category for the
     layouts ``without_etp`` and ``with_etp``.
 
+    Args:
+        etp_size: the dense ETP size; without ``expert_etp_size`` it sets the expert ETP size
+            too (one ETP size for every weight).
+        overrides: recipe overrides as ``parse_overrides`` returns them (``--set KEY=VALUE``);
+            the explicit arguments win over them.
+
     Example::
 
-        report = audit("recipes/moe_h200x8.yaml")
+        report = audit("recipes/moe_h200x8.yaml", overrides={"num_layers": 16})
         report["layouts"]["with_etp"]["total"] / 2**30
     """
-    from .megatron.recipe import Recipe
+    from ..megatron.recipe import Recipe
 
+    if etp_size is not None and expert_etp_size is None:
+        expert_etp_size = etp_size
     etp = {k: v for k, v in (("etp_size", etp_size), ("expert_etp_size", expert_etp_size),
                               ("gather_dtype", gather_dtype)) if v is not None}
-    overrides = {"etp": etp} if etp else {}
+    overrides = {**(overrides or {})}
+    if etp:
+        overrides["etp"] = {**overrides.get("etp", {}), **etp}
     if world_size is not None:
         overrides["world_size"] = world_size
     recipe = Recipe.from_yaml(recipe_path, **overrides)
@@ -97,20 +108,27 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="etp-audit", description=__doc__.split("\n")[0])
     parser.add_argument("--recipe", required=True)
     parser.add_argument("--world-size", type=int)
-    parser.add_argument("--etp-size", type=int)
+    parser.add_argument("--etp-size", type=int,
+                        help="dense ETP size; also the expert ETP size unless --expert-etp-size is given")
     parser.add_argument("--expert-etp-size", type=int)
     parser.add_argument("--gather-dtype")
     parser.add_argument("--distributed-optimizer", action="store_true", default=None)
     parser.add_argument("--json", metavar="PATH", help="write the report as JSON ('-': stdout)")
     parser.add_argument("--plot", metavar="PATH", help="write a stacked-bar PNG")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a recipe key, as etp-train does (etp.KEY for the etp section)")
     args = parser.parse_args(argv)
     if args.world_size is not None and args.world_size <= 0:
-        parser.error(f"--world-size={args.world_size}: must be a positive integer")
-    try:
+        print(f"etp-audit: --world-size={args.world_size}: must be a positive integer", file=sys.stderr)
+        return 2
+    from ..megatron.recipe import parse_overrides
+
+    try:  # recipe errors (missing file, bad YAML, bad value) are one line, no traceback
         report = audit(args.recipe, args.world_size, args.etp_size, args.expert_etp_size,
-                       args.gather_dtype, args.distributed_optimizer)
+                       args.gather_dtype, args.distributed_optimizer, parse_overrides(args.set))
     except (ValueError, OSError) as exc:
-        parser.error(str(exc))
+        print(f"etp-audit: {exc}", file=sys.stderr)
+        return 2
     if args.json == "-":
         print(json.dumps(report, indent=1))
     else:
@@ -122,7 +140,8 @@ def main(argv=None) -> int:
         try:
             plot(report, args.plot)
         except (ValueError, OSError) as exc:
-            parser.error(str(exc))
+            print(f"etp-audit: {exc}", file=sys.stderr)
+            return 2
     return 0
 
 

@@ -4,7 +4,7 @@
 A checkpoint is megatron-core ``dist_checkpointing`` (torch_dist format) of
 
 * ``model``: the model's sharded state dict with ETP weights as pieces of the full logical
-  weights (``etp.megatron.sharded_state``: megatron's keys and global shapes, padding
+  weights (``etp.megatron.checkpoint.model_state``: megatron's keys and global shapes, padding
   excluded, one writer per piece);
 * ``optimizer``: for every parameter with optimizer state, each state tensor (Adam's
   ``exp_avg`` / ``exp_avg_sq``, megatron's fp32 master weight ``fp32_param``) described
@@ -12,7 +12,7 @@ A checkpoint is megatron-core ``dist_checkpointing`` (torch_dist format) of
   ``make_sharded_optimizer_tensor``); plain values (Adam's step count, the iteration) are
   common state;
 
-published by ``etp.checkpoint_io`` (temporary directory, manifest with a sha256 per file,
+published by ``etp.megatron.checkpoint.publish`` (temporary directory, manifest with a sha256 per file,
 atomic rename, ``latest`` last) and read back through its verification and restricted
 unpickling. Because every tensor is described by logical position, a checkpoint saved at one
 (TP, ETP, EETP, DP) layout loads at any other, ETP = 1 included: the loader builds the same
@@ -31,14 +31,13 @@ removed) are not used.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..checkpoint_io import LoadedCheckpoint, load_checkpoint, save_checkpoint
+from .optimizer_state import _all_step_counts, _optimizer_sharded_state, _param_states
+from .publish import LoadedCheckpoint, load_checkpoint, save_checkpoint
 
 __all__ = ["load_training_checkpoint", "save_training_checkpoint", "sync_save_strategy"]
 
@@ -75,120 +74,6 @@ def sync_save_strategy():
     return SyncTorchDistSave("torch_dist", 1)
 
 
-@dataclass
-class _ParamState:
-    """The optimizer state of one model parameter on this rank: tensors shaped like the
-    stepped param (Adam's moments, the fp32 master copy), the torch state dict (its ``step``),
-    and which slice of the flattened model param they cover (None: all of it)."""
-
-    param: torch.Tensor
-    tensors: dict[str, torch.Tensor]
-    state: dict
-    flattened_range: slice | None = None
-    instance: int = 0  # megatron's distributed-optimizer instance: only instance 0 writes
-
-
-def _param_states(optimizer) -> dict[int, _ParamState]:
-    """id(model param) -> its optimizer state; created (zero) when the optimizer has not
-    stepped yet, so that a fresh optimizer can be loaded into."""
-    from .optimizer import inner_optimizers, param_pairs
-
-    if isinstance(optimizer, torch.optim.Optimizer):
-        pairs = [(p, p, optimizer, None, 0) for g in optimizer.param_groups for p in g["params"]]
-    else:
-        pairs = []
-        for opt in inner_optimizers(optimizer):
-            if getattr(getattr(opt, "config", None), "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False):
-                raise ValueError("checkpointing megatron-core's precision-aware optimizer is not supported: "
-                                 "set use_precision_aware_optimizer=False")
-            instance = getattr(opt, "distributed_optimizer_instance_id", 0)
-            pairs += [(*pair, instance) for pair in param_pairs(opt)]
-    result: dict[int, _ParamState] = {}
-    for model_param, main_param, torch_opt, flattened_range, instance in pairs:
-        state = torch_opt.state[main_param]
-        if not state:  # Adam before its first step: create what its first step would
-            state["step"] = torch.zeros((), dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(main_param, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(main_param, memory_format=torch.preserve_format)
-        tensors = {k: v for k, v in state.items() if torch.is_tensor(v) and v.shape == main_param.shape}
-        # A master copy of its own (mixed precision); the fp32 optimizers step the model's
-        # own storage (the param, or a slice of it under the distributed optimizer).
-        if main_param.untyped_storage().data_ptr() != model_param.untyped_storage().data_ptr():
-            tensors["fp32_param"] = main_param.data
-        result[id(model_param)] = _ParamState(model_param, tensors, state, flattened_range, instance)
-    return result
-
-
-def _model_entries(model_sd: dict) -> dict[int, tuple[str, Any]]:
-    """id(parameter) -> (its path in the sharded state dict, its entry). The path, not the
-    entry's checkpoint key, names it uniquely: megatron stacks the layers of a block under
-    one key (``decoder.layers.<...>``, the layer index being an offset of a prepended axis)."""
-    from megatron.core.dist_checkpointing.mapping import (
-        ShardedTensor,
-        ShardedTensorFactory,
-    )
-
-    found: dict[int, tuple[str, Any]] = {}
-
-    def walk(node, path: str) -> None:
-        for name, value in node.items():
-            if isinstance(value, dict):
-                walk(value, f"{path}{name}.")
-            elif isinstance(value, (ShardedTensor, ShardedTensorFactory)):
-                found[id(value.data)] = (f"{path}{name}", value)
-
-    walk(model_sd, "")
-    return found
-
-
-def _optimizer_sharded_state(model_sd: dict, states: dict[int, _ParamState], groups) -> tuple[dict, dict]:
-    """(sharded optimizer state, {path: optimizer state dict, to put steps back into}).
-
-    A whole-param state tensor is described exactly like its param (megatron's
-    ``make_sharded_optimizer_tensor``). A distributed-optimizer slice becomes the boxes of
-    the full logical weight that its valid elements fill (``etp.megatron.sharded_state.
-    pieces_of``), written by this rank unless an equal copy elsewhere writes it: each rank of
-    a replicate group owns a distinct slice, ETP peers own equal slices of replicated params
-    (``etp_copy_index``). So the checkpoint holds the same logical tensors whichever
-    optimizer saved it, and either kind loads it."""
-    from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
-
-    from .optimizer import etp_copy_index
-    from .sharded_state import _with_replica, pieces_of
-
-    entries = _model_entries(model_sd)
-    sharded, steps = {}, {}
-    for pid, record in states.items():
-        if pid not in entries:
-            raise ValueError("an optimized parameter has no entry in the model's sharded state dict")
-        path, entry = entries[pid]
-        steps[path] = record.state
-        if record.flattened_range is None:
-            for name, tensor in record.tensors.items():
-                sharded[f"{name}.{path}"] = make_sharded_optimizer_tensor(entry, tensor, f"optimizer.{name}")
-            continue
-        pieces = pieces_of(entry)
-        index = etp_copy_index(record.param, groups) + record.instance * dist.get_world_size()
-        replica_id = _with_replica(entry.replica_id, index)
-        for name, tensor in record.tensors.items():
-            boxes, _ = pieces.sharded_tensors(tensor, f"optimizer.{name}.{entry.key}", replica_id,
-                                              record.flattened_range)
-            if boxes:  # none when this slice is all padding rows
-                sharded[f"{name}.{path}"] = boxes
-    return sharded, steps
-
-
-def _all_step_counts(steps: dict) -> dict[str, float]:
-    """Every rank's Adam step counts by param path (a collective): common state is written
-    by rank 0 alone, which under the distributed optimizer steps only some params."""
-    local = {path: float(state["step"]) for path, state in steps.items() if "step" in state}
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, local)
-    merged: dict[str, float] = {}
-    for counts in everyone:
-        merged.update(counts)
-    return merged
-
 
 def _validate_on_every_rank(state: dict, loading: bool = False) -> None:
     """megatron validates a checkpoint's sharding on rank 0 only and raises there, while the
@@ -222,7 +107,7 @@ def _validate_on_every_rank(state: dict, loading: bool = False) -> None:
 
 def _etp_groups(model: torch.nn.Module):
     """The model's ETP groups, None for a model without ETP weights."""
-    from ..wrap import _runtime_of
+    from ...wrap import _runtime_of
 
     runtime = _runtime_of(model)
     return runtime.groups if runtime is not None else None
@@ -233,7 +118,7 @@ def _model_sharded_state_dict(model: torch.nn.Module):
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.transformer.module import Float16Module
 
-    from .sharded_state import etp_sharded_state_dict
+    from .model_state import etp_sharded_state_dict
 
     inner = model
     while isinstance(inner, (DistributedDataParallel, Float16Module)):
@@ -250,7 +135,7 @@ def save_training_checkpoint(root: str | Path, iteration: int, model: torch.nn.M
 
     Raises:
         ValueError: an unsupported optimizer (megatron-core's precision-aware optimizer).
-        etp.checkpoint_io.CheckpointError: the save failed on some rank (nothing published).
+        etp.megatron.checkpoint.CheckpointError: the save failed on some rank (nothing published).
 
     Example::
 
@@ -280,7 +165,7 @@ def load_training_checkpoint(root: str | Path, model: torch.nn.Module, optimizer
     copies are re-quantized. Returns ``(iteration, metadata, None)``.
 
     Raises:
-        etp.checkpoint_io.CheckpointError: no checkpoint, or a corrupt / partial / tampered one.
+        etp.megatron.checkpoint.CheckpointError: no checkpoint, or a corrupt / partial / tampered one.
 
     Example::
 
@@ -288,7 +173,7 @@ def load_training_checkpoint(root: str | Path, model: torch.nn.Module, optimizer
     """
     from megatron.core import dist_checkpointing
 
-    from ..quant import quantize_shards
+    from ...quant import quantize_shards
 
     inner, model_sd = _model_sharded_state_dict(model)
     opt_sd, steps = _optimizer_sharded_state(model_sd, _param_states(optimizer), _etp_groups(inner))

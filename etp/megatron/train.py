@@ -1,4 +1,4 @@
-"""etp-train: train a recipe with ETP (``etp-train --recipe FILE`` or ``python -m etp.train``).
+"""etp-train: train a recipe with ETP (``etp-train --recipe FILE`` or ``python -m etp.megatron.train``).
 
 * Without GPUs (recipe ``backend: gloo``, or no CUDA): spawns ``world_size`` gloo ranks on
   loopback and trains ``TinyMoELM`` (megatron-core TP linears, etp grouped experts) on the
@@ -20,7 +20,7 @@ memory.
 Example::
 
     etp-train --recipe recipes/tiny_moe_cpu.yaml
-    torchrun --nproc-per-node=8 -m etp.train --recipe recipes/moe_h200x8.yaml
+    torchrun --nproc-per-node=8 -m etp.megatron.train --recipe recipes/moe_h200x8.yaml
 """
 from __future__ import annotations
 
@@ -111,11 +111,11 @@ class _Batches:
 
 def _build(recipe, device):
     """(model, ``loss_fn(module, batch)`` of a [b, s+1] token batch, megatron config or None)."""
-    from .megatron.model import etp_gpt_layer_spec
+    from .model import etp_gpt_layer_spec
 
     m = recipe.model
     if device.type == "cpu":
-        from .megatron.tiny_lm import TinyMoELM
+        from .tiny_lm import TinyMoELM
 
         torch.manual_seed(recipe.train.seed)
         model = TinyMoELM(recipe)
@@ -207,10 +207,10 @@ class _MegatronStep:
         )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        from .megatron.ddp import ETPDistributedDataParallel
-        from .megatron.finalize import finalize_model_grads as etp_finalize_model_grads
-        from .megatron.optimizer import get_etp_megatron_optimizer
-        from .wrap import _runtime_of
+        from ..wrap import _runtime_of
+        from .ddp import ETPDistributedDataParallel
+        from .finalize import finalize_model_grads as etp_finalize_model_grads
+        from .optimizer import get_etp_megatron_optimizer
 
         p, t = recipe.parallel, recipe.train
         ddp_config = DistributedDataParallelConfig(
@@ -260,8 +260,8 @@ def train(rank: int, world: int, recipe, port: int | None = None, json_path: str
     _silence_fallback_warnings(rank)
     from megatron.core import parallel_state as ps
 
-    from .megatron.groups import build_megatron_etp_groups
-    from .megatron.model import apply_etp
+    from .groups import build_megatron_etp_groups
+    from .model import apply_etp
 
     backend = recipe.parallel.backend
     if backend == "auto":
@@ -291,7 +291,7 @@ def train(rank: int, world: int, recipe, port: int | None = None, json_path: str
     trainer = _TorchStep(recipe, model, groups, tp_group) if config is None else _MegatronStep(recipe, model, config)
     audit = None
     if audit_path:
-        from .audit import MemoryAudit
+        from ..audit import MemoryAudit
 
         audit = MemoryAudit(trainer.model, trainer.optimizer, device)
     phase = audit.phase if audit is not None else _no_phase
@@ -349,7 +349,7 @@ def _quiesce(trainer, device) -> None:
     """Ends the run with nothing in flight: ETP's prefetched gathers discarded, side streams
     idle, every rank past its last collective (NCCL's destroy_process_group hung at exit on
     the GPU machine after checkpoint saves without this)."""
-    from .wrap import _runtime_of
+    from ..wrap import _runtime_of
 
     runtime = _runtime_of(trainer.model)
     if runtime is not None:
@@ -360,7 +360,7 @@ def _quiesce(trainer, device) -> None:
 
 
 def _save(recipe, trainer, iteration: int, world: int, rank: int) -> None:
-    from .megatron.checkpoint import save_training_checkpoint
+    from .checkpoint import save_training_checkpoint
 
     p = recipe.parallel
     layout = {"world_size": world, "tensor_model_parallel_size": p.tensor_model_parallel_size,
@@ -374,7 +374,7 @@ def _save(recipe, trainer, iteration: int, world: int, rank: int) -> None:
 
 
 def _resume(recipe, trainer, rank: int, iteration: int | None) -> int:
-    from .megatron.checkpoint import load_training_checkpoint
+    from .checkpoint import load_training_checkpoint
 
     root = recipe.train.load or recipe.train.save
     if root is None:
@@ -397,7 +397,7 @@ def _write_audit(path, audit, recipe, world: int, rank: int) -> None:
     prediction and writes all of them (a collective)."""
     import json
 
-    from .audit import predict_memory
+    from ..audit import predict_memory
 
     prediction = predict_memory(recipe, world)
     mine = {"report": audit.report(), "comparison": audit.compare(prediction)}
@@ -447,15 +447,15 @@ def _spawned(rank, world, recipe, port, results, json_path, audit_path, resume, 
 
 def main(argv=None) -> int:
     args = _parse(argv)
-    from .megatron.recipe import Recipe, RecipeError, parse_overrides
+    from .recipe import Recipe, RecipeError, parse_overrides
 
-    overrides = parse_overrides(args.set)
-    if args.train_iters is not None:
-        overrides["train_iters"] = args.train_iters
-    if args.log_interval is not None:
-        overrides["log_interval"] = args.log_interval
-    try:
-        recipe = Recipe.from_yaml(args.recipe, **overrides)  # every validation error before any work
+    try:  # every recipe error (missing file, bad YAML, bad value) is one line, before any work
+        overrides = parse_overrides(args.set)
+        if args.train_iters is not None:
+            overrides["train_iters"] = args.train_iters
+        if args.log_interval is not None:
+            overrides["log_interval"] = args.log_interval
+        recipe = Recipe.from_yaml(args.recipe, **overrides)
     except RecipeError as error:
         print(f"etp-train: {error}", file=sys.stderr)
         return 2
@@ -467,7 +467,7 @@ def main(argv=None) -> int:
     world = recipe.parallel.world_size or 1
     if recipe.parallel.backend == "nccl" or (recipe.parallel.backend == "auto" and torch.cuda.is_available()):
         raise SystemExit(f"etp-train: run GPU recipes under torchrun, e.g. torchrun --nproc-per-node={world} "
-                         f"-m etp.train --recipe {args.recipe}")
+                         f"-m etp.megatron.train --recipe {args.recipe}")
     recipe.check_world_size(world)
     import torch.multiprocessing as mp
 

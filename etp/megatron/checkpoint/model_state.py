@@ -39,8 +39,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..param import ETPShardedParam
-from ..wrap import is_expert_param
+from ...param import ETPShardedParam
+from ...wrap import is_expert_param
 
 __all__ = [
     "ETPPieces",
@@ -350,7 +350,7 @@ def _drop_extra_state_keys(module, incompatible_keys) -> None:
 
 def _grouped_expert_params(model: torch.nn.Module) -> dict[int, str]:
     """id -> attribute name of every ETPGroupedExperts weight; hooks those modules' loading."""
-    from .model import ETPGroupedExperts
+    from ..model import ETPGroupedExperts
 
     found = {}
     for module in model.modules():

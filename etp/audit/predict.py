@@ -23,15 +23,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import GATHER_DTYPES, ETPConfig
-from .layout import ShardLayout
-from .memory_audit import MemoryAudit
+from ..config import GATHER_DTYPES, ETPConfig
+from ..layout import ShardLayout
+from .categories import CATEGORIES
 
-# MemoryAudit is the runtime half (measured bytes, the same category names), re-exported here.
-__all__ = ["CATEGORIES", "MemoryAudit", "WeightSpec", "predict_memory", "weight_inventory"]
-
-CATEGORIES = ("params", "main_grad", "optimizer", "gather_fwd", "gather_bwd", "wgrad_pool",
-              "fp8_shards", "activations")
+__all__ = ["WeightSpec", "predict_memory", "weight_inventory"]
 
 
 @dataclass(frozen=True)
@@ -160,7 +156,7 @@ def predict_memory(recipe, world_size: int, etp: ETPConfig | None = None,
         result["main_grad"] += numel * 4
         divisor = replicas[weight.expert] if distributed else 1
         result["optimizer"] += -(-numel * optimizer_bytes // max(1, divisor))
-    for (chain, role, _, _), elements in buffers.items():
+    for (_chain, role, _, _), elements in buffers.items():
         result["gather_" + role] += elements * gather_bytes
     result["wgrad_pool"] = _wgrad_pool_bytes(pool_order)
     result["activations"] = _activation_bytes(recipe)

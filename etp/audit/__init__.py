@@ -1,0 +1,18 @@
+"""The memory audit: how many bytes a rank needs, predicted and measured, in the same categories.
+
+* ``predict.py``: ``predict_memory(recipe, world_size)`` from a recipe alone (no GPU).
+* ``measure.py``: ``MemoryAudit`` measures a running job by phase and by category.
+* ``cli.py``: ``etp-audit``, the command line over the prediction (with and without ETP).
+
+Example::
+
+    from etp.audit import MemoryAudit, predict_memory
+    audit = MemoryAudit(model, optimizer)
+    ...
+    print(audit.format_table(predict_memory(recipe, world_size)))
+"""
+from .categories import CATEGORIES
+from .measure import SCHEMA_VERSION, MemoryAudit
+from .predict import WeightSpec, predict_memory, weight_inventory
+
+__all__ = ["CATEGORIES", "SCHEMA_VERSION", "MemoryAudit", "WeightSpec", "predict_memory", "weight_inventory"]

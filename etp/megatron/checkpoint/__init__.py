@@ -1,0 +1,41 @@
+"""Checkpoints of ETP models: reshardable model and optimizer state, crash-safe publishing,
+verification and safe loading.
+
+* ``training.py``: ``save_training_checkpoint`` / ``load_training_checkpoint`` (the entry points);
+  see [Note: ETP training checkpoints].
+* ``model_state.py``: ETP weights as pieces of megatron's full logical tensors.
+* ``optimizer_state.py``: optimizer state described like its parameters.
+* ``publish.py``: crash-safe publishing and verified loading; see [Note: crash-safe checkpoints].
+* ``manifest.py``: directories, manifests and verification.
+* ``unpickle.py``: restricted unpickling of the files megatron and torch DCP unpickle.
+"""
+from .manifest import (
+    LATEST_NAME,
+    MANIFEST_NAME,
+    CheckpointError,
+    LoadedCheckpoint,
+    find_latest,
+    iteration_dir,
+    list_checkpoints,
+    verify_checkpoint,
+)
+from .publish import load_checkpoint, save_checkpoint
+from .training import load_training_checkpoint, save_training_checkpoint, sync_save_strategy
+from .unpickle import safe_unpickling
+
+__all__ = [
+    "LATEST_NAME",
+    "MANIFEST_NAME",
+    "CheckpointError",
+    "LoadedCheckpoint",
+    "find_latest",
+    "iteration_dir",
+    "list_checkpoints",
+    "load_checkpoint",
+    "load_training_checkpoint",
+    "safe_unpickling",
+    "save_checkpoint",
+    "save_training_checkpoint",
+    "sync_save_strategy",
+    "verify_checkpoint",
+]

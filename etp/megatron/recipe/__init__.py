@@ -1,0 +1,104 @@
+"""Training recipes: one YAML file of Megatron-LM argument names plus an ``etp:`` section.
+
+A recipe is flat, like Megatron-LM's own command lines: every top-level key is the ``dest`` of
+a Megatron-LM argument (``--num-layers`` -> ``num_layers``; the flag ``--disable-bias-linear``
+-> ``add_bias_linear: false``) or one of etp's few driver keys, and the ``etp:`` section holds
+exactly the fields of :class:`etp.ETPConfig`. Everything is checked here, before any process
+group or GPU exists: unknown keys (with the closest known name), wrong types, out-of-range
+values and inconsistent sizes raise :class:`RecipeError` (a ``ValueError``) naming the key and
+the value. Checks that need the number of ranks run in :meth:`Recipe.check_world_size`, and
+already at load time when the recipe sets ``world_size``.
+
+Example::
+
+    # recipes/tiny_moe_cpu.yaml
+    num_layers: 2
+    hidden_size: 64
+    num_attention_heads: 4
+    num_experts: 4
+    ...
+    etp:
+      etp_size: 2
+      expert_etp_size: 2
+
+    recipe = Recipe.from_yaml("recipes/tiny_moe_cpu.yaml", train_iters=5)
+    recipe.check_world_size(2)
+    recipe.model.hidden_size, recipe.etp.etp_size, recipe.data_parallel_size(2)
+
+Schema (key: default; "required" keys have none). Defaults are Megatron-LM's unless marked.
+
+Model (``recipe.model``, :class:`ModelSpec`):
+    num_layers, hidden_size, num_attention_heads, seq_length, vocab_size: required.
+    ffn_hidden_size: None -> 4*hidden_size, or int(4*hidden_size*2/3 / 64)*64 with swiglu.
+    num_query_groups: None -> num_attention_heads (no grouped-query attention; Megatron-LM
+        also needs ``group_query_attention``, etp infers it from num_query_groups < heads).
+    max_position_embeddings: None -> seq_length.
+    vocab_size: etp's own reading: there is no tokenizer; data is token ids < vocab_size
+        (a text corpus is read as UTF-8 bytes, so vocab_size >= 256 with a corpus).
+    make_vocab_size_divisible_by: 128 (the embedding has padded_vocab_size rows).
+    swiglu: false. normalization: LayerNorm (LayerNorm | RMSNorm).
+    position_embedding_type: learned_absolute (learned_absolute | rope | none).
+    untie_embeddings_and_output_weights: false. add_bias_linear: true.
+    init_method_std: 0.02. attention_dropout: 0.1. hidden_dropout: 0.1.
+    num_experts: None (a dense model; otherwise every layer is MoE).
+    moe_router_topk: 2. moe_ffn_hidden_size: None -> ffn_hidden_size.
+    moe_grouped_gemm: false (true: etp's GroupedSwiGLUExperts, torch._grouped_mm; false:
+        megatron-core SequentialMLP experts).
+    moe_token_dispatcher_type: allgather (allgather | alltoall | flex).
+    moe_aux_loss_coeff: 0.0.
+    moe_router_load_balancing_type: aux_loss (aux_loss | seq_aux_loss | global_aux_loss |
+        sinkhorn | none; one value, not Megatron-LM's list form).
+
+Parallelism (``recipe.parallel``, :class:`ParallelSpec`):
+    tensor_model_parallel_size: 1. pipeline_model_parallel_size: 1.
+    expert_model_parallel_size: 1. expert_tensor_parallel_size: None -> tensor size.
+    context_parallel_size: 1. sequence_parallel: false. use_distributed_optimizer: false.
+    overlap_grad_reduce: false.
+    world_size: None (etp driver key: ranks the recipe is meant for; the CPU driver spawns
+        this many; under torchrun it must equal WORLD_SIZE).
+    backend: auto (etp driver key: auto | gloo | nccl; auto is nccl with CUDA, else gloo).
+
+Training (``recipe.train``, :class:`TrainSpec`):
+    micro_batch_size, train_iters, lr: required. global_batch_size: None -> micro_batch_size
+        * data_parallel_size (one microbatch per step).
+    min_lr: 0.0. lr_warmup_iters: 0. lr_decay_iters: None -> train_iters.
+    lr_decay_style: linear (constant | linear | cosine | inverse-square-root | WSD).
+    weight_decay: 0.01. clip_grad: 1.0 (0 = off). adam_beta1: 0.9. adam_beta2: 0.999.
+    adam_eps: 1e-08. bf16: false. fp16: false. seed: 1234. log_interval: 100.
+    save: None. save_interval: None (needs save). load: None.
+    data: synthetic (etp's own: "synthetic" for random token ids, or the path of a text
+        corpus, read as bytes; a relative path is looked up from the working directory, the
+        recipe's directory and the directory holding the etp package, see
+        :meth:`Recipe.resolve_data_path`).
+
+ETP (``recipe.etp``, :class:`etp.ETPConfig`): etp_size, expert_etp_size, pad_for_alignment,
+    reduction, gather_dtype, prefetch, async_reduce, debug_checks (defaults in
+    configs/etp.yaml).
+
+[Note: ETP inside the parallel layout]
+Megatron-LM splits the world as ``world = TP x CP x PP x DP`` for dense weights and
+``world = ETP_tp x EP x PP x EDP`` for experts (ETP_tp = expert_tensor_parallel_size, EDP the
+expert-data-parallel size). ETP is a sub-axis of data parallelism: a dense weight is sharded
+over ``etp_size`` ranks of its data-parallel group (so ``etp_size`` divides DP) and an expert
+weight over ``expert_etp_size`` ranks of its expert-data-parallel group (so
+``expert_etp_size`` divides EDP). DDP then reduces over the remaining ``DP / etp_size``
+(``EDP / expert_etp_size``) replicas.
+
+YAML 1.1 (PyYAML) reads ``3e-3`` as a string; recipes are loaded with a loader that reads it
+as the float it looks like, and duplicate keys are errors.
+"""
+from .loading import load_recipe_yaml, parse_overrides
+from .recipe import Recipe
+from .schema import ModelSpec, ParallelSpec, TrainSpec
+from .validation import RecipeError, check_parallel_layout
+
+__all__ = [
+    "ModelSpec",
+    "ParallelSpec",
+    "Recipe",
+    "RecipeError",
+    "TrainSpec",
+    "check_parallel_layout",
+    "load_recipe_yaml",
+    "parse_overrides",
+]

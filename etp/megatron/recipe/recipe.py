@@ -1,0 +1,305 @@
+"""Recipe: a validated training recipe built from a flat mapping or a YAML file."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from ...config import ETPConfig
+from .loading import load_recipe_yaml
+from .quantities import RecipeQuantities
+from .schema import _ETP_FIELDS, _KEY_SECTION, _SECTIONS, ModelSpec, ParallelSpec, TrainSpec
+from .validation import RecipeError, _fail
+
+
+def _suggest(key: str, known: Iterable[str]) -> str | None:
+    known = list(known)
+    normalized = key.strip().replace("-", "_").lstrip("_")
+    if normalized in known and normalized != key:
+        return normalized
+    match = difflib.get_close_matches(normalized, known, n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+def _unknown_key_error(key: str, value: Any, *, in_etp: bool) -> RecipeError:
+    name = f"etp.{key}" if in_etp else str(key)
+    if in_etp:
+        if key in _KEY_SECTION:
+            hint = f"{key} is a top-level recipe key, not an ETP setting: move it out of etp:"
+        else:
+            match = _suggest(str(key), _ETP_FIELDS)
+            hint = f"did you mean {match!r}?" if match else f"ETP settings are {list(_ETP_FIELDS)}"
+    elif key in _ETP_FIELDS:
+        hint = f"{key} is an ETP setting: put it in the etp: section"
+    else:
+        match = _suggest(str(key), list(_KEY_SECTION) + ["etp"])
+        hint = (
+            f"did you mean {match!r}?"
+            if match
+            else f"known keys are {sorted(_KEY_SECTION)} and the etp: section"
+        )
+    return RecipeError(name, value, f"unknown recipe key {name!r} (value {value!r}): {hint}")
+
+
+
+
+# ---------------------------------------------------------------------------------- recipe
+@dataclass(frozen=True)
+class Recipe(RecipeQuantities):
+    """A validated training recipe: model, parallel sizes, training settings and ETP settings.
+
+    Build with :meth:`from_yaml` or :meth:`from_dict`; keys are flat (Megatron-LM argument
+    names) plus an ``etp:`` mapping; ``recipe["num_layers"]`` looks a flat key up.
+
+    Example::
+
+        recipe = Recipe.from_yaml("recipes/moe_h200x8.yaml")
+        recipe.check_world_size(8)
+        baseline = recipe.replace(etp={"etp_size": 1, "expert_etp_size": 1})
+        recipe.num_params() / 1e9, recipe.data_parallel_size(8)
+    """
+
+    model: ModelSpec
+    parallel: ParallelSpec = field(default_factory=ParallelSpec)
+    train: TrainSpec = None  # type: ignore[assignment]  # required; None fails validation
+    etp: ETPConfig = field(default_factory=ETPConfig)
+    #: the YAML file it came from (relative data paths are also looked up next to it)
+    source: Path | None = field(default=None, compare=False, repr=False)
+    #: the flat mapping it was built from (before derived defaults), for :meth:`replace`
+    raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name, cls in (*_SECTIONS.items(), ("etp", ETPConfig)):
+            if not isinstance(getattr(self, name), cls):
+                raise RecipeError(
+                    name, getattr(self, name), f"Recipe.{name} must be a {cls.__name__}"
+                )
+        m, p, t, e = self.model, self.parallel, self.train, self.etp
+        tp = p.tensor_model_parallel_size
+        if m.num_attention_heads % tp:
+            _fail(
+                "num_attention_heads",
+                m.num_attention_heads,
+                f"must be divisible by tensor_model_parallel_size={tp}",
+            )
+        if m.num_query_groups % tp and tp % m.num_query_groups:
+            _fail(
+                "num_query_groups",
+                m.num_query_groups,
+                f"must be a multiple or a divisor of tensor_model_parallel_size={tp}",
+            )
+        if m.ffn_hidden_size % tp:
+            _fail(
+                "ffn_hidden_size",
+                m.ffn_hidden_size,
+                f"must be divisible by tensor_model_parallel_size={tp}",
+            )
+        if m.num_layers % p.pipeline_model_parallel_size:
+            _fail(
+                "num_layers",
+                m.num_layers,
+                f"must be divisible by pipeline_model_parallel_size="
+                f"{p.pipeline_model_parallel_size}",
+            )
+        cp = p.context_parallel_size
+        if cp > 1 and m.seq_length % (2 * cp):
+            _fail(
+                "seq_length",
+                m.seq_length,
+                f"must be divisible by 2 x context_parallel_size = {2 * cp}",
+            )
+        if p.sequence_parallel and m.seq_length % tp:
+            _fail(
+                "seq_length",
+                m.seq_length,
+                f"must be divisible by tensor_model_parallel_size={tp} with sequence_parallel",
+            )
+        if m.is_moe:
+            ep, etp_tp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
+            if m.num_experts % ep:
+                _fail(
+                    "num_experts",
+                    m.num_experts,
+                    f"must be divisible by expert_model_parallel_size={ep}",
+                )
+            if m.moe_ffn_hidden_size % etp_tp:
+                _fail(
+                    "moe_ffn_hidden_size",
+                    m.moe_ffn_hidden_size,
+                    f"must be divisible by expert_tensor_parallel_size={etp_tp}",
+                )
+            if ep > 1 and tp > 1 and not p.sequence_parallel:
+                _fail(
+                    "sequence_parallel",
+                    False,
+                    f"must be true with expert_model_parallel_size={ep} and "
+                    f"tensor_model_parallel_size={tp} (Megatron-LM's rule)",
+                )
+        else:
+            if p.expert_model_parallel_size > 1:
+                _fail(
+                    "expert_model_parallel_size",
+                    p.expert_model_parallel_size,
+                    "needs num_experts (the model is dense)",
+                )
+            if e.expert_etp_size > 1:
+                _fail(
+                    "etp.expert_etp_size",
+                    e.expert_etp_size,
+                    "needs num_experts (the model is dense)",
+                )
+        if e.gather_dtype.startswith("fp8") and not t.bf16:
+            _fail(
+                "etp.gather_dtype",
+                e.gather_dtype,
+                "FP8 gathers need bf16: true (the FP8 GEMMs take bf16 activations)",
+            )
+        if not t.is_synthetic and m.vocab_size < 256:
+            _fail(
+                "vocab_size",
+                m.vocab_size,
+                f"must be >= 256 with data={t.data!r}: a text corpus is read as bytes",
+            )
+        if p.world_size is not None:
+            self.check_world_size(p.world_size)
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_dict(
+        cls,
+        values: Mapping[str, Any],
+        *,
+        source: str | Path | None = None,
+        **overrides: Any,
+    ) -> "Recipe":
+        """Builds and validates a recipe from a flat mapping plus keyword overrides.
+
+        Overrides take flat recipe keys, ``etp={...}`` (merged into the etp section) and the
+        ETP field names themselves (``etp_size=1``: no Megatron-LM argument has these names,
+        so they go to the etp section). In ``values`` ETP fields belong in ``etp:`` only.
+
+        Example::
+
+            Recipe.from_dict({"num_layers": 2, ..., "etp": {"etp_size": 2}}, train_iters=5)
+        """
+        if not isinstance(values, Mapping):
+            raise RecipeError(
+                "<recipe>", values, f"a recipe must be a mapping, got {type(values).__name__}"
+            )
+        flat = dict(values)
+        etp_section = flat.pop("etp", None)
+        etp_section = {} if etp_section is None else etp_section
+        if not isinstance(etp_section, Mapping):
+            raise RecipeError(
+                "etp",
+                etp_section,
+                f"recipe key etp={etp_section!r}: expected a mapping of ETP settings",
+            )
+        etp_section = dict(etp_section)
+        for key, value in overrides.items():
+            if key == "etp":
+                if not isinstance(value, Mapping):
+                    raise RecipeError("etp", value, f"override etp={value!r}: expected a mapping")
+                etp_section.update(value)
+            elif key in _ETP_FIELDS:
+                etp_section[key] = value
+            else:
+                flat[key] = value
+
+        unknown = [k for k in flat if k not in _KEY_SECTION]
+        if unknown:
+            errors = [_unknown_key_error(k, flat[k], in_etp=False) for k in unknown]
+            if len(errors) == 1:
+                raise errors[0]
+            raise RecipeError(errors[0].key, errors[0].value, "; ".join(map(str, errors)))
+        unknown_etp = [k for k in etp_section if k not in _ETP_FIELDS]
+        if unknown_etp:
+            raise _unknown_key_error(unknown_etp[0], etp_section[unknown_etp[0]], in_etp=True)
+
+        sections = {name: {} for name in _SECTIONS}
+        for key, value in flat.items():
+            sections[_KEY_SECTION[key]][key] = value
+        built = {name: spec(**sections[name]) for name, spec in _SECTIONS.items()}
+        try:
+            etp_config = ETPConfig.from_dict(etp_section)
+        except ValueError as error:
+            key = next((k for k in _ETP_FIELDS if f"ETPConfig.{k}=" in str(error)), "etp")
+            defaults = {f.name: f.default for f in dataclasses.fields(ETPConfig)}
+            value = etp_section.get(key, defaults.get(key))
+            raise RecipeError(
+                f"etp.{key}", value, f"recipe key etp.{key}={value!r}: {error}"
+            ) from error
+        raw = {**flat, "etp": etp_section}
+        return cls(
+            **built,
+            etp=etp_config,
+            source=Path(source) if source is not None else None,
+            raw=raw,
+        )
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides: Any) -> "Recipe":
+        """Loads a YAML recipe plus overrides (see :meth:`from_dict`).
+
+        Example::
+
+            Recipe.from_yaml("recipes/tiny_moe_cpu.yaml", train_iters=5, etp={"etp_size": 1})
+        """
+        path = Path(path)
+        return cls.from_dict(load_recipe_yaml(path), source=path, **overrides)
+
+    def replace(self, **overrides: Any) -> "Recipe":
+        """A new recipe from this one's keys plus overrides (derived defaults are derived
+        again, so ``replace(hidden_size=128)`` also changes a derived ``ffn_hidden_size``)."""
+        return self.from_dict(self.raw, source=self.source, **overrides)
+
+    # ------------------------------------------------------------------ access
+    def __getitem__(self, key: str) -> Any:
+        """The value of a flat recipe key (derived defaults filled in)."""
+        if key in _ETP_FIELDS:
+            return getattr(self.etp, key)
+        if key not in _KEY_SECTION:
+            raise KeyError(str(_unknown_key_error(key, None, in_etp=False)))
+        return getattr(getattr(self, _KEY_SECTION[key]), key)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The flat mapping with derived defaults filled in; ``from_dict`` of it is equal."""
+        flat = {
+            key: getattr(getattr(self, section), key) for key, section in _KEY_SECTION.items()
+        }
+        flat["etp"] = dataclasses.asdict(self.etp)
+        return flat
+
+    @staticmethod
+    def keys() -> tuple[str, ...]:
+        """Every flat recipe key (the ``etp`` section's keys are ETPConfig's fields)."""
+        return tuple(_KEY_SECTION)
+
+    # ------------------------------------------------------------------ data
+    def resolve_data_path(self) -> Path | None:
+        """The corpus file of ``data`` (None for synthetic data). A relative path is looked up
+        in the working directory, next to the recipe file, and in the directory that holds the
+        ``etp`` package (so ``etp/data/tiny_corpus.txt`` works from a checkout and from an
+        installed package). Raises :class:`RecipeError` naming ``data`` when none exists.
+        """
+        if self.train.is_synthetic:
+            return None
+        given = Path(self.train.data).expanduser()
+        if given.is_absolute():
+            candidates = [given]
+        else:
+            candidates = [Path.cwd() / given]
+            if self.source is not None:
+                candidates.append(Path(self.source).resolve().parent / given)
+            candidates.append(Path(__file__).resolve().parents[2] / given)
+        for candidate in candidates:
+            if candidate.is_file():
+                return candidate
+        raise RecipeError(
+            "data",
+            self.train.data,
+            f"recipe key data={self.train.data!r}: no such file (looked at "
+            f"{[str(c) for c in candidates]}); use 'synthetic' or a text file",
+        )

@@ -1,0 +1,283 @@
+"""The recipe key schema: every flat key with its type, range and default, grouped in the model,
+parallel and train sections (Megatron-LM argument names)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...config import ETPConfig
+from .validation import _BOOL, _FLOAT, _INT, _STR, _fail, _validate_fields
+
+
+def _key(
+    default: Any,
+    kind: str,
+    help: str,
+    *,
+    required: bool = False,
+    minimum: float | None = None,
+    exclusive_minimum: bool = False,
+    below: float | None = None,
+    choices: tuple[str, ...] | None = None,
+) -> Any:
+    """A recipe key: a dataclass field whose metadata drives validation.
+
+    ``default`` None means "derived" (or unset) unless ``required``; ``minimum`` / ``below``
+    bound numbers (``below`` exclusive); ``choices`` restrict strings.
+    """
+    return field(
+        default=default,
+        metadata=dict(
+            kind=kind,
+            help=help,
+            required=required,
+            minimum=minimum,
+            exclusive_minimum=exclusive_minimum,
+            below=below,
+            choices=choices,
+        ),
+    )
+
+
+def _positive(default: Any, help: str, **kw: Any) -> Any:
+    return _key(default, _INT, help, minimum=1, **kw)
+
+
+_NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+_POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
+_DISPATCHERS = ("allgather", "alltoall", "flex")
+_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+_LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+_BACKENDS = ("auto", "gloo", "nccl")
+SYNTHETIC = "synthetic"
+
+
+
+# ---------------------------------------------------------------------------------- specs
+@dataclass(frozen=True)
+class ModelSpec:
+    """The GPT / MoE model of a recipe (Megatron-LM argument names; see the module docstring
+    for defaults). Derived defaults (``ffn_hidden_size``, ``num_query_groups``,
+    ``max_position_embeddings``, ``moe_ffn_hidden_size``) are filled in on construction.
+
+    Example::
+
+        spec = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64,
+                         vocab_size=256, num_experts=4)
+        spec.moe_ffn_hidden_size   # 256 (= ffn_hidden_size = 4 * 64)
+    """
+
+    num_layers: int = _positive(None, "transformer layers", required=True)
+    hidden_size: int = _positive(None, "model width", required=True)
+    ffn_hidden_size: int | None = _positive(None, "dense MLP width")
+    num_attention_heads: int = _positive(None, "attention heads", required=True)
+    num_query_groups: int | None = _positive(None, "key/value heads (grouped-query attention)")
+    seq_length: int = _positive(None, "tokens per sample", required=True)
+    max_position_embeddings: int | None = _positive(None, "positions of the position embedding")
+    vocab_size: int = _positive(None, "token ids are < vocab_size", required=True)
+    make_vocab_size_divisible_by: int = _positive(128, "pad the vocabulary to this x TP")
+    swiglu: bool = _key(False, _BOOL, "SwiGLU MLPs")
+    normalization: str = _key("LayerNorm", _STR, "norm layers", choices=_NORMALIZATIONS)
+    position_embedding_type: str = _key(
+        "learned_absolute", _STR, "position embedding", choices=_POSITION_EMBEDDINGS
+    )
+    untie_embeddings_and_output_weights: bool = _key(False, _BOOL, "separate output layer weight")
+    add_bias_linear: bool = _key(True, _BOOL, "biases in linear layers")
+    init_method_std: float = _key(
+        0.02, _FLOAT, "weight init std", minimum=0.0, exclusive_minimum=True
+    )
+    attention_dropout: float = _key(0.1, _FLOAT, "attention dropout", minimum=0.0, below=1.0)
+    hidden_dropout: float = _key(0.1, _FLOAT, "hidden dropout", minimum=0.0, below=1.0)
+    num_experts: int | None = _positive(None, "routed experts per MoE layer (None: dense)")
+    moe_router_topk: int = _positive(2, "experts per token")
+    moe_ffn_hidden_size: int | None = _positive(None, "width of each expert's MLP")
+    moe_grouped_gemm: bool = _key(False, _BOOL, "grouped expert GEMMs")
+    moe_token_dispatcher_type: str = _key(
+        "allgather", _STR, "token dispatcher", choices=_DISPATCHERS
+    )
+    moe_aux_loss_coeff: float = _key(0.0, _FLOAT, "load-balancing loss weight", minimum=0.0)
+    moe_router_load_balancing_type: str = _key(
+        "aux_loss", _STR, "router load balancing", choices=_LOAD_BALANCING
+    )
+
+    def __post_init__(self) -> None:
+        _validate_fields(self)
+        if self.ffn_hidden_size is None:
+            # Megatron-LM's validate_args rule.
+            h = self.hidden_size
+            ffn = int((4 * h * 2 / 3) / 64) * 64 if self.swiglu else 4 * h
+            if ffn < 1:
+                _fail(
+                    "hidden_size",
+                    h,
+                    "is too small for the swiglu ffn_hidden_size default: set ffn_hidden_size",
+                )
+            object.__setattr__(self, "ffn_hidden_size", ffn)
+        if self.num_query_groups is None:
+            object.__setattr__(self, "num_query_groups", self.num_attention_heads)
+        if self.max_position_embeddings is None:
+            object.__setattr__(self, "max_position_embeddings", self.seq_length)
+        if self.hidden_size % self.num_attention_heads:
+            _fail(
+                "hidden_size",
+                self.hidden_size,
+                f"must be divisible by num_attention_heads={self.num_attention_heads} "
+                "(the head width is hidden_size / num_attention_heads)",
+            )
+        if self.num_attention_heads % self.num_query_groups:
+            _fail(
+                "num_query_groups",
+                self.num_query_groups,
+                f"must divide num_attention_heads={self.num_attention_heads}",
+            )
+        if self.max_position_embeddings < self.seq_length:
+            _fail(
+                "max_position_embeddings",
+                self.max_position_embeddings,
+                f"must be >= seq_length={self.seq_length}",
+            )
+        if self.num_experts is None:
+            if self.moe_ffn_hidden_size is not None:
+                _fail(
+                    "moe_ffn_hidden_size",
+                    self.moe_ffn_hidden_size,
+                    "is set but num_experts is not (a dense model has no experts)",
+                )
+        else:
+            if self.moe_ffn_hidden_size is None:
+                object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
+            if self.moe_router_topk > self.num_experts:
+                _fail(
+                    "moe_router_topk",
+                    self.moe_router_topk,
+                    f"must be <= num_experts={self.num_experts}",
+                )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    @property
+    def kv_channels(self) -> int:
+        """Width of one attention head."""
+        return self.hidden_size // self.num_attention_heads
+
+
+@dataclass(frozen=True)
+class ParallelSpec:
+    """Parallel sizes of a recipe (Megatron-LM names) and etp's driver keys ``world_size`` and
+    ``backend``. ``expert_tensor_parallel_size`` defaults to the tensor size.
+
+    Example::
+
+        spec = ParallelSpec(tensor_model_parallel_size=2, sequence_parallel=True)
+        spec.expert_tensor_parallel_size   # 2
+    """
+
+    tensor_model_parallel_size: int = _positive(1, "tensor-parallel size (TP)")
+    pipeline_model_parallel_size: int = _positive(1, "pipeline-parallel size (PP)")
+    expert_model_parallel_size: int = _positive(1, "expert-parallel size (EP)")
+    expert_tensor_parallel_size: int | None = _positive(None, "tensor-parallel size of experts")
+    context_parallel_size: int = _positive(1, "context-parallel size (CP)")
+    sequence_parallel: bool = _key(False, _BOOL, "sequence parallelism (needs TP > 1)")
+    use_distributed_optimizer: bool = _key(False, _BOOL, "shard optimizer state over DP")
+    overlap_grad_reduce: bool = _key(False, _BOOL, "overlap DDP gradient reduction with backward")
+    world_size: int | None = _positive(None, "ranks the recipe is meant for (etp driver key)")
+    backend: str = _key("auto", _STR, "process-group backend (etp driver key)", choices=_BACKENDS)
+
+    def __post_init__(self) -> None:
+        _validate_fields(self)
+        if self.expert_tensor_parallel_size is None:
+            object.__setattr__(self, "expert_tensor_parallel_size", self.tensor_model_parallel_size)
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            _fail(
+                "sequence_parallel",
+                True,
+                "needs tensor_model_parallel_size > 1 (it splits the sequence over the TP group)",
+            )
+
+    @property
+    def model_parallel_size(self) -> int:
+        """TP x PP x CP: the ranks one dense replica spans."""
+        return (
+            self.tensor_model_parallel_size
+            * self.pipeline_model_parallel_size
+            * self.context_parallel_size
+        )
+
+    @property
+    def expert_model_parallel_span(self) -> int:
+        """ETP_tp x EP x PP: the ranks one expert replica spans."""
+        return (
+            self.expert_tensor_parallel_size
+            * self.expert_model_parallel_size
+            * self.pipeline_model_parallel_size
+        )
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """Batch sizes, optimizer, schedule, precision, logging, checkpoints and data of a recipe.
+    ``lr_decay_iters`` defaults to ``train_iters``; ``global_batch_size`` stays None (one
+    microbatch per step) until a world size is known, see :meth:`Recipe.global_batch_size`.
+
+    Example::
+
+        TrainSpec(micro_batch_size=4, train_iters=60, lr=3e-3).lr_decay_iters   # 60
+    """
+
+    micro_batch_size: int = _positive(None, "samples per rank per microbatch", required=True)
+    global_batch_size: int | None = _positive(None, "samples per optimizer step, all ranks")
+    train_iters: int = _positive(None, "optimizer steps", required=True)
+    lr: float = _key(
+        None, _FLOAT, "peak learning rate", required=True, minimum=0.0, exclusive_minimum=True
+    )
+    min_lr: float = _key(0.0, _FLOAT, "final learning rate", minimum=0.0)
+    lr_warmup_iters: int = _key(0, _INT, "linear warmup steps", minimum=0)
+    lr_decay_iters: int | None = _positive(None, "decay steps")
+    lr_decay_style: str = _key("linear", _STR, "learning-rate decay", choices=_LR_DECAY_STYLES)
+    weight_decay: float = _key(0.01, _FLOAT, "AdamW weight decay", minimum=0.0)
+    clip_grad: float = _key(1.0, _FLOAT, "global grad-norm clip (0 = off)", minimum=0.0)
+    adam_beta1: float = _key(0.9, _FLOAT, "Adam beta1", minimum=0.0, below=1.0)
+    adam_beta2: float = _key(0.999, _FLOAT, "Adam beta2", minimum=0.0, below=1.0)
+    adam_eps: float = _key(1e-8, _FLOAT, "Adam epsilon", minimum=0.0, exclusive_minimum=True)
+    bf16: bool = _key(False, _BOOL, "bf16 parameters and compute")
+    fp16: bool = _key(False, _BOOL, "fp16 parameters and compute")
+    seed: int = _key(1234, _INT, "random seed", minimum=0)
+    log_interval: int = _positive(100, "steps between log lines")
+    save: str | None = _key(None, _STR, "checkpoint directory to save to")
+    save_interval: int | None = _positive(None, "steps between checkpoints")
+    load: str | None = _key(None, _STR, "checkpoint directory to load from")
+    data: str = _key(SYNTHETIC, _STR, "'synthetic' or a text corpus path")
+
+    def __post_init__(self) -> None:
+        _validate_fields(self)
+        if self.lr_decay_iters is None:
+            object.__setattr__(self, "lr_decay_iters", self.train_iters)
+        if self.min_lr > self.lr:
+            _fail("min_lr", self.min_lr, f"must be <= lr={self.lr}")
+        if self.lr_warmup_iters > self.train_iters:
+            _fail(
+                "lr_warmup_iters",
+                self.lr_warmup_iters,
+                f"must be <= train_iters={self.train_iters}",
+            )
+        if self.bf16 and self.fp16:
+            _fail("fp16", True, "bf16 and fp16 are both true: choose one")
+        if self.save_interval is not None and self.save is None:
+            _fail("save_interval", self.save_interval, "needs save: a checkpoint directory")
+
+    @property
+    def is_synthetic(self) -> bool:
+        return self.data == SYNTHETIC
+
+
+_SECTIONS: dict[str, type] = {"model": ModelSpec, "parallel": ParallelSpec, "train": TrainSpec}
+#: flat recipe key -> section attribute of Recipe
+_KEY_SECTION: dict[str, str] = {
+    f.name: section for section, cls in _SECTIONS.items() for f in dataclasses.fields(cls)
+}
+_ETP_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(ETPConfig))
+
+

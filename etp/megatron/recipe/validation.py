@@ -1,0 +1,183 @@
+"""Recipe value checks: the error type, per-key type and range checks, and the parallel layout
+(which sizes must divide which), all raising ``RecipeError`` naming the key and the value."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+
+class RecipeError(ValueError):
+    """A bad recipe value. ``key`` is the recipe key at fault (``etp.<field>`` for the ETP
+    section), ``value`` its value; the message names both."""
+
+    def __init__(self, key: str, value: Any, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+        self.value = value
+
+
+
+_INT, _FLOAT, _BOOL, _STR = "int", "float", "bool", "str"
+
+
+def _describe_kind(kind: str) -> str:
+    return {
+        _INT: "an integer",
+        _FLOAT: "a number",
+        _BOOL: "true or false",
+        _STR: "a string",
+    }[kind]
+
+
+def _check_value(key: str, value: Any, meta: Mapping[str, Any]) -> Any:
+    """Type-checks and range-checks one value; returns it normalized (ints given for float
+    keys become floats). ``None`` must have been handled by the caller."""
+    kind = meta["kind"]
+    got = type(value).__name__
+    if kind == _INT:
+        # bool is a subclass of int: `num_layers: true` is a mistake, not 1.
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise RecipeError(
+                key, value, f"recipe key {key}={value!r}: expected an integer, got {got}"
+            )
+    elif kind == _FLOAT:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            hint = ""
+            if isinstance(value, str):
+                try:
+                    float(value)
+                    hint = " (quote-free numbers are numbers; write e.g. 3.0e-3)"
+                except ValueError:
+                    pass
+            raise RecipeError(
+                key, value, f"recipe key {key}={value!r}: expected a number, got {got}{hint}"
+            )
+        value = float(value)
+        if not math.isfinite(value):
+            raise RecipeError(key, value, f"recipe key {key}={value!r}: must be finite")
+    elif kind == _BOOL:
+        if not isinstance(value, bool):
+            raise RecipeError(
+                key, value, f"recipe key {key}={value!r}: expected true or false, got {got}"
+            )
+    elif kind == _STR:
+        if not isinstance(value, str):
+            raise RecipeError(
+                key, value, f"recipe key {key}={value!r}: expected a string, got {got}"
+            )
+        if not value:
+            raise RecipeError(key, value, f"recipe key {key}={value!r}: must not be empty")
+    minimum = meta["minimum"]
+    if minimum is not None:
+        if meta["exclusive_minimum"] and not value > minimum:
+            raise RecipeError(key, value, f"recipe key {key}={value!r}: must be > {minimum}")
+        if not meta["exclusive_minimum"] and value < minimum:
+            raise RecipeError(key, value, f"recipe key {key}={value!r}: must be >= {minimum}")
+    below = meta["below"]
+    if below is not None and not value < below:
+        raise RecipeError(key, value, f"recipe key {key}={value!r}: must be < {below}")
+    choices = meta["choices"]
+    if choices is not None and value not in choices:
+        raise RecipeError(
+            key, value, f"recipe key {key}={value!r}: allowed values are {list(choices)}"
+        )
+    return value
+
+
+def _validate_fields(obj: Any) -> None:
+    """Checks every recipe key of a spec dataclass in place (frozen: via object.__setattr__)."""
+    for f in dataclasses.fields(obj):
+        meta = f.metadata
+        if "kind" not in meta:
+            continue
+        value = getattr(obj, f.name)
+        if value is None:
+            if meta["required"]:
+                raise RecipeError(
+                    f.name,
+                    None,
+                    f"recipe key {f.name} is required ({meta['help']}): add `{f.name}: <value>`",
+                )
+            if f.default is not None:
+                raise RecipeError(
+                    f.name,
+                    None,
+                    f"recipe key {f.name}=None: expected {_describe_kind(meta['kind'])} "
+                    f"(default {f.default!r})",
+                )
+            continue
+        object.__setattr__(obj, f.name, _check_value(f.name, value, meta))
+
+
+def _fail(key: str, value: Any, message: str) -> None:
+    raise RecipeError(key, value, f"recipe key {key}={value!r}: {message}")
+
+
+
+# ---------------------------------------------------------------------------------- layout
+def check_parallel_layout(
+    world_size: int,
+    *,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
+    etp_size: int = 1,
+    expert_etp_size: int = 1,
+) -> tuple[int, int]:
+    """Checks that ETP fits Megatron's parallel layout on ``world_size`` ranks (see
+    [Note: ETP inside the parallel layout]); returns ``(data_parallel_size,
+    expert_data_parallel_size)``. Raises :class:`RecipeError` naming the key at fault.
+
+    Example::
+
+        check_parallel_layout(8, tensor_model_parallel_size=2, etp_size=4)   # (4, 4)
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise RecipeError(
+            "world_size", world_size, f"world_size={world_size!r}: expected a positive integer"
+        )
+    tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
+    ep = expert_model_parallel_size
+    etp_tp = tp if expert_tensor_parallel_size is None else expert_tensor_parallel_size
+    span = tp * pp * cp
+    if world_size % span:
+        raise RecipeError(
+            "world_size",
+            world_size,
+            f"world_size={world_size} is not divisible by tensor_model_parallel_size x "
+            f"pipeline_model_parallel_size x context_parallel_size = {tp} x {pp} x {cp} = {span}",
+        )
+    dp = world_size // span
+    if dp % etp_size:
+        raise RecipeError(
+            "etp.etp_size",
+            etp_size,
+            f"etp.etp_size={etp_size} does not divide the data-parallel size {dp} (world_size "
+            f"{world_size} / (TP {tp} x PP {pp} x CP {cp})): ETP shards each dense weight over "
+            "ranks of its data-parallel group",
+        )
+    expert_span = etp_tp * ep * pp
+    if world_size % expert_span:
+        raise RecipeError(
+            "expert_model_parallel_size",
+            ep,
+            f"expert_model_parallel_size={ep}: world_size={world_size} is not divisible by "
+            f"expert_tensor_parallel_size x expert_model_parallel_size x "
+            f"pipeline_model_parallel_size = {etp_tp} x {ep} x {pp} = {expert_span}",
+        )
+    edp = world_size // expert_span
+    if edp % expert_etp_size:
+        raise RecipeError(
+            "etp.expert_etp_size",
+            expert_etp_size,
+            f"etp.expert_etp_size={expert_etp_size} does not divide the expert-data-parallel "
+            f"size {edp} (world_size {world_size} / (expert_tensor_parallel_size {etp_tp} x "
+            f"expert_model_parallel_size {ep} x PP {pp})): ETP shards each expert weight over "
+            "ranks of its expert-data-parallel group",
+        )
+    return dp, edp
+
+
