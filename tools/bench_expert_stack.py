@@ -16,6 +16,10 @@ input gradient and the count is exact.
 Variants, side by side in one process group, in this order (each freed before the next):
 
 * ``replicated``: full weights, no communication (the compute ceiling);
+* ``replicated_fp8``: full weights, no communication, and the FP8 GEMMs of ``etp_async_fp8``
+  (forward and input gradient through ``etp.gemm.GroupedGemm`` on a per-expert-scaled e4m3
+  copy of each full weight, made once per step by the same fused amax and cast kernels;
+  weight gradients in bf16): what FP8 compute buys before any communication;
 * ``ddp``: torch DistributedDataParallel over the world, default buckets, bf16 all-reduce;
 * ``fsdp2``: ``fully_shard`` on every layer, then on the root (bf16 gathers);
 * ``etp_sync``: ETP over the world, ``prefetch=False, async_reduce=False``;
@@ -86,6 +90,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import gc
 import json
 import os
@@ -108,8 +113,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import etp  # noqa: E402
+from etp.gemm import GroupedGemm  # noqa: E402
 
-VARIANTS = ("replicated", "ddp", "fsdp2", "etp_sync", "etp_async", "etp_async_fp8",
+VARIANTS = ("replicated", "replicated_fp8", "ddp", "fsdp2", "etp_sync", "etp_async", "etp_async_fp8",
             "etp_async_fp8_blockwise")
 DEFAULT_VARIANTS = VARIANTS[:-1]  # blockwise FP8 is opt-in (--variants)
 # variant -> (ETPConfig.gather_dtype, ETPConfig.pad_for_alignment or None for the default)
@@ -117,7 +123,9 @@ FP8_VARIANTS = {
     "etp_async_fp8": ("fp8_tensorwise", None),
     "etp_async_fp8_blockwise": ("fp8_blockwise", 128),
 }
-PROFILED = ("etp_async", "etp_async_fp8")  # traced under --trace
+# Variants whose GEMMs run in FP8 (their check differs from replicated by FP8 rounding).
+FP8_COMPUTE = ("replicated_fp8", *FP8_VARIANTS)
+PROFILED = ("replicated", "replicated_fp8", "etp_async", "etp_async_fp8")  # traced under --trace
 GPU_DEFAULTS = dict(layers=8, experts=16, tokens_per_expert=2048, hidden=4096, ffn=1536, warmup=5, steps=20)
 SMOKE_DEFAULTS = dict(layers=2, experts=4, tokens_per_expert=8, hidden=32, ffn=16, warmup=2, steps=2)
 # Measured separately on 2026-11-21 (shared/anchors.md), same workload and machine kind.
@@ -262,6 +270,52 @@ def _split(x: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return torch.split(x, counts.tolist())
 
 
+class _FP8GroupedLinear(torch.autograd.Function):
+    """A full bf16 weight computed through its once-per-step FP8 copy: forward and input
+    gradient are etp's own FP8 grouped GEMMs (``GroupedGemm`` with an ``FP8Weight``), the
+    weight gradient is bf16 — exactly what ``etp_async_fp8`` computes, without communication."""
+
+    @staticmethod
+    def forward(ctx, x, weight, fp8, counts):
+        ctx.save_for_backward(x, counts)
+        ctx.fp8 = fp8
+        return GroupedGemm.forward(x, fp8, counts)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, counts = ctx.saved_tensors
+        grad_y = grad_y.contiguous()
+        grad_x = GroupedGemm.dgrad(grad_y, ctx.fp8, counts) if ctx.needs_input_grad[0] else None
+        grad_w = GroupedGemm.wgrad(grad_y, x, counts) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None, None
+
+
+def quantize_full_weights(model: nn.Module) -> None:
+    """Per-expert tensorwise e4m3 copies of every full expert weight, in one fused amax launch
+    and one fused cast launch (the kernels ``etp.quantize_shards`` runs on shards)."""
+    from etp.kernels import amax_to_scale, multi_tensor_amax, multi_tensor_cast_fp8
+    from etp.quant import FP8_DTYPE, FP8Weight
+
+    weights = [(layer, name, getattr(layer, name).detach())
+               for layer in model.layers for name in ("fc1_weight", "fc2_weight")]
+    views = [w[e] for _, _, w in weights for e in range(w.shape[0])]
+    scales = amax_to_scale(multi_tensor_amax(views))
+    casts, _ = multi_tensor_cast_fp8(views, scales)
+    first = 0
+    for layer, name, w in weights:
+        experts = w.shape[0]
+        data = layer.fp8_copies.get(name)
+        if data is None:
+            data = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device).data
+        for e in range(experts):  # bytes only: uint8 views copy FP8 on every torch version
+            data[e].view(torch.uint8).copy_(casts[first + e].view(torch.uint8))
+        scale = scales[first:first + experts].contiguous()
+        layer.fp8_weights[name] = FP8Weight(data, scale, 1.0 / scale, False,
+                                            data.view(-1, data.shape[-1]), experts * w.shape[1])
+        layer.fp8_copies[name] = data
+        first += experts
+
+
 class BenchExperts(etp.GroupedSwiGLUExperts):
     """``GroupedSwiGLUExperts`` whose *unsharded* weights also run grouped GEMMs.
 
@@ -271,12 +325,21 @@ class BenchExperts(etp.GroupedSwiGLUExperts):
     communication. Sharded weights take etp's own forward unchanged.
     """
 
+    fp8_weights: dict  # name -> FP8Weight of the step (replicated_fp8 only)
+    fp8_copies: dict   # name -> the stable FP8 buffer behind it
+
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         if isinstance(self.fc1_weight, etp.ETPShardedParam):
             return super().forward(x, tokens_per_expert)
-        gate_up = _GroupedLinear.apply(x, self.fc1_weight, tokens_per_expert)
+        fp8 = getattr(self, "fp8_weights", None)
+        if fp8:
+            gate_up = _FP8GroupedLinear.apply(x, self.fc1_weight, fp8["fc1_weight"], tokens_per_expert)
+        else:
+            gate_up = _GroupedLinear.apply(x, self.fc1_weight, tokens_per_expert)
         gate, up = gate_up.chunk(2, dim=-1)
         hidden = torch.nn.functional.silu(gate) * up
+        if fp8:
+            return _FP8GroupedLinear.apply(hidden, self.fc2_weight, fp8["fc2_weight"], tokens_per_expert)
         return _GroupedLinear.apply(hidden, self.fc2_weight, tokens_per_expert)
 
 
@@ -376,6 +439,20 @@ def sharded_wire_bytes(world: int, full_numel: int, gather_elem_bytes: int, redu
 def prepare_replicated(args, env, _groups) -> Prepared:
     model = build_model(args, env)
     return Prepared(model, model, lambda: None, _bytes(model.parameters()), 0, "local")
+
+
+def prepare_replicated_fp8(args, env, _groups) -> Prepared:
+    model = build_model(args, env)
+    for layer in model.layers:
+        layer.fp8_weights, layer.fp8_copies = {}, {}
+    quantize_full_weights(model)  # the first quantization, as after initialization
+
+    def finalize() -> None:
+        quantize_full_weights(model)  # once per optimizer step in training: charged to every step
+
+    return Prepared(model, model, finalize, _bytes(model.parameters()), 0, "local",
+                    info={"fp8_copy_bytes": sum(d.numel() for layer in model.layers
+                                                for d in layer.fp8_copies.values())})
 
 
 def prepare_ddp(args, env, _groups) -> Prepared:
@@ -483,6 +560,7 @@ def prepare_etp_async_fp8_blockwise(args, env, groups_cache) -> Prepared:
 
 PREPARE = {
     "replicated": prepare_replicated,
+    "replicated_fp8": prepare_replicated_fp8,
     "ddp": prepare_ddp,
     "fsdp2": prepare_fsdp2,
     "etp_sync": prepare_etp_sync,
@@ -650,6 +728,25 @@ def classify(kernel_name: str) -> str:
     return "other"
 
 
+# Finer kernel classes for the time breakdown (first match wins, in this order).
+BREAKDOWN_CLASSES = (
+    ("nccl", ("nccl",)),
+    ("fp8_quantize", ("quantize", "cast_fp8", "amax")),
+    ("transpose", ("transpose",)),
+    ("gemm", GEMM_MARKERS),
+    ("copy", ("copy", "memcpy", "memset", "cat", "fill")),
+    ("elementwise", ("elementwise", "vectorized", "silu", "mul", "add", "reduce")),
+)
+
+
+def breakdown_class(kernel_name: str) -> str:
+    lowered = kernel_name.lower()
+    for name, markers in BREAKDOWN_CLASSES:
+        if any(m in lowered for m in markers):
+            return name
+    return "other"
+
+
 def merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """The union of intervals, as sorted disjoint intervals."""
     merged: list[tuple[float, float]] = []
@@ -696,7 +793,12 @@ def kernel_overlap(trace_path: str, steps: int) -> dict:
     nccl, gemm = merge(spans["nccl"]), merge(spans["gemm"])
     nccl_ms, overlap_ms = length(nccl) / 1e3, intersection(nccl, gemm) / 1e3
     top = sorted(totals.items(), key=lambda kv: -kv[1][0])[:10]
+    breakdown: dict[str, float] = {}
+    for name, (t, _) in totals.items():
+        key = breakdown_class(name)
+        breakdown[key] = breakdown.get(key, 0.0) + t / 1e3 / steps
     return {
+        "breakdown_kernel_ms_per_step": dict(sorted(breakdown.items(), key=lambda kv: -kv[1])),
         "kernels": len(kernels),
         "nccl_kernel_ms_per_step": nccl_ms / steps,
         "nccl_kernel_sum_ms_per_step": length(spans["nccl"]) / 1e3 / steps,
@@ -786,7 +888,7 @@ def _etp_gather_entry(args, env: Env, groups_cache: dict, gather_dtype: str, wha
     param = model.layers[0].fc1_weight
     runtime = etp.runtime_of(model)
     st = runtime.state(param)
-    gather = lambda: runtime._gather_now(st, Role.FWD, into_ticket=True)  # noqa: E731
+    gather = functools.partial(runtime._gather_now, st, Role.FWD, into_ticket=True)
     entry = bandwidth_entry(what, time_calls(gather, env),
                             param.numel() * _gather_elem_bytes(cfg, param), env.world, env)
     entry["result_bytes"] = _nbytes(gather())  # what _gather_now handed back, for a cross-check
@@ -835,7 +937,7 @@ def gather_bandwidth(args, env: Env, groups_cache: dict) -> dict:
         try:
             src = torch.ones(shard_numel, dtype=dtype, device=env.device)
             out = torch.empty(shard_numel * env.world, dtype=dtype, device=env.device)
-            gather = lambda: dist.all_gather_into_tensor(out, src, group=group)  # noqa: E731
+            gather = functools.partial(dist.all_gather_into_tensor, out, src, group=group)
             entries[key] = bandwidth_entry(what, time_calls(gather, env), shard_numel * src.element_size(),
                                            env.world, env)
             entries[key]["shard_shape"] = list(shard)
@@ -971,6 +1073,8 @@ def overlap_lines(results: dict) -> list[str]:
         if not prof:
             continue
         frac = prof["nccl_overlap_fraction"]
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in prof.get("breakdown_kernel_ms_per_step", {}).items())
+        lines.append(f"{name} kernel time by class (ms/step, summed over streams): {parts}.")
         lines.append(
             f"{name} profile ({prof['steps']} steps, rank 0): NCCL kernels "
             f"{prof['nccl_kernel_ms_per_step']:.2f} ms/step, of which "
@@ -987,7 +1091,7 @@ def checks_line(results: dict) -> str:
             continue
         part = f"{name} {r['check']['output_sum']:.6g} / {r['check']['grad_norm']:.6g}"
         rel = r.get("check_rel_diff_vs_replicated")
-        if name in FP8_VARIANTS and rel:
+        if name in FP8_COMPUTE and rel:
             part += (f" (FP8: rel. diff. vs replicated {_fmt(rel['output_sum'], '.2e')} / "
                      f"{_fmt(rel['grad_norm'], '.2e')})")
         parts.append(part)
