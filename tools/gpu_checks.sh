@@ -10,6 +10,10 @@
 #                                      the distributed optimizer and at ETP=1 on NPROC GPUs,
 #                                      each vs the uninterrupted run (SAVE_EXTRA: --set overrides
 #                                      of the saving run, e.g. the distributed optimizer)
+#   bash tools/gpu_checks.sh fp8recipe recipes/moe_h200x8.yaml at world NPROC (default 2), ETP=NPROC:
+#                                      bf16 gathers, fp8_tensorwise, fp8_blockwise, and ETP off, ITERS
+#                                      iterations each (default 25); each FP8 run vs the bf16-gather
+#                                      run (compare_recipe_runs.py), then the 2-layer FP8 GPU test
 #   bash tools/gpu_checks.sh megatron  driver vs stock megatron-core on 2 GPUs (pytest), then
 #                                      recipes/moe_h200x8.yaml with and without ETP (NPROC GPUs)
 # NPROC=4 runs the benchmarks on 4 GPUs instead of 8.
@@ -57,7 +61,7 @@ megatron)
   ETP_TEST_BACKEND=nccl python3 -m pytest -q tests/test_megatron_train_gpu.py 2>&1 | tee "$OUT/megatron_train_gpu.log" | tail -6
   N=${NPROC:-8}; ITERS=${ITERS:-50}
   if [ "$N" != 8 ]; then SET="--set world_size=$N --set etp.etp_size=$N --set etp.expert_etp_size=$N --set global_batch_size=$((4 * N))"; else SET=""; fi
-  CMD="torchrun --nproc-per-node=$N -m etp.train --recipe recipes/moe_h200x8.yaml --train-iters $ITERS --log-interval 5 $SET ${EXTRA:-}"
+  CMD="torchrun --nproc-per-node=$N -m etp.megatron.train --recipe recipes/moe_h200x8.yaml --train-iters $ITERS --log-interval 5 $SET ${EXTRA:-}"
   echo "=== $CMD"
   $CMD --json "$OUT/recipe_etp.json" --audit "$OUT/audit_etp.json" 2>&1 | grep -v "^W1121\|OMP_NUM\|\*\*\*\*" | tail -30
   echo "=== same, without ETP"
@@ -66,18 +70,36 @@ megatron)
   python3 tools/compare_recipe_runs.py --etp "$OUT/recipe_etp.json" --baseline "$OUT/recipe_plain.json" \
     --tolerance 0.03 --command "$CMD" --out "$OUT/moe_h200x8_compare.json"
   ;;
+fp8recipe)
+  N=${NPROC:-2}; ITERS=${ITERS:-25}
+  CMD="torchrun --nproc-per-node=$N -m etp.megatron.train --recipe recipes/moe_h200x8.yaml --train-iters $ITERS --log-interval 5 --set world_size=$N --set global_batch_size=$((4 * N)) ${EXTRA:-}"
+  run() {  # name, then --set overrides
+    local name=$1; shift
+    echo "=== $name: $CMD $*"
+    timeout 300 $CMD "$@" --json "$OUT/fp8recipe_$name.json" 2>&1 | grep "^iter\|^etp-train\|Error\|error" | tail -8
+  }
+  run bf16 --set etp.etp_size=$N --set etp.expert_etp_size=$N --set etp.gather_dtype=param
+  run fp8_tensorwise --set etp.etp_size=$N --set etp.expert_etp_size=$N --set etp.gather_dtype=fp8_tensorwise
+  run fp8_blockwise --set etp.etp_size=$N --set etp.expert_etp_size=$N --set etp.gather_dtype=fp8_blockwise --set etp.pad_for_alignment=128
+  run etp_off --set etp.etp_size=1 --set etp.expert_etp_size=1
+  for name in fp8_tensorwise fp8_blockwise etp_off; do
+    python3 tools/compare_recipe_runs.py --etp "$OUT/fp8recipe_$name.json" --baseline "$OUT/fp8recipe_bf16.json" \
+      --tolerance 0.03 --command "$CMD ($name vs bf16 gathers)" --out "$OUT/fp8recipe_${name}_vs_bf16.json" 2>&1 | tail -6
+  done
+  ETP_TEST_BACKEND=nccl python3 -m pytest -q tests/test_fp8_recipe_gpu.py 2>&1 | tail -4
+  ;;
 checkpoint)
   N=${NPROC:-8}; H=$((N / 2)); CK=${CKPT_DIR:-/tmp/etp_ckpt}; rm -rf "$CK"
   T=${TRAIN_ITERS:-20}  # 19: one save only (a full-recipe checkpoint is ~66 GB)
   BASE="--recipe recipes/moe_h200x8.yaml --train-iters $T --log-interval 5 --set num_layers=${LAYERS:-8} --set global_batch_size=16 --set save_interval=10 ${EXTRA:-}"
   echo "=== $N GPUs, ETP $N ${SAVE_EXTRA:-}: $T iterations, saving every 10"
-  timeout 240 torchrun --nproc-per-node=$N -m etp.train $BASE --set world_size=$N --set etp.etp_size=$N \
+  timeout 240 torchrun --nproc-per-node=$N -m etp.megatron.train $BASE --set world_size=$N --set etp.etp_size=$N \
     --set etp.expert_etp_size=$N ${SAVE_EXTRA:-} --set save="$CK/a" --json "$OUT/ckpt_full.json" 2>&1 | grep "^iter\|^etp-train" | tail -12
   du -sh "$CK/a/iter_0000010"
   resume() {  # name, GPUs, then --set overrides: resume from iteration 10 of the first run
     local name=$1 gpus=$2; shift 2
     echo "=== $name: $gpus GPUs, resume from iteration 10 of the first run"
-    timeout 240 torchrun --nproc-per-node=$gpus -m etp.train $BASE --set world_size=$gpus "$@" \
+    timeout 240 torchrun --nproc-per-node=$gpus -m etp.megatron.train $BASE --set world_size=$gpus "$@" \
       --set load="$CK/a" --set save="$CK/$name" --resume 10 --json "$OUT/ckpt_$name.json" 2>&1 \
       | grep "^iter\|^etp-train\|Error" | tail -12
   }
