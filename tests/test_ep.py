@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from harness import run_distributed
 
 from etp import ep
-from harness import run_distributed
 
 CPU_BACKENDS = ("reference", "nccl")
 CASES = ("uniform", "skewed", "empty_experts", "zero_tokens", "one_rank")
@@ -141,15 +141,18 @@ def _layer_vs_model(ctx, backends, cases, cfg_kw):
     return errors
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_layer_matches_single_process_model(world):
-    for errors in run_distributed(_layer_vs_model, world, CPU_BACKENDS, CASES, {}):
-        assert not errors, errors
+def _layer_and_identity(ctx, backends):
+    return _layer_vs_model(ctx, backends, CASES, {}), _identity(ctx, backends)
 
 
-def test_token_dropping_matches_model():
-    kw = dict(capacity_factor=0.5, drop_tokens=True)
-    for errors in run_distributed(_layer_vs_model, 2, CPU_BACKENDS, ("uniform", "skewed"), kw):
+@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+def layer_results(request):
+    # One spawn per world size for both checks: spawning ranks is most of the runtime.
+    return run_distributed(_layer_and_identity, request.param, CPU_BACKENDS)
+
+
+def test_layer_matches_single_process_model(layer_results):
+    for errors, _ in layer_results:
         assert not errors, errors
 
 
@@ -171,10 +174,9 @@ def _identity(ctx, backends):
     return results
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_identity_experts_return_k_times_x(world):
-    for r, result in enumerate(run_distributed(_identity, world, CPU_BACKENDS)):
-        for name, (exact, tail_zero, counts) in result.items():
+def test_identity_experts_return_k_times_x(layer_results):
+    for r, (_, result) in enumerate(layer_results):
+        for name, (exact, tail_zero, _counts) in result.items():
             assert exact is True, f"rank {r} {name}: combine(dispatch(x)) != K x (err {exact})"
             assert tail_zero, f"rank {r} {name}: rows past tokens_per_expert not zero"
         assert len({tuple(v[2]) for v in result.values()}) == 1
@@ -228,8 +230,26 @@ def _bad_input(ctx):
     return caught
 
 
-def test_bad_input_raises_naming_the_argument():
-    for r, caught in enumerate(run_distributed(_bad_input, 2)):
+def _misc(ctx, cache_dir):
+    kw = dict(capacity_factor=0.5, drop_tokens=True)
+    return dict(bad_input=_bad_input(ctx), overflow=_overflow(ctx, CPU_BACKENDS),
+                dropping=_layer_vs_model(ctx, CPU_BACKENDS, ("uniform", "skewed"), kw),
+                cache=_profile_cache(ctx, cache_dir))
+
+
+@pytest.fixture(scope="module")
+def misc_results(tmp_path_factory):
+    cache_dir = tmp_path_factory.mktemp("ep_cache")
+    return run_distributed(_misc, 2, str(cache_dir)), cache_dir
+
+
+def test_token_dropping_matches_model(misc_results):
+    for result in misc_results[0]:
+        assert not result["dropping"], result["dropping"]
+
+
+def test_bad_input_raises_naming_the_argument(misc_results):
+    for r, caught in enumerate(result["bad_input"] for result in misc_results[0]):
         lazy_out = caught.pop("lazy out")
         assert lazy_out == 2.0
         for label, msg in caught.items():
@@ -264,8 +284,8 @@ def _overflow(ctx, backends):
     return messages
 
 
-def test_overflow_is_reported():
-    for r, messages in enumerate(run_distributed(_overflow, 2, CPU_BACKENDS)):
+def test_overflow_is_reported(misc_results):
+    for r, messages in enumerate(result["overflow"] for result in misc_results[0]):
         for name, msg in messages.items():
             assert msg is not None, f"rank {r} {name}: overflow not reported"
             assert "layer3" in msg and "rank(s) [0]" in msg and "capacity 19" in msg and "{0: 21}" in msg, msg
@@ -281,8 +301,9 @@ def _profile_cache(ctx, cache_dir):
     return runs_after_first, profiler.PROFILE_RUNS, first.backend_names, second.backend_names
 
 
-def test_profiler_caches_its_choice(tmp_path):
-    results = run_distributed(_profile_cache, 2, str(tmp_path))
+def test_profiler_caches_its_choice(misc_results):
+    results = [result["cache"] for result in misc_results[0]]
+    tmp_path = misc_results[1]
     for first_runs, second_runs, first, second in results:
         assert (first_runs, second_runs) == (1, 1)
         assert first == second and set(first) <= set(CPU_BACKENDS)

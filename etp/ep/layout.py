@@ -117,5 +117,5 @@ def pair_rows(topk_idx: torch.Tensor, meta: torch.Tensor, rank: int, capacity: i
         send_kept=kept_fit[rank].reshape(-1),
         send_base=base[rank].reshape(-1),
         needed=needed,
-        tokens=meta[:, num_experts],
+        tokens=meta[:, num_experts].contiguous(),
     )
