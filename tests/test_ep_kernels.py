@@ -18,19 +18,24 @@ def _simulate(case, world, capacity, expert_capacity=None, num_experts=8, topk=3
     idx = [r[0] for r in ranks]
     meta = torch.stack([count_pairs(i, num_experts) for i in idx])
     layouts = [pair_rows(i, meta, r, capacity, expert_capacity) for r, i in enumerate(idx)]
-    xs = [r[2].float() for r in ranks]
-    ws = [r[1].float() for r in ranks]
+    layouts = [type(lay)(*(t.to(DEVICE) for t in lay)) for lay in layouts]
+    xs = [r[2].float().to(DEVICE) for r in ranks]
+    ws = [r[1].float().to(DEVICE) for r in ranks]
     return idx, layouts, xs, ws
 
 
+# Compiled on one GPU when there is one (the tables then hold local device addresses).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _bufs(world, *shape, dtype=torch.float32, fill=0.0):
-    return [torch.full(shape, fill, dtype=dtype) for _ in range(world)]
+    return [torch.full(shape, fill, dtype=dtype, device=DEVICE) for _ in range(world)]
 
 
 def _check_all_moves(case, world, capacity, expert_capacity=None):
     idx, layouts, xs, ws = _simulate(case, world, capacity, expert_capacity)
     t_max, hidden, topk = 7, 5, 3
-    tab = lambda bufs: km.table_of(bufs, "cpu")  # noqa: E731
+    tab = lambda bufs: km.table_of(bufs, DEVICE)  # noqa: E731
     # 1. direct push of rows and weights.
     recv_x, recv_w = _bufs(world, capacity, hidden), _bufs(world, capacity)
     want_x, want_w = _bufs(world, capacity, hidden), _bufs(world, capacity)
@@ -58,14 +63,14 @@ def _check_all_moves(case, world, capacity, expert_capacity=None):
         n_valid = [x.shape[0] for x in xs]
         for s in range(world):  # slots past a rank's tokens keep stale values
             assert torch.equal(red[d][s * t_max: s * t_max + n_valid[s]], want_red[d][s * t_max: s * t_max + n_valid[s]])
-        out = torch.full((capacity, hidden), 9.0)
-        prev = torch.tensor([capacity], dtype=torch.int64)
+        out = torch.full((capacity, hidden), 9.0, device=DEVICE)
+        prev = torch.tensor([capacity], dtype=torch.int64, device=DEVICE)
         km.select_rows(tok[d], maps[d], out, layouts[d].tokens_per_expert, prev, num_ctas=3)
         assert torch.equal(out, recv_x[d]), f"expanded rows of rank {d} differ from the direct push"
         km.zero_tail(out, torch.zeros_like(layouts[d].tokens_per_expert), prev, num_ctas=2)
         assert bool((out == 0).all())
     # 3. all-gather of the token rows.
-    staged = [torch.cat([x, torch.full((t_max - x.shape[0], hidden), 3.0)]) for x in xs]
+    staged = [torch.cat([x, torch.full((t_max - x.shape[0], hidden), 3.0, device=DEVICE)]) for x in xs]
     tokens = layouts[0].tokens
     got, want = _bufs(1, world * t_max, hidden, fill=-1.0)[0], _bufs(1, world * t_max, hidden, fill=-1.0)[0]
     km.gather_tokens(tab(staged), tokens, got, t_max, num_ctas=4)
@@ -73,7 +78,7 @@ def _check_all_moves(case, world, capacity, expert_capacity=None):
     assert torch.equal(got, want)
     # 4. combine: pull-reduce, and local reduce + de-duplicated pull; per-pair scalars.
     gen = torch.Generator().manual_seed(0)
-    ys = [torch.randn(capacity, hidden, generator=gen) for _ in range(world)]
+    ys = [torch.randn(capacity, hidden, generator=gen).to(DEVICE) for _ in range(world)]
     partial, want_partial = _bufs(world, world * t_max, hidden), _bufs(world, world * t_max, hidden)
     for d in range(world):
         km.local_reduce(ys[d], red[d], tokens, partial[d], t_max, num_ctas=3)
@@ -81,16 +86,16 @@ def _check_all_moves(case, world, capacity, expert_capacity=None):
         assert torch.equal(partial[d], want_partial[d])
     for r, lay in enumerate(layouts):
         T = xs[r].shape[0]
-        out, want = torch.empty(T, hidden), torch.empty(T, hidden)
+        out, want = torch.empty(T, hidden, device=DEVICE), torch.empty(T, hidden, device=DEVICE)
         km.pull_reduce(tab(ys), lay.pair_row, lay.pair_rank, out, num_ctas=2)
         ref.pull_reduce_ref(ys, lay.pair_row, lay.pair_rank, want)
         assert torch.equal(out, want)
-        out2, want2 = torch.empty(T, hidden), torch.empty(T, hidden)
+        out2, want2 = torch.empty(T, hidden, device=DEVICE), torch.empty(T, hidden, device=DEVICE)
         km.pull_reduce(tab(partial), lay.pair_row, lay.pair_rank, out2, dedup=True, me=r, t_max=t_max, num_ctas=2)
         ref.pull_reduce_ref(partial, lay.pair_row, lay.pair_rank, want2, dedup=True, me=r, t_max=t_max)
         assert torch.equal(out2, want2)
         torch.testing.assert_close(out2, out, rtol=1e-6, atol=1e-6)  # same sum, other order
-        pairs, want_pairs = torch.empty(T * topk), torch.empty(T * topk)
+        pairs, want_pairs = torch.empty(T * topk, device=DEVICE), torch.empty(T * topk, device=DEVICE)
         km.pull_pairs(tab(recv_w), lay.pair_row, lay.pair_rank, pairs, num_ctas=2)
         ref.pull_pairs_ref(recv_w, lay.pair_row, lay.pair_rank, want_pairs)
         assert torch.equal(pairs, want_pairs)

@@ -200,6 +200,7 @@ def push_rows(x, w, pair_row, pair_rank, x_table, w_table, *, mode: int, me: int
     H = x.shape[1]
     if tokens == 0:
         return
+    x_table = x_table if x_table is not None else w_table
     _push_kernel[_grid(num_ctas)](x, w if w is not None else x, pair_row, pair_rank, x_table,
                                   w_table if w_table is not None else x_table, tokens, H, me, t_max,
                                   K=K, X_MODE=mode, HAS_W=w is not None, BLOCK_H=_block(H))

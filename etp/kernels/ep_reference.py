@@ -42,7 +42,7 @@ def pull_reduce_ref(srcs, pair_row, pair_rank, out, *, dedup=False, me=0, t_max=
         return
     topk = pair_row.numel() // tokens
     first = _first_of_rank(pair_row, pair_rank, topk)
-    acc = torch.zeros(out.shape, dtype=torch.float32)
+    acc = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
     for t in range(tokens):
         for k in range(topk):
             row, d = int(pair_row[t * topk + k]), int(pair_rank[t * topk + k])
@@ -77,7 +77,7 @@ def local_reduce_ref(y, red, tokens, out, t_max):
         s, t = divmod(q, t_max)
         rows = [int(r) for r in red[q] if r >= 0]
         if t < int(tokens[s]) and rows:
-            acc = torch.zeros(y.shape[1], dtype=torch.float32)
+            acc = torch.zeros(y.shape[1], dtype=torch.float32, device=y.device)
             for r in rows:
                 acc += y[r].float()
             out[q] = acc.to(out.dtype)
