@@ -1,0 +1,75 @@
+"""What a backend is: how the rows of a layout move, nothing else.
+
+Every backend reads the same :class:`etp.ep.layout.Layout` (see [Note: receive layout]) and
+writes into buffers the dispatcher allocated at construction; it never decides where a row
+goes. A dispatch backend fills a receive buffer, a combine backend sums rows back onto their
+source tokens. Dispatch and combine may come from different backends.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["EPContext", "Backend", "sum_pairs"]
+
+
+@dataclass(frozen=True)
+class EPContext:
+    """What every backend of one dispatcher shares: config, group and derived sizes."""
+
+    cfg: object  # EPConfig (not imported: backends sit below the config in the import order)
+    group: Optional[dist.ProcessGroup]
+    rank: int
+    world_size: int
+    experts_per_rank: int
+    capacity: int
+    device: torch.device
+
+
+class Backend:
+    """Base class. Subclasses set ``name`` and implement the three moves.
+
+    ``needs_host_layout``: the backend reads split sizes on the host (one sync per
+    ``prepare``; not capturable in a CUDA graph).
+    """
+
+    name = "base"
+    needs_host_layout = True
+
+    def __init__(self, ctx: EPContext):
+        self.ctx = ctx
+
+    def alloc_rows(self, rows: int, width: Optional[int] = None, dtype: Optional[torch.dtype] = None):
+        """A zeroed [rows, width] buffer the backend can write into (symm backends: symmetric)."""
+        shape = (rows,) if width is None else (rows, width)
+        return torch.zeros(shape, dtype=dtype or self.ctx.cfg.dtype, device=self.ctx.device)
+
+    def on_prepare(self, handle) -> None:
+        """Called at the end of ``prepare`` (e.g. to push metadata to peers)."""
+
+    def dispatch(self, x: torch.Tensor, w: Optional[torch.Tensor], handle, out_x: torch.Tensor,
+                 out_w: Optional[torch.Tensor]) -> None:
+        """Writes row ``pair_row[t*K+k]`` of rank ``pair_rank[...]``'s ``out_x`` with ``x[t]``
+        (``out_w`` with ``w[t, k]``); rows past the valid ones end zero."""
+        raise NotImplementedError
+
+    def combine(self, y: torch.Tensor, handle, out: torch.Tensor) -> None:
+        """``out[t] = sum_k y_of(pair_rank, pair_row)[t*K+k]`` (fp32 sum in k order)."""
+        raise NotImplementedError
+
+    def combine_pairs(self, v: torch.Tensor, handle, out: torch.Tensor) -> None:
+        """``out[t, k] = v_of(pair_rank, pair_row)[t*K+k]`` (0 for pairs not sent)."""
+        raise NotImplementedError
+
+
+def sum_pairs(per_pair: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[t] = per_pair[t, 0] + ... + per_pair[t, K-1]`` accumulated in fp32 (fp64 for fp64),
+    one k at a time: the summation order every backend reproduces bit for bit."""
+    acc_dtype = torch.float64 if out.dtype == torch.float64 else torch.float32
+    acc = per_pair[:, 0].to(acc_dtype)
+    for k in range(1, per_pair.shape[1]):
+        acc = acc + per_pair[:, k].to(acc_dtype)
+    out.copy_(acc)

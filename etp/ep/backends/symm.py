@@ -1,0 +1,215 @@
+"""Triton kernels over torch symmetric memory (CUDA, NVLink): ``symm_push``,
+``symm_allgather``, ``symm_dedup``.
+
+[Note: symmetric-memory phases]
+Every buffer a peer writes or reads is a symmetric-memory allocation; the kernels address
+peers through a pointer table (``buffer_ptrs`` of its rendezvous handle) built once at
+construction. Each move is phases separated by a symmetric-memory barrier (``handle.barrier``,
+a kernel on the current stream: release/acquire signals, capturable in a CUDA graph):
+
+    barrier  -- the peers finished reading / expanding what this move overwrites
+    write    -- push rows (or stage them locally)
+    barrier  -- every peer's writes landed
+    read     -- expand / pull / reduce locally
+
+so nothing waits on the host, and ``prepare`` + ``dispatch`` + ``combine`` and their
+backward are plain kernel launches on one stream. The copy kernels are persistent and take
+``EPConfig.num_ctas`` thread blocks. See ``etp.kernels.ep_move`` for the kernels.
+
+Algorithms (all share the layout of [Note: receive layout] and produce the same rows):
+
+* ``symm_push``: dispatch writes each (token, expert) row straight into its row of the
+  receiver's buffer (the permutation into expert order fused into the transfer); combine
+  stages ``expert_out`` in symmetric memory (skipped when it already is one of this
+  backend's buffers) and every source pulls its K rows and sums them (fp32, k order:
+  bit-identical to ``reference``).
+* ``symm_dedup``: a token crosses to a rank once however many of its experts live there:
+  dispatch pushes it into the receiver's per-token slot and the receiver expands it into
+  its rows locally; combine first sums each source token's rows locally, so one partial sum
+  per (token, rank) crosses back (summation order differs from ``reference``: per rank
+  first, then over ranks; bf16 partial sums).
+* ``symm_allgather``: every rank pulls every peer's tokens (all-gather), then selects its
+  rows locally; combine as ``symm_dedup``. Moves tokens routed nowhere here too, and wins
+  where nearly every token has an expert on every rank (large K, few ranks).
+"""
+from __future__ import annotations
+
+import torch
+from torch.autograd.profiler import record_function
+
+from etp.ep.backends.base import Backend
+from etp.kernels import ep_move as km
+
+__all__ = ["SYMM_BACKENDS"]
+
+
+class _SymmBackend(Backend):
+    needs_host_layout = False
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self._symm_mem = symm_mem
+        if hasattr(symm_mem, "enable_symm_mem_for_group") and ctx.group is not None:
+            try:  # needed by older torch; newer versions rendezvous without it
+                symm_mem.enable_symm_mem_for_group(ctx.group.group_name)
+            except Exception:  # noqa: BLE001 - already enabled / deprecated: both fine
+                pass
+        self._buffers: dict[int, tuple] = {}  # data_ptr -> (tensor, handle, pointer table)
+        self._prev_totals: dict[int, list] = {}  # data_ptr -> [int64 [2] on device, parity]
+        cfg = ctx.cfg
+        self._ctas = cfg.num_ctas
+        self._zero = torch.zeros(1, dtype=torch.int64, device=ctx.device)
+        self._stage = self.alloc_rows(ctx.capacity, cfg.hidden_size)
+        self._stage_w = self.alloc_rows(ctx.capacity, None, cfg.weight_dtype)
+
+    def alloc_rows(self, rows, width=None, dtype=None):
+        shape = (rows,) if width is None else (rows, width)
+        t = self._symm_mem.empty(*shape, dtype=dtype or self.ctx.cfg.dtype, device=self.ctx.device)
+        t.zero_()
+        handle = self._symm_mem.rendezvous(t, self.ctx.group)
+        table = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=self.ctx.device)
+        self._buffers[t.data_ptr()] = (t, handle, table)
+        return t
+
+    def _table(self, t):
+        entry = self._buffers.get(t.data_ptr())
+        return entry[2] if entry is not None and t.is_contiguous() and t.numel() == entry[0].numel() else None
+
+    def _barrier(self):
+        with record_function("etp::ep_symm_barrier"):
+            self._buffers[self._stage.data_ptr()][1].barrier(channel=0)
+
+    def _select(self, src, src_map, out, tokens_per_expert, *, identity=False, zero_only=False):
+        """Valid rows from ``src`` (unless zero_only), zeros over the previous step's rest."""
+        out2 = out if out.dim() == 2 else out.view(-1, 1)
+        src2 = src if src.dim() == 2 else src.view(-1, 1)
+        state = self._prev_totals.setdefault(out.data_ptr(), [torch.zeros(2, dtype=torch.int64,
+                                                                          device=out.device), 0])
+        prev, parity = state
+        km.select_rows(src2, src_map, out2, tokens_per_expert, prev[parity:parity + 1], identity=identity,
+                       zero_only=zero_only, num_ctas=self._ctas)
+        torch.sum(tokens_per_expert, dim=0, keepdim=True, out=prev[1 - parity:2 - parity])
+        state[1] = 1 - parity
+
+    def _staged(self, y, stage, tokens_per_expert):
+        """A symmetric buffer holding ``y``'s valid rows (``y`` itself when it is one)."""
+        table = self._table(y)
+        if table is not None:
+            return table
+        y2, stage2 = (y, stage) if y.dim() == 2 else (y.view(-1, 1), stage.view(-1, 1))
+        km.select_rows(y2, None, stage2, tokens_per_expert, self._zero, identity=True, num_ctas=self._ctas)
+        return self._table(stage)
+
+    # Combine by pulling each pair's row from its destination (symm_push's combine).
+    def combine(self, y, handle, out):
+        lay = handle.layout
+        self._barrier()
+        table = self._staged(y, self._stage, lay.tokens_per_expert)
+        self._barrier()
+        with record_function("etp::ep_symm_pull_reduce"):
+            km.pull_reduce(table, lay.pair_row, lay.pair_rank, out, num_ctas=self._ctas)
+
+    def combine_pairs(self, v, handle, out):
+        lay = handle.layout
+        self._barrier()
+        table = self._staged(v, self._stage_w, lay.tokens_per_expert)
+        self._barrier()
+        km.pull_pairs(table, lay.pair_row, lay.pair_rank, out.view(-1), num_ctas=self._ctas)
+
+
+class SymmPushBackend(_SymmBackend):
+    name = "symm_push"
+
+    def dispatch(self, x, w, handle, out_x, out_w):
+        lay = handle.layout
+        self._barrier()
+        with record_function("etp::ep_symm_push"):
+            km.push_rows(x.contiguous(), None if w is None else w.contiguous().to(out_w.dtype), lay.pair_row,
+                         lay.pair_rank, self._table(out_x), None if w is None else self._table(out_w),
+                         mode=km.X_ROWS, num_ctas=self._ctas)
+        self._barrier()
+        self._select(out_x, None, out_x, lay.tokens_per_expert, identity=True, zero_only=True)
+        if w is not None:
+            self._select(out_w, None, out_w, lay.tokens_per_expert, identity=True, zero_only=True)
+
+
+class SymmDedupBackend(_SymmBackend):
+    name = "symm_dedup"
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        cfg, world = ctx.cfg, ctx.world_size
+        self._t_max = cfg.max_tokens_per_rank
+        # Per (source rank, token) slot: its row pushed once (dispatch), its partial sum (combine).
+        self._tokens = self.alloc_rows(world * self._t_max, cfg.hidden_size)
+        # Receive row -> source slot, and source slot -> its rows here (-1: none), pushed by prepare.
+        self._map = self.alloc_rows(ctx.capacity, None, torch.int64)
+        self._red = self.alloc_rows(world * self._t_max * cfg.topk, None, torch.int64)
+
+    def on_prepare(self, handle):
+        lay, ctx = handle.layout, self.ctx
+        self._barrier()
+        with record_function("etp::ep_symm_push_meta"):
+            km.push_meta(lay.pair_row, lay.pair_rank, self._table(self._map), self._table(self._red),
+                         ctx.world_size, ctx.rank, self._t_max, ctx.cfg.topk, num_ctas=self._ctas)
+        self._barrier()
+
+    def _send_tokens(self, x, w, handle, out_w):
+        lay = handle.layout
+        with record_function("etp::ep_symm_push_dedup"):
+            km.push_rows(x.contiguous(), None if w is None else w.contiguous().to(out_w.dtype), lay.pair_row,
+                         lay.pair_rank, self._table(self._tokens), None if w is None else self._table(out_w),
+                         mode=km.X_DEDUP, me=self.ctx.rank, t_max=self._t_max, num_ctas=self._ctas)
+
+    def dispatch(self, x, w, handle, out_x, out_w):
+        lay = handle.layout
+        self._barrier()
+        self._send_tokens(x, w, handle, out_w)
+        self._barrier()
+        with record_function("etp::ep_symm_expand"):
+            self._select(self._tokens, self._map, out_x, lay.tokens_per_expert)
+        if w is not None:
+            self._select(out_w, None, out_w, lay.tokens_per_expert, identity=True, zero_only=True)
+
+    def combine(self, y, handle, out):
+        lay = handle.layout
+        self._barrier()
+        with record_function("etp::ep_symm_local_reduce"):
+            km.local_reduce(y.contiguous(), self._red.view(-1, self.ctx.cfg.topk), lay.tokens, self._tokens,
+                            self._t_max, num_ctas=self._ctas)
+        self._barrier()
+        with record_function("etp::ep_symm_pull_reduce"):
+            km.pull_reduce(self._table(self._tokens), lay.pair_row, lay.pair_rank, out, dedup=True,
+                           me=self.ctx.rank, t_max=self._t_max, num_ctas=self._ctas)
+
+
+class SymmAllGatherBackend(SymmDedupBackend):
+    name = "symm_allgather"
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self._x_stage = self.alloc_rows(self._t_max, ctx.cfg.hidden_size)
+
+    def _send_tokens(self, x, w, handle, out_w):
+        lay = handle.layout
+        self._x_stage[: x.shape[0]].copy_(x)
+        if w is not None:
+            km.push_rows(x, w.contiguous().to(out_w.dtype), lay.pair_row, lay.pair_rank, None, self._table(out_w),
+                         mode=km.X_NONE, num_ctas=self._ctas)
+
+    def dispatch(self, x, w, handle, out_x, out_w):
+        lay = handle.layout
+        self._barrier()
+        self._send_tokens(x, w, handle, out_w)
+        self._barrier()
+        with record_function("etp::ep_symm_all_gather"):
+            km.gather_tokens(self._table(self._x_stage), lay.tokens, self._tokens, self._t_max, num_ctas=self._ctas)
+        with record_function("etp::ep_symm_expand"):
+            self._select(self._tokens, self._map, out_x, lay.tokens_per_expert)
+        if w is not None:
+            self._select(out_w, None, out_w, lay.tokens_per_expert, identity=True, zero_only=True)
+
+
+SYMM_BACKENDS = {cls.name: cls for cls in (SymmPushBackend, SymmAllGatherBackend, SymmDedupBackend)}

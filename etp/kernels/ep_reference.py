@@ -1,0 +1,92 @@
+"""Pure-torch references of ``etp.kernels.ep_move``: the same moves over lists of per-rank
+tensors (``bufs[d]`` is rank d's buffer) instead of pointer tables. They define the results
+the kernels are tested against (bit for bit: the sums accumulate in fp32 in the same order).
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["push_rows_ref", "pull_reduce_ref", "pull_pairs_ref", "select_rows_ref", "gather_tokens_ref",
+           "local_reduce_ref", "push_meta_ref"]
+
+
+def _first_of_rank(pair_row, pair_rank, topk):
+    """[T, K] bool: the pair is sent and is the first of its token to its rank."""
+    row, dest = pair_row.reshape(-1, topk), pair_rank.reshape(-1, topk)
+    first = row >= 0
+    for k in range(topk):
+        for k2 in range(k):
+            first[:, k] &= (row[:, k2] < 0) | (dest[:, k2] != dest[:, k])
+    return first
+
+
+def push_rows_ref(x, w, pair_row, pair_rank, x_bufs, w_bufs, *, mode, me=0, t_max=0):
+    tokens = x.shape[0]
+    topk = pair_row.numel() // tokens if tokens else 1
+    first = _first_of_rank(pair_row, pair_rank, topk).reshape(-1) if tokens else None
+    for p in range(pair_row.numel()):
+        row, d, t = int(pair_row[p]), int(pair_rank[p]), p // topk
+        if row < 0:
+            continue
+        if w is not None:
+            w_bufs[d][row] = w.reshape(-1)[p]
+        if mode == 1:
+            x_bufs[d][row] = x[t]
+        elif mode == 2 and first[p]:
+            x_bufs[d][me * t_max + t] = x[t]
+
+
+def pull_reduce_ref(srcs, pair_row, pair_rank, out, *, dedup=False, me=0, t_max=0):
+    tokens = out.shape[0]
+    if tokens == 0:
+        return
+    topk = pair_row.numel() // tokens
+    first = _first_of_rank(pair_row, pair_rank, topk)
+    acc = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
+    for t in range(tokens):
+        for k in range(topk):
+            row, d = int(pair_row[t * topk + k]), int(pair_rank[t * topk + k])
+            if dedup and first[t, k]:
+                acc[t] += srcs[d][me * t_max + t].float()
+            elif not dedup and row >= 0:
+                acc[t] += srcs[d][row].float()
+    out.copy_(acc)
+
+
+def pull_pairs_ref(srcs, pair_row, pair_rank, out):
+    for p in range(out.numel()):
+        row = int(pair_row[p])
+        out[p] = srcs[int(pair_rank[p])][row] if row >= 0 else 0
+
+
+def select_rows_ref(src, src_map, out, tokens_per_expert, prev_total):
+    total, prev = int(tokens_per_expert.sum()), int(prev_total)
+    if src_map is not None:
+        out[:total] = src[src_map[:total]]
+    out[total:max(total, prev)] = 0
+
+
+def gather_tokens_ref(srcs, tokens, out, t_max):
+    for s, src in enumerate(srcs):
+        n = int(tokens[s])
+        out[s * t_max: s * t_max + n] = src[:n]
+
+
+def local_reduce_ref(y, red, tokens, out, t_max):
+    for q in range(red.shape[0]):
+        s, t = divmod(q, t_max)
+        rows = [int(r) for r in red[q] if r >= 0]
+        if t < int(tokens[s]) and rows:
+            acc = torch.zeros(y.shape[1], dtype=torch.float32, device=y.device)
+            for r in rows:
+                acc += y[r].float()
+            out[q] = acc.to(out.dtype)
+
+
+def push_meta_ref(pair_row, pair_rank, map_bufs, red_bufs, me, t_max, topk):
+    for d in range(len(map_bufs)):
+        for p in range(pair_row.numel()):
+            row, to_d = int(pair_row[p]), int(pair_rank[p]) == d
+            red_bufs[d].view(-1)[me * t_max * topk + p] = row if (to_d and row >= 0) else -1
+            if to_d and row >= 0:
+                map_bufs[d][row] = me * t_max + p // topk
