@@ -9,11 +9,23 @@ See ``docs/ep.md``. Public API::
     recv_x, recv_w, tokens_per_expert = disp.dispatch(x, topk_weights, handle)
     out = disp.combine(expert_out, handle)
 """
+from etp.ep import profiler as _profiler
 from etp.ep.backends import ALL_BACKENDS, available_backends
 from etp.ep.config import EPConfig
 from etp.ep.dispatcher import ExpertDispatcher
 from etp.ep.handle import EPHandle, HandleState
-from etp.ep.profiler import profile
+
+
+def profile(cfg: EPConfig, group=None, **kwargs) -> tuple[str, str]:
+    """Times every available backend on ``cfg``'s workload and returns the fastest
+    ``(dispatch, combine)`` pair; see ``etp.ep.profiler.profile`` for the options.
+
+    Example::
+
+        dispatch_name, combine_name = ep.profile(cfg, group)
+    """
+    kwargs.setdefault("dispatcher_cls", ExpertDispatcher)
+    return _profiler.profile(cfg, group, **kwargs)
 
 __all__ = ["ALL_BACKENDS", "EPConfig", "EPHandle", "ExpertDispatcher", "HandleState", "available_backends",
            "profile"]

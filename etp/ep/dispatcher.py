@@ -29,17 +29,16 @@ from etp.ep.backends import EPContext, backend_class
 from etp.ep.config import EPConfig
 from etp.ep.handle import EPHandle, HandleState
 from etp.ep.layout import META_COLUMNS, count_pairs, pair_rows
+from etp.ep.profiler import choose
 
 __all__ = ["ExpertDispatcher"]
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _resolve_backends(cfg: EPConfig, group) -> tuple[str, str]:
+def _resolve_backends(cfg: EPConfig, group, dispatcher_cls) -> tuple[str, str]:
     if cfg.backend == "auto":
-        from etp.ep.profiler import choose
-
-        return choose(cfg, group)
+        return choose(cfg, group, dispatcher_cls)
     names = cfg.backend.split("+")
     if len(names) > 2:
         raise ValueError(f"EPConfig.backend={cfg.backend!r}: at most '<dispatch>+<combine>'")
@@ -82,7 +81,7 @@ class ExpertDispatcher:
         self.cfg, self.group, self.name, self.device = cfg, group, name, torch.device(device)
         self.capacity = cfg.capacity(world)
         self.ctx = EPContext(cfg, group, rank, world, local, self.capacity, self.device)
-        self.backend_names = _resolve_backends(cfg, group)
+        self.backend_names = _resolve_backends(cfg, group, type(self))
         dispatch_cls, combine_cls = (backend_class(n, group) for n in self.backend_names)
         self.dispatch_backend = dispatch_cls(self.ctx)
         self.combine_backend = (self.dispatch_backend if combine_cls is dispatch_cls else combine_cls(self.ctx))

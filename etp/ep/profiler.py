@@ -58,7 +58,7 @@ def _max_over_ranks(seconds: float, group, device) -> float:
 
 
 def profile(cfg: EPConfig, group: Optional[dist.ProcessGroup] = None, *, iters: int = 5, warmup: int = 2,
-            candidates: Optional[list[str]] = None) -> tuple[str, str]:
+            candidates: Optional[list[str]] = None, dispatcher_cls=None) -> tuple[str, str]:
     """Times dispatch and combine of every available backend; returns the fastest pair.
 
     The workload is ``max_tokens_per_rank`` tokens routed uniformly at random. Each time is
@@ -69,6 +69,9 @@ def profile(cfg: EPConfig, group: Optional[dist.ProcessGroup] = None, *, iters: 
         group: the expert-parallel group (default: the world).
         iters, warmup: timed and untimed repetitions per backend.
         candidates: backend names to try (default: all available here).
+        dispatcher_cls: the dispatcher class to time (``etp.ep.profile`` passes
+            ``ExpertDispatcher``; passed in because the dispatcher resolves ``backend="auto"``
+            through this module, which therefore must not import it).
 
     Returns:
         ``(dispatch_backend, combine_backend)`` names.
@@ -77,8 +80,8 @@ def profile(cfg: EPConfig, group: Optional[dist.ProcessGroup] = None, *, iters: 
 
         dispatch_name, combine_name = ep.profile(cfg, group)
     """
-    from etp.ep.dispatcher import ExpertDispatcher
-
+    if dispatcher_cls is None:
+        raise TypeError("profile() needs dispatcher_cls; call etp.ep.profile, which passes ExpertDispatcher")
     global PROFILE_RUNS
     PROFILE_RUNS += 1
     group = group or dist.group.WORLD
@@ -86,7 +89,7 @@ def profile(cfg: EPConfig, group: Optional[dist.ProcessGroup] = None, *, iters: 
     rank = dist.get_rank(group)
     best: dict[str, tuple[float, str]] = {}
     for name in names:
-        disp = ExpertDispatcher(replace(cfg, backend=name, validate=False), group, name=f"profile:{name}")
+        disp = dispatcher_cls(replace(cfg, backend=name, validate=False), group, name=f"profile:{name}")
         gen = torch.Generator(device=disp.device).manual_seed(1234 + rank)
         T, K = cfg.max_tokens_per_rank, cfg.topk
         scores = torch.rand(T, cfg.num_experts, generator=gen, device=disp.device)
@@ -115,7 +118,7 @@ def profile(cfg: EPConfig, group: Optional[dist.ProcessGroup] = None, *, iters: 
     return best["dispatch"][1], best["combine"][1]
 
 
-def choose(cfg: EPConfig, group: Optional[dist.ProcessGroup] = None) -> tuple[str, str]:
+def choose(cfg: EPConfig, group: Optional[dist.ProcessGroup] = None, dispatcher_cls=None) -> tuple[str, str]:
     """The cached choice for this workload, profiling (and caching) on a miss."""
     group = group or dist.group.WORLD
     key, path = cache_key(cfg, group), cache_path(cfg)
@@ -125,7 +128,7 @@ def choose(cfg: EPConfig, group: Optional[dist.ProcessGroup] = None) -> tuple[st
     dist.broadcast_object_list(cached, src=dist.get_global_rank(group, 0), group=group)
     if cached[0] is not None:
         return cached[0]["dispatch"], cached[0]["combine"]
-    dispatch_name, combine_name = profile(cfg, group)
+    dispatch_name, combine_name = profile(cfg, group, dispatcher_cls=dispatcher_cls)
     if dist.get_rank(group) == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         table = json.loads(path.read_text()) if path.exists() else {}
