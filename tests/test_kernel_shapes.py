@@ -69,13 +69,19 @@ def _rows(shape, device):
 
 
 def _data(shape, dtype, seed):
-    """Normal data with per-row magnitudes spread over 2^-8 .. 2^8 and an all-zero row."""
+    """Normal data with per-row magnitudes spread over 2^-8 .. 2^8, a spike per row, an all-zero row."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=g)
     if x.dim() >= 2 and x.shape[-2] > 0:
         n = x.shape[-2]
         mag = torch.exp2(torch.arange(n, dtype=torch.float32) % 17 - 8)
         x = x * mag[:, None]
+        # Each row's maximum sits at a different column, row 0's in the very last
+        # one (the ragged tail chunk of the looped kernels).
+        cols = x.shape[-1]
+        if cols > 0:
+            r = torch.arange(n)
+            x[..., r, (cols - 1 - r * 977) % cols] = 6.0 * mag * torch.where(r % 2 == 0, 1.0, -1.0)
         if n > 2:
             x[..., 1, :] = 0
     return x.to(dtype)
