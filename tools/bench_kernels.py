@@ -19,16 +19,25 @@ Measured (median of ``--iters`` runs with CUDA events, after warm-up):
   copy vs the torch reference; floor = (bytes read + bytes written) / copy_bw.
 * blockwise quantize: (128, 128) on the stacked [64, 1536, 1024] weights and
   (1, 128) on the same data viewed as [98304, 1024] activations.
+* rowwise quantize (``quantize_rowwise``, the FP8 GEMM activation input) on
+  bf16 [8192, 32000] (vocabulary projection: the two-pass kernel) and
+  [16384, 4096] (one pass); floor = one read of x + the fp8 write.
 * correctness of every fused result against the torch reference (exact /
   bit-exact), recorded in the JSON.
 
+Every "fraction of copy bw" is floor_ms / op_ms with floor_ms = the op's bytes
+(read + written) at the copy's read+write byte rate measured in the same run.
+Targets: amax >= 0.8, cast >= 0.7, cast + transposed copy >= 0.6.
+
 Before each timed run a 256 MiB buffer is zeroed (evicts the 50 MiB L2) and a
-~0.2 ms spin kernel is queued, so the host has finished enqueueing the
-measured call before the start event fires: the events then bracket device
-time only (for launch-bound baselines such as the Python loops, whose host
-work outlasts the spin, the gaps between their kernels are still included).
-``wall_ms_per_call`` (back-to-back calls, host clock) shows the cost
-including Python and launch overhead.
+spin kernel is queued that outlasts the host's enqueue time of the measured
+call (measured first; at least 0.2 ms), so the start event fires only when the
+whole call is queued: the events bracket device time only (for launch-bound
+baselines such as the Python loops the gaps between their kernels are still
+included).  ``host_ms_per_call`` (enqueue time) and ``wall_ms_per_call``
+(back-to-back calls, host clock) show the host-inclusive cost.  (Before this,
+a fixed 0.2 ms spin let the host time of ``multi_tensor_cast_fp8``'s 64-128
+output allocations leak into its "device" time.)
 
 Output: JSON to ``--out`` (default ``$OUT/bench_kernels.json``, or
 ``./bench_kernels.json`` without ``$OUT``), a markdown table on stdout, and a
@@ -46,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import os
@@ -63,36 +73,48 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton  # noqa: E402
 
+from etp.kernels import amax as amax_mod  # noqa: E402
 from etp.kernels import (  # noqa: E402
     amax_to_scale,
     multi_tensor_amax,
     multi_tensor_cast_fp8,
     quantize_blockwise,
+    quantize_rowwise,
 )
-from etp.kernels import amax as amax_mod  # noqa: E402
 from etp.kernels import cast as cast_mod  # noqa: E402
-from etp.kernels.reference import blockwise_scale_shape  # noqa: E402
+from etp.kernels.reference import blockwise_scale_shape, quantize_blockwise_ref  # noqa: E402
 
 ANCHOR_COPY_MS = 0.095  # prior H200 measurement: 2 * 201,326,592 B / 4217 GB/s
 AMAX_TARGET_FRACTION = 0.8
+CAST_TARGET_FRACTION = 0.7
+CAST_T_TARGET_FRACTION = 0.6
 FLUSH_BYTES = 256 << 20
-SPIN_CYCLES = 400_000  # ~0.2 ms at H200 clocks
+SPIN_MIN_MS = 0.2  # the spin ahead of each timed call lasts at least this long (more if the host needs it)
+ROWWISE_SHAPES = [(8192, 32000), (16384, 4096)]  # bf16 activations: vocabulary projection, hidden
 
-AMAX_SWEEP = [  # (BLOCK, ITERS, num_warps); the first entry is the default
-    (amax_mod._FLAT_BLOCK, amax_mod._FLAT_ITERS, amax_mod._FLAT_WARPS),
-    (2048, 8, 4),
-    (4096, 8, 8),
-    (8192, 2, 8),
-    (8192, 4, 8),
-    (2048, 4, 4),
-    (1024, 16, 4),
+AMAX_SWEEP = [  # (BLOCK, ITERS, num_warps, eviction policy); the first entry is the default
+    (amax_mod._FLAT_BLOCK, amax_mod._FLAT_ITERS, amax_mod._FLAT_WARPS, amax_mod._FLAT_EVICT),
+    (4096, 4, 8, ""),
+    (2048, 8, 4, "evict_first"),
+    (4096, 8, 8, "evict_first"),
+    (8192, 4, 8, "evict_first"),
+    (2048, 4, 4, "evict_first"),
+    (1024, 16, 4, "evict_first"),
+]
+CAST_FLAT_SWEEP = [  # (BLOCK, ITERS, num_warps, eviction policy) of the plain cast; first = default
+    (amax_mod._FLAT_BLOCK, amax_mod._FLAT_ITERS, amax_mod._FLAT_WARPS, amax_mod._FLAT_EVICT),
+    (4096, 4, 8, ""),
+    (2048, 8, 4, "evict_first"),
+    (4096, 2, 4, "evict_first"),
+    (8192, 2, 8, "evict_first"),
 ]
 CAST_SWEEP = [  # (tile_r, tile_c, num_warps) of the transposing path; first = default
     (cast_mod._TILE_R, cast_mod._TILE_C, cast_mod._TILE_WARPS),
-    (64, 128, 4),
+    (128, 128, 8),
     (64, 64, 4),
     (128, 64, 4),
     (128, 128, 4),
+    (64, 128, 8),
 ]
 
 
@@ -113,16 +135,39 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
 
 
 class Timer:
-    """Median device time of ``fn`` (CUDA events) or host time on CPU (dry run)."""
+    """Median device time of ``fn`` (CUDA events) or host time on CPU (dry run).
+
+    Before each timed call a spin kernel is queued that lasts longer than the
+    host needs to enqueue ``fn`` (measured during warm-up, at least
+    ``SPIN_MIN_MS``), so the start event fires only when the whole call is
+    already queued: the events bracket device time, not Python / allocator /
+    launch overhead.  That host-inclusive cost is reported separately
+    (``host_ms_per_call``: enqueue time; ``wall_ms_per_call``: back-to-back
+    calls including the device).
+    """
 
     def __init__(self, device: torch.device, iters: int, warmup: int):
         self.device, self.iters, self.warmup = device, iters, warmup
         self.cuda = device.type == "cuda"
         self.flush = torch.empty(FLUSH_BYTES if self.cuda else 1 << 10, dtype=torch.uint8, device=device)
+        self.cycles_per_ms = self._calibrate() if self.cuda else 0.0
+
+    @staticmethod
+    def _calibrate() -> float:
+        torch.cuda._sleep(100_000)  # warm up
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        cycles = 2_000_000
+        s.record()
+        torch.cuda._sleep(cycles)
+        e.record()
+        torch.cuda.synchronize()
+        return cycles / max(s.elapsed_time(e), 1e-3)
 
     def __call__(self, fn: Callable[[], object]) -> Dict[str, float]:
+        t0 = time.perf_counter()
         for _ in range(self.warmup):
             fn()
+        host_ms = (time.perf_counter() - t0) * 1e3 / max(self.warmup, 1)
         if not self.cuda:
             times = []
             for _ in range(self.iters):
@@ -132,11 +177,21 @@ class Timer:
             return {"median_ms": statistics.median(times), "min_ms": min(times), "runs": self.iters,
                     "wall_ms_per_call": statistics.median(times)}
         torch.cuda.synchronize()
+        # Host enqueue time per call, measured with the device idle ahead of each call.
+        host = []
+        for _ in range(min(self.iters, 20)):
+            t0 = time.perf_counter()
+            fn()
+            host.append((time.perf_counter() - t0) * 1e3)
+            torch.cuda.synchronize()
+        host_ms = statistics.median(host)
+        spin_ms = max(SPIN_MIN_MS, 2.0 * max(host) + 0.05)
+        spin_cycles = int(spin_ms * self.cycles_per_ms)
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.iters)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.iters)]
         for s, e in zip(starts, ends):
             self.flush.zero_()
-            torch.cuda._sleep(SPIN_CYCLES)
+            torch.cuda._sleep(spin_cycles)
             s.record()
             fn()
             e.record()
@@ -153,6 +208,8 @@ class Timer:
             "min_ms": times[0],
             "p90_ms": times[int(0.9 * (len(times) - 1))],
             "runs": self.iters,
+            "host_ms_per_call": host_ms,
+            "spin_ms": spin_ms,
             "wall_ms_per_call": wall,
         }
 
@@ -207,7 +264,7 @@ def main(argv: List[str]) -> int:
     # ---- copy floor ----------------------------------------------------------
     src = torch.empty(shard_bytes, dtype=torch.uint8, device=device).random_(0, 255)
     dst = torch.empty_like(src)
-    copy = timer(lambda: dst.copy_(src))
+    copy = timer(functools.partial(dst.copy_, src))
     copy_bw = 2 * shard_bytes / (copy["median_ms"] * 1e-3) / 1e9  # GB/s, read + write
     result["copy"] = {**copy, "bandwidth_GBps": copy_bw, "anchor_copy_ms": ANCHOR_COPY_MS,
                       "anchor_note": "prior H200 measurement of this copy: 2 * 201,326,592 B / 4217 GB/s"}
@@ -240,13 +297,13 @@ def main(argv: List[str]) -> int:
     if fused_impl == "triton" and not args.no_sweep:
         sweep = []
         out = torch.zeros(n_t, dtype=torch.float32, device=device)
-        for block, iters, warps in AMAX_SWEEP:
-            def run(b=block, i=iters, w=warps):
+        for block, iters, warps, evict in AMAX_SWEEP:
+            def run(b=block, i=iters, w=warps, ev=evict):
                 out.zero_()
-                amax_mod._launch_multi_tensor_amax(shards, out, block=b, iters=i, num_warps=w)
+                amax_mod._launch_multi_tensor_amax(shards, out, block=b, iters=i, num_warps=w, evict=ev)
             t = timer(run)
-            sweep.append({"block": block, "iters": iters, "num_warps": warps, "median_ms": t["median_ms"],
-                          "fraction_of_copy_bw": amax_floor / t["median_ms"]})
+            sweep.append({"block": block, "iters": iters, "num_warps": warps, "evict": evict,
+                          "median_ms": t["median_ms"], "fraction_of_copy_bw": amax_floor / t["median_ms"]})
         amax_res["sweep"] = sweep
     result["amax"] = amax_res
 
@@ -266,6 +323,17 @@ def main(argv: List[str]) -> int:
         rows_md += [(f"fp8 cast {key} fused", fused_impl, f["median_ms"], moved, fl / f["median_ms"]),
                     (f"fp8 cast {key} torch", "torch", r["median_ms"], moved, fl / r["median_ms"])]
     if fused_impl == "triton" and not args.no_sweep:
+        sweep = []
+        qs, _ = multi_tensor_cast_fp8(shards, scales, impl=fused_impl)
+        fl = cast_res["plain"]["floor_ms"]
+        for block, iters, warps, evict in CAST_FLAT_SWEEP:
+            def run(b=block, i=iters, w=warps, ev=evict):
+                cast_mod._launch_multi_tensor_cast_fp8(shards, scales, qs, None, block=b, iters=i, num_warps=w,
+                                                       evict=ev)
+            t = timer(run)
+            sweep.append({"block": block, "iters": iters, "num_warps": warps, "evict": evict,
+                          "median_ms": t["median_ms"], "fraction_of_copy_bw": fl / t["median_ms"]})
+        cast_res["plain_sweep"] = sweep
         sweep = []
         qs, qts = multi_tensor_cast_fp8(shards, scales, write_transposed=True, impl=fused_impl)
         fl = cast_res["transposed"]["floor_ms"]
@@ -294,6 +362,28 @@ def main(argv: List[str]) -> int:
                     (f"blockwise {name} torch", "torch", r["median_ms"], moved, fl / r["median_ms"])]
     result["blockwise"] = bw_res
 
+    # ---- rowwise activation quantization (the FP8 GEMM input) ---------------------
+    rw_res = {}
+    rw_inputs = {}
+    for r_rows, r_cols in ROWWISE_SHAPES:
+        if args.dry_run:
+            # Tiny, but the wide shape still takes the two-pass kernel.
+            r_rows, r_cols = (2, r_cols + 3) if r_cols > 16384 else (max(2, r_rows // 2048), r_cols // 8 + 3)
+        name = f"{r_rows}x{r_cols}"
+        x = torch.randn((r_rows, r_cols), generator=gen).to(torch.bfloat16).to(device)
+        rw_inputs[name] = x
+        moved = x.numel() * 3 + 4 * r_rows  # bf16 read once + fp8 written + scales
+        fl = floor_ms(moved)
+        f = timer(lambda x=x: quantize_rowwise(x, impl=fused_impl))
+        r = timer(lambda x=x: quantize_rowwise(x, impl="torch"))
+        rw_res[name] = {"shape": [r_rows, r_cols], "bytes_moved": moved, "floor_ms": fl,
+                        "two_pass": r_cols > 16384,
+                        "fused": {**f, "fraction_of_copy_bw": fl / f["median_ms"]},
+                        "torch_ref": {**r, "fraction_of_copy_bw": fl / r["median_ms"]}}
+        rows_md += [(f"rowwise quantize {name} fused", fused_impl, f["median_ms"], moved, fl / f["median_ms"]),
+                    (f"rowwise quantize {name} torch", "torch", r["median_ms"], moved, fl / r["median_ms"])]
+    result["rowwise"] = rw_res
+
     # ---- correctness (fused vs torch reference) ---------------------------------
     ref_amax = multi_tensor_amax(shards, impl="torch")
     foreach_amax = torch.stack(torch._foreach_norm(shards, ord=float("inf"))).float()
@@ -311,6 +401,10 @@ def main(argv: List[str]) -> int:
         q, s = quantize_blockwise(x, *block, impl=fused_impl)
         rq, rs = quantize_blockwise(x, *block, impl="torch")
         corr[f"blockwise_{name}_bit_mismatches"] = fp8_bit_mismatches(q, rq) + float_mismatches(s, rs)
+    for name, x in rw_inputs.items():
+        q, s = quantize_rowwise(x, impl=fused_impl)
+        rq, rs = quantize_blockwise_ref(x, 1, x.shape[1])
+        corr[f"rowwise_{name}_bit_mismatches"] = fp8_bit_mismatches(q, rq) + float_mismatches(s, rs.reshape(-1))
     corr["all_exact"] = all(v == 0 for v in corr.values())
     result["correctness"] = corr
 
@@ -322,12 +416,23 @@ def main(argv: List[str]) -> int:
     table = ["| op | impl | median ms | GB/s | fraction of copy bw |", "|---|---|---:|---:|---:|"]
     for name, impl, ms, moved, fr in rows_md:
         table.append(f"| {name} | {impl} | {ms:.4f} | {moved / (ms * 1e-3) / 1e9:.0f} | {fr:.2f} |")
+    cast_frac = cast_res["plain"]["fused"]["fraction_of_copy_bw"]
+    cast_t_frac = cast_res["transposed"]["fused"]["fraction_of_copy_bw"]
+    targets = {"amax": (frac, AMAX_TARGET_FRACTION), "cast": (cast_frac, CAST_TARGET_FRACTION),
+               "cast_transposed": (cast_t_frac, CAST_T_TARGET_FRACTION)}
+    result["targets"] = {k: {"fraction_of_copy_bw": v, "target": t, "met": v >= t} for k, (v, t) in targets.items()}
+
+    def verdict(k: str) -> str:
+        v, t = targets[k]
+        return f"{v:.2f} (target {t}, {'met' if v >= t else 'NOT met'})"
+
     summary = (
-        f"amax fused {fused['median_ms']:.4f} ms = {frac:.2f} of copy bandwidth "
-        f"(target {AMAX_TARGET_FRACTION}, {'met' if amax_res['meets_target'] else 'NOT met'}); "
+        f"fraction of copy bandwidth: amax {verdict('amax')}, cast {verdict('cast')}, "
+        f"cast+transposed {verdict('cast_transposed')}; "
         f"copy {copy['median_ms']:.4f} ms (anchor {ANCHOR_COPY_MS} ms); "
         f"correctness: {'exact' if corr['all_exact'] else 'MISMATCH'}"
     )
+    out_path.write_text(json.dumps(result, indent=2) + "\n")
     sys.stdout.write("\n".join(table) + "\n\n" + summary + "\n")
     if args.benchmarks_md:
         block = [

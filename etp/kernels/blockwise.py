@@ -40,6 +40,11 @@ _DQ_TILE_R = 64
 _DQ_TILE_C = 128
 _DQ_BLOCK = 4096
 _MAX_GRID_YZ = 65535  # CUDA limit on grid dims 1 and 2
+# Largest padded block (elements) the one-pass kernels keep in registers; larger
+# blocks (e.g. a 32000-column activation row) go to the two-pass looped kernel.
+_ONE_PASS_MAX_ELEMS = 16384
+# Elements per chunk of the looped kernel.
+_LOOP_CHUNK = 4096
 
 # Output dtype codes for the dequantize kernels (same numbering as inputs).
 _OUT_CODE = _DTYPE_CODE
@@ -112,6 +117,67 @@ def _quantize_blockwise_kernel(
         q = _quantize_f32(x, scale, FP8_MAX, SOFT)
         tl.store(s_base + pid_r * NBC + pid_c, scale)
     tl.store(q_ptr + offs, q, mask=mask)
+
+
+@triton.jit
+def _quantize_blockwise_looped_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    R,
+    C,
+    NBR,
+    NBC,
+    BR,  # block rows (runtime: one compiled kernel serves every width)
+    BC,  # block cols
+    DTYPE: tl.constexpr,
+    SOFT: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    TR: tl.constexpr,  # chunk rows (power of 2, <= next_pow2(BR))
+    TC: tl.constexpr,  # chunk cols (power of 2)
+):
+    """Same result as ``_quantize_blockwise_kernel`` for blocks too large for registers.
+
+    One program per block (grid: block rows, block cols, experts).  Pass 1
+    walks the block in ``TR x TC`` chunks and keeps the running NaN-propagating
+    integer max of |x| bits; pass 2 walks it again (mostly from L2) and casts
+    with the block's scale.  Used for wide activation rows (``quantize_rowwise``
+    of a 32000+ column vocabulary projection) and any block whose padded tile
+    would not fit in registers.  Chosen from shapes only: no host sync.
+    """
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    e = tl.program_id(2).to(tl.int64)
+    ar = tl.arange(0, TR)
+    ac = tl.arange(0, TC)
+    base = e * R * C
+    r0 = pid_r * BR
+    c0 = pid_c * BC
+    acc = tl.zeros([TR, TC], dtype=tl.int32)
+    for rr in range(0, BR, TR):
+        rows = r0 + rr + ar
+        rmask = ((rr + ar) < BR) & (rows < R)
+        roffs = base + rows[:, None].to(tl.int64) * C
+        for cc in range(0, BC, TC):
+            cols = c0 + cc + ac
+            cmask = ((cc + ac) < BC) & (cols < C)
+            mask = rmask[:, None] & cmask[None, :]
+            x = _to_f32(tl.load(x_ptr + roffs + cols[None, :], mask=mask, other=0), DTYPE, SOFT)
+            acc = tl.maximum(acc, _abs_bits(x))
+    amax = tl.max(tl.max(acc, axis=1), axis=0).to(tl.float32, bitcast=True)
+    scale = _amax_to_scale(amax, FP8_MAX)
+    tl.store(s_ptr + e * NBR * NBC + pid_r * NBC + pid_c, scale)
+    for rr in range(0, BR, TR):
+        rows = r0 + rr + ar
+        rmask = ((rr + ar) < BR) & (rows < R)
+        roffs = base + rows[:, None].to(tl.int64) * C
+        for cc in range(0, BC, TC):
+            cols = c0 + cc + ac
+            cmask = ((cc + ac) < BC) & (cols < C)
+            mask = rmask[:, None] & cmask[None, :]
+            offs = roffs + cols[None, :]
+            x = _to_f32(tl.load(x_ptr + offs, mask=mask, other=0), DTYPE, SOFT)
+            tl.store(q_ptr + offs, _quantize_f32(x, scale, FP8_MAX, SOFT), mask=mask)
 
 
 @triton.jit
@@ -196,6 +262,41 @@ def _check_grid(grid, what: str) -> None:
         raise ValueError(f"{what}: grid {grid} exceeds the CUDA limit of {_MAX_GRID_YZ} in dims 1 and 2")
 
 
+def _one_pass_tile(block_rows: int, block_cols: int) -> Optional[Tuple[int, int]]:
+    """(TR, TC) of the one-pass kernel, or None when a whole block does not fit in registers."""
+    tc = next_pow2(block_cols)
+    if block_rows == 1:
+        if tc > _ONE_PASS_MAX_ELEMS:
+            return None
+        return max(1, min(_ROWS_PER_PROGRAM, 4096 // tc)), tc
+    tr = next_pow2(block_rows)
+    if tr * tc > _ONE_PASS_MAX_ELEMS:
+        return None
+    return tr, tc
+
+
+def _looped_chunk(block_rows: int, block_cols: int) -> Tuple[int, int]:
+    """(TR, TC) chunk of the two-pass kernel: about _LOOP_CHUNK elements, powers of 2."""
+    tc = min(next_pow2(block_cols), _LOOP_CHUNK)
+    tr = max(1, min(next_pow2(block_rows), _LOOP_CHUNK // tc))
+    return tr, tc
+
+
+def _launch_quantize_looped(x3: torch.Tensor, q3: torch.Tensor, s: torch.Tensor,
+                            block_rows: int, block_cols: int, soft: bool) -> None:
+    n_exp, rows, cols = x3.shape
+    nbr, nbc = s.shape[-2], s.shape[-1]
+    grid = (nbr, nbc, n_exp)
+    _check_grid(grid, "quantize_blockwise")
+    tr, tc = _looped_chunk(block_rows, block_cols)
+    _quantize_blockwise_looped_kernel[grid](
+        _soft_view(x3, soft), _soft_view(q3, soft), s, rows, cols, nbr, nbc, block_rows, block_cols,
+        DTYPE=_DTYPE_CODE[x3.dtype], SOFT=soft, FP8_MAX=FP8_E4M3_MAX, TR=tr, TC=tc,
+        num_warps=8 if tr * tc >= 4096 else 4,
+        **EXACT_FP,
+    )
+
+
 def _launch_quantize_blockwise(x: torch.Tensor, block_rows: int, block_cols: int) -> Tuple[torch.Tensor, torch.Tensor]:
     soft = interpreter_active()
     q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
@@ -206,11 +307,14 @@ def _launch_quantize_blockwise(x: torch.Tensor, block_rows: int, block_cols: int
     x3, q3 = _as_3d(x), _as_3d(q)
     n_exp, rows, cols = x3.shape
     nbr, nbc = s.shape[-2], s.shape[-1]
+    tile = _one_pass_tile(block_rows, block_cols)
+    if tile is None:
+        _launch_quantize_looped(x3, q3, s, block_rows, block_cols, soft)
+        return q, s
+    tr, tc = tile
     row_mode = block_rows == 1
-    tr = _ROWS_PER_PROGRAM if row_mode else next_pow2(block_rows)
     grid = (triton.cdiv(rows, tr) if row_mode else nbr, nbc, n_exp)
     _check_grid(grid, "quantize_blockwise")
-    tc = next_pow2(block_cols)
     _quantize_blockwise_kernel[grid](
         _soft_view(x3, soft), _soft_view(q3, soft), s, rows, cols, nbr, nbc,
         DTYPE=_DTYPE_CODE[x.dtype], SOFT=soft, FP8_MAX=FP8_E4M3_MAX,
@@ -354,16 +458,21 @@ def dequantize_fp8(
 
 
 def quantize_rowwise(x: torch.Tensor, *, impl: str = "auto") -> Tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a 2-D activation to float8_e4m3fn with one float32 scale per row, in one pass.
+    """Quantize a 2-D activation to float8_e4m3fn with one float32 scale per row.
 
-    ``scale_r = 448 / amax(x[r, :])`` (1.0 for an all-zero row) and
+    ``scale_r = 448 / amax(x[r, :])`` (1.0 for an all-zero or zero-width row) and
     ``q[r, c] = float8_e4m3fn(clamp(x[r, c] * scale_r, -448, 448))``: the (1, C) case of
-    :func:`quantize_blockwise`, launched with one or a few whole rows per program so that the
-    row's maximum and its cast happen in one read of x. This is the activation side of the
-    FP8 GEMMs (``torch._scaled_mm`` / ``torch._scaled_grouped_mm`` with rowwise scales).
+    :func:`quantize_blockwise`.  Rows of up to ``16384`` elements are handled in one pass
+    (one or a few whole rows per program, the row's maximum and its cast from one read of
+    x); wider rows (vocabulary projections: 32000, 128256, 152064 columns) by a two-pass
+    kernel, one program per row looping over column chunks, first for the row's maximum,
+    then for the cast (the second read mostly hits L2).  The path is chosen from the shape
+    alone, never from values (no host synchronization).  0 rows give empty outputs without
+    a launch.  This is the activation side of the FP8 GEMMs (``torch._scaled_mm`` /
+    ``torch._scaled_grouped_mm`` with rowwise scales).
 
     Args:
-        x: contiguous bf16 / fp16 / fp32 ``[R, C]`` with C <= 16384.
+        x: contiguous bf16 / fp16 / fp32 ``[R, C]``, any R >= 0 and C >= 0.
         impl: ``"auto"``, ``"triton"`` or ``"torch"`` as for the other ops.
 
     Returns:
@@ -377,10 +486,13 @@ def quantize_rowwise(x: torch.Tensor, *, impl: str = "auto") -> Tuple[torch.Tens
     if x.dim() != 2 or not x.is_contiguous():
         raise ValueError(f"quantize_rowwise expects a contiguous 2-D tensor, got shape {tuple(x.shape)}")
     rows, cols = x.shape
-    if cols > 16384:
-        raise ValueError(f"quantize_rowwise supports rows of up to 16384 elements, got {cols}")
-    if not select_impl(impl, x.device) or x.numel() == 0:
-        q, s = quantize_blockwise_ref(x, 1, max(cols, 1))
+    use_triton = select_impl(impl, x.device)
+    if cols == 0:
+        # max over an empty row is 0, so the scale is 1.0 (as for an all-zero row).
+        return (torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device),
+                torch.ones(rows, dtype=torch.float32, device=x.device))
+    if not use_triton or rows == 0:
+        q, s = quantize_blockwise_ref(x, 1, cols)
         return q, s.reshape(rows)
     device = x.device
     if device.type == "cuda" and interpreter_active():
@@ -389,10 +501,13 @@ def quantize_rowwise(x: torch.Tensor, *, impl: str = "auto") -> Tuple[torch.Tens
     q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     tc = next_pow2(cols)
-    tr = max(1, 8192 // tc)  # ~8K elements in registers per program
-    _quantize_blockwise_kernel[(triton.cdiv(rows, tr), 1, 1)](
-        _soft_view(x.unsqueeze(0), soft), _soft_view(q.unsqueeze(0), soft), s, rows, cols, rows, 1,
-        DTYPE=_DTYPE_CODE[x.dtype], SOFT=soft, FP8_MAX=FP8_E4M3_MAX,
-        BR=1, BC=cols, TR=tr, TC=tc, ROW_MODE=True, num_warps=8, **EXACT_FP,
-    )
+    if tc > _ONE_PASS_MAX_ELEMS:
+        _launch_quantize_looped(x.unsqueeze(0), q.unsqueeze(0), s.unsqueeze(0), 1, cols, soft)
+    else:
+        tr = max(1, 8192 // tc)  # ~8K elements in registers per program
+        _quantize_blockwise_kernel[(triton.cdiv(rows, tr), 1, 1)](
+            _soft_view(x.unsqueeze(0), soft), _soft_view(q.unsqueeze(0), soft), s, rows, cols, rows, 1,
+            DTYPE=_DTYPE_CODE[x.dtype], SOFT=soft, FP8_MAX=FP8_E4M3_MAX,
+            BR=1, BC=cols, TR=tr, TC=tc, ROW_MODE=True, num_warps=8, **EXACT_FP,
+        )
     return q.to(device), s.reshape(rows).to(device)
