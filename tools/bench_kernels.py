@@ -100,11 +100,14 @@ AMAX_SWEEP = [  # (BLOCK, ITERS, num_warps, eviction policy); the first entry is
     (8192, 4, 8, "evict_first"),
     (2048, 4, 4, "evict_first"),
     (1024, 16, 4, "evict_first"),
+    (8192, 8, 16, "evict_first"),
+    (4096, 16, 8, "evict_first"),
 ]
 CAST_FLAT_SWEEP = [  # (BLOCK, ITERS, num_warps, eviction policy) of the plain cast; first = default
-    (amax_mod._FLAT_BLOCK, amax_mod._FLAT_ITERS, amax_mod._FLAT_WARPS, amax_mod._FLAT_EVICT),
+    (cast_mod._FLAT_BLOCK, cast_mod._FLAT_ITERS, cast_mod._FLAT_WARPS, amax_mod._FLAT_EVICT),
     (4096, 4, 8, ""),
-    (2048, 8, 4, "evict_first"),
+    (4096, 4, 8, "evict_first"),
+    (2048, 16, 4, "evict_first"),
     (4096, 2, 4, "evict_first"),
     (8192, 2, 8, "evict_first"),
 ]

@@ -391,9 +391,9 @@ def multi_tensor_amax(tensors: Sequence[torch.Tensor], *, impl: str = "auto") ->
         check_input_dtype(t, f"tensors[{i}]")
         if not t.is_contiguous():
             raise ValueError(f"tensors[{i}] is not contiguous; call .contiguous() first")
-    use_triton = select_impl(impl, device)
-    if not tensors:
+    if not tensors:  # nothing to launch, whatever impl asks for
         return torch.zeros(0, dtype=torch.float32, device=device)
+    use_triton = select_impl(impl, device)
     if not use_triton:
         return multi_tensor_amax_ref(tensors)
     if needs_staging(device):

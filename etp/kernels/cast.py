@@ -15,10 +15,7 @@ import triton.language as tl
 
 from etp.kernels.amax import (
     _DTYPE_CODE,
-    _FLAT_BLOCK,
     _FLAT_EVICT,
-    _FLAT_ITERS,
-    _FLAT_WARPS,
     _LINEAR_SEARCH_MAX_TENSORS,
     EXACT_FP,
     _find_tensor,
@@ -39,11 +36,15 @@ from etp.kernels.reference import FP8_E4M3_MAX, amax_to_scale_ref, multi_tensor_
 
 __all__ = ["FP8_E4M3_MAX", "amax_to_scale", "multi_tensor_cast_fp8"]
 
-# Tile of the transposing path: 64 rows (each transposed store is a 64-byte
-# half line of fp8) x 128 columns (a bf16 row of the tile is 256 bytes), 4
-# warps.  On H200 (commit 7e1d736 sweep, 64 x 1536x1024 bf16) this was the
-# fastest of the tiles tried: 0.156 ms vs 0.163 ms for 128 x 128 / 8 warps.
-_TILE_R = 64
+# The cast's own launch shape (not the amax's: it writes as well as reads). H200 sweep of
+# 2026-11-23 (64 x 1536x1024 bf16, tools/bench_kernels.py, device time): block 2048 x 8 iters
+# with 4 warps reached 0.835 of copy bandwidth, the amax's 4096 x 4 with 8 warps 0.69.
+_FLAT_BLOCK = 2048
+_FLAT_ITERS = 8
+_FLAT_WARPS = 4
+# Tile of the transposing path: 128 x 128 with 4 warps, the fastest of the same sweep
+# (0.81 of copy bandwidth; 64 x 128 reached 0.75).
+_TILE_R = 128
 _TILE_C = 128
 _TILE_WARPS = 4
 # Outputs share one allocation; each starts at a multiple of this many bytes so
