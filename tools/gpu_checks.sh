@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU verification on the device machine (8×H200), from the repository root:
-#   bash tools/gpu_checks.sh tests    GPU unit tests; NCCL parity / async tests on 2 and 8 GPUs
+#   bash tools/gpu_checks.sh tests    GPU unit tests; NCCL parity / async / FP8-recipe tests on 2 GPUs, and on 4 or 8 when present
 #   bash tools/gpu_checks.sh fp8      FP8 GEMM test (1 GPU), FP8-vs-bf16 training on 2 GPUs (NCCL)
 #   bash tools/gpu_checks.sh kernels  kernel benchmark (1 GPU)
 #   bash tools/gpu_checks.sh bench    expert-stack benchmark, all default variants (8 GPUs)
@@ -28,14 +28,18 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'nccl', torch.cuda.nccl.version())"
 case "${1:-tests}" in
 tests)
-  echo "=== GPU unit tests (grouped GEMM, Triton kernels compiled)"
-  python3 -m pytest -q tests/test_gemm.py tests/test_kernels.py 2>&1 | tee "$OUT/gpu_unit.log" | tail -4
-  echo "=== NCCL, 2 GPUs: parity, megatron linears (TP=2 x ETP=2 incl. sequence parallel), async"
+  G=$(nvidia-smi -L | wc -l)
+  echo "=== GPU unit tests (grouped GEMM, Triton kernels compiled, every FP8 kernel shape)"
+  python3 -m pytest -q tests/test_gemm.py tests/test_kernels.py tests/test_kernel_shapes.py 2>&1 | tee "$OUT/gpu_unit.log" | tail -4
+  echo "=== NCCL, 2 GPUs: parity, megatron linears (TP=2 x ETP=2 incl. sequence parallel), async, FP8 recipe shapes"
   ETP_TEST_BACKEND=nccl ETP_TEST_SIZES=2 python3 -m pytest -q tests/test_parity.py \
-    tests/test_megatron_linears.py tests/test_async.py 2>&1 | tee "$OUT/nccl2.log" | tail -6
-  echo "=== NCCL, 8 GPUs: parity and megatron linears at ETP=8"
-  ETP_TEST_BACKEND=nccl ETP_TEST_SIZES=8 python3 -m pytest -q tests/test_parity.py \
-    tests/test_megatron_linears.py -k "not tp2" 2>&1 | tee "$OUT/nccl8.log" | tail -6
+    tests/test_megatron_linears.py tests/test_async.py tests/test_fp8_recipe_gpu.py 2>&1 | tee "$OUT/nccl2.log" | tail -6
+  if [ "$G" -ge 4 ]; then  # the largest power of two up to the GPUs present
+    S=4; [ "$G" -ge 8 ] && S=8
+    echo "=== NCCL, $S GPUs: parity and megatron linears at ETP=$S"
+    ETP_TEST_BACKEND=nccl ETP_TEST_SIZES=$S python3 -m pytest -q tests/test_parity.py \
+      tests/test_megatron_linears.py -k "not tp2" 2>&1 | tee "$OUT/nccl$S.log" | tail -6
+  fi
   ;;
 fp8)
   echo "=== FP8: scaled GEMMs (1 GPU), grouped GEMM; FP8-vs-bf16 training and wire bytes on 2 GPUs (NCCL)"
