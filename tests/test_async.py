@@ -6,7 +6,7 @@ from harness import run_distributed
 from parity import train_parity
 from torch import nn
 
-import etp.runtime as runtime_module
+import etp.transport.nccl as nccl_transport
 from etp import (
     ETPConfig,
     ETPShardedParam,
@@ -91,7 +91,7 @@ def _order_and_buffers(ctx):
     runtime = runtime_of(model)
     names = {id(p): n for n, p in model.named_parameters()}
     log, pointers = [], {}
-    original_gather, original_acquire = runtime_module.all_gather_rows, runtime.acquire
+    original_gather, original_acquire = nccl_transport.all_gather_rows, runtime.acquire
 
     def gather(shard, group, out=None, async_op=False):
         log.append(("prefetch" if async_op else "gather", current[0]))
@@ -107,7 +107,7 @@ def _order_and_buffers(ctx):
         return weight
 
     iteration = [0]
-    runtime_module.all_gather_rows = gather
+    nccl_transport.all_gather_rows = gather
     runtime.acquire = acquire
     try:
         for it in range(4):
@@ -118,7 +118,7 @@ def _order_and_buffers(ctx):
             if it == 2:
                 replay_log = list(log)
     finally:
-        runtime_module.all_gather_rows = original_gather
+        nccl_transport.all_gather_rows = original_gather
         runtime.acquire = original_acquire
     return replay_log, pointers, runtime.stats.gathers_reused
 
