@@ -157,7 +157,6 @@ class ETPRuntime:
             if group.ranks not in self.transports:
                 self.transports[group.ranks] = choose_transports(self.config, group, st.param.device)
                 chosen = self.transports[group.ranks]
-                log.info("etp transport: %s", chosen.describe(group.ranks))
                 allocate = chosen.reduce.allocator()
                 if allocate is not None:
                     self._reduce_pools[group.ranks] = WgradPool(debug=self.config.debug_checks, allocator=allocate)

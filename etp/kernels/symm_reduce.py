@@ -5,8 +5,8 @@ or fp16: the wire bytes) in a symmetric-memory buffer; rank ``me`` owns the rows
 ``[me * S, (me + 1) * S)``. One kernel reads that row slice from every peer through a pointer
 table (``buffer_ptrs`` of the buffer's rendezvous handle), sums in fp32 and writes
 
-    out = scale * sum_r G_r[me*S : (me+1)*S]            (accumulate=False)
-    out = out + scale * sum_r G_r[me*S : (me+1)*S]      (accumulate=True: out is main_grad)
+    out = sum_r G_r[me*S : (me+1)*S] / divisor          (accumulate=False)
+    out = out + sum_r G_r[me*S : (me+1)*S] / divisor    (accumulate=True: out is main_grad)
 
 in one pass: fp32 accumulation at 16-bit wire bytes, no fp32 staging copy, no separate add.
 Peers are summed in rank order 0..N-1 (every rank, every run: deterministic). The grid is
@@ -33,16 +33,16 @@ __all__ = ["symm_reduce_scatter", "symm_reduce_scatter_reference", "pointer_tabl
 
 
 def symm_reduce_scatter_reference(
-    peers: list[torch.Tensor], rank: int, out: torch.Tensor, scale: float = 1.0, accumulate: bool = False
+    peers: list[torch.Tensor], rank: int, out: torch.Tensor, divisor: float = 1.0, accumulate: bool = False
 ) -> torch.Tensor:
-    """The definition: ``out (+)= scale * sum_r peers[r][rank*S:(rank+1)*S]``, summed in fp32
+    """The definition: ``out (+)= sum_r peers[r][rank*S:(rank+1)*S] / divisor``, summed in fp32
     (fp64 for fp64 inputs) in rank order, then cast to ``out``'s dtype."""
     rows = out.shape[0]
     acc_dtype = torch.float64 if peers[0].dtype == torch.float64 else torch.float32
     acc = torch.zeros(out.shape, dtype=acc_dtype, device=out.device)
     for peer in peers:
         acc += peer[rank * rows : (rank + 1) * rows].to(acc_dtype)
-    acc *= scale
+    acc /= divisor  # a division, as the NCCL path's mean: the same rounding
     if accumulate:
         acc += out.to(acc_dtype)
     return out.copy_(acc)
@@ -56,9 +56,9 @@ def pointer_table(tensors: list[torch.Tensor], device: torch.device) -> torch.Te
 if triton is not None:
 
     @triton.jit
-    def _symm_rs_kernel(table, wire_ptr, out_ptr, offset, numel, scale, WORLD: tl.constexpr,
+    def _symm_rs_kernel(table, wire_ptr, out_ptr, offset, numel, divisor, WORLD: tl.constexpr,
                         ACCUMULATE: tl.constexpr, ACC_F64: tl.constexpr, BLOCK: tl.constexpr):
-        """``out[i] (+)= scale * sum_{r<WORLD} peer_r[offset + i]`` for ``i < numel``, where
+        """``out[i] (+)= sum_{r<WORLD} peer_r[offset + i] / divisor`` for ``i < numel``, where
         ``peer_r`` is ``table[r]`` typed like ``wire_ptr`` (only its type is used); each of the
         ``num_programs`` programs strides over blocks of ``BLOCK`` elements."""
         pid = tl.program_id(0)
@@ -74,7 +74,7 @@ if triton is not None:
             for r in tl.static_range(WORLD):
                 src = tl.load(table + r).to(tl.pointer_type(wire_ptr.dtype.element_ty))
                 acc += tl.load(src + offset + idx, mask=mask, other=0.0).to(acc.dtype)
-            acc = acc * scale
+            acc = acc / divisor
             if ACCUMULATE:
                 acc += tl.load(out_ptr + idx, mask=mask, other=0.0).to(acc.dtype)
             tl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -85,7 +85,7 @@ def symm_reduce_scatter(
     wire: torch.Tensor,
     rank: int,
     out: torch.Tensor,
-    scale: float = 1.0,
+    divisor: float = 1.0,
     accumulate: bool = False,
     num_ctas: int = 8,
     impl: str = "auto",
@@ -105,7 +105,7 @@ def symm_reduce_scatter(
 
     Example::
 
-        symm_reduce_scatter(table, buffer, rank, param.main_grad, scale=1 / n, accumulate=True)
+        symm_reduce_scatter(table, buffer, rank, param.main_grad, divisor=n, accumulate=True)
     """
     if not out.is_contiguous() or not wire.is_contiguous():
         raise ValueError("symm_reduce_scatter needs contiguous out and wire buffers")
@@ -116,11 +116,11 @@ def symm_reduce_scatter(
     if not use_triton:
         if peers is None:
             raise ValueError("impl='torch' needs the peers' buffers as tensors (peers=...)")
-        return symm_reduce_scatter_reference(peers, rank, out, scale, accumulate)
+        return symm_reduce_scatter_reference(peers, rank, out, divisor, accumulate)
     numel = out.numel()
     block = 1024
     grid = (max(1, min(num_ctas, triton.cdiv(numel, block))),)
-    _symm_rs_kernel[grid](table, wire, out, rank * numel, numel, float(scale), WORLD=world,
+    _symm_rs_kernel[grid](table, wire, out, rank * numel, numel, float(divisor), WORLD=world,
                           ACCUMULATE=accumulate, ACC_F64=wire.dtype == torch.float64, BLOCK=block,
                           num_warps=8)
     return out

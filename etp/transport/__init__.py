@@ -78,8 +78,7 @@ def _refuse(key: str, value: str, why: str) -> ValueError:
 
 def choose_transports(config: ETPConfig, group: ShardGroup, device: torch.device) -> Transports:
     """The transports of ``group`` for ``config`` (a collective over the group on CUDA)."""
-    want_symm = "copy_engine" in (config.transport,) or config.reduce_transport == "symm_triton"
-    maybe_symm = want_symm or "auto" in (config.transport, config.reduce_transport)
+    maybe_symm = config.transport in ("auto", "copy_engine") or config.reduce_transport in ("auto", "symm_triton")
     ok, why = symmetric_memory_status(group, device) if maybe_symm else (False, "not asked for")
     if config.transport == "copy_engine" and not ok:
         raise _refuse("transport", config.transport, why)
@@ -110,4 +109,6 @@ def choose_transports(config: ETPConfig, group: ShardGroup, device: torch.device
         reduce = NCCLReduce(capped_nccl_group(group, config.reduce_ctas), name="nccl_capped")
     else:
         reduce = NCCLReduce()
-    return Transports(gather, reduce, "; ".join(reasons))
+    chosen = Transports(gather, reduce, "; ".join(reasons))
+    log.info("etp transport: %s", chosen.describe(group.ranks))  # once: wrap time only
+    return chosen

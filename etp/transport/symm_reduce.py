@@ -7,7 +7,7 @@ idle per shape, so this happens a bounded number of times). A reduction is, on t
 
     barrier   -- every peer's wgrad GEMM wrote its buffer
     kernel    -- etp.kernels.symm_reduce: read every peer's slice of this rank's rows (16-bit
-                 wire bytes), sum in fp32, scale, add into main_grad (``reduce_ctas`` CTAs)
+                 wire bytes), sum in fp32, divide (mean), add into main_grad (``reduce_ctas`` CTAs)
     barrier   -- every peer finished reading this rank's buffer (it may return to the pool)
 
 The barriers run on one small signal allocation of the transport, so they pair up by issue
@@ -69,7 +69,7 @@ class SymmTritonReduce(ReduceTransport):
         handle = self._signal[1]
         with record_function("etp::reduce_scatter_symm_triton"):
             handle.barrier(channel=0)
-            symm_reduce_scatter(table, full, group.rank, out, scale=1.0 / group.size if mean else 1.0,
+            symm_reduce_scatter(table, full, group.rank, out, divisor=float(group.size) if mean else 1.0,
                                 accumulate=target is not None, num_ctas=self.num_ctas, impl="triton")
             handle.barrier(channel=0)
         event = record_event(full.device) if async_op else None
