@@ -74,6 +74,7 @@ class _ParamState:
     pending: _PendingReduce | None = None
     quant: QuantizedShard | None = None  # FP8 shard of this step (FP8 gathers only)
     quant_home: torch.Tensor | None = None  # where the FP8 shard must live (copy engine)
+    staged_pass: int = -1  # the pass whose shard was last cast / staged into the home
     fwd_uses: int = 0  # forward consumes this pass: how many gradients to expect
     grads_done: int = 0
     hooks: list = field(default_factory=list)
@@ -124,6 +125,7 @@ class ETPRuntime:
         self.transports: dict[tuple[int, ...], Transports] = {}  # by group ranks
         self._reduce_pools: dict[tuple[int, ...], WgradPool] = {}  # transports that allocate
         self._staging_logged = False
+        self._pass_index = 0
 
     # ------------------------------------------------------------------ registration
     def register(self, param: torch.Tensor, name: str, kind: str, chain_class: str = "eager") -> None:
@@ -197,6 +199,7 @@ class ETPRuntime:
                 chain.orders[Role.BWD].freeze()
         self._consumed = {Role.FWD: set(), Role.BWD: set()}
         self._holder.clear()
+        self._pass_index += 1
         for st in self._states.values():
             st.fwd_uses = st.grads_done = 0
         self._expected = {
@@ -249,12 +252,17 @@ class ETPRuntime:
         wire = self._wire_dtype(param)
         home = self._transports(param).gather.home(param)
         if home is not None and home.data_ptr() != shard.data_ptr():
-            # The gather reads only the symmetric home: cast (or stage) the shard into it.
-            if home.dtype == shard.dtype and not self._staging_logged:
-                self._staging_logged = True
-                log.warning("etp transport: a shard left its symmetric-memory home (its storage "
-                            "was moved, e.g. into a DDP buffer); staging it there each gather")
-            return home.copy_(shard)
+            # The gather reads only the symmetric home: cast (or stage) the shard into it,
+            # once per pass (shards do not change within a pass).
+            st = self.state(param)
+            if st.staged_pass != self._pass_index:
+                if home.dtype == shard.dtype and not self._staging_logged:
+                    self._staging_logged = True
+                    log.warning("etp transport: a shard left its symmetric-memory home (its storage "
+                                "was moved, e.g. into a DDP buffer); staging it there once per pass")
+                home.copy_(shard)
+                st.staged_pass = self._pass_index
+            return home
         return shard if shard.dtype == wire else shard.to(wire)
 
     def _transports(self, param: torch.Tensor) -> Transports:

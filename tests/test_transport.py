@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 from harness import run_distributed
-from test_async import COUNTS, _async_equals_sync, _setup, _step
+from test_async import _async_equals_sync, _setup, _step
 
 import etp
 from etp import ETPConfig, runtime_of
@@ -16,6 +16,8 @@ from etp.kernels.symm_reduce import pointer_table, symm_reduce_scatter, symm_red
 from etp.transport import GatherTransport, ReduceTransport, choose_transports
 
 CPU_GROUP = ShardGroup(None, None, (0, 1), 0)
+# The kernel tests run compiled on a GPU, in the Triton interpreter on CPU (conftest).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 # ---------------------------------------------------------------- config
@@ -148,20 +150,21 @@ def test_prefetch_after_step_without_etp_is_a_noop():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_symm_reduce_kernel_matches_reference_and_float64(rows, cols, world, dtype):
     gen = torch.Generator().manual_seed(rows * world)
-    peers = [torch.randn(rows * world, cols, generator=gen).to(dtype) for _ in range(world)]
-    main_grad = torch.randn(rows, cols, generator=gen)
+    peers = [torch.randn(rows * world, cols, generator=gen).to(DEVICE, dtype) for _ in range(world)]
+    main_grad = torch.randn(rows, cols, generator=gen).to(DEVICE)
     rank = world - 1
     want = symm_reduce_scatter_reference(peers, rank, main_grad.clone(), world, accumulate=True)
-    got = symm_reduce_scatter(pointer_table(peers, "cpu"), peers[rank], rank, main_grad.clone(), world,
+    got = symm_reduce_scatter(pointer_table(peers, DEVICE), peers[rank], rank, main_grad.clone(), world,
                               accumulate=True, num_ctas=3, impl="triton")
-    assert torch.equal(got, want)  # same order of fp32 operations: exact
+    assert torch.equal(got, want)  # same fp32 operations in the same order: exact
     mine = slice(rank * rows, (rank + 1) * rows)
     exact = main_grad.double() + sum(p[mine].double() for p in peers) / world
     # Within fp32 rounding of the float64 truth (a few ulps of the largest operand) ...
     bound = 4 * torch.finfo(torch.float32).eps * (main_grad.double().abs() + exact.abs() + 1)
-    assert ((got.double() - exact).abs() <= bound).all()
+    assert ((got.double() - exact).abs() <= bound.cpu()).all()
     # ... and at least as accurate as the NCCL path (fp32 reduce-scatter, divide, add).
     today = main_grad + torch.stack([p[mine].float() for p in peers]).sum(0) / world
+    got, exact, today = got.cpu(), exact.cpu(), today.cpu()
     assert (got.double() - exact).abs().max() <= (today.double() - exact).abs().max() + 1e-12
 
 
@@ -178,4 +181,3 @@ def test_symm_reduce_rejects_shape_mismatch():
         symm_reduce_scatter(pointer_table(peers, "cpu"), peers[0], 0, torch.zeros(2, 3), impl="triton")
 
 
-COUNTS_USED = COUNTS  # the GPU tests share test_async's model and batch

@@ -79,8 +79,9 @@ ticket buffer) of that weight in a 1-layer ETP model with ``gather_dtype="fp8_te
 gathered / time) and busbw (algbw·(W−1)/W) in GB/s (1e9), and the ratio of etp's FP8 busbw
 to the raw uint8 busbw (target >= 0.90).
 
-``--trace DIR`` records one torch.profiler trace of 3 steps on rank 0 for ``etp_async`` and
-``etp_async_fp8`` (``DIR/<variant>_trace.json``) and, from its device timeline, how much
+``--trace DIR`` records one torch.profiler trace of 3 steps on rank 0 for each variant of
+``PROFILED`` that runs (``DIR/<variant>_trace.json``: the copy-engine variants show their
+gathers as memcpy rows, no NCCL kernels) and, from its device timeline, how much
 NCCL kernel time overlaps GEMM kernels.
 
 Output: JSON to ``--out`` (default ``$OUT/bench_expert_stack.json``), two markdown tables
@@ -152,8 +153,8 @@ FP8_VARIANTS = {
 }
 # Variants whose GEMMs run in FP8 (their check differs from replicated by FP8 rounding).
 FP8_COMPUTE = ("replicated_fp8", *FP8_VARIANTS)
-PROFILED = ("replicated", "replicated_fp8", "etp_async", "etp_async_fp8", "etp_async_ce", "etp_async_ce_fp8",
-            "etp_async_ce_symm", "etp_async_ce_fp8_symm")  # traced under --trace
+PROFILED = ("replicated", "replicated_fp8", "etp_async", "etp_async_fp8", "etp_async_ce",
+            "etp_async_ce_fp8_symm")  # traced under --trace
 GPU_DEFAULTS = dict(layers=8, experts=16, tokens_per_expert=2048, hidden=4096, ffn=1536, warmup=5, steps=20)
 SMOKE_DEFAULTS = dict(layers=2, experts=4, tokens_per_expert=8, hidden=32, ffn=16, warmup=2, steps=2)
 # Measured separately on 2026-11-21 (shared/anchors.md), same workload and machine kind.
