@@ -161,7 +161,10 @@ class ETPRuntime:
                 chosen = self.transports[group.ranks]
                 allocate = chosen.reduce.allocator()
                 if allocate is not None:
-                    self._reduce_pools[group.ranks] = WgradPool(debug=self.config.debug_checks, allocator=allocate)
+                    # Never drop a symmetric buffer (it would be rendezvoused again): the pool
+                    # then holds at most the peak number in use at once.
+                    self._reduce_pools[group.ranks] = WgradPool(max_free_per_key=1 << 30, allocator=allocate,
+                                                                debug=self.config.debug_checks)
             gather = self.transports[group.ranks].gather
             if hasattr(gather, "register") and gather.home(st.param) is None:
                 gather.register(st.param, self._wire_dtype(st.param))

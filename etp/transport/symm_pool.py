@@ -52,6 +52,7 @@ class SymmetricPool:
         self.buffer: torch.Tensor | None = None
         self.handle = None
         self._views: dict[tuple, torch.Tensor] = {}
+        self._base = 0
 
     def reserve(self, key, shape, dtype: torch.dtype) -> None:
         if self.buffer is not None:
@@ -70,6 +71,9 @@ class SymmetricPool:
         self.buffer = symm_mem.empty(self._size, dtype=torch.uint8, device=self.device)
         self.buffer.zero_()
         self.handle = symm_mem.rendezvous(self.buffer, self.process_group)
+        # buffer_ptrs are the bases of the peers' allocations; this buffer may start inside
+        # its allocation (a mem pool), at the same offset on every rank (same allocations).
+        self._base = self.buffer.data_ptr() - self.handle.buffer_ptrs[self.handle.rank]
         log.info("etp transport: symmetric pool of %d slots, %d bytes", len(self._slots), self._size)
 
     def __contains__(self, key) -> bool:
@@ -92,7 +96,7 @@ class SymmetricPool:
         if rank is None:
             view = self.buffer[offset : offset + nbytes].view(dtype).view(shape)
         else:
-            whole = self.handle.get_buffer(rank, (self._size,), torch.uint8)
+            whole = self.handle.get_buffer(rank, (self._size,), torch.uint8, self._base)
             view = whole[offset : offset + nbytes].view(dtype).view(shape)
         self._views[(key, rank)] = view
         return view

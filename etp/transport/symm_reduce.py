@@ -63,9 +63,8 @@ class SymmTritonReduce(ReduceTransport):
         _, table = entry
         rows = full.shape[0] // group.size
         out = target
-        if out is None:
-            dtype = full.dtype if full.dtype not in _WIRE_16 else torch.float32
-            out = torch.empty((rows, *full.shape[1:]), dtype=dtype, device=full.device)
+        if out is None:  # no main_grad: the fp32 sum is rounded once, into the wire dtype
+            out = torch.empty((rows, *full.shape[1:]), dtype=full.dtype, device=full.device)
         handle = self._signal[1]
         with record_function("etp::reduce_scatter_symm_triton"):
             handle.barrier(channel=0)
