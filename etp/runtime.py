@@ -517,11 +517,13 @@ class ETPRuntime:
         self._phase = Role.BWD
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes held by the gather cache (per role) and the wgrad pool."""
+        """Bytes held by the gather cache (per role), the wgrad pool and the transports."""
         return {
             "gather_fwd": self.cache.nbytes(Role.FWD),
             "gather_bwd": self.cache.nbytes(Role.BWD),
-            "wgrad_pool": self.pool.nbytes() + sum(p.nbytes() for p in self._reduce_pools.values()),
+            "wgrad_pool": self.pool.nbytes(),
+            # Symmetric memory (copy-engine shard pools, symmetric wgrad buffers): allocated
+            # outside torch's caching allocator, so not in torch.cuda.memory_allocated().
             "transport": sum(t.gather.nbytes() + t.reduce.nbytes() for t in self.transports.values()),
         }
 

@@ -69,12 +69,15 @@ if ov:
               f"{r.get('gemm_slowdown_pct', float('nan')):+.1f} | {len(r.get('sm_kernels', []))} |")
 es = load("bench_expert_stack.json")
 if es:
-    print("\n| variant | step ms | x replicated | peak GiB | transports |")
+    print("\n| variant | step ms | x replicated | peak GiB | + symmetric GiB | transports |")
     for name, r in es["results"].items():
         if r.get("status") != "ok":
             print(f"| {name} | {str(r.get('status'))[:80]} |")
             continue
+        stats = r.get("runtime_stats") if isinstance(r.get("runtime_stats"), dict) else {}
+        symm = ((stats or {}).get("nbytes") or {}).get("transport", 0) / 2**30
         print(f"| {name} | {r['step_ms']:.2f} | {r.get('fraction_of_replicated', float('nan')):.3f} | "
-              f"{r.get('peak_allocated_gib') or float('nan'):.2f} | {list((r.get('transports') or {}).values())[:1]} |")
+              f"{r.get('peak_allocated_gib') or float('nan'):.2f} | {symm:.2f} | "
+              f"{list((r.get('transports') or {}).values())[:1]} |")
 PY
 echo "=== total $((SECONDS - T0))s"

@@ -75,4 +75,5 @@ class SymmTritonReduce(ReduceTransport):
         return EventHandle(out, event, keep=(full,))
 
     def nbytes(self) -> int:
-        return 0  # the wgrad buffers are the pool's and counted there
+        """Every symmetric wgrad buffer made (the runtime's pool for this group keeps them)."""
+        return sum(t.numel() * t.element_size() for t, _ in self._buffers.values())
