@@ -114,7 +114,8 @@ def test_every_gather_and_reduction_goes_through_the_transport():
 
 # ---------------------------------------------------------------- no cold chain heads
 def _after_step(ctx):
-    config = ETPConfig(etp_size=ctx.world_size, expert_etp_size=ctx.world_size)
+    # debug_checks: any consume that finds its prefetched head missing raises.
+    config = ETPConfig(etp_size=ctx.world_size, expert_etp_size=ctx.world_size, debug_checks=True)
     model, groups = _setup(config, ctx.device)
     runtime = runtime_of(model)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
