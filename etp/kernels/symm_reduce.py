@@ -118,7 +118,7 @@ def symm_reduce_scatter(
             raise ValueError("impl='torch' needs the peers' buffers as tensors (peers=...)")
         return symm_reduce_scatter_reference(peers, rank, out, divisor, accumulate)
     numel = out.numel()
-    block = 1024
+    block = 4096  # 16 elements per thread at 8 warps: enough loads in flight per CTA
     grid = (max(1, min(num_ctas, triton.cdiv(numel, block))),)
     _symm_rs_kernel[grid](table, wire, out, rank * numel, numel, float(divisor), WORLD=world,
                           ACCUMULATE=accumulate, ACC_F64=wire.dtype == torch.float64, BLOCK=block,
