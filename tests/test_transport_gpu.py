@@ -21,36 +21,46 @@ pytestmark = pytest.mark.skipif(
 CE = dict(transport="copy_engine", reduce_transport="symm_triton")
 
 
-def _cases(ctx, overrides):
-    config = ETPConfig(etp_size=ctx.world_size, expert_etp_size=ctx.world_size, **overrides)
-    return [check_case(ctx, case, config) for case in standard_cases()]
+# Each test runs its configurations inside one process group (one spawn): the GPU script
+# has a time budget.
+MODULE_CONFIGS = [CE, dict(transport="copy_engine", reduce_transport="nccl"),
+                  dict(transport="nccl", reduce_transport="nccl_capped")]
 
 
-@pytest.mark.parametrize("overrides", [CE, dict(transport="copy_engine", reduce_transport="nccl"),
-                                       dict(transport="nccl", reduce_transport="nccl_capped")],
-                         ids=["ce+symm", "ce+nccl", "nccl_capped"])
-def test_module_parity(overrides):
-    for result in run_distributed(_cases, 2, overrides):
-        assert len(result) == len(standard_cases())
+def _cases(ctx):
+    done = []
+    for overrides in MODULE_CONFIGS:
+        config = ETPConfig(etp_size=ctx.world_size, expert_etp_size=ctx.world_size, **overrides)
+        done.append([check_case(ctx, case, config)["case"] for case in standard_cases()])
+    return done
 
 
-def _train(ctx, overrides):
-    config = ETPConfig(etp_size=ctx.world_size, expert_etp_size=ctx.world_size, **overrides)
-    return train_parity(ctx, config)
+def test_module_parity():
+    for result in run_distributed(_cases, 2):
+        assert [len(r) for r in result] == [len(standard_cases())] * len(MODULE_CONFIGS)
 
 
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_training_parity_copy_engine(reduction):
-    for result in run_distributed(_train, 2, dict(CE, reduction=reduction)):
-        assert result["last_loss"] < result["first_loss"]
+def _train(ctx):
+    results = []
+    for reduction in ("mean", "sum"):
+        config = ETPConfig(etp_size=ctx.world_size, expert_etp_size=ctx.world_size, reduction=reduction, **CE)
+        results.append(train_parity(ctx, config))
+    return results
 
 
-@pytest.mark.parametrize("gather_dtype", ["param", "fp8_tensorwise"])
-@pytest.mark.parametrize("after_step", [False, True])
-def test_async_equals_sync_bit_for_bit(gather_dtype, after_step):
-    overrides = dict(CE, gather_dtype=gather_dtype)
-    prefetched = run_distributed(_async_equals_sync, 2, overrides, torch.bfloat16, after_step)
-    assert all(n > 0 for n in prefetched)
+def test_training_parity_copy_engine():
+    for results in run_distributed(_train, 2):
+        assert all(r["last_loss"] < r["first_loss"] for r in results)
+
+
+def _bit_for_bit(ctx):
+    return [_async_equals_sync(ctx, dict(CE, gather_dtype=gather_dtype), torch.bfloat16, after_step)
+            for gather_dtype in ("param", "fp8_tensorwise") for after_step in (False, True)]
+
+
+def test_async_equals_sync_bit_for_bit_bf16_and_fp8():
+    for prefetched in run_distributed(_bit_for_bit, 2):
+        assert all(n > 0 for n in prefetched)
 
 
 def _chosen(ctx):
