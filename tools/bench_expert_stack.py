@@ -98,6 +98,12 @@ The same with NCCL capped at 8 CTAs per collective::
     torchrun --nproc-per-node=8 tools/bench_expert_stack.py --nccl-max-ctas 8 \\
         --variants replicated,etp_async,etp_async_fp8 --out $OUT/bench_expert_stack_ctas8.json
 
+The transports side by side on 2 GPUs (what tools/gpu_overlap.sh runs)::
+
+    torchrun --nproc-per-node=2 tools/bench_expert_stack.py --variants replicated,replicated_fp8,\
+fsdp2,etp_async,etp_async_fp8,etp_async_ce,etp_async_ce_fp8,etp_async_ce_symm,etp_async_ce_fp8_symm,\
+etp_async_capped --trace $OUT/trace --out $OUT/bench_expert_stack.json
+
 CPU check of the script itself (gloo, float32, tiny shapes, host timers)::
 
     torchrun --nproc-per-node=2 tools/bench_expert_stack.py --cpu-smoke --out /tmp/bench_smoke.json
