@@ -27,7 +27,7 @@ __all__ = ["CopyEngineGather"]
 
 
 class CopyEngineGather(GatherTransport):
-    """Gathers out of ``pool``'s slots (keyed by ``id(param)``)."""
+    """Gathers out of the group's symmetric pools (one slot per param, keyed by ``id(param)``)."""
 
     name = "copy_engine"
 
