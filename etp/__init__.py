@@ -12,7 +12,7 @@ from .param import ETPShardedParam
 from .quant import quantize_shards
 from .runtime import ETPRuntime, register_grad_ready_hook
 from .state import ETPStateError
-from .wrap import WrapSummary, runtime_of, shard_parameter, wrap_module_params_etp
+from .wrap import WrapSummary, prefetch_after_step, runtime_of, shard_parameter, wrap_module_params_etp
 
 __all__ = [
     "ETPConfig",
@@ -30,6 +30,7 @@ __all__ = [
     "clip_grad_norm_",
     "finalize_grads",
     "global_grad_norm",
+    "prefetch_after_step",
     "quantize_shards",
     "register_grad_ready_hook",
     "runtime_of",

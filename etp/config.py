@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["ETPConfig", "GATHER_DTYPES", "REDUCTIONS"]
+__all__ = ["ETPConfig", "GATHER_DTYPES", "REDUCTIONS", "REDUCE_TRANSPORTS", "TRANSPORTS"]
 
 #: Gather formats, mapped to the dtype the weight travels in (None: the parameter's own).
 GATHER_DTYPES: dict[str, torch.dtype | None] = {
@@ -29,6 +29,12 @@ GATHER_DTYPES: dict[str, torch.dtype | None] = {
 #: gradients must be combined: "mean" matches a loss averaged per rank (DDP convention),
 #: "sum" matches per-token-sum losses normalized later by the caller.
 REDUCTIONS = ("mean", "sum")
+
+
+#: How gathered weight bytes move; see [Note: ETP transports] in etp/transport/base.py.
+TRANSPORTS = ("auto", "nccl", "copy_engine")
+#: How weight-gradient reduce-scatters run; see [Note: ETP transports].
+REDUCE_TRANSPORTS = ("auto", "nccl", "nccl_capped", "symm_triton")
 
 
 def _is_power_of_two(value: int) -> bool:
@@ -54,6 +60,17 @@ class ETPConfig:
         debug_checks: check every gather / reduce-scatter state transition (slower) and log
             weight-cache and wgrad-pool activity on the ``etp.cache`` logger (allocations at
             INFO, every acquire / release at DEBUG); off, nothing is logged.
+        transport: how weight all-gathers move bytes: "nccl" (the process group's
+            collective), "copy_engine" (peer copies out of torch symmetric memory: no SMs;
+            CUDA + NCCL groups on NVLink GPUs of one host only) or "auto" (copy_engine where
+            symmetric memory is available, else nccl). Chosen once at wrap time and logged.
+        reduce_transport: how weight-gradient reduce-scatters run: "nccl" (the RS
+            communicator, fp32 wire), "nccl_capped" (its own NCCL communicator limited to
+            ``reduce_ctas`` CTAs), "symm_triton" (a Triton kernel over symmetric memory on
+            ``reduce_ctas`` CTAs: 16-bit wire bytes, fp32 sums added straight into
+            ``main_grad``) or "auto" (symm_triton where the gathers use the copy engine,
+            else nccl).
+        reduce_ctas: CTAs (thread blocks) of the "nccl_capped" and "symm_triton" reductions.
 
     Example::
 
@@ -69,9 +86,12 @@ class ETPConfig:
     prefetch: bool = True
     async_reduce: bool = True
     debug_checks: bool = False
+    transport: str = "auto"
+    reduce_transport: str = "auto"
+    reduce_ctas: int = 8
 
     def __post_init__(self) -> None:
-        for key in ("etp_size", "expert_etp_size", "pad_for_alignment"):
+        for key in ("etp_size", "expert_etp_size", "pad_for_alignment", "reduce_ctas"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"ETPConfig.{key}={value!r}: expected a positive integer")
@@ -96,6 +116,11 @@ class ETPConfig:
                 f"ETPConfig.pad_for_alignment={self.pad_for_alignment!r}: gather_dtype="
                 "'fp8_blockwise' needs shards of whole 128-row blocks: use a multiple of 128"
             )
+        for key, allowed in (("transport", TRANSPORTS), ("reduce_transport", REDUCE_TRANSPORTS)):
+            if getattr(self, key) not in allowed:
+                raise ValueError(
+                    f"ETPConfig.{key}={getattr(self, key)!r}: allowed values are {list(allowed)}"
+                )
         for key in ("prefetch", "async_reduce", "debug_checks"):
             value = getattr(self, key)
             if not isinstance(value, bool):

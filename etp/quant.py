@@ -15,6 +15,10 @@ The FP8 shard is made once per optimizer step by ``quantize_shards`` (never per 
   reduction; the (tiny) block scales of every weight are all-gathered once per step, in one
   collective per ETP group.
 
+With the copy-engine transport the FP8 shard is written straight into its symmetric-memory
+home (``quant_home`` of the runtime's param state), which peers copy from: no extra copy
+per step for tensorwise, one FP8-shard copy for blockwise.
+
 ``quantize_shards`` runs by itself at the first forward after a shard changed (detected by
 the parameter's version counter, which in-place optimizer updates bump); call it explicitly
 after the optimizer step when the optimizer writes parameters through other views (as
@@ -132,7 +136,7 @@ def _quantize_tensorwise(params, group) -> None:
     quantized = {}
     for param in params:
         state = param.etp_runtime.state(param)
-        buffer = state.quant.data if state.quant is not None else None
+        buffer = state.quant.data if state.quant is not None else state.quant_home
         if buffer is None:  # padding rows stay fp8 zeros (all bits 0) forever
             buffer = torch.zeros(param.shape, dtype=FP8_DTYPE, device=device)
         quantized[id(param)] = buffer
@@ -164,6 +168,8 @@ def _quantize_blockwise(params, group) -> None:
         full = per_rank[:, offset : offset + n].reshape(group.size * scales.shape[0], scales.shape[1])
         offset += n
         state = param.etp_runtime.state(param)
+        if state.quant_home is not None:  # the copy-engine transport gathers from there only
+            q = state.quant_home.copy_(q)
         state.quant = QuantizedShard(q, full.contiguous(), param._version)
 
 

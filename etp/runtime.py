@@ -11,6 +11,12 @@ The autograd Functions (``etp.autograd``) call three methods:
   grad-ready hooks, return the buffer). The last weight of the backward chain is finalized at
   once; ``drain()`` (called by ``etp.finalize_grads``) completes everything before the
   optimizer step.
+* ``prefetch_after_step()`` (``etp.prefetch_after_step(model)``) starts the next pass right
+  after the optimizer step and issues the gathers of every forward chain's head, so that no
+  chain starts with a synchronous gather. See [Note: ETP passes].
+
+Bytes move through the transports of each shard group (``etp.transport``), chosen once by
+``setup_transports()`` at wrap time; the runtime never knows which one moved them.
 
 [Note: ETP passes]
 A *pass* is one forward (and its backward) of one microbatch. A new pass starts with the
@@ -19,6 +25,8 @@ second consume in the same role (tied weights) is gathered on demand and not cha
 every consume of a second forward that follows a forward without a backward or ``drain()``
 in between (call ``drain()`` between inference forwards to keep prefetching). At a pass
 start, gathers still in flight are discarded: the optimizer may have changed the shards.
+``prefetch_after_step()`` starts the pass early, right after the optimizer step (and the
+FP8 quantization): the first forward consume then finds its chain head in flight.
 """
 from __future__ import annotations
 
@@ -31,11 +39,11 @@ import torch
 
 from .cache import BufferKey, Role, WeightCache, WgradPool
 from .chain import Chain, ChainKey
-from .collectives import all_gather_rows, reduce_scatter_rows
 from .config import ETPConfig
 from .quant import FP8Weight, QuantizedShard, quantize_shards
 from .state import ETPStateError, GatherState, ReduceState, transition
 from .streams import CommStreams, StreamRegistry, current_stream_event
+from .transport import Handle, Transports, choose_transports
 
 __all__ = ["ETPRuntime", "register_grad_ready_hook"]
 
@@ -45,15 +53,14 @@ log = logging.getLogger("etp.runtime")
 @dataclass(eq=False)
 class _InFlight:
     buffer: torch.Tensor
-    work: object  # collective work handle (None when it ran synchronously)
+    handle: Handle  # the transport's completion handle
     source: torch.Tensor  # keeps a cast shard alive until the gather completes
 
 
 @dataclass(eq=False)
 class _PendingReduce:
     padded: torch.Tensor
-    out: torch.Tensor
-    work: object
+    handle: Handle
 
 
 @dataclass(eq=False)
@@ -66,6 +73,8 @@ class _ParamState:
     reduce: ReduceState = ReduceState.IDLE
     pending: _PendingReduce | None = None
     quant: QuantizedShard | None = None  # FP8 shard of this step (FP8 gathers only)
+    quant_home: torch.Tensor | None = None  # where the FP8 shard must live (copy engine)
+    staged_pass: int = -1  # the pass whose shard was last cast / staged into the home
     fwd_uses: int = 0  # forward consumes this pass: how many gradients to expect
     grads_done: int = 0
     hooks: list = field(default_factory=list)
@@ -113,6 +122,10 @@ class ETPRuntime:
         # id(ticket buffer) -> id(param) whose gather it holds, valid within one pass only
         # (the optimizer may update shards between passes without bumping any version).
         self._holder: dict[int, int] = {}
+        self.transports: dict[tuple[int, ...], Transports] = {}  # by group ranks
+        self._reduce_pools: dict[tuple[int, ...], WgradPool] = {}  # transports that allocate
+        self._staging_logged = False
+        self._pass_index = 0
 
     # ------------------------------------------------------------------ registration
     def register(self, param: torch.Tensor, name: str, kind: str, chain_class: str = "eager") -> None:
@@ -136,6 +149,37 @@ class ETPRuntime:
     def register_grad_ready_hook(self, param: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
         self.state(param).hooks.append(hook)
 
+    def setup_transports(self) -> None:
+        """Chooses the transports of every shard group with registered params (once per
+        group) and gives new params their symmetric-memory homes. A collective over the
+        groups: every rank calls it after registering the same params (wrap does)."""
+        new = []
+        for st in self._states.values():
+            group = st.param.etp_group
+            if group.ranks not in self.transports:
+                self.transports[group.ranks] = choose_transports(self.config, group, st.param.device)
+                chosen = self.transports[group.ranks]
+                allocate = chosen.reduce.allocator()
+                if allocate is not None:
+                    # Never drop a symmetric buffer (it would be rendezvoused again): the pool
+                    # then holds at most the peak number in use at once.
+                    self._reduce_pools[group.ranks] = WgradPool(max_free_per_key=1 << 30, allocator=allocate,
+                                                                debug=self.config.debug_checks)
+            gather = self.transports[group.ranks].gather
+            if hasattr(gather, "register") and gather.home(st.param) is None:
+                gather.register(st.param, self._wire_dtype(st.param))
+                new.append((st, gather))
+        for gather in {id(g): g for _, g in new}.values():
+            gather.materialize()
+        with torch.no_grad():
+            for st, gather in new:
+                home = gather.home(st.param)
+                if self.fp8:
+                    st.quant_home = home  # etp.quantize_shards writes the FP8 shard here
+                elif home.dtype == st.param.dtype:
+                    home.copy_(st.param.detach())
+                    st.param.data = home  # the optimizer now updates the symmetric shard
+
     # ------------------------------------------------------------------ passes
     @property
     def fp8(self) -> bool:
@@ -158,6 +202,7 @@ class ETPRuntime:
                 chain.orders[Role.BWD].freeze()
         self._consumed = {Role.FWD: set(), Role.BWD: set()}
         self._holder.clear()
+        self._pass_index += 1
         for st in self._states.values():
             st.fwd_uses = st.grads_done = 0
         self._expected = {
@@ -208,7 +253,27 @@ class ETPRuntime:
             return quant.data
         shard = param.detach()
         wire = self._wire_dtype(param)
+        home = self._transports(param).gather.home(param)
+        if home is not None and home.data_ptr() != shard.data_ptr():
+            # The gather reads only the symmetric home: cast (or stage) the shard into it,
+            # once per pass (shards do not change within a pass).
+            st = self.state(param)
+            if st.staged_pass != self._pass_index:
+                if home.dtype == shard.dtype and not self._staging_logged:
+                    self._staging_logged = True
+                    log.warning("etp transport: a shard left its symmetric-memory home (its storage "
+                                "was moved, e.g. into a DDP buffer); staging it there once per pass")
+                home.copy_(shard)
+                st.staged_pass = self._pass_index
+            return home
         return shard if shard.dtype == wire else shard.to(wire)
+
+    def _transports(self, param: torch.Tensor) -> Transports:
+        chosen = self.transports.get(param.etp_group.ranks)
+        if chosen is None:  # params registered outside wrap_module_params_etp
+            self.setup_transports()
+            chosen = self.transports[param.etp_group.ranks]
+        return chosen
 
     def _issue(self, st: _ParamState, role: Role) -> None:
         """Starts the async gather of ``st``'s weight into its ticket buffer."""
@@ -219,23 +284,28 @@ class ETPRuntime:
         # See [Note: ETP streams]: the AG stream must not read the shard (or overwrite a buffer
         # a queued GEMM reads) before the current stream has got there.
         CommStreams.wait(streams.ag, current_stream_event(param.device))
+        buffer = self._buffer(st, role)
         with streams.use(streams.ag):
-            buffer, work = all_gather_rows(source, param.etp_group, out=self._buffer(st, role), async_op=True)
+            handle = self._transports(param).gather.gather(source, param.etp_group, buffer, async_op=True)
         self._holder[id(buffer)] = id(param)
-        st.in_flight[role] = _InFlight(buffer, work, source)
+        st.in_flight[role] = _InFlight(buffer, handle, source)
         self.stats.gathers_prefetched += 1
 
     def _take(self, st: _ParamState, role: Role) -> torch.Tensor:
         """Waits for the in-flight gather of ``st`` and returns its buffer."""
         st.gather[role] = transition(st.name, f"{role.value} gather", st.gather[role], GatherState.IDLE)
         flight = st.in_flight.pop(role)
-        if flight.work is not None:
-            flight.work.wait()  # the current stream waits for the gather
+        flight.handle.wait()  # the current stream waits for the gather
         return flight.buffer
 
     def _gather_now(self, st: _ParamState, role: Role, into_ticket: bool) -> torch.Tensor:
-        out = self._buffer(st, role) if into_ticket else None
-        buffer, _ = all_gather_rows(self._source(st.param), st.param.etp_group, out=out)
+        param = st.param
+        if into_ticket:
+            out = self._buffer(st, role)
+        else:
+            out = torch.empty(param.etp_layout.padded_shape, dtype=self._wire_dtype(param), device=param.device)
+        buffer = self._transports(param).gather.gather(self._source(param), param.etp_group, out,
+                                                       async_op=False).wait()
         if into_ticket:
             self._holder[id(buffer)] = id(st.param)
         self.stats.gathers_on_demand += 1
@@ -326,10 +396,18 @@ class ETPRuntime:
         main_grad = getattr(param, "main_grad", None)
         return main_grad.dtype if main_grad is not None else param.dtype
 
+    def _grad_wire_dtype(self, param: torch.Tensor) -> torch.dtype:
+        """The dtype the full weight gradient is written and reduced in (the transport's)."""
+        return self._transports(param).reduce.wire_dtype(param.dtype, self._grad_dtype(param))
+
+    def _pool(self, param: torch.Tensor) -> WgradPool:
+        self._transports(param)
+        return self._reduce_pools.get(param.etp_group.ranks, self.pool)
+
     def wgrad_buffer(self, param: torch.Tensor) -> torch.Tensor:
         """A pooled ``[padded_rows, cols]`` buffer whose padding rows are zero."""
         layout = param.etp_layout
-        padded = self.pool.acquire(layout.padded_shape, self._grad_dtype(param), param.device)
+        padded = self._pool(param).acquire(layout.padded_shape, self._grad_wire_dtype(param), param.device)
         padded[layout.rows :].zero_()
         return padded
 
@@ -339,10 +417,13 @@ class ETPRuntime:
         ``wgrad`` is either a buffer from ``wgrad_buffer`` or any tensor of the logical
         shape; the latter is reduced in place when it needs no padding and has the gradient
         dtype, and copied into a pooled padded buffer otherwise."""
-        layout = param.etp_layout
-        if tuple(wgrad.shape) == tuple(layout.padded_shape) and wgrad.dtype == self._grad_dtype(param):
+        layout, wire = param.etp_layout, self._grad_wire_dtype(param)
+        own_buffers = param.etp_group.ranks in self._reduce_pools  # the transport reads only those
+        if tuple(wgrad.shape) == tuple(layout.padded_shape) and wgrad.dtype == wire and (
+            not own_buffers or self._pool(param).owns(wgrad)
+        ):
             padded = wgrad
-        elif layout.rows == layout.padded_rows and wgrad.dtype == self._grad_dtype(param) and wgrad.is_contiguous():
+        elif layout.rows == layout.padded_rows and wgrad.dtype == wire and wgrad.is_contiguous() and not own_buffers:
             padded = wgrad.view(layout.padded_shape)
         else:
             padded = self.wgrad_buffer(param)
@@ -352,12 +433,13 @@ class ETPRuntime:
             # A weight consumed twice: its first reduction must land before the second.
             self._finalize(st)
         streams = self.streams.get(st.chain.key.chain_class, st.chain.key.ranks, param.device)
-        out = torch.empty(param.etp_layout.shard_shape, dtype=padded.dtype, device=padded.device)
+        target = getattr(param, "main_grad", None)  # None: the handle returns the reduced shard
         CommStreams.wait(streams.rs, current_stream_event(param.device))
         with streams.use(streams.rs):
-            _, work = reduce_scatter_rows(padded, param.etp_group, out=out, async_op=True)
+            handle = self._transports(param).reduce.reduce_scatter(
+                padded, param.etp_group, target, self.config.reduction == "mean", async_op=True)
         st.reduce = transition(st.name, "reduce-scatter", st.reduce, ReduceState.PENDING)
-        st.pending = _PendingReduce(padded, out, work)
+        st.pending = _PendingReduce(padded, handle)
         self._pending.append(st)
         self.stats.reduce_scatters += 1
         if not self.config.async_reduce or st.chain.orders[Role.BWD].is_last(param):
@@ -372,19 +454,15 @@ class ETPRuntime:
         if st in self._pending:
             self._pending.remove(st)
         pending, param = st.pending, st.param
-        if pending.work is not None:
-            pending.work.wait()
-        shard_grad = pending.out
-        if self.config.reduction == "mean":
-            shard_grad.div_(param.etp_group.size)
-        main_grad = getattr(param, "main_grad", None)
-        if main_grad is not None:
-            main_grad.add_(shard_grad)
-        elif param.grad is None:
-            param.grad = shard_grad if shard_grad.dtype == param.dtype else shard_grad.to(param.dtype)
-        else:
-            param.grad.add_(shard_grad)
-        self.pool.release(pending.padded)  # a no-op for buffers the pool does not own
+        # Waits on the current stream; the NCCL transport then divides (mean) and adds into
+        # main_grad, the symmetric one already added in its kernel.
+        shard_grad = pending.handle.wait()
+        if getattr(param, "main_grad", None) is None:
+            if param.grad is None:
+                param.grad = shard_grad if shard_grad.dtype == param.dtype else shard_grad.to(param.dtype)
+            else:
+                param.grad.add_(shard_grad)
+        self._pool(param).release(pending.padded)  # a no-op for buffers the pool does not own
         st.pending = None
         st.reduce = transition(st.name, "reduce-scatter", st.reduce, ReduceState.IDLE)
         st.grads_done += 1
@@ -407,6 +485,24 @@ class ETPRuntime:
                     order.freeze()
         self._phase = Role.BWD  # the next forward consume starts a pass
 
+    def prefetch_after_step(self) -> int:
+        """Starts the next pass now and issues the gather of every forward chain's head on
+        the AG stream; call right after the optimizer step (and FP8 quantization). Returns the
+        number of gathers issued (0 before the chains are recorded or with prefetch off).
+        See [Note: ETP passes]."""
+        if not self.config.prefetch:
+            return 0
+        self.drain()
+        self._start_pass()
+        issued = 0
+        for chain in self._chains.values():
+            order = chain.orders[Role.FWD]
+            head = order.first() if order.frozen else None
+            if head is not None and self.state(head).gather[Role.FWD] is GatherState.IDLE:
+                self._issue(self.state(head), Role.FWD)
+                issued += 1
+        return issued
+
     # ------------------------------------------------------------------ housekeeping
     def reset(self) -> None:
         """Forgets recorded chains and frees buffers and streams (states are kept)."""
@@ -415,15 +511,20 @@ class ETPRuntime:
             chain.reset()
         self.cache.clear()
         self.pool.clear()
+        for pool in self._reduce_pools.values():
+            pool.clear()
         self.streams.clear()
         self._phase = Role.BWD
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes held by the gather cache (per role) and the wgrad pool."""
+        """Bytes held by the gather cache (per role), the wgrad pool and the transports."""
         return {
             "gather_fwd": self.cache.nbytes(Role.FWD),
             "gather_bwd": self.cache.nbytes(Role.BWD),
             "wgrad_pool": self.pool.nbytes(),
+            # Symmetric memory (copy-engine shard pools, symmetric wgrad buffers): allocated
+            # outside torch's caching allocator, so not in torch.cuda.memory_allocated().
+            "transport": sum(t.gather.nbytes() + t.reduce.nbytes() for t in self.transports.values()),
         }
 
 

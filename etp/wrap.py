@@ -35,7 +35,8 @@ from .modules import GroupedSwiGLUExperts
 from .param import ETPShardedParam
 from .runtime import ETPRuntime
 
-__all__ = ["WrapSummary", "wrap_module_params_etp", "is_expert_param", "runtime_of", "shard_parameter"]
+__all__ = ["WrapSummary", "wrap_module_params_etp", "is_expert_param", "prefetch_after_step", "runtime_of",
+           "shard_parameter"]
 
 _WRAPPED_MARKER = "_etp_wrapped"
 
@@ -206,8 +207,27 @@ def wrap_module_params_etp(
             if install is not None:
                 install(module)
             setattr(module, _WRAPPED_MARKER, True)
+    # Transports are chosen once, now: on CUDA this may rendezvous symmetric memory and move
+    # the new shards into it (every rank wraps the same model, so all take part).
+    runtime.setup_transports()
     summary.bytes_after = _param_bytes(model)
     return summary
+
+
+def prefetch_after_step(model: nn.Module) -> int:
+    """Issues the first forward gather of every ETP chain of ``model`` now, on the AG side
+    stream: call it right after the optimizer step (and ``etp.quantize_shards``, when called
+    explicitly), so the next forward starts with its weights already arriving instead of
+    a synchronous gather. A no-op (returns 0) for models without ETP weights. A collective
+    over the ETP groups: every rank calls it.
+
+    Example::
+
+        optimizer.step()
+        etp.prefetch_after_step(model)
+    """
+    runtime = _runtime_of(model)
+    return 0 if runtime is None else runtime.prefetch_after_step()
 
 def shard_parameter(
     param: torch.Tensor,

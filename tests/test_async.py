@@ -6,7 +6,7 @@ from harness import run_distributed
 from parity import train_parity
 from torch import nn
 
-import etp.runtime as runtime_module
+import etp.transport.nccl as nccl_transport
 from etp import (
     ETPConfig,
     ETPShardedParam,
@@ -14,6 +14,7 @@ from etp import (
     GroupedSwiGLUExperts,
     build_etp_groups,
     finalize_grads,
+    prefetch_after_step,
     register_grad_ready_hook,
     runtime_of,
     wrap_module_params_etp,
@@ -48,31 +49,36 @@ COUNTS = torch.tensor([3, 5])
 
 def _step(model, config, groups, seed, input_grad=False):
     device = model.l0.bias.device
-    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(seed)).to(device)
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(seed)).to(device, model.l0.bias.dtype)
     x.requires_grad_(input_grad)  # with it, l0's weight is consumed in backward too
     model(x, COUNTS).square().mean().backward()
     finalize_grads(model, config, groups)
 
 
-def _setup(config, device="cpu"):
+def _setup(config, device="cpu", dtype=torch.float32):
     torch.manual_seed(0)
-    model = Stack().to(device)
+    model = Stack(dtype).to(device)
     groups = build_etp_groups(config)
     wrap_module_params_etp(model, config, groups)
     return model, groups
 
 
 # ---------------------------------------------------------------- bit-for-bit
-def _async_equals_sync(ctx):
-    base = dict(etp_size=ctx.world_size, expert_etp_size=ctx.world_size)
+def _async_equals_sync(ctx, overrides=None, dtype=torch.float32, after_step=False):
+    """Sync vs async (prefetch + async reduce) training; ``overrides`` pick transports and
+    gather dtypes (the GPU tests run the copy-engine and symmetric transports through it),
+    ``after_step`` calls etp.prefetch_after_step after each optimizer step in the async run."""
+    base = dict(etp_size=ctx.world_size, expert_etp_size=ctx.world_size, **(overrides or {}))
     results = []
     for config in (ETPConfig(prefetch=False, async_reduce=False, **base), ETPConfig(**base)):
-        model, groups = _setup(config, ctx.device)
+        model, groups = _setup(config, ctx.device, dtype)
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
         for step in range(5):
             opt.zero_grad()
             _step(model, config, groups, seed=100 * step + ctx.rank)
             opt.step()
+            if after_step and config.prefetch:
+                prefetch_after_step(model)
         results.append([p.detach().clone() for p in model.parameters()])
     sync, async_ = results
     assert all(torch.equal(a, b) for a, b in zip(sync, async_)), "async differs from sync"
@@ -91,7 +97,7 @@ def _order_and_buffers(ctx):
     runtime = runtime_of(model)
     names = {id(p): n for n, p in model.named_parameters()}
     log, pointers = [], {}
-    original_gather, original_acquire = runtime_module.all_gather_rows, runtime.acquire
+    original_gather, original_acquire = nccl_transport.all_gather_rows, runtime.acquire
 
     def gather(shard, group, out=None, async_op=False):
         log.append(("prefetch" if async_op else "gather", current[0]))
@@ -107,7 +113,7 @@ def _order_and_buffers(ctx):
         return weight
 
     iteration = [0]
-    runtime_module.all_gather_rows = gather
+    nccl_transport.all_gather_rows = gather
     runtime.acquire = acquire
     try:
         for it in range(4):
@@ -118,7 +124,7 @@ def _order_and_buffers(ctx):
             if it == 2:
                 replay_log = list(log)
     finally:
-        runtime_module.all_gather_rows = original_gather
+        nccl_transport.all_gather_rows = original_gather
         runtime.acquire = original_acquire
     return replay_log, pointers, runtime.stats.gathers_reused
 

@@ -30,6 +30,22 @@ Variants, side by side in one process group, in this order (each freed before th
 * ``etp_async_fp8_blockwise`` (opt-in through ``--variants``): ``gather_dtype="fp8_blockwise"``
   with ``pad_for_alignment=128``.
 
+Transports (see docs/transport.md): the variants above pin ``transport="nccl"`` and
+``reduce_transport="nccl"`` (etp's path before transports), so they stay comparable with
+earlier runs. The transport variants (opt-in through ``--variants``) change only that:
+
+* ``etp_async_ce`` / ``etp_async_ce_fp8``: copy-engine gathers (peer copies out of symmetric
+  memory, no SMs), NCCL reduce-scatter;
+* ``etp_async_ce_symm`` / ``etp_async_ce_fp8_symm``: copy-engine gathers and the Triton
+  symmetric-memory reduce-scatter on ``--reduce-ctas`` CTAs;
+* ``etp_async_capped`` / ``etp_async_ce_capped``: the reduce-scatter on its own NCCL
+  communicator capped at ``--reduce-ctas`` CTAs (per communicator, not NCCL_MAX_CTAS).
+
+Every ETP variant issues the next pass's chain-head gathers at the end of the step
+(``etp.prefetch_after_step``, the post-optimizer hook), and the step's end event waits for
+the ETP side streams: with no optimizer step here to hide behind, that gather is charged to
+the step instead of being hidden.
+
 The baselines run the same grouped-GEMM kernels as etp's sharded bf16 path
 (``torch._grouped_mm`` for bf16 on sm90), so differences among the bf16 variants are
 communication and scheduling; the FP8 variants use etp's FP8 GEMMs (``torch._scaled_mm`` /
@@ -63,8 +79,9 @@ ticket buffer) of that weight in a 1-layer ETP model with ``gather_dtype="fp8_te
 gathered / time) and busbw (algbw·(W−1)/W) in GB/s (1e9), and the ratio of etp's FP8 busbw
 to the raw uint8 busbw (target >= 0.90).
 
-``--trace DIR`` records one torch.profiler trace of 3 steps on rank 0 for ``etp_async`` and
-``etp_async_fp8`` (``DIR/<variant>_trace.json``) and, from its device timeline, how much
+``--trace DIR`` records one torch.profiler trace of 3 steps on rank 0 for each variant of
+``PROFILED`` that runs (``DIR/<variant>_trace.json``: the copy-engine variants show their
+gathers as memcpy rows, no NCCL kernels) and, from its device timeline, how much
 NCCL kernel time overlaps GEMM kernels.
 
 Output: JSON to ``--out`` (default ``$OUT/bench_expert_stack.json``), two markdown tables
@@ -80,6 +97,12 @@ The same with NCCL capped at 8 CTAs per collective::
 
     torchrun --nproc-per-node=8 tools/bench_expert_stack.py --nccl-max-ctas 8 \\
         --variants replicated,etp_async,etp_async_fp8 --out $OUT/bench_expert_stack_ctas8.json
+
+The transports side by side on 2 GPUs (what tools/gpu_overlap.sh runs)::
+
+    torchrun --nproc-per-node=2 tools/bench_expert_stack.py --variants replicated,replicated_fp8,\
+fsdp2,etp_async,etp_async_fp8,etp_async_ce,etp_async_ce_fp8,etp_async_ce_symm,etp_async_ce_fp8_symm,\
+etp_async_capped --trace $OUT/trace --out $OUT/bench_expert_stack.json
 
 CPU check of the script itself (gloo, float32, tiny shapes, host timers)::
 
@@ -115,17 +138,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import etp  # noqa: E402
 from etp.gemm import GroupedGemm  # noqa: E402
 
+# variant -> (ETPConfig.transport, ETPConfig.reduce_transport); the rest use nccl / nccl.
+TRANSPORT_VARIANTS = {
+    "etp_async_ce": ("copy_engine", "nccl"),
+    "etp_async_ce_fp8": ("copy_engine", "nccl"),
+    "etp_async_ce_symm": ("copy_engine", "symm_triton"),
+    "etp_async_ce_fp8_symm": ("copy_engine", "symm_triton"),
+    "etp_async_capped": ("nccl", "nccl_capped"),
+    "etp_async_ce_capped": ("copy_engine", "nccl_capped"),
+}
 VARIANTS = ("replicated", "replicated_fp8", "ddp", "fsdp2", "etp_sync", "etp_async", "etp_async_fp8",
-            "etp_async_fp8_blockwise")
-DEFAULT_VARIANTS = VARIANTS[:-1]  # blockwise FP8 is opt-in (--variants)
+            "etp_async_fp8_blockwise", *TRANSPORT_VARIANTS)
+DEFAULT_VARIANTS = VARIANTS[:7]  # blockwise FP8 and the transport variants are opt-in (--variants)
 # variant -> (ETPConfig.gather_dtype, ETPConfig.pad_for_alignment or None for the default)
 FP8_VARIANTS = {
     "etp_async_fp8": ("fp8_tensorwise", None),
     "etp_async_fp8_blockwise": ("fp8_blockwise", 128),
+    "etp_async_ce_fp8": ("fp8_tensorwise", None),
+    "etp_async_ce_fp8_symm": ("fp8_tensorwise", None),
 }
 # Variants whose GEMMs run in FP8 (their check differs from replicated by FP8 rounding).
 FP8_COMPUTE = ("replicated_fp8", *FP8_VARIANTS)
-PROFILED = ("replicated", "replicated_fp8", "etp_async", "etp_async_fp8")  # traced under --trace
+PROFILED = ("replicated", "replicated_fp8", "etp_async", "etp_async_fp8", "etp_async_ce",
+            "etp_async_ce_fp8_symm")  # traced under --trace
 GPU_DEFAULTS = dict(layers=8, experts=16, tokens_per_expert=2048, hidden=4096, ffn=1536, warmup=5, steps=20)
 SMOKE_DEFAULTS = dict(layers=2, experts=4, tokens_per_expert=8, hidden=32, ffn=16, warmup=2, steps=2)
 # Measured separately on 2026-11-21 (shared/anchors.md), same workload and machine kind.
@@ -154,6 +189,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--nccl-max-ctas", type=int, default=None, metavar="N",
                    help="set NCCL_MAX_CTAS=N before any NCCL communicator exists (default: "
                         "leave the environment as it is)")
+    p.add_argument("--reduce-ctas", type=int, default=8, metavar="N",
+                   help="CTAs of the capped NCCL and symmetric Triton reduce transports (8)")
     p.add_argument("--trace", type=str, default=None, help="directory for the etp_async profiler trace")
     p.add_argument("--out", type=str, default=None, help="JSON path (default $OUT/bench_expert_stack.json)")
     p.add_argument("--benchmarks-md", type=str, default=None, help="append a result section to this file")
@@ -479,12 +516,14 @@ def prepare_fsdp2(args, env, _groups) -> Prepared:
 
 
 def _etp_config(env: Env, prefetch: bool = True, gather_dtype: str = "param",
-                pad_for_alignment: int | None = None) -> "etp.ETPConfig":
+                pad_for_alignment: int | None = None, transports=("nccl", "nccl"),
+                reduce_ctas: int = 8) -> "etp.ETPConfig":
     """ETP over the world; raises ``Unsupported`` when this etp cannot gather in FP8."""
     fp8 = gather_dtype.startswith("fp8")
     if fp8 and getattr(etp, "quantize_shards", None) is None:
         raise Unsupported(f"this etp has no quantize_shards: no {gather_dtype} gathers yet")
-    kw = dict(etp_size=env.world, expert_etp_size=env.world, prefetch=prefetch, async_reduce=prefetch)
+    kw = dict(etp_size=env.world, expert_etp_size=env.world, prefetch=prefetch, async_reduce=prefetch,
+              transport=transports[0], reduce_transport=transports[1], reduce_ctas=reduce_ctas)
     if gather_dtype != "param":
         kw["gather_dtype"] = gather_dtype
     if pad_for_alignment is not None:
@@ -512,11 +551,16 @@ def _gather_elem_bytes(cfg, param: torch.Tensor) -> int:
 
 
 def _prepare_etp(args, env, groups_cache: dict, prefetch: bool, gather_dtype: str = "param",
-                 pad_for_alignment: int | None = None) -> Prepared:
-    cfg = _etp_config(env, prefetch, gather_dtype, pad_for_alignment)
+                 pad_for_alignment: int | None = None, transports=("nccl", "nccl")) -> Prepared:
+    cfg = _etp_config(env, prefetch, gather_dtype, pad_for_alignment, transports, args.reduce_ctas)
     groups = _etp_groups(cfg, groups_cache)
     model = build_model(args, env)
-    summary = etp.wrap_module_params_etp(model, cfg, groups)
+    try:
+        summary = etp.wrap_module_params_etp(model, cfg, groups)
+    except ValueError as exc:  # a transport this machine cannot run (CPU smoke, no NVLink)
+        if cfg.transport != "nccl" or cfg.reduce_transport != "nccl":
+            raise Unsupported(str(exc)) from exc
+        raise
     shards = [p for p in model.parameters() if isinstance(p, etp.ETPShardedParam)]
     quantize = etp.quantize_shards if cfg.gather_dtype.startswith("fp8") else None
     if quantize is not None:
@@ -526,6 +570,8 @@ def _prepare_etp(args, env, groups_cache: dict, prefetch: bool, gather_dtype: st
         etp.finalize_grads(model, cfg, groups, replicate=False)
         if quantize is not None:
             quantize(model)  # once per optimizer step in training: charged to every step
+        etp.prefetch_after_step(model)  # the post-step hook: no cold chain heads
+        _join_side_streams(model)  # ... and its gathers are charged to this step
 
     # The gradient reduce-scatter runs in the gradient dtype (the parameter's: no main_grad).
     wire = {"all_gather": 0, "reduce_scatter": 0, "total": 0}
@@ -535,7 +581,11 @@ def _prepare_etp(args, env, groups_cache: dict, prefetch: bool, gather_dtype: st
     return Prepared(
         model, model, finalize, summary.bytes_after, wire["total"], "sharded",
         info={"etp_config": {"gather_dtype": cfg.gather_dtype, "pad_for_alignment": cfg.pad_for_alignment,
-                             "prefetch": cfg.prefetch, "async_reduce": cfg.async_reduce},
+                             "prefetch": cfg.prefetch, "async_reduce": cfg.async_reduce,
+                             "transport": cfg.transport, "reduce_transport": cfg.reduce_transport,
+                             "reduce_ctas": cfg.reduce_ctas},
+              "transports": {str(k): (t.gather.name, t.reduce.name)
+                             for k, t in etp.runtime_of(model).transports.items()},
               "wire_bytes_breakdown": wire},
     )
 
@@ -558,6 +608,24 @@ def prepare_etp_async_fp8_blockwise(args, env, groups_cache) -> Prepared:
     return _prepare_etp(args, env, groups_cache, prefetch=True, gather_dtype=dtype, pad_for_alignment=pad)
 
 
+def _join_side_streams(model) -> None:
+    """The current stream waits for every ETP side stream (AG and RS)."""
+    if not torch.cuda.is_available():
+        return
+    for streams in etp.runtime_of(model).streams._streams.values():
+        for stream in (streams.ag, streams.rs):
+            if stream is not None:
+                torch.cuda.current_stream().wait_stream(stream)
+
+
+def _transport_variant(name: str):
+    def prepare(args, env, groups_cache) -> Prepared:
+        dtype, pad = FP8_VARIANTS.get(name, ("param", None))
+        return _prepare_etp(args, env, groups_cache, prefetch=True, gather_dtype=dtype, pad_for_alignment=pad,
+                            transports=TRANSPORT_VARIANTS[name])
+    return prepare
+
+
 PREPARE = {
     "replicated": prepare_replicated,
     "replicated_fp8": prepare_replicated_fp8,
@@ -567,6 +635,7 @@ PREPARE = {
     "etp_async": prepare_etp_async,
     "etp_async_fp8": prepare_etp_async_fp8,
     "etp_async_fp8_blockwise": prepare_etp_async_fp8_blockwise,
+    **{name: _transport_variant(name) for name in TRANSPORT_VARIANTS},
 }
 
 

@@ -12,6 +12,9 @@ distributed optimizer) on the replicate groups and makes two things exact:
   add nothing.
 * **FP8 gathers**: after each step the FP8 shard copies are re-quantized (the optimizer
   writes the shards through buffer views, which no version counter sees).
+* **No cold chain head**: after each step (and the re-quantization) the first forward
+  gather of every chain is issued (``etp.prefetch_after_step``), so the next forward does
+  not start with a synchronous gather.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import torch.distributed as dist
 from ..groups import new_groups
 from ..param import ETPShardedParam
 from ..quant import quantize_shards
-from ..wrap import is_expert_param, runtime_of
+from ..wrap import is_expert_param, prefetch_after_step, runtime_of
 
 __all__ = ["etp_copy_index", "get_etp_megatron_optimizer", "inner_optimizers", "param_pairs"]
 
@@ -132,6 +135,9 @@ def get_etp_megatron_optimizer(config, model_chunks, **kwargs):
         result = step(*args, **kw)
         for chunk in chunks:
             quantize_shards(chunk)  # a no-op without FP8 gathers
+        runtimes = {id(runtime_of(chunk)): chunk for chunk in chunks}
+        for chunk in runtimes.values():  # one call per runtime: chunks may share one
+            prefetch_after_step(chunk)
         return result
 
     optimizer.step = step_and_requantize

@@ -1,0 +1,132 @@
+"""Reduce-scatter over symmetric memory on a few CTAs (the ``symm_triton`` reduce transport).
+
+Every rank of a shard group holds its full weight gradient ``G_r [padded_rows, cols]`` (bf16
+or fp16: the wire bytes) in a symmetric-memory buffer; rank ``me`` owns the rows
+``[me * S, (me + 1) * S)``. One kernel reads that row slice from every peer through a pointer
+table (``buffer_ptrs`` of the buffer's rendezvous handle), sums in fp32 and writes
+
+    out = sum_r G_r[me*S : (me+1)*S] / divisor          (accumulate=False)
+    out = out + sum_r G_r[me*S : (me+1)*S] / divisor    (accumulate=True: out is main_grad)
+
+in one pass: fp32 accumulation at 16-bit wire bytes, no fp32 staging copy, no separate add.
+Peers are summed in rank order 0..N-1 (every rank, every run: deterministic). The grid is
+``num_ctas`` persistent programs striding over the slice, so the reduction leaves the other
+SMs to the GEMMs. Ordering (the peers' buffers are complete before the read, nobody reuses a
+buffer a peer still reads) is the caller's: symmetric-memory barriers around the launch, see
+``etp.transport.symm_reduce``.
+
+``symm_reduce_scatter_reference`` is the pure-torch definition (and the CPU fallback); with
+``TRITON_INTERPRET=1`` the kernel runs on CPU tensors (the pointer table then holds host
+addresses), which is how the tests compare the two.
+"""
+from __future__ import annotations
+
+import torch
+
+try:  # triton is optional on CPU-only installs; the reference serves there
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only without triton
+    triton = None
+
+__all__ = ["symm_reduce_scatter", "symm_reduce_scatter_reference", "pointer_table"]
+
+
+def symm_reduce_scatter_reference(
+    peers: list[torch.Tensor], rank: int, out: torch.Tensor, divisor: float = 1.0, accumulate: bool = False
+) -> torch.Tensor:
+    """The definition: ``out (+)= sum_r peers[r][rank*S:(rank+1)*S] / divisor``, summed in fp32
+    (fp64 for fp64 inputs) in rank order, then cast to ``out``'s dtype."""
+    rows = out.shape[0]
+    acc_dtype = torch.float64 if peers[0].dtype == torch.float64 else torch.float32
+    acc = torch.zeros(out.shape, dtype=acc_dtype, device=out.device)
+    for peer in peers:
+        acc += peer[rank * rows : (rank + 1) * rows].to(acc_dtype)
+    acc /= divisor  # a division, as the NCCL path's mean: the same rounding
+    if accumulate:
+        acc += out.to(acc_dtype)
+    return out.copy_(acc)
+
+
+def pointer_table(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """An int64 tensor of the tensors' addresses (what ``buffer_ptrs`` gives for peers)."""
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=device)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _symm_rs_kernel(table, wire_ptr, out_ptr, offset, numel, divisor, WORLD: tl.constexpr,
+                        ACCUMULATE: tl.constexpr, ACC_F64: tl.constexpr, BLOCK: tl.constexpr):
+        """``out[i] (+)= sum_{r<WORLD} peer_r[offset + i] / divisor`` for ``i < numel``, where
+        ``peer_r`` is ``table[r]`` typed like ``wire_ptr`` (only its type is used); each of the
+        ``num_programs`` programs strides over blocks of ``BLOCK`` elements."""
+        pid = tl.program_id(0)
+        programs = tl.num_programs(0)
+        blocks = tl.cdiv(numel, BLOCK)
+        for block in range(pid, blocks, programs):
+            idx = tl.cast(block, tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            mask = idx < numel
+            if ACC_F64:
+                acc = tl.zeros([BLOCK], dtype=tl.float64)
+            else:
+                acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for r in tl.static_range(WORLD):
+                src = tl.load(table + r).to(tl.pointer_type(wire_ptr.dtype.element_ty))
+                acc += tl.load(src + offset + idx, mask=mask, other=0.0).to(acc.dtype)
+            acc = acc / divisor
+            if ACCUMULATE:
+                acc += tl.load(out_ptr + idx, mask=mask, other=0.0).to(acc.dtype)
+            tl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def symm_reduce_scatter(
+    table: torch.Tensor,
+    wire: torch.Tensor,
+    rank: int,
+    out: torch.Tensor,
+    divisor: float = 1.0,
+    accumulate: bool = False,
+    num_ctas: int = 8,
+    impl: str = "auto",
+    peers: list[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Launches the reduce-scatter of the module docstring on ``num_ctas`` programs.
+
+    Args:
+        table: int64 ``[world]`` addresses of every rank's ``[padded_rows, cols]`` buffer, on
+            ``out``'s device (``buffer_ptrs`` of the rendezvous handle, offset to the buffer).
+        wire: this rank's buffer (gives the wire dtype and shape; it is ``table[rank]``).
+        rank: this rank's index in the group; it owns rows ``[rank*S, (rank+1)*S)``,
+            ``S = out.shape[0]``.
+        out: contiguous ``[S, cols]``, fp32 (``main_grad``) or any float dtype.
+        impl: "triton", "torch" (needs ``peers``, the same buffers as tensors) or "auto"
+            (triton when it can run on ``out``'s device).
+
+    Example::
+
+        symm_reduce_scatter(table, buffer, rank, param.main_grad, divisor=n, accumulate=True)
+    """
+    if not out.is_contiguous() or not wire.is_contiguous():
+        raise ValueError("symm_reduce_scatter needs contiguous out and wire buffers")
+    world = table.numel()
+    if wire.shape[0] != out.shape[0] * world or wire.shape[1:] != out.shape[1:]:
+        raise ValueError(f"wire buffer {tuple(wire.shape)} is not {world} x out {tuple(out.shape)}")
+    use_triton = impl == "triton" or (impl == "auto" and triton is not None and _triton_runs_on(out))
+    if not use_triton:
+        if peers is None:
+            raise ValueError("impl='torch' needs the peers' buffers as tensors (peers=...)")
+        return symm_reduce_scatter_reference(peers, rank, out, divisor, accumulate)
+    numel = out.numel()
+    block = 4096  # 16 elements per thread at 8 warps: enough loads in flight per CTA
+    grid = (max(1, min(num_ctas, triton.cdiv(numel, block))),)
+    _symm_rs_kernel[grid](table, wire, out, rank * numel, numel, float(divisor), WORLD=world,
+                          ACCUMULATE=accumulate, ACC_F64=wire.dtype == torch.float64, BLOCK=block,
+                          num_warps=8)
+    return out
+
+
+def _triton_runs_on(tensor: torch.Tensor) -> bool:
+    import os
+
+    return tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"

@@ -1,0 +1,114 @@
+"""The transport seam: how gathered weight bytes and reduced gradient bytes move.
+
+[Note: ETP transports]
+The runtime asks a ``GatherTransport`` to "gather these rows into this buffer" and a
+``ReduceTransport`` to "reduce-scatter this full gradient into this shard"; it never knows
+which transport moved the bytes. One pair is chosen per shard group, once, at wrap time
+(``etp.transport.select_transports``, logged once per runtime):
+
+* gathers: ``nccl`` (``all_gather_into_tensor`` on the group's AG communicator: NCCL
+  kernels, i.e. SMs and HBM bandwidth taken from the GEMMs beside it; on gloo the same call
+  is the CPU path) or ``copy_engine`` (every rank's shard lives in a torch symmetric-memory
+  pool; the gather is one ``copy_`` per peer out of the peers' pool, i.e. a
+  cudaMemcpyAsync on the copy engines, fenced by symmetric-memory barriers: no SMs).
+* reductions: ``nccl`` (reduce-scatter on the RS communicator, in the gradient's dtype),
+  ``nccl_capped`` (the same on an own communicator whose NCCL config caps its CTAs) or
+  ``symm_triton`` (a Triton kernel on a few CTAs reads every peer's 16-bit wgrad slice out
+  of symmetric memory, sums in fp32 and adds into ``main_grad``).
+
+Both kinds of work are issued on the caller's current stream (the runtime makes that the AG
+or RS side stream) and return a handle; ``handle.wait()`` makes the *current* stream wait for
+the result and runs what is left to do (the NCCL reduction divides and adds into
+``main_grad`` there). Synchronous calls return an already-waited handle's result.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable
+
+import torch
+
+from ..groups import ShardGroup
+
+__all__ = ["GatherTransport", "ReduceTransport", "Handle", "DoneHandle", "EventHandle"]
+
+
+class Handle(ABC):
+    """Completion of one gather or reduction, waited for on the consumer's stream."""
+
+    @abstractmethod
+    def wait(self) -> torch.Tensor | None:
+        """Makes the current stream wait for the work and returns its result tensor."""
+
+
+class DoneHandle(Handle):
+    """Work already complete (synchronous calls, groups of one); ``then`` runs at wait."""
+
+    def __init__(self, result: torch.Tensor | None, then: Callable[[], torch.Tensor | None] | None = None):
+        self.result, self.then = result, then
+
+    def wait(self) -> torch.Tensor | None:
+        return self.then() if self.then is not None else self.result
+
+
+class EventHandle(Handle):
+    """Work issued on a side stream; a CUDA event recorded behind it (None on CPU)."""
+
+    def __init__(self, result: torch.Tensor | None, event: torch.cuda.Event | None,
+                 keep: tuple = (), then: Callable[[], torch.Tensor | None] | None = None):
+        self.result, self.event, self.keep, self.then = result, event, keep, then
+
+    def wait(self) -> torch.Tensor | None:
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+        self.keep = ()
+        return self.then() if self.then is not None else self.result
+
+
+def record_event(device: torch.device) -> torch.cuda.Event | None:
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+class GatherTransport(ABC):
+    """Moves equal row shards of a group into one ``[size * rows, cols]`` buffer."""
+
+    name: str = "?"
+
+    def home(self, param: torch.Tensor) -> torch.Tensor | None:
+        """Where ``param``'s wire shard must live for this transport (None: anywhere)."""
+        return None
+
+    @abstractmethod
+    def gather(self, source: torch.Tensor, group: ShardGroup, out: torch.Tensor, async_op: bool) -> Handle:
+        """Gathers ``source`` (this rank's ``[rows, cols]``) of every rank into ``out``."""
+
+    def nbytes(self) -> int:
+        """Bytes this transport holds beyond the parameters (reported to the audit)."""
+        return 0
+
+
+class ReduceTransport(ABC):
+    """Sums a full ``[size * rows, cols]`` gradient over a group into this rank's rows."""
+
+    name: str = "?"
+
+    def wire_dtype(self, param_dtype: torch.dtype, grad_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the full weight gradient is written (and sent) in."""
+        return grad_dtype
+
+    def allocator(self) -> Callable | None:
+        """``(shape, dtype, device) -> tensor`` for wgrad buffers, or None for torch.empty."""
+        return None
+
+    @abstractmethod
+    def reduce_scatter(self, full: torch.Tensor, group: ShardGroup, target: torch.Tensor | None,
+                       mean: bool, async_op: bool) -> Handle:
+        """Issues ``target += reduce(full)[my rows]`` (``reduce`` = sum, or mean when
+        ``mean``); with ``target`` None the handle's result is a new reduced shard."""
+
+    def nbytes(self) -> int:
+        return 0

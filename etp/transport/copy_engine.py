@@ -1,0 +1,90 @@
+"""The copy-engine gather: peer copies out of symmetric memory, no SMs.
+
+Each rank's wire shard (the bf16 parameter itself, or the FP8 shard written by
+``etp.quantize_shards``) lives in a slot of the group's ``SymmetricPool``; the parameter's
+storage *is* that slot when the wire dtype is the parameter's (set up by
+``etp.transport.setup``), so the optimizer's update needs no copy. A gather is, on the
+current (AG side) stream::
+
+    barrier   -- every peer's stream reached this gather: its shard is written
+    copy_     -- one cudaMemcpyAsync per rank, peer slot -> rows of the ticket buffer
+    barrier   -- every peer finished reading this rank's shard (it may be overwritten)
+
+The barriers are symmetric-memory signal kernels (one CTA, microseconds); the copies run on
+the copy engines, so a GEMM beside the gather keeps all its SMs. Each stream that gathers
+gets its own barrier channel (assigned in first-use order, the same on every rank), so a
+synchronous gather on the compute stream never pairs with a prefetch's barrier.
+"""
+from __future__ import annotations
+
+import torch
+from torch.autograd.profiler import record_function
+
+from .base import DoneHandle, EventHandle, GatherTransport, Handle, record_event
+from .symm_pool import SymmetricPool
+
+__all__ = ["CopyEngineGather"]
+
+
+class CopyEngineGather(GatherTransport):
+    """Gathers out of the group's symmetric pools (one slot per param, keyed by ``id(param)``)."""
+
+    name = "copy_engine"
+
+    def __init__(self, process_group, device: torch.device) -> None:
+        self.process_group, self.device = process_group, device
+        # One pool per wrap call (normally one): slots are reserved, then materialized once.
+        self.pools: list[SymmetricPool] = []
+        self._pool_of: dict[object, SymmetricPool] = {}
+        self._key_of_ptr: dict[int, tuple[object, SymmetricPool]] = {}
+        self._channels: dict[int, int] = {}
+
+    def register(self, param: torch.Tensor, wire_dtype: torch.dtype) -> None:
+        """Reserves ``param``'s home slot ``[shard_rows, cols]`` of ``wire_dtype``."""
+        if id(param) in self._pool_of:
+            return
+        if not self.pools or self.pools[-1].buffer is not None:
+            self.pools.append(SymmetricPool(self.process_group, self.device))
+        self.pools[-1].reserve(id(param), param.etp_layout.shard_shape, wire_dtype)
+        self._pool_of[id(param)] = self.pools[-1]
+
+    def materialize(self) -> None:
+        """Allocates and rendezvouses the pending pool (a collective over the group)."""
+        if not self.pools or self.pools[-1].buffer is not None:
+            return
+        pool = self.pools[-1]
+        pool.materialize()
+        for key in pool.keys():
+            self._key_of_ptr[pool.slot(key).data_ptr()] = (key, pool)
+
+    def home(self, param: torch.Tensor) -> torch.Tensor | None:
+        pool = self._pool_of.get(id(param))
+        return None if pool is None or pool.buffer is None else pool.slot(id(param))
+
+    def _channel(self) -> int:
+        stream = torch.cuda.current_stream(self.device)
+        return self._channels.setdefault(stream.cuda_stream, len(self._channels))
+
+    def gather(self, source, group, out, async_op) -> Handle:
+        found = self._key_of_ptr.get(source.data_ptr())
+        if found is None:
+            raise RuntimeError(
+                "etp copy-engine gather: the source shard is not in the symmetric pool "
+                "(the runtime stages it there; this is an etp bug)"
+            )
+        key, pool = found
+        rows = source.shape[0]
+        channel = self._channel()
+        with record_function("etp::all_gather_copy_engine"):
+            pool.barrier(channel)
+            for step in range(group.size):
+                peer = (group.rank + step) % group.size
+                src = source if peer == group.rank else pool.peer(key, peer)
+                out[peer * rows : (peer + 1) * rows].copy_(src)
+            pool.barrier(channel)
+        if not async_op:
+            return DoneHandle(out)
+        return EventHandle(out, record_event(out.device), keep=(source,))
+
+    def nbytes(self) -> int:
+        return sum(pool.nbytes() for pool in self.pools)

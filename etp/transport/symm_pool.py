@@ -1,0 +1,109 @@
+"""SymmetricPool: one torch symmetric-memory allocation per shard group, carved into slots.
+
+Allocating and rendezvousing symmetric memory is a collective that opens IPC handles to
+every peer: it is done once per pool (at wrap time), never per step. Slots are reserved by
+key first (``reserve``), then ``materialize`` allocates the whole pool, zeroes it (padding
+rows of shards are structural zeros) and rendezvouses once. Every rank reserves the same
+slots in the same order, so a slot has the same offset on every rank and a peer's slot is a
+view of the peer's pool (``peer``).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+__all__ = ["SymmetricPool", "symm_mem_module"]
+
+log = logging.getLogger("etp.transport")
+
+_ALIGN = 256  # bytes: every slot starts on a 256-byte boundary (vector loads, copy engines)
+
+
+def symm_mem_module(process_group=None):
+    """``torch.distributed._symmetric_memory``, enabled for ``process_group`` where the torch
+    version needs that (older ones); raises ImportError when torch has none."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    if process_group is not None and hasattr(symm_mem, "enable_symm_mem_for_group"):
+        try:  # needed by older torch; newer versions rendezvous without it (and warn)
+            symm_mem.enable_symm_mem_for_group(process_group.group_name)
+        except Exception:  # noqa: BLE001 - already enabled / deprecated: both fine
+            pass
+    return symm_mem
+
+
+class SymmetricPool:
+    """Slots of one symmetric allocation over ``process_group`` on ``device``.
+
+    Example::
+
+        pool = SymmetricPool(group.ag_group, torch.device("cuda", 0))
+        pool.reserve("w", (128, 64), torch.bfloat16)
+        pool.materialize()
+        local, peer1 = pool.slot("w"), pool.peer("w", 1)
+    """
+
+    def __init__(self, process_group, device: torch.device) -> None:
+        self.process_group = process_group
+        self.device = device
+        self._slots: dict[object, tuple[int, tuple[int, ...], torch.dtype]] = {}
+        self._size = 0
+        self.buffer: torch.Tensor | None = None
+        self.handle = None
+        self._views: dict[tuple, torch.Tensor] = {}
+        self._base = 0
+
+    def reserve(self, key, shape, dtype: torch.dtype) -> None:
+        if self.buffer is not None:
+            raise RuntimeError("SymmetricPool.reserve after materialize: reserve every slot first")
+        if key in self._slots:
+            return
+        nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        self._slots[key] = (self._size, tuple(shape), dtype)
+        self._size += -(-nbytes // _ALIGN) * _ALIGN
+
+    def materialize(self) -> None:
+        """Allocates, zeroes and rendezvouses the pool (a collective over the group)."""
+        if self.buffer is not None or not self._slots:
+            return
+        symm_mem = symm_mem_module(self.process_group)
+        self.buffer = symm_mem.empty(self._size, dtype=torch.uint8, device=self.device)
+        self.buffer.zero_()
+        self.handle = symm_mem.rendezvous(self.buffer, self.process_group)
+        # buffer_ptrs are the bases of the peers' allocations; this buffer may start inside
+        # its allocation (a mem pool), at the same offset on every rank (same allocations).
+        self._base = self.buffer.data_ptr() - self.handle.buffer_ptrs[self.handle.rank]
+        log.info("etp transport: symmetric pool of %d slots, %d bytes", len(self._slots), self._size)
+
+    def __contains__(self, key) -> bool:
+        return key in self._slots
+
+    def keys(self) -> list:
+        return list(self._slots)
+
+    def slot(self, key) -> torch.Tensor:
+        """This rank's slot ``key`` (a view of the pool)."""
+        return self.peer(key, None)
+
+    def peer(self, key, rank: int | None) -> torch.Tensor:
+        """Rank ``rank``'s slot ``key`` (None: this rank's), as a tensor this rank can read."""
+        cached = self._views.get((key, rank))
+        if cached is not None:
+            return cached
+        offset, shape, dtype = self._slots[key]
+        nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        if rank is None:
+            view = self.buffer[offset : offset + nbytes].view(dtype).view(shape)
+        else:
+            whole = self.handle.get_buffer(rank, (self._size,), torch.uint8, self._base)
+            view = whole[offset : offset + nbytes].view(dtype).view(shape)
+        self._views[(key, rank)] = view
+        return view
+
+    def barrier(self, channel: int) -> None:
+        """Symmetric-memory barrier on the current stream (a one-CTA signal kernel)."""
+        self.handle.barrier(channel=channel)
+
+    def nbytes(self) -> int:
+        return 0 if self.buffer is None else self._size

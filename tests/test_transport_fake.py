@@ -1,0 +1,148 @@
+"""The copy-engine and symmetric-reduce transports' runtime plumbing on CPU / gloo, with
+symmetric memory emulated: each barrier snapshots the peers' pools with a gloo all-gather
+(a one-sided peer read cannot cross CPU processes), and the symmetric reduce-scatter kernel
+reads the peers' wgrad buffers from such a snapshot through its pure-torch reference.
+Everything else is the real code: homes in the pool (the parameter's storage IS its slot),
+FP8 shards quantized into their homes, shards staged when their storage moved, wgrad
+buffers from the transport's allocator, the kernel wrapper's divide / accumulate.
+The real symmetric memory, copy engines and Triton kernel run in test_transport_gpu.py."""
+import logging
+
+import torch
+import torch.distributed as dist
+from harness import run_distributed
+from parity import train_parity
+from test_async import _async_equals_sync, _setup, _step
+
+import etp.transport as transport
+import etp.transport.copy_engine as copy_engine
+import etp.transport.symm_reduce as symm_reduce
+from etp import ETPConfig, ETPShardedParam, runtime_of
+from etp.kernels.symm_reduce import symm_reduce_scatter_reference
+from etp.transport.symm_pool import SymmetricPool
+
+CE = dict(transport="copy_engine", reduce_transport="symm_triton")
+
+
+class _FakePool(SymmetricPool):
+    def materialize(self):
+        if self.buffer is None and self._slots:
+            self.buffer = torch.zeros(self._size, dtype=torch.uint8, device=self.device)
+            self.snapshot = None
+
+    def barrier(self, channel):
+        peers = [torch.empty_like(self.buffer) for _ in range(dist.get_world_size(self.process_group))]
+        dist.all_gather(peers, self.buffer, group=self.process_group)
+        self.snapshot = peers
+
+    def peer(self, key, rank):
+        offset, shape, dtype = self._slots[key]
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        source = self.buffer if rank is None else self.snapshot[rank]
+        return source[offset : offset + nbytes].view(dtype).view(shape)
+
+
+class _NoBarrier:
+    def barrier(self, channel=0):
+        pass
+
+
+def _fake_symm_reduce_init(self, process_group, device, num_ctas):
+    self.process_group, self.device, self.num_ctas = process_group, device, num_ctas
+    self._buffers, self._signal = {}, (None, _NoBarrier())
+
+
+def _fake_allocate(self, shape, dtype, device):
+    buffer = torch.empty(tuple(shape), dtype=dtype, device=device)
+    self._buffers[buffer.data_ptr()] = (buffer, torch.zeros(0))
+    return buffer
+
+
+def _fake_kernel(table, wire, rank, out, divisor=1.0, accumulate=False, num_ctas=8, impl="auto", peers=None):
+    group = _fake_kernel.group
+    peers = [torch.empty_like(wire) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(peers, wire.contiguous(), group=group)
+    return symm_reduce_scatter_reference(peers, rank, out, divisor, accumulate)
+
+
+def _install_fakes():
+    transport.symmetric_memory_status = lambda group, device: (True, "emulated on gloo")
+    copy_engine.SymmetricPool = _FakePool
+    copy_engine.CopyEngineGather._channel = lambda self: 0
+    symm_reduce.SymmTritonReduce.__init__ = _fake_symm_reduce_init
+    symm_reduce.SymmTritonReduce._allocate = _fake_allocate
+    symm_reduce.symm_reduce_scatter = _fake_kernel
+    _fake_kernel.group = dist.group.WORLD
+
+
+def _train(ctx, overrides):
+    _install_fakes()
+    config = ETPConfig(etp_size=ctx.world_size, expert_etp_size=ctx.world_size, **overrides)
+    return train_parity(ctx, config)
+
+
+def test_training_parity_through_emulated_symmetric_transports():
+    for overrides in (CE, dict(CE, reduction="sum"), dict(transport="copy_engine", reduce_transport="nccl")):
+        for result in run_distributed(_train, 2, overrides):
+            assert result["last_loss"] < result["first_loss"]
+
+
+def _bit_for_bit(ctx, overrides, dtype):
+    _install_fakes()
+    return _async_equals_sync(ctx, overrides, dtype, True)
+
+
+def test_async_equals_sync_bf16_and_fp8_through_emulated_transports():
+    for overrides, dtype in ((CE, torch.bfloat16), (dict(CE, gather_dtype="fp8_tensorwise"), torch.float32),
+                             (dict(CE, gather_dtype="fp8_blockwise", pad_for_alignment=128), torch.float32)):
+        assert all(n > 0 for n in run_distributed(_bit_for_bit, 2, overrides, dtype))
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def _homes(ctx, fp8):
+    _install_fakes()
+    overrides = dict(CE, gather_dtype="fp8_tensorwise") if fp8 else CE
+    config = ETPConfig(etp_size=ctx.world_size, expert_etp_size=ctx.world_size, **overrides)
+    model, groups = _setup(config, ctx.device)
+    runtime = runtime_of(model)
+    (chosen,) = runtime.transports.values()
+    shards = [p for p in model.parameters() if isinstance(p, ETPShardedParam)]
+    homes = [chosen.gather.home(p) for p in shards]
+    in_place = [h.data_ptr() == p.data_ptr() for h, p in zip(homes, shards)]
+    _step(model, config, groups, seed=0)
+    fp8_in_home = [runtime.state(p).quant.data.data_ptr() == h.data_ptr() for h, p in zip(homes, shards)] if fp8 else []
+    pooled = chosen.reduce.nbytes() > 0
+    # A storage move (what megatron DDP's param buffer does): staged into the home, warned once.
+    records = _Records()
+    logging.getLogger("etp.runtime").addHandler(records)
+    before = [p.detach().clone() for p in shards]
+    for p in shards:
+        p.data = p.data.clone()
+    for seed in (1, 2):
+        _step(model, config, groups, seed)
+    logging.getLogger("etp.runtime").removeHandler(records)
+    staged = fp8 or all(torch.equal(chosen.gather.home(p), b) for p, b in zip(shards, before))
+    return in_place, fp8_in_home, pooled, records.messages, staged, (chosen.gather.name, chosen.reduce.name)
+
+
+def test_shards_live_in_their_symmetric_home_and_are_staged_when_moved():
+    for in_place, _, pooled, warnings, staged, names in run_distributed(_homes, 2, False):
+        assert names == ("copy_engine", "symm_triton")
+        assert in_place and all(in_place)  # no copy per step: the optimizer writes the home
+        assert pooled  # wgrad buffers came from the transport's allocator
+        assert len(warnings) == 1 and "staging" in warnings[0]
+        assert staged
+
+
+def test_fp8_shards_are_quantized_into_their_home():
+    for in_place, fp8_in_home, *_ in run_distributed(_homes, 2, True):
+        assert not any(in_place)  # the bf16/fp32 parameter stays put; the FP8 shard travels
+        assert fp8_in_home and all(fp8_in_home)
