@@ -64,11 +64,18 @@ def _check_all_moves(case, world, capacity, expert_capacity=None):
         for s in range(world):  # slots past a rank's tokens keep stale values
             assert torch.equal(red[d][s * t_max: s * t_max + n_valid[s]], want_red[d][s * t_max: s * t_max + n_valid[s]])
         out = torch.full((capacity, hidden), 9.0, device=DEVICE)
-        prev = torch.tensor([capacity], dtype=torch.int64, device=DEVICE)
-        km.select_rows(tok[d], maps[d], out, layouts[d].tokens_per_expert, prev, num_ctas=3)
+        totals = torch.tensor([capacity, -5], dtype=torch.int64, device=DEVICE)
+        km.select_rows(tok[d], maps[d], out, layouts[d].tokens_per_expert, totals, num_ctas=3)
         assert torch.equal(out, recv_x[d]), f"expanded rows of rank {d} differ from the direct push"
-        km.zero_tail(out, torch.zeros_like(layouts[d].tokens_per_expert), prev, num_ctas=2)
-        assert bool((out == 0).all())
+        total = int(layouts[d].tokens_per_expert.sum())
+        assert totals.tolist() == [total, total]  # the kernel carried the new total on device
+        out[total:] = 9.0  # rows past the recorded total are not the kernel's to clear
+        km.zero_tail(out, torch.zeros_like(layouts[d].tokens_per_expert), totals, num_ctas=2)
+        assert bool((out[:total] == 0).all()) and bool((out[total:] == 9.0).all()) and totals[0] == 0
+        want_out, want_totals = out.clone(), totals.clone()
+        km.select_rows(tok[d], maps[d], out, layouts[d].tokens_per_expert, totals, num_ctas=3)
+        ref.select_rows_ref(tok[d], maps[d], want_out, layouts[d].tokens_per_expert, want_totals)
+        assert torch.equal(out, want_out) and totals[0] == want_totals[0]
     # 3. all-gather of the token rows.
     staged = [torch.cat([x, torch.full((t_max - x.shape[0], hidden), 3.0, device=DEVICE)]) for x in xs]
     tokens = layouts[0].tokens
