@@ -4,6 +4,8 @@ interpreter runs them on CPU), bit for bit against ``etp.kernels.ep_reference`` 
 against the receive layout of ``etp.ep.layout``."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from test_ep import make_case
@@ -64,11 +66,18 @@ def _check_all_moves(case, world, capacity, expert_capacity=None):
         for s in range(world):  # slots past a rank's tokens keep stale values
             assert torch.equal(red[d][s * t_max: s * t_max + n_valid[s]], want_red[d][s * t_max: s * t_max + n_valid[s]])
         out = torch.full((capacity, hidden), 9.0, device=DEVICE)
-        prev = torch.tensor([capacity], dtype=torch.int64, device=DEVICE)
-        km.select_rows(tok[d], maps[d], out, layouts[d].tokens_per_expert, prev, num_ctas=3)
+        totals = torch.tensor([capacity, -5], dtype=torch.int64, device=DEVICE)
+        km.select_rows(tok[d], maps[d], out, layouts[d].tokens_per_expert, totals, num_ctas=3)
         assert torch.equal(out, recv_x[d]), f"expanded rows of rank {d} differ from the direct push"
-        km.zero_tail(out, torch.zeros_like(layouts[d].tokens_per_expert), prev, num_ctas=2)
-        assert bool((out == 0).all())
+        total = int(layouts[d].tokens_per_expert.sum())
+        assert totals.tolist() == [total, total]  # the kernel carried the new total on device
+        out[total:] = 9.0  # rows past the recorded total are not the kernel's to clear
+        km.zero_tail(out, torch.zeros_like(layouts[d].tokens_per_expert), totals, num_ctas=2)
+        assert bool((out[:total] == 0).all()) and bool((out[total:] == 9.0).all()) and totals[0] == 0
+        want_out, want_totals = out.clone(), totals.clone()
+        km.select_rows(tok[d], maps[d], out, layouts[d].tokens_per_expert, totals, num_ctas=3)
+        ref.select_rows_ref(tok[d], maps[d], want_out, layouts[d].tokens_per_expert, want_totals)
+        assert torch.equal(out, want_out) and totals[0] == want_totals[0]
     # 3. all-gather of the token rows.
     staged = [torch.cat([x, torch.full((t_max - x.shape[0], hidden), 3.0, device=DEVICE)]) for x in xs]
     tokens = layouts[0].tokens
@@ -111,3 +120,135 @@ def test_move_kernels_match_reference(case):
 def test_move_kernels_with_dropping_and_overflow():
     _check_all_moves("skewed", 4, capacity=9, expert_capacity=4)  # dropping: 2 local experts x 4 rows
     _check_all_moves("skewed", 2, capacity=11)  # overflow: rows past the capacity are not sent
+
+
+# ---------------------------------------------------------------- the symm backends on CPU
+# One rank (gloo), torch symmetric memory replaced by plain tensors whose pointer table holds
+# their own address and a no-op barrier; the kernels run in the Triton interpreter. This
+# checks, without a GPU, the invariants that CUDA-graph replay and allocation-free steps
+# rest on (see [Note: graph-safe moves] in etp.ep.backends.symm).
+SYMM = ("symm_push", "symm_dedup", "symm_allgather")
+_MOVE_KERNELS = ("push_rows", "pull_reduce", "pull_pairs", "select_rows", "gather_tokens", "local_reduce",
+                 "push_meta")
+
+
+class _FakeSymmHandle:
+    def __init__(self, t):
+        self.buffer_ptrs = [t.data_ptr()]
+
+    def barrier(self, channel=0):
+        pass
+
+
+def _fake_symmetric_memory(monkeypatch_like):
+    import torch.distributed._symmetric_memory as symm_mem
+
+    import etp.ep.backends as backends
+
+    monkeypatch_like(backends, "_symm_available", lambda group: (True, ""))
+    monkeypatch_like(symm_mem, "empty", lambda *shape, dtype, device: torch.empty(shape, dtype=dtype, device=device))
+    monkeypatch_like(symm_mem, "rendezvous", lambda t, group: _FakeSymmHandle(t))
+    monkeypatch_like(symm_mem, "enable_symm_mem_for_group", lambda name: None)
+
+
+class _Allocations(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every op whose output owns fresh (non-empty) storage: an allocation."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.seen = [], set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.seen.add(str(func))
+        leaves = torch.utils._pytree.tree_leaves
+        inputs = {t.untyped_storage().data_ptr() for t in leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() and \
+                    t.untyped_storage().data_ptr() not in inputs:
+                self.ops.append(str(func))
+        return out
+
+
+def _describe(value):
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.data_ptr(), tuple(value.shape), tuple(value.stride()), value.dtype)
+    return value
+
+
+def _symm_on_cpu(ctx, name):
+    from etp import ep
+    from etp.kernels import ep_move
+
+    _fake_symmetric_memory(setattr)
+    launches = []
+
+    def recorder(fn_name, fn):
+        def record(*args, **kwargs):
+            kw = tuple(sorted((k, _describe(v)) for k, v in kwargs.items()))
+            launches.append((fn_name, tuple(map(_describe, args)), kw))
+            return fn(*args, **kwargs)
+        return record
+
+    for fn_name in _MOVE_KERNELS:
+        setattr(ep_move, fn_name, recorder(fn_name, getattr(ep_move, fn_name)))
+    cfg = ep.EPConfig(num_experts=4, topk=2, hidden_size=8, max_tokens_per_rank=6, dtype=torch.float32,
+                      num_ctas=2, backend=name)
+    disp, ref_disp = ep.ExpertDispatcher(cfg), ep.ExpertDispatcher(ep.EPConfig(**{**cfg.__dict__,
+                                                                                  "backend": "reference"}))
+    gen = torch.Generator().manual_seed(1)
+    errors = []
+    # Correctness against reference, T shrinking so that stale rows must be zeroed.
+    for tokens in (6, 3, 0, 5):
+        idx = torch.rand(tokens, 4, generator=gen).topk(2, dim=1).indices
+        x, w = torch.randn(tokens, 8, generator=gen), torch.rand(tokens, 2, generator=gen)
+        got, want = [], []
+        for d, out in ((disp, got), (ref_disp, want)):
+            xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+            h = d.prepare(idx)
+            recv_x, recv_w, tpe = d.dispatch(xg, wg, h)
+            y = d.combine(recv_x * 2 * recv_w[:, None], h)
+            gx, gw = torch.autograd.grad(y, (xg, wg), torch.ones_like(y)) if tokens else (x, w)
+            out += [t.detach().clone() for t in (recv_x, recv_w, tpe, y, gx, gw)]
+        for key, a, b in zip(("recv_x", "recv_w", "tokens_per_expert", "out", "grad_x", "grad_w"), got, want):
+            if not torch.equal(a, b):
+                errors.append(f"T={tokens}: {key} differs from reference")
+    # The moves of one handle, step after step: identical launches, nothing allocated.
+    idx = torch.rand(6, 4, generator=gen).topk(2, dim=1).indices
+    x, w = torch.randn(6, 8, generator=gen), torch.rand(6, 2, generator=gen)
+    handle = disp.prepare(idx)
+    per_step, allocs = [], []
+    with torch.no_grad():
+        for _ in range(3):
+            launches.clear()
+            with _Allocations() as mode:
+                recv_x, _, _ = disp.dispatch(x, w, handle)
+                disp.combine(recv_x, handle)
+                disp._move_dispatch(x, None, handle, backward=True)
+                disp._move_combine(recv_x, handle, backward=True)
+                disp._move_combine_pairs(disp._recv_w, handle)
+            per_step.append(list(launches))
+            allocs.append(mode.ops)
+    return errors, per_step, allocs, sorted(mode.seen)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs the kernels on CPU tensors: needs the "
+                    "Triton interpreter (set where there is no GPU); test_ep_gpu.py covers the GPU")
+@pytest.mark.parametrize("name", SYMM)
+def test_symm_backend_on_cpu_is_graph_safe_and_allocation_free(name):
+    from harness import run_distributed
+
+    [(errors, per_step, allocs, ops)] = run_distributed(_symm_on_cpu, 1, name)
+    assert not errors, errors
+    assert per_step[0], "no kernel launch recorded"
+    # A CUDA graph replays the launches of its capture: every call must launch the same.
+    for step in per_step[1:]:
+        assert step == per_step[0], "a move's kernel arguments changed between steps"
+    assert allocs == [[], [], []], allocs
+    # Besides kernel launches a move may only copy and take views: a torch reduction (the
+    # torch.sum(out=) that the first GPU run counted) allocates device workspace that no
+    # output shows. new_empty / set_ / empty are the interpreter's zero-size host views.
+    allowed = {"aten.copy_.default", "aten.slice.Tensor", "aten.view.default", "aten.new_empty.default",
+               "aten.empty.memory_format", "aten.set_.source_Storage", "aten.set_.source_Storage_storage_offset",
+               "aten.alias.default", "aten.as_strided.default"}
+    assert {op for op in ops if not op.startswith("profiler.")} <= allowed, ops

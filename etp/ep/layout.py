@@ -1,7 +1,7 @@
 """Routing layout by prefix sums, on device: where every (token, expert) pair goes.
 
-Pure torch; the Triton kernels of ``etp.kernels.ep_layout`` compute the same tensors
-without allocating (they are tested equal to these functions).
+Pure torch: ``prepare`` allocates these temporaries every step (from the caching
+allocator; a preallocated / Triton layout is still to be written, see docs/ep.md).
 
 [Note: receive layout]
 Rank ``d``'s receive buffer holds its local experts' rows expert by expert; within one

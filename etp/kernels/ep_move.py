@@ -103,13 +103,17 @@ def _pull_pairs_kernel(table, row_ptr, rank_ptr, out_ptr, N, BLOCK: tl.constexpr
 
 
 @triton.jit
-def _select_kernel(src_ptr, map_ptr, out_ptr, tpe_ptr, prev_ptr, H, E_LOCAL: tl.constexpr,
+def _select_kernel(src_ptr, map_ptr, out_ptr, tpe_ptr, totals_ptr, H, E_LOCAL: tl.constexpr,
                    E_PAD: tl.constexpr, BLOCK_H: tl.constexpr, IDENTITY: tl.constexpr, ZERO_ONLY: tl.constexpr):
     """``out[r] = src[map[r]]`` (IDENTITY: ``src[r]``) for r < sum(tokens_per_expert), skipped
-    with ZERO_ONLY; rows in ``[that, *prev)`` are zeroed (they held the previous step's rows)."""
+    with ZERO_ONLY; rows in ``[that, totals[0])`` are zeroed (they held the previous step's
+    rows). Program 0 stores the new total in ``totals[1]`` (every program reads ``totals[0]``,
+    so it cannot be overwritten here; the launcher copies [1] to [0] after the kernel)."""
     e = tl.arange(0, E_PAD)
     total = tl.sum(tl.load(tpe_ptr + e, mask=e < E_LOCAL, other=0), axis=0)
-    prev = tl.load(prev_ptr)
+    prev = tl.load(totals_ptr)
+    if tl.program_id(0) == 0:
+        tl.store(totals_ptr + 1, total)
     end = tl.maximum(total, prev)
     offs = tl.arange(0, BLOCK_H)
     first = tl.program_id(0)
@@ -222,15 +226,25 @@ def pull_pairs(table, pair_row, pair_rank, out, *, num_ctas: int = 32) -> None:
         _pull_pairs_kernel[_grid(num_ctas)](table, pair_row, pair_rank, out, out.numel(), BLOCK=256)
 
 
-def select_rows(src, src_map, out, tokens_per_expert, prev_total, *, identity: bool = False,
+def select_rows(src, src_map, out, tokens_per_expert, totals, *, identity: bool = False,
                 zero_only: bool = False, num_ctas: int = 32) -> None:
     """``out[r] = src[src_map[r]]`` for the valid rows, zero for the rest of the previous
-    valid rows; ``prev_total`` (1-element int64) is read, the caller stores the new total."""
+    valid rows.
+
+    ``totals`` (int64 [2], on device, one per ``out``) carries the row count across calls:
+    ``totals[0]`` is read as the previous call's valid rows and holds this call's afterwards
+    (``totals[1]`` is scratch). All of it stays on device, stream-ordered: no host value
+    changes between calls, so a CUDA graph replays exactly what eager runs (see
+    [Note: graph-safe moves] in ``etp.ep.backends.symm``), and nothing is allocated.
+    """
+    if totals.dtype != torch.int64 or totals.numel() != 2 or not totals.is_contiguous():
+        raise ValueError(f"totals: expected a contiguous int64 [2] tensor, got {totals.dtype} {tuple(totals.shape)}")
     local = tokens_per_expert.numel()
-    _select_kernel[_grid(num_ctas)](src, src_map if src_map is not None else prev_total, out, tokens_per_expert,
-                                    prev_total, out.shape[1], E_LOCAL=local, E_PAD=triton.next_power_of_2(local),
+    _select_kernel[_grid(num_ctas)](src, src_map if src_map is not None else totals, out, tokens_per_expert,
+                                    totals, out.shape[1], E_LOCAL=local, E_PAD=triton.next_power_of_2(local),
                                     BLOCK_H=_block(out.shape[1]), IDENTITY=identity,
                                     ZERO_ONLY=zero_only)
+    totals[0:1].copy_(totals[1:2])
 
 
 def gather_tokens(table, tokens, out, t_max: int, *, num_ctas: int = 32) -> None:
@@ -253,9 +267,10 @@ def push_meta(pair_row, pair_rank, map_table, red_table, world: int, me: int, t_
                                            t_max, K=topk, BLOCK=256)
 
 
-def zero_tail(out, tokens_per_expert, prev_total, *, num_ctas: int = 32) -> None:
-    """Zeroes rows ``[sum(tokens_per_expert), prev_total)`` of ``out`` (rows below are kept)."""
-    select_rows(out, None, out, tokens_per_expert, prev_total, identity=True, zero_only=True, num_ctas=num_ctas)
+def zero_tail(out, tokens_per_expert, totals, *, num_ctas: int = 32) -> None:
+    """Zeroes rows ``[sum(tokens_per_expert), totals[0])`` of ``out`` (rows below are kept);
+    ``totals`` as in ``select_rows``."""
+    select_rows(out, None, out, tokens_per_expert, totals, identity=True, zero_only=True, num_ctas=num_ctas)
 
 
 def table_of(tensors: list[torch.Tensor], device) -> torch.Tensor:

@@ -59,11 +59,12 @@ def pull_pairs_ref(srcs, pair_row, pair_rank, out):
         out[p] = srcs[int(pair_rank[p])][row] if row >= 0 else 0
 
 
-def select_rows_ref(src, src_map, out, tokens_per_expert, prev_total):
-    total, prev = int(tokens_per_expert.sum()), int(prev_total)
+def select_rows_ref(src, src_map, out, tokens_per_expert, totals):
+    total, prev = int(tokens_per_expert.sum()), int(totals[0])
     if src_map is not None:
         out[:total] = src[src_map[:total]]
     out[total:max(total, prev)] = 0
+    totals[0] = total
 
 
 def gather_tokens_ref(srcs, tokens, out, t_max):

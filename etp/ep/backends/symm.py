@@ -13,7 +13,18 @@ a kernel on the current stream: release/acquire signals, capturable in a CUDA gr
     read     -- expand / pull / reduce locally
 
 so nothing waits on the host, and ``prepare`` + ``dispatch`` + ``combine`` and their
-backward are plain kernel launches on one stream. The copy kernels are persistent and take
+backward are plain kernel launches on one stream.
+
+[Note: graph-safe moves]
+A CUDA graph captures each launch with the arguments it had at capture, so a move must
+launch the same kernels with the same arguments (tensor addresses and Python scalars) on
+every call with the same shapes: no host-side counter, parity, ``.item()``, or tensor
+built from a Python value that changes per call. State that carries from one call to the
+next (how many rows of a receive buffer the last step left valid, which the next one must
+zero) lives on device in a tensor allocated with the buffer (``alloc_rows``) and is updated
+by stream-ordered kernels; the barriers are device-side signal exchanges on the buffers'
+signal pads. ``tests/test_ep.py`` checks the invariant on CPU (launch arguments identical
+step to step, no tensor allocated by a move). The copy kernels are persistent and take
 ``EPConfig.num_ctas`` thread blocks. See ``etp.kernels.ep_move`` for the kernels.
 
 Algorithms (all share the layout of [Note: receive layout] and produce the same rows):
@@ -56,11 +67,10 @@ class _SymmBackend(Backend):
                 symm_mem.enable_symm_mem_for_group(ctx.group.group_name)
             except Exception:  # noqa: BLE001 - already enabled / deprecated: both fine
                 pass
-        self._buffers: dict[int, tuple] = {}  # data_ptr -> (tensor, handle, pointer table)
-        self._prev_totals: dict[int, list] = {}  # data_ptr -> [int64 [2] on device, parity]
+        # data_ptr -> (tensor, handle, pointer table, valid-row totals [2] on device)
+        self._buffers: dict[int, tuple] = {}
         cfg = ctx.cfg
         self._ctas = cfg.num_ctas
-        self._zero = torch.zeros(1, dtype=torch.int64, device=ctx.device)
         self._stage = self.alloc_rows(ctx.capacity, cfg.hidden_size)
         self._stage_w = self.alloc_rows(ctx.capacity, None, cfg.weight_dtype)
 
@@ -70,7 +80,9 @@ class _SymmBackend(Backend):
         t.zero_()
         handle = self._symm_mem.rendezvous(t, self.ctx.group)
         table = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=self.ctx.device)
-        self._buffers[t.data_ptr()] = (t, handle, table)
+        # The rows select_rows left valid in t (all zero now): read and updated on device.
+        totals = torch.zeros(2, dtype=torch.int64, device=self.ctx.device)
+        self._buffers[t.data_ptr()] = (t, handle, table, totals)
         return t
 
     def _table(self, t):
@@ -85,21 +97,16 @@ class _SymmBackend(Backend):
         """Valid rows from ``src`` (unless zero_only), zeros over the previous step's rest."""
         out2 = out if out.dim() == 2 else out.view(-1, 1)
         src2 = src if src.dim() == 2 else src.view(-1, 1)
-        state = self._prev_totals.setdefault(out.data_ptr(), [torch.zeros(2, dtype=torch.int64,
-                                                                          device=out.device), 0])
-        prev, parity = state
-        km.select_rows(src2, src_map, out2, tokens_per_expert, prev[parity:parity + 1], identity=identity,
-                       zero_only=zero_only, num_ctas=self._ctas)
-        torch.sum(tokens_per_expert, dim=0, keepdim=True, out=prev[1 - parity:2 - parity])
-        state[1] = 1 - parity
+        totals = self._buffers[out.data_ptr()][3]  # out is always one of alloc_rows' buffers
+        km.select_rows(src2, src_map, out2, tokens_per_expert, totals, identity=identity, zero_only=zero_only,
+                       num_ctas=self._ctas)
 
     def _staged(self, y, stage, tokens_per_expert):
         """A symmetric buffer holding ``y``'s valid rows (``y`` itself when it is one)."""
         table = self._table(y)
         if table is not None:
             return table
-        y2, stage2 = (y, stage) if y.dim() == 2 else (y.view(-1, 1), stage.view(-1, 1))
-        km.select_rows(y2, None, stage2, tokens_per_expert, self._zero, identity=True, num_ctas=self._ctas)
+        self._select(y, None, stage, tokens_per_expert, identity=True)
         return self._table(stage)
 
     # Combine by pulling each pair's row from its destination (symm_push's combine).

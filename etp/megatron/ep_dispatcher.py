@@ -1,0 +1,128 @@
+"""``EtpTokenDispatcher``: a megatron-core (0.16) MoE token dispatcher over ``etp.ep``.
+
+megatron's ``MoELayer`` calls, per forward::
+
+    tokens, probs = d.dispatch_preprocess(hidden, routing_map, probs)   # [*, H], [T, E] x2
+    tokens, probs = d.token_dispatch(tokens, probs)
+    x, tokens_per_expert, probs = d.dispatch_postprocess(tokens, probs)
+    y, bias = experts(x, tokens_per_expert, probs)
+    out = d.combine_postprocess(d.token_combine(d.combine_preprocess(y)))
+
+Here ``dispatch_preprocess`` turns the routing map into ``[T, K]`` expert indices and
+weights and runs ``ExpertDispatcher.prepare`` (its small count all-gather); the moves are
+``ExpertDispatcher.dispatch`` / ``combine``. Two modes for the experts' input:
+
+* ``trim=True`` (default, what megatron's expert MLPs expect): ``dispatch_postprocess``
+  returns the valid rows only (``tokens_per_expert.sum()`` of them, one host sync) and
+  ``tokens_per_expert`` on the host; ``combine_preprocess`` pads the expert output back to
+  the receive capacity.
+* ``trim=False``: the static ``[capacity, H]`` buffers and device ``tokens_per_expert``
+  (rows past the valid ones are zero with zero probability): no host sync, capturable in
+  a CUDA graph with a ``symm_*`` backend, for experts that take padded input.
+
+Not supported: expert tensor parallelism (``expert_tensor_parallel_size > 1``), token
+dropping with padding (``moe_pad_expert_input_to_capacity``), shared-expert overlap.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+
+from etp import ep
+
+__all__ = ["EtpTokenDispatcher"]
+
+
+class EtpTokenDispatcher(MoETokenDispatcher):
+    """megatron ``MoETokenDispatcher`` built on :class:`etp.ep.ExpertDispatcher`.
+
+    Args:
+        num_local_experts, local_expert_indices, config, pg_collection: as megatron's
+            ``MoEAlltoAllTokenDispatcher``.
+        max_tokens_per_rank: the most tokens one rank routes per call (sequence length x
+            micro-batch, divided by TP with sequence parallelism); sizes every buffer.
+        backend, capacity_factor, num_ctas, weight_dtype: see :class:`etp.ep.EPConfig`
+            (a ``capacity_factor`` drops the rows past each expert's capacity).
+        trim: give the experts only the valid rows (see the module docstring).
+
+    Example::
+
+        d = EtpTokenDispatcher(n_local, local_ids, config=cfg, pg_collection=pgs,
+                               max_tokens_per_rank=seq_len * micro_batch)
+    """
+
+    def __init__(self, num_local_experts: int, local_expert_indices: list[int], config, pg_collection=None, *,
+                 max_tokens_per_rank: int, backend: str = "auto", capacity_factor: Optional[float] = None,
+                 num_ctas: int = 32, trim: bool = True, weight_dtype: torch.dtype = torch.float32,
+                 device: Optional[torch.device] = None):
+        super().__init__(config=config, pg_collection=pg_collection)
+        if self.tp_size > 1:
+            raise ValueError(f"EtpTokenDispatcher: expert tensor parallel size {self.tp_size} > 1 is not supported")
+        if getattr(config, "moe_shared_expert_overlap", False):
+            raise ValueError("EtpTokenDispatcher: moe_shared_expert_overlap is not supported")
+        self.num_local_experts = num_local_experts
+        self.local_expert_indices = local_expert_indices
+        self.trim = trim
+        self.topk = config.moe_router_topk
+        params_dtype = getattr(config, "params_dtype", None) or torch.float32
+        self.ep_config = ep.EPConfig(
+            num_experts=config.num_moe_experts, topk=self.topk, hidden_size=config.hidden_size,
+            max_tokens_per_rank=max_tokens_per_rank, dtype=torch.bfloat16 if config.bf16 else params_dtype,
+            backend=backend, capacity_factor=capacity_factor, drop_tokens=capacity_factor is not None,
+            weight_dtype=weight_dtype, num_ctas=num_ctas)
+        self.dispatcher = ep.ExpertDispatcher(self.ep_config, self.ep_group, name="moe", device=device)
+        if self.dispatcher.ctx.experts_per_rank != num_local_experts:
+            raise ValueError(f"EtpTokenDispatcher: {num_local_experts} local experts, the EP group of "
+                             f"{self.ep_size} gives {self.dispatcher.ctx.experts_per_rank}")
+        self._handle = None
+        self._tokens_per_expert = None
+        self._valid = None
+        self.hidden_shape = None
+
+    # ---------------------------------------------------------------- dispatch
+    def dispatch_preprocess(self, tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+        """``routing_map`` [T, E] bool with K trues per token and ``probs`` [T, E] ->
+        (tokens [T, H], topk weights [T, K]); runs ``prepare``."""
+        self.hidden_shape = tokens.shape
+        tokens = tokens.reshape(-1, self.hidden_shape[-1])
+        if routing_map.dtype != torch.bool or routing_map.shape != probs.shape:
+            raise ValueError(f"routing_map: expected a bool tensor of probs' shape {tuple(probs.shape)}, got "
+                             f"{routing_map.dtype} {tuple(routing_map.shape)}")
+        # The K routed experts of each token, in expert order (the map has K trues per row).
+        masked = torch.where(routing_map, probs.float(), float("-inf"))
+        idx = masked.topk(self.topk, dim=1).indices.sort(dim=1).values
+        weights = probs.gather(1, idx)
+        self._handle = self.dispatcher.prepare(idx)
+        return tokens.to(self.ep_config.dtype), weights
+
+    def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        recv_x, recv_w, tokens_per_expert = self.dispatcher.dispatch(hidden_states, probs, self._handle)
+        self._tokens_per_expert = tokens_per_expert
+        return recv_x, recv_w
+
+    def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """(expert input, tokens_per_expert, probs) for megatron's experts."""
+        tokens_per_expert = self._tokens_per_expert
+        if not self.trim:
+            return hidden_states, tokens_per_expert, probs
+        counts = tokens_per_expert.cpu()  # the one host sync of trim mode
+        self._valid = int(counts.sum())
+        return hidden_states[: self._valid], counts, probs[: self._valid]
+
+    # ---------------------------------------------------------------- combine
+    def combine_preprocess(self, hidden_states: torch.Tensor):
+        """Pads the trimmed expert output back to the receive buffer's rows."""
+        hidden_states = hidden_states.to(self.ep_config.dtype)
+        if self.trim:
+            pad = self.dispatcher.capacity - hidden_states.shape[0]
+            hidden_states = torch.nn.functional.pad(hidden_states, (0, 0, 0, pad))
+        return hidden_states
+
+    def token_combine(self, hidden_states: torch.Tensor):
+        return self.dispatcher.combine(hidden_states, self._handle)
+
+    def combine_postprocess(self, hidden_states: torch.Tensor):
+        # Shared experts run in MoELayer itself without moe_shared_expert_overlap (refused above).
+        return hidden_states.view(self.hidden_shape)
