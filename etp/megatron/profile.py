@@ -231,3 +231,60 @@ def label_modules(model) -> list:
 
         handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
     return handles
+
+
+class TrainingProfiler:
+    """``etp-train --profile DIR``: torch.profiler over a few steady-state iterations
+    (``profile_schedule``), one Chrome trace per rank (``DIR/trace_rank{r}.json``), and that
+    rank's breakdown (``DIR/breakdown_rank{r}.json``); ``finish`` returns the breakdown.
+
+    Example::
+
+        profiler = TrainingProfiler("prof", rank, iterations=12, cuda=True)
+        for it in range(12):
+            ...
+            profiler.step()
+        table = profiler.finish()
+    """
+
+    def __init__(self, directory: str, rank: int, iterations: int, cuda: bool, model=None) -> None:
+        import os
+
+        import torch
+
+        os.makedirs(directory, exist_ok=True)
+        self.directory, self.rank, self.trace_path = directory, rank, None
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if cuda:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.handles = label_modules(model) if model is not None else []
+        self.profiler = torch.profiler.profile(
+            activities=activities, schedule=torch.profiler.schedule(**profile_schedule(iterations)),
+            on_trace_ready=self._export, record_shapes=False, with_stack=False)
+        self.profiler.__enter__()
+
+    def _export(self, profiler) -> None:
+        import os
+
+        self.trace_path = os.path.join(self.directory, f"trace_rank{self.rank}.json")
+        profiler.export_chrome_trace(self.trace_path)
+
+    def step(self) -> None:
+        self.profiler.step()
+
+    def finish(self) -> dict | None:
+        """Stops profiling, writes and returns this rank's breakdown (None if no step was recorded)."""
+        import json
+        import os
+
+        self.profiler.__exit__(None, None, None)
+        for handle in self.handles:
+            handle.remove()
+        if self.trace_path is None:
+            return None
+        with open(self.trace_path) as f:
+            table = breakdown(json.load(f))
+        table["trace"] = self.trace_path
+        with open(os.path.join(self.directory, f"breakdown_rank{self.rank}.json"), "w") as f:
+            json.dump(table, f, indent=1)
+        return table
