@@ -16,6 +16,10 @@ What it switches on, before any CUDA work of the run:
 NCCL reductions are deterministic for a fixed world size, topology and message sizes (the
 algorithm choice is), so ``NCCL_ALGO`` is left alone; set ``NCCL_ALGO=Ring`` yourself to pin it
 across machines. Reproducible means same recipe, same world size, same machine type.
+
+``ETP_DETERMINISTIC_WARN_ONLY=1`` in the environment switches torch's strict mode to
+``warn_only=True`` (ops without a deterministic implementation warn instead of raising), for
+diagnosing which op breaks a run; such a run is not guaranteed reproducible.
 """
 from __future__ import annotations
 
@@ -35,9 +39,10 @@ def enable_determinism() -> dict:
             enable_determinism()
     """
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
+    warn_only = os.environ.get("ETP_DETERMINISTIC_WARN_ONLY", "0") not in ("", "0")
+    torch.use_deterministic_algorithms(True, warn_only=warn_only)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     return {"use_deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
             "CUBLAS_WORKSPACE_CONFIG": os.environ["CUBLAS_WORKSPACE_CONFIG"],
-            "NCCL_ALGO": os.environ.get("NCCL_ALGO")}
+            "warn_only": warn_only, "NCCL_ALGO": os.environ.get("NCCL_ALGO")}
