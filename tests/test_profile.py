@@ -57,6 +57,7 @@ def test_breakdown_of_a_synthetic_trace():
 
 def test_classifier_rules():
     assert classify_kernel("ncclDevKernel_ReduceScatter", ["etp::optimizer"]) == "communication"
+    assert classify_kernel("_rs_kernel", ["etp::backward", "etp::reduce_scatter"]) == "communication"
     assert classify_kernel("ampere_bf16_s16816gemm", ["aten::baddbmm"]) == "attention"  # local attention scores
     assert classify_kernel("cutlass_80_tensorop_gemm", ["aten::_grouped_mm"]) == "gemm"
     assert classify_kernel("elementwise_kernel", ["aten::index_select"]) == "moe"

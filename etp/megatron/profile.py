@@ -4,7 +4,8 @@
 ``breakdown(trace)`` reads a Chrome trace written by ``torch.profiler`` (``export_chrome_trace``)
 and sums the device time of every GPU kernel / memcpy / memset into one class:
 
-* ``communication``: NCCL kernels, peer-to-peer copies;
+* ``communication``: NCCL kernels, peer-to-peer copies, kernels under etp's collective
+  labels (``etp::all_gather``, ``etp::reduce_scatter``, ``etp::all_reduce``);
 * ``moe`` (first part): non-GEMM kernels under ``etp::moe_router`` (``label_modules``);
 * ``attention``: fused attention kernels (flash, cuDNN, memory-efficient), and every kernel
   launched under an attention op (``etp::attention``, ``scaled_dot_product_*``, megatron's
@@ -45,6 +46,10 @@ CLASSES = ("gemm", "attention", "moe", "elementwise", "optimizer", "communicatio
 _KERNEL_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 _RANGE_CATS = {"cpu_op", "user_annotation", "python_function"}
 _COMM = re.compile(r"nccl|all_?gather|reduce_?scatter|all_?reduce|alltoall|sendrecv|memcpy ptop|peer", re.I)
+# etp's collectives (etp/collectives.py) and EP transfers run under these labels: their copy and
+# Triton kernels (symmetric-memory transports) are communication too.
+_COMM_RANGE = re.compile(r"etp::(?:all_gather|reduce_scatter|all_reduce|ep_count_all_gather|ep_dispatch|ep_combine(?!_weights))",
+                         re.I)
 _ATTN_KERNEL = re.compile(r"flash|fmha|attention|sdpa", re.I)
 # Softmax, but not log_softmax (the loss) nor LogSoftmaxBackward0; the router's softmax runs
 # under etp::moe_router (label_modules), tested first.
@@ -63,7 +68,7 @@ def classify_kernel(name: str, enclosing: list[str]) -> str:
     """The class of one kernel given its name and the names of its enclosing CPU ranges (any
     order). See [Note: time breakdown]."""
     ranges = " | ".join(enclosing)
-    if _COMM.search(name):
+    if _COMM.search(name) or _COMM_RANGE.search(ranges):
         return "communication"
     if "etp::moe_router" in ranges and not _GEMM_KERNEL.search(name):
         return "moe"
