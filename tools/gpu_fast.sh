@@ -37,8 +37,15 @@ step() {
   (( limit > left )) && limit=$left
   echo "=== $name (timeout ${limit}s): $*"
   local began=$(date +%s)
-  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  # Own process group, so a timeout ends torchrun *and* its workers (which hold the GPUs).
+  setsid "$@" > "$OUT/$name.log" 2>&1 &
+  local pid=$!
+  ( sleep "$limit"; echo "TIMEOUT after ${limit}s" >> "$OUT/$name.log"; kill -TERM -- -$pid 2>/dev/null
+    sleep 10; kill -KILL -- -$pid 2>/dev/null ) </dev/null >/dev/null 2>&1 &  # holds no pipe of ours
+  local watchdog=$!
+  wait $pid
   local rc=$?
+  kill $watchdog 2>/dev/null; wait $watchdog 2>/dev/null
   grep -v "^W[0-9]\|OMP_NUM_THREADS\|\*\*\*\*\*\|warnings.warn\|UserWarning\|FutureWarning" "$OUT/$name.log" | tail -${TAIL:-30}
   echo "--- $name: rc=$rc in $(( $(date +%s) - began ))s"
   echo "\"$name\": {\"rc\": $rc, \"seconds\": $(( $(date +%s) - began ))}," >> "$OUT/summary.json.part"
