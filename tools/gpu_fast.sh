@@ -112,10 +112,13 @@ for name in ("b_profile_local", "b_profile_sdpa", "c_deterministic_1", "d_wide_e
     try:
         r = json.load(open(f"{out}/{name}.json"))
     except (OSError, ValueError):
-        rows.append(f"| {name} | failed / missing | | | |"); continue
+        rows.append(f"| {name} | failed / missing | | | | |"); continue
     mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "n/a"
-    rows.append(f"| {name} | {r['ms_per_iter']:.0f} | {r['tflops_per_rank']:.1f} | {mfu} | {r['peak_allocated_gib']:.1f} |")
-print("| run | ms/iter | TFLOP/s/GPU (attention counted) | MFU | peak GiB |\n|---|---:|---:|---:|---:|")
+    predicted = f"{r['predicted_peak_gib']:.1f}" if r.get("predicted_peak_gib") else "n/a"
+    rows.append(f"| {name} | {r['ms_per_iter']:.0f} | {r['tflops_per_rank']:.1f} | {mfu} | {r['peak_allocated_gib']:.1f} "
+                f"| {predicted} |")
+print("| run | ms/iter | TFLOP/s/GPU (attention counted) | MFU | peak GiB | audit's predicted peak GiB |")
+print("|---|---:|---:|---:|---:|---:|")
 print("\n".join(rows))
 EOF
 echo "\"elapsed_s\": $(( $(date +%s) - START ))}" >> "$OUT/summary.json.part"

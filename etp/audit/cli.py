@@ -45,6 +45,13 @@ def parse_memory(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+def _local_gpu_memory() -> int | None:
+    """The memory of this machine's CUDA device when there is one (the default ``--gpu-memory``)."""
+    import torch
+
+    return parse_memory("local") if torch.cuda.is_available() else None
+
+
 def audit(recipe_path: str, world_size: int | None = None, etp_size: int | None = None,
           expert_etp_size: int | None = None, gather_dtype: str | None = None,
           distributed_optimizer: bool | None = None, overrides: dict | None = None,
@@ -184,8 +191,9 @@ def main(argv=None) -> int:
     parser.add_argument("--gather-dtype")
     parser.add_argument("--distributed-optimizer", action="store_true", default=None)
     parser.add_argument("--gpu-memory", metavar="SIZE",
-                        help="memory of one GPU (141GiB, 150GB, or 'local' for this machine's device): "
-                             "say whether the recipe fits and recommend the largest micro-batch")
+                        help="memory of one GPU (141GiB, 150GB, or 'local' for this machine's device, the "
+                             "default when it has one): say whether the recipe fits and recommend the "
+                             "largest micro-batch")
     parser.add_argument("--json", metavar="PATH", help="write the report as JSON ('-': stdout)")
     parser.add_argument("--plot", metavar="PATH", help="write a stacked-bar PNG")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -197,7 +205,7 @@ def main(argv=None) -> int:
     from ..megatron.recipe import parse_overrides
 
     try:  # recipe errors (missing file, bad YAML, bad value) are one line, no traceback
-        gpu_memory = parse_memory(args.gpu_memory) if args.gpu_memory else None
+        gpu_memory = parse_memory(args.gpu_memory) if args.gpu_memory else _local_gpu_memory()
         report = audit(args.recipe, args.world_size, args.etp_size, args.expert_etp_size,
                        args.gather_dtype, args.distributed_optimizer, parse_overrides(args.set), gpu_memory)
     except (ValueError, OSError) as exc:

@@ -377,8 +377,11 @@ def train(rank: int, world: int, recipe, port: int | None = None, json_path: str
             print(format_breakdown(breakdown, f"rank 0, attention {recipe.model.attention_backend}"), flush=True)
     _quiesce(trainer, device)
     if json_path and rank == 0:
+        from ..audit import predict_peak
+
         extra = {"flops_per_iter_per_rank": flops_per_iter, "peak_tflops": peak, "determinism": determinism,
-                 "attention_backend": recipe.model.attention_backend, "profile": breakdown}
+                 "attention_backend": recipe.model.attention_backend, "profile": breakdown,
+                 "predicted_peak_gib": predict_peak(recipe, world)["peak"] / 2**30}  # etp-audit's, to compare
         _write_report(json_path, recipe, world, backend, summary, losses, records, device, extra)
     if audit is not None:
         _write_audit(audit_path, audit, recipe, world, rank)
@@ -451,15 +454,23 @@ def _write_audit(path, audit, recipe, world: int, rank: int) -> None:
     prediction and writes all of them (a collective)."""
     import json
 
-    from ..audit import predict_memory
+    from ..audit import predict_memory, predict_peak
 
     prediction = predict_memory(recipe, world)
-    mine = {"report": audit.report(), "comparison": audit.compare(prediction)}
+    peak = predict_peak(recipe, world)
+    report = audit.report()
+    measured = [r["peak_allocated"] for r in report["phases"].values() if r.get("peak_allocated") is not None]
+    peaks = {"predicted": peak["peak"], "predicted_phase": peak["peak_phase"],
+             "measured": max(measured) if measured else None}
+    mine = {"report": report, "comparison": audit.compare(prediction), "peak": peaks}
     everyone: list = [None] * world
     dist.all_gather_object(everyone, mine)
     if rank != 0:
         return
     print(audit.format_table(prediction), flush=True)
+    if peaks["measured"] is not None:
+        print(f"peak allocated: measured {peaks['measured'] / 2**30:.2f} GiB, predicted {peak['peak'] / 2**30:.2f} GiB "
+              f"({peaks['measured'] / peak['peak'] - 1:+.1%}; predicted in {peak['peak_phase']})", flush=True)
     with open(path, "w") as f:
         json.dump({"recipe": str(recipe.source), "world_size": world, "prediction": prediction,
                    "ranks": everyone}, f, indent=1, default=str)
