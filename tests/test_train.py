@@ -53,7 +53,8 @@ def test_global_grad_norm_counts_every_element_once():
 
 def test_cpu_recipe_profile_and_report(tmp_path, capfd):
     """--profile writes a trace and a breakdown per rank (CPU: no kernels, so the GPU classes are
-    zero, but the schedule, the export and the classifier run); --json carries the FLOP count."""
+    zero, but the schedule, the export and the classifier run); --json carries the FLOP count
+    and the audit's predicted peak; --audit adds the predicted peak (measured on CUDA only)."""
     import json
 
     from etp.megatron.flops import training_flops
@@ -63,7 +64,8 @@ def test_cpu_recipe_profile_and_report(tmp_path, capfd):
     recipe = ROOT / "recipes" / "tiny_moe_cpu.yaml"
     report = tmp_path / "run.json"
     assert main(["--recipe", str(recipe), "--train-iters", "6", "--log-interval", "2", "--profile",
-                 str(tmp_path / "prof"), "--json", str(report), "--peak-tflops", "1"]) == 0
+                 str(tmp_path / "prof"), "--json", str(report), "--peak-tflops", "1",
+                 "--audit", str(tmp_path / "audit.json")]) == 0
     out = capfd.readouterr().out
     assert "time per iteration" in out and "MFU" in out
     for rank in (0, 1):
@@ -75,6 +77,9 @@ def test_cpu_recipe_profile_and_report(tmp_path, capfd):
     assert data["flops_per_iter_per_rank"] == training_flops(r, 4 * 64)  # one microbatch of 4 x 64 tokens
     assert data["peak_tflops"] == 1.0 and data["mfu"] == data["tflops_per_rank"]
     assert data["attention_backend"] == "sdpa" and data["profile"]["iterations"] == 2
+    assert data["predicted_peak_gib"] > 0
+    audit = json.loads((tmp_path / "audit.json").read_text())
+    assert audit["ranks"][0]["peak"]["predicted"] > 0 and audit["ranks"][0]["peak"]["measured"] is None  # CPU
 
 
 def _deterministic_flag(ctx):
