@@ -78,6 +78,8 @@ def test_cpu_recipe_profile_and_report(tmp_path, capfd):
     assert data["peak_tflops"] == 1.0 and data["mfu"] == data["tflops_per_rank"]
     assert data["attention_backend"] == "sdpa" and data["profile"]["iterations"] == 2
     assert data["predicted_peak_gib"] > 0
+    # 6 iterations, logged in pairs: wait 2, warm-up 1 (iteration 3), active 2 (iterations 4, 5).
+    assert [r["profiled"] for r in data["log"]] == [False, True, True]
     audit = json.loads((tmp_path / "audit.json").read_text())
     assert audit["ranks"][0]["peak"]["predicted"] > 0 and audit["ranks"][0]["peak"]["measured"] is None  # CPU
 

@@ -263,8 +263,9 @@ class TrainingProfiler:
         if cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self.handles = label_modules(model) if model is not None else []
+        self.schedule = profile_schedule(iterations)
         self.profiler = torch.profiler.profile(
-            activities=activities, schedule=torch.profiler.schedule(**profile_schedule(iterations)),
+            activities=activities, schedule=torch.profiler.schedule(**self.schedule),
             on_trace_ready=self._export, record_shapes=False, with_stack=False)
         self.profiler.__enter__()
 
@@ -273,6 +274,12 @@ class TrainingProfiler:
 
         self.trace_path = os.path.join(self.directory, f"trace_rank{self.rank}.json")
         profiler.export_chrome_trace(self.trace_path)
+
+    def covers(self, step: int) -> bool:
+        """Whether the profiler runs during ``step`` (0-based; warm-up included): its step
+        time carries the profiler's overhead."""
+        first = self.schedule["wait"]
+        return first <= step < first + self.schedule["warmup"] + self.schedule["active"]
 
     def step(self) -> None:
         self.profiler.step()

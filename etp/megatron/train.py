@@ -326,7 +326,7 @@ def train(rank: int, world: int, recipe, port: int | None = None, json_path: str
     start = _resume(recipe, trainer, rank, None if resume is True else resume) if resume else 0
     stop = min(recipe.train.train_iters, exit_after or recipe.train.train_iters)
     losses, records, window = [], [], time.perf_counter()
-    profiler = None
+    profiler, window_profiled = None, False
     if profile_dir:
         from .profile import TrainingProfiler
 
@@ -347,6 +347,7 @@ def train(rank: int, world: int, recipe, port: int | None = None, json_path: str
         dist.all_reduce(total, group=ps.get_data_parallel_group())
         losses.append(total.item() / ps.get_data_parallel_world_size())
         if profiler is not None:
+            window_profiled |= profiler.covers(iteration - start)
             profiler.step()
         last = iteration + 1 == stop
         t = recipe.train
@@ -363,7 +364,9 @@ def train(rank: int, world: int, recipe, port: int | None = None, json_path: str
             tflops = flops_per_iter / elapsed / 1e12
             mfu = tflops / peak if peak else None
             records.append({"iteration": iteration + 1, "loss": losses[-1], "grad_norm": norm,
-                            "ms_per_iter": elapsed * 1e3, "tflops_per_rank": tflops, "mfu": mfu})
+                            "ms_per_iter": elapsed * 1e3, "tflops_per_rank": tflops, "mfu": mfu,
+                            "profiled": window_profiled})
+            window_profiled = False
             if rank == 0:
                 print(f"iter {iteration + 1:5d}/{recipe.train.train_iters} | loss {losses[-1]:.4f} | "
                       f"grad norm {norm:.3f} | {elapsed * 1e3:8.1f} ms/iter | {tflops:7.3f} TFLOP/s/rank | "
@@ -480,7 +483,8 @@ def _write_audit(path, audit, recipe, world: int, rank: int) -> None:
 def _write_report(path, recipe, world, backend, summary, losses, records, device, extra) -> None:
     import json
 
-    steady = records[1:] or records  # the first window holds warm-up and compilation
+    # The first window holds warm-up and compilation; profiled windows carry the profiler's overhead.
+    steady = [r for r in records[1:] if not r.get("profiled")] or records[1:] or records
     report = {
         "recipe": str(recipe.source), "world_size": world, "backend": backend, "etp": vars(recipe.etp),
         "params": recipe.num_params(), "active_params": recipe.num_params(active=True),
