@@ -76,3 +76,29 @@ def test_trace_without_steps_uses_the_kernel_span():
 def test_schedule_records_steady_steps(iterations):
     s = profile_schedule(iterations)
     assert 1 <= s["active"] <= 4 and s["wait"] + s["warmup"] + s["active"] <= iterations
+
+
+def test_label_modules_wraps_forward_in_a_profiler_range(tmp_path):
+    import json
+
+    import torch
+
+    from etp.megatron.profile import label_modules
+
+    class TopKRouter(torch.nn.Linear):  # named like megatron's router
+        pass
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), TopKRouter(4, 2))
+    handles = label_modules(model)
+    assert len(handles) == 2
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(torch.randn(3, 4))
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    ranges = [e for e in events if e.get("name") == "etp::moe_router" and e.get("ph") == "X"]
+    assert len(ranges) == 1
+    inside = [e for e in events if e.get("cat") == "cpu_op" and e.get("name") == "aten::linear"
+              and ranges[0]["ts"] <= e["ts"] <= ranges[0]["ts"] + ranges[0]["dur"]]
+    assert len(inside) == 1  # the router's linear, not the first one
+    for handle in handles:
+        handle.remove()
