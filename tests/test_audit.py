@@ -135,3 +135,63 @@ def test_wgrad_pool_doubles_shapes_reduced_back_to_back():
     a, b, c = (4, 2), (8, 2), (16, 2)
     assert _wgrad_pool_bytes([a, b, b, c]) == 4 * (8 + 2 * 16 + 32)
     assert _wgrad_pool_bytes([b, a, b, c]) == 4 * (8 + 16 + 32)  # not adjacent: one each
+
+
+# Measured peaks allocated (GiB) of the flagship recipe with megatron-core's local attention,
+# shared/anchors.md (world 2) and benchmarks/audit_recipe_4xh200_*.json (world 4):
+# (world, ETP size, micro-batch, distributed optimizer, layers) -> GiB.
+MEASURED_PEAKS = {
+    (2, 2, 2, False, 8): 58.1, (2, 2, 4, False, 8): 68.0, (2, 2, 8, False, 8): 89.3,
+    (2, 1, 2, False, 8): 95.5, (2, 1, 4, False, 8): 100.1, (2, 1, 2, True, 8): 63.2,
+    (2, 2, 2, False, 16): 105.9, (4, 4, 2, False, 8): 38.20, (4, 1, 2, False, 8): 95.54,
+}
+
+
+@pytest.mark.parametrize("key", sorted(MEASURED_PEAKS))
+def test_predicted_peak_within_five_percent_of_measured(key):
+    from etp.audit import predict_peak
+
+    world, size, micro, distributed, layers = key
+    recipe = Recipe.from_yaml(ROOT / "recipes/moe_h200x8.yaml", world_size=world, global_batch_size=64,
+                              num_layers=layers, attention_backend="local",
+                              etp={"etp_size": size, "expert_etp_size": size})
+    peak = predict_peak(recipe, world, distributed_optimizer=distributed, micro_batch_size=micro)["peak"] / 2**30
+    assert abs(peak / MEASURED_PEAKS[key] - 1) < 0.05, (peak, MEASURED_PEAKS[key])
+
+
+def test_peak_phases_and_sdpa_activations():
+    from etp.audit import activation_bytes, predict_peak
+
+    recipe = Recipe.from_yaml(ROOT / "recipes/moe_h200x8.yaml", world_size=2, global_batch_size=8,
+                              etp={"etp_size": 2, "expert_etp_size": 2})
+    local = recipe.replace(attention_backend="local")
+    s, b, h, a, v = 2048, 2, 2048, 16, 32000
+    # Per layer, bytes per [s, b, h] element: 18 + topk (4 + 8 ffn / h) + 6 a s / h (local scores), 8 layers,
+    # plus the cross-entropy's fp32 softmax.
+    moe = 4 * (4 + 8 * 1408 / h)
+    assert activation_bytes(local) == int(s * b * h * (18 + moe + 6 * a * s / h) * 8) + 4 * s * b * v
+    assert activation_bytes(recipe) == int(s * b * h * (18 + moe) * 8) + 4 * s * b * v
+    plain = predict_peak(recipe, 2, recipe.etp.replace(etp_size=1, expert_etp_size=1))
+    assert plain["peak_phase"] == "optimizer_step"  # foreach Adam's fp32 temporary over 4.7 B elements
+    assert plain["optimizer_transient"] == 4 * recipe.num_params()
+
+
+def test_cli_gpu_memory_fits_and_micro_batch_table(tmp_path, capsys):
+    from etp.audit.cli import parse_memory
+
+    assert parse_memory("141GiB") == 141 * 2**30 and parse_memory("150GB") == 150 * 10**9
+    with pytest.raises(ValueError, match="141GiB"):
+        parse_memory("lots")
+    out = tmp_path / "audit.json"
+    args = ["--recipe", str(ROOT / "recipes/moe_h200x8.yaml"), "--world-size", "2", "--etp-size", "2",
+            "--set", "global_batch_size=8", "--gpu-memory", "139.8GiB"]
+    assert main([*args, "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "largest micro-batch that fits" in text and "fits" in text
+    report = json.loads(out.read_text())
+    micro = report["micro_batches"]
+    assert micro["largest"]["with_etp"] >= micro["largest"]["without_etp"]
+    assert all(a >= b for a, b in zip(micro["without_etp"], micro["with_etp"]))
+    assert report["peaks"]["with_etp"]["fits"] is True
+    assert main([*args[:-1], "10GiB"]) == 0
+    assert "NO" in capsys.readouterr().out

@@ -13,6 +13,15 @@ Example::
 """
 from .categories import CATEGORIES
 from .measure import SCHEMA_VERSION, MemoryAudit
-from .predict import WeightSpec, predict_memory, weight_inventory
+from .predict import (
+           WeightSpec,
+           activation_bytes,
+           fits,
+           largest_micro_batch,
+           predict_memory,
+           predict_peak,
+           weight_inventory,
+)
 
-__all__ = ["CATEGORIES", "SCHEMA_VERSION", "MemoryAudit", "WeightSpec", "predict_memory", "weight_inventory"]
+__all__ = ["CATEGORIES", "SCHEMA_VERSION", "MemoryAudit", "WeightSpec", "activation_bytes", "fits",
+           "largest_micro_batch", "predict_memory", "predict_peak", "weight_inventory"]

@@ -3,6 +3,12 @@
     etp-audit --recipe recipes/moe_h200x8.yaml [--world-size 8] [--etp-size 8]
               [--expert-etp-size 8] [--gather-dtype fp8_tensorwise]
               [--distributed-optimizer] [--json out.json | --json -] [--plot out.png]
+              [--gpu-memory 141GiB | --gpu-memory local]
+
+Besides the categories it prints the predicted peak (allocated bytes, the larger of the
+forward/backward and optimizer-step phases), whether the recipe fits the GPU, and a what-if
+table: micro-batch -> predicted peak with and without ETP, with the largest micro-batch
+that fits each layout (see [Note: predicted peak]).
 
 See [Note: ETP memory prediction] in etp/audit.py for what each category counts.
 """
@@ -13,16 +19,43 @@ import json
 import sys
 
 from .categories import CATEGORIES
-from .predict import predict_memory
+from .predict import FRAGMENTATION, RESERVED_OUTSIDE, fits, largest_micro_batch, predict_memory, predict_peak
 
 __all__ = ["main", "audit"]
 
 GIB = 1024**3
+_PHASE = {"forward_backward": "fwd/bwd", "optimizer_step": "optimizer"}
+_UNITS = {"": 1, "b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+          "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4}
+
+
+def parse_memory(text: str) -> int:
+    """Bytes of ``141GiB`` / ``150GB`` / ``1.5e11``, or of the local CUDA device for ``local``."""
+    import re
+
+    if text.strip().lower() == "local":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--gpu-memory local: no CUDA device here; give a size such as 141GiB")
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"--gpu-memory={text!r}: expected a size such as 141GiB, 150GB or local")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _local_gpu_memory() -> int | None:
+    """The memory of this machine's CUDA device when there is one (the default ``--gpu-memory``)."""
+    import torch
+
+    return parse_memory("local") if torch.cuda.is_available() else None
 
 
 def audit(recipe_path: str, world_size: int | None = None, etp_size: int | None = None,
           expert_etp_size: int | None = None, gather_dtype: str | None = None,
-          distributed_optimizer: bool | None = None, overrides: dict | None = None) -> dict:
+          distributed_optimizer: bool | None = None, overrides: dict | None = None,
+          gpu_memory: int | None = None) -> dict:
     """The audit report (a JSON-ready dict): per-rank bytes of every category for the
     layouts ``without_etp`` and ``with_etp``.
 
@@ -31,6 +64,7 @@ def audit(recipe_path: str, world_size: int | None = None, etp_size: int | None 
             too (one ETP size for every weight).
         overrides: recipe overrides as ``parse_overrides`` returns them (``--set KEY=VALUE``);
             the explicit arguments win over them.
+        gpu_memory: bytes of one GPU: adds ``fits`` and the micro-batch table (``micro_batches``).
 
     Example::
 
@@ -58,6 +92,21 @@ def audit(recipe_path: str, world_size: int | None = None, etp_size: int | None 
                "with_etp": predict_memory(recipe, world, recipe.etp, distributed_optimizer)}
     for values in layouts.values():
         values["total"] = sum(values[c] for c in CATEGORIES)
+    etps = {"without_etp": without, "with_etp": recipe.etp}
+    peaks = {}
+    for name, config in etps.items():
+        peak = predict_peak(recipe, world, config, distributed_optimizer)
+        peaks[name] = {k: v for k, v in peak.items() if k != "categories"}
+        if gpu_memory:
+            peaks[name]["fits"] = fits(peak["peak"], gpu_memory)
+    micro = None
+    if gpu_memory:
+        micro = {"candidates": [], "largest": {}}
+        for name, config in etps.items():
+            best, table = largest_micro_batch(recipe, world, gpu_memory, config, distributed_optimizer)
+            micro["largest"][name] = best
+            micro["candidates"] = [b for b, _ in table]
+            micro[name] = [peak for _, peak in table]
     return {
         "recipe": recipe_path,
         "world_size": world,
@@ -67,7 +116,12 @@ def audit(recipe_path: str, world_size: int | None = None, etp_size: int | None 
                                       if distributed_optimizer is None else distributed_optimizer),
         "parameters": recipe.num_params(),
         "units": "bytes per rank",
+        "attention_backend": recipe.model.attention_backend,
         "layouts": layouts,
+        "peaks": peaks,
+        "gpu_memory": gpu_memory,
+        "fit_rule": f"peak x {FRAGMENTATION} + {RESERVED_OUTSIDE / GIB:.0f} GiB outside the allocator <= gpu_memory",
+        "micro_batches": micro,
     }
 
 
@@ -76,6 +130,29 @@ def format_table(report: dict) -> str:
     for key in (*CATEGORIES, "total"):
         a, b = (report["layouts"][name][key] / GIB for name in ("without_etp", "with_etp"))
         rows.append(f"{key:<14}{a:>14.3f}{b:>14.3f}")
+    peaks = report.get("peaks")
+    if peaks:
+        names = ("without_etp", "with_etp")
+        rows.append(f"{'peak':<14}" + "".join(f"{peaks[n]['peak'] / GIB:>14.3f}" for n in names)
+                    + "   (allocated; the larger of forward/backward and the optimizer step)")
+        rows.append(f"{'peak phase':<14}" + "".join(f"{_PHASE[peaks[n]['peak_phase']]:>14}" for n in names))
+        if report.get("gpu_memory"):
+            rows.append(f"{'fits':<14}" + "".join(f"{'yes' if peaks[n]['fits'] else 'NO':>14}" for n in names)
+                        + f"   ({report['gpu_memory'] / GIB:.1f} GiB GPU; {report['fit_rule']})")
+    micro = report.get("micro_batches")
+    if micro:
+        rows.append("")
+        rows.append(f"{'micro-batch':<14}{'without ETP':>14}{'with ETP':>14}   (predicted peak GiB per rank, "
+                    f"attention {report.get('attention_backend')})")
+        for i, b in enumerate(micro["candidates"]):
+            cells = ""
+            for n in ("without_etp", "with_etp"):
+                peak = micro[n][i]
+                mark = "" if fits(peak, report["gpu_memory"]) else "*"
+                cells += f"{peak / GIB:>13.2f}{mark or ' '}"
+            rows.append(f"{b:<14}{cells}")
+        rows.append(f"(* does not fit) largest micro-batch that fits: without ETP "
+                    f"{micro['largest']['without_etp']}, with ETP {micro['largest']['with_etp']}")
     return "\n".join(rows)
 
 
@@ -113,6 +190,10 @@ def main(argv=None) -> int:
     parser.add_argument("--expert-etp-size", type=int)
     parser.add_argument("--gather-dtype")
     parser.add_argument("--distributed-optimizer", action="store_true", default=None)
+    parser.add_argument("--gpu-memory", metavar="SIZE",
+                        help="memory of one GPU (141GiB, 150GB, or 'local' for this machine's device, the "
+                             "default when it has one): say whether the recipe fits and recommend the "
+                             "largest micro-batch")
     parser.add_argument("--json", metavar="PATH", help="write the report as JSON ('-': stdout)")
     parser.add_argument("--plot", metavar="PATH", help="write a stacked-bar PNG")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -124,8 +205,9 @@ def main(argv=None) -> int:
     from ..megatron.recipe import parse_overrides
 
     try:  # recipe errors (missing file, bad YAML, bad value) are one line, no traceback
+        gpu_memory = parse_memory(args.gpu_memory) if args.gpu_memory else _local_gpu_memory()
         report = audit(args.recipe, args.world_size, args.etp_size, args.expert_etp_size,
-                       args.gather_dtype, args.distributed_optimizer, parse_overrides(args.set))
+                       args.gather_dtype, args.distributed_optimizer, parse_overrides(args.set), gpu_memory)
     except (ValueError, OSError) as exc:
         print(f"etp-audit: {exc}", file=sys.stderr)
         return 2

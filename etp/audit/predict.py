@@ -16,8 +16,33 @@ Categories (bytes per rank): ``params`` (recipe dtype), ``main_grad`` (fp32, meg
 mixed precision), ``optimizer`` (Adam: fp32 master weights + 2 moments for bf16/fp16
 training, 2 moments for fp32; divided by the replicate size with the distributed
 optimizer), ``gather_fwd`` / ``gather_bwd``, ``wgrad_pool``, ``fp8_shards`` and
-``activations`` (an estimate: Korthikanti et al. 2022, no recompute, with the MLP part
-scaled to the routed experts; it ignores allocator fragmentation and temporary buffers).
+``activations`` (what the forward keeps for backward, see ``activation_bytes``).
+
+[Note: predicted peak]
+The categories are the bytes alive throughout a step; the allocator's peak adds transients.
+``predict_peak`` takes the larger of two phases:
+
+* forward / backward: categories + the loss's transients at the start of backward (the fp32
+  gradient of the logits and its bf16 copy, 6 x s x b x V bytes);
+* optimizer step (activations freed): categories + one fp32 temporary per element the
+  optimizer steps (torch's foreach Adam materializes ``sqrt(v) + eps`` for the whole list:
+  4 bytes per local main-param element, divided by the replicas under the distributed
+  optimizer). Without ETP this phase is the peak of the flagship recipe at micro-batch 2.
+
+Calibration (flagship recipe, 2 and 4 x H200, local attention; measured peaks allocated in
+shared/anchors.md and benchmarks/audit_recipe_4xh200_*.json): the old prediction (categories
+only, Korthikanti activations) under-predicted by 7-10 %: it missed the local attention's
+fp32 *and* bf16 softmax probabilities [b, heads, s, s] (megatron upcasts the scores when
+``attention_softmax_in_fp32``), the cross-entropy's fp32 [s, b, V] buffers and the optimizer
+temporaries. With them (world 2): ETP 2 micro-batch 2 / 4 / 8: 57.4 / 68.2 / 89.6 GiB
+predicted vs 58.1 / 68.0 / 89.3 measured; ETP off micro-batch 2 / 4: 96.2 / 100.2 vs 95.5 /
+100.1; distributed optimizer 63.2 vs 63.2; world 4: ETP 4 38.0 vs 38.2, ETP off 96.2 vs 95.5
+(all within 1.2 %). The SDPA figures (no score matrices) are not measured yet.
+
+``fits`` adds what the prediction leaves out: allocator fragmentation (``FRAGMENTATION``; the
+peak reserved / peak allocated of the 4 x H200 audits was 1.07 with ETP and 1.10 without)
+is a ratio, and the CUDA context, NCCL and cuBLAS workspaces outside the allocator
+(``RESERVED_OUTSIDE``) are a constant.
 """
 from __future__ import annotations
 
@@ -27,7 +52,13 @@ from ..config import GATHER_DTYPES, ETPConfig
 from ..layout import ShardLayout
 from .categories import CATEGORIES
 
-__all__ = ["WeightSpec", "predict_memory", "weight_inventory"]
+__all__ = ["FRAGMENTATION", "RESERVED_OUTSIDE", "WeightSpec", "activation_bytes", "fits", "largest_micro_batch",
+           "predict_memory", "predict_peak", "weight_inventory"]
+
+#: Allocator headroom over the predicted peak when deciding whether a run fits (see [Note: predicted peak]).
+FRAGMENTATION = 1.10
+#: Bytes per GPU outside the caching allocator (CUDA context, NCCL buffers, cuBLAS workspaces).
+RESERVED_OUTSIDE = 2 * 1024**3
 
 
 @dataclass(frozen=True)
@@ -113,7 +144,7 @@ def _dtype_bytes(name: str, param_bytes: int) -> int:
 
 
 def predict_memory(recipe, world_size: int, etp: ETPConfig | None = None,
-                   distributed_optimizer: bool | None = None) -> dict[str, int]:
+                   distributed_optimizer: bool | None = None, micro_batch_size: int | None = None) -> dict[str, int]:
     """Predicted bytes per rank of each category for ``recipe`` on ``world_size`` ranks with
     the ETP settings ``etp`` (the recipe's own when None; sizes 1 = without ETP).
 
@@ -121,6 +152,8 @@ def predict_memory(recipe, world_size: int, etp: ETPConfig | None = None,
 
         with_etp = predict_memory(recipe, 8)
         without = predict_memory(recipe, 8, recipe.etp.replace(etp_size=1, expert_etp_size=1))
+
+    ``micro_batch_size`` replaces the recipe's for the activations (the what-if table).
     """
     etp = etp or recipe.etp
     t = recipe.train
@@ -159,8 +192,71 @@ def predict_memory(recipe, world_size: int, etp: ETPConfig | None = None,
     for (_chain, role, _, _), elements in buffers.items():
         result["gather_" + role] += elements * gather_bytes
     result["wgrad_pool"] = _wgrad_pool_bytes(pool_order)
-    result["activations"] = _activation_bytes(recipe)
+    result["activations"] = activation_bytes(recipe, micro_batch_size)
     return result
+
+
+def _stepped_elements(recipe, world_size: int, etp: ETPConfig, distributed: bool) -> int:
+    """Main-param elements the optimizer steps on one rank (ETP shards, replicated params)."""
+    sizes = {False: etp.etp_size, True: etp.expert_etp_size}
+    replicas = {False: recipe.data_parallel_size(world_size) // etp.etp_size,
+                True: recipe.expert_data_parallel_size(world_size) // etp.expert_etp_size}
+    total = 0
+    for weight in weight_inventory(recipe):
+        size = sizes[weight.expert]
+        if weight.chain is not None and size > 1:
+            layout = ShardLayout(weight.shape, size, 0, etp.pad_for_alignment)
+            numel = layout.shard_rows * layout.cols
+        else:
+            numel = weight.numel
+        total += -(-numel // max(1, replicas[weight.expert])) if distributed else numel
+    return total
+
+
+def predict_peak(recipe, world_size: int, etp: ETPConfig | None = None, distributed_optimizer: bool | None = None,
+                 micro_batch_size: int | None = None) -> dict:
+    """The predicted peak allocated bytes per rank and where it happens. See [Note: predicted peak].
+
+    Returns:
+        ``{"categories": predict_memory(...), "steady": sum of categories, "loss_transient",
+        "optimizer_transient", "forward_backward", "optimizer_step", "peak", "peak_phase"}``.
+
+    Example::
+
+        predict_peak(recipe, 2, micro_batch_size=8)["peak"] / 2**30
+    """
+    etp = etp or recipe.etp
+    distributed = recipe.parallel.use_distributed_optimizer if distributed_optimizer is None else distributed_optimizer
+    categories = predict_memory(recipe, world_size, etp, distributed, micro_batch_size)
+    steady = sum(categories[c] for c in CATEGORIES)
+    m = recipe.model
+    b = micro_batch_size or recipe.train.micro_batch_size
+    vocab = recipe.padded_vocab_size // recipe.parallel.tensor_model_parallel_size
+    loss_transient = 6 * m.seq_length * b * vocab  # fp32 grad of the logits + its 16-bit copy
+    optimizer_transient = 4 * _stepped_elements(recipe, world_size, etp, distributed)
+    forward_backward = steady + loss_transient
+    optimizer_step = steady - categories["activations"] + optimizer_transient
+    peak = max(forward_backward, optimizer_step)
+    return {"categories": categories, "steady": steady, "loss_transient": loss_transient,
+            "optimizer_transient": optimizer_transient, "forward_backward": forward_backward,
+            "optimizer_step": optimizer_step, "peak": peak,
+            "peak_phase": "forward_backward" if forward_backward >= optimizer_step else "optimizer_step"}
+
+
+def fits(peak_bytes: int, gpu_bytes: int) -> bool:
+    """Whether a predicted peak fits a GPU of ``gpu_bytes`` once fragmentation and the memory
+    outside the allocator are added (``FRAGMENTATION``, ``RESERVED_OUTSIDE``)."""
+    return peak_bytes * FRAGMENTATION + RESERVED_OUTSIDE <= gpu_bytes
+
+
+def largest_micro_batch(recipe, world_size: int, gpu_bytes: int, etp: ETPConfig | None = None,
+                        distributed_optimizer: bool | None = None,
+                        candidates=(1, 2, 4, 8, 16, 32, 64)) -> tuple[int | None, list[tuple[int, int]]]:
+    """The largest candidate micro-batch whose predicted peak fits, and (micro-batch, peak) for
+    every candidate."""
+    table = [(b, predict_peak(recipe, world_size, etp, distributed_optimizer, b)["peak"]) for b in candidates]
+    good = [b for b, peak in table if fits(peak, gpu_bytes)]
+    return (max(good) if good else None), table
 
 
 def _wgrad_pool_bytes(shapes_in_forward_order: list[tuple]) -> int:
@@ -175,18 +271,34 @@ def _wgrad_pool_bytes(shapes_in_forward_order: list[tuple]) -> int:
     return sum(n * rows * cols * 4 for (rows, cols), n in counts.items())
 
 
-def _activation_bytes(recipe) -> int:
-    """Korthikanti et al. (2022) per-layer activations without recompute, s·b·h·(34 + 5as/h)
-    bytes for 16-bit training, of which 19·s·b·h belong to the 4h MLP: that part is scaled to
-    the routed experts (top-k tokens through experts of width moe_ffn_hidden_size)."""
+def activation_bytes(recipe, micro_batch_size: int | None = None) -> int:
+    """Bytes the forward keeps for backward on one rank (first pipeline stage, no recompute).
+
+    Per layer, in bytes per element of ``[s, b, h]`` (16-bit training; x2 for fp32):
+
+    * 18 for everything but the attention probabilities and the routed experts' interior:
+      norms' inputs and outputs, q / k / v after rope, the attention context, the projection
+      input, the router, residuals (calibrated: with the two terms below it reproduces the
+      measured 152 of the flagship recipe, local attention, within 1 %);
+    * routed experts: ``topk x (4 + 8 x moe_ffn / h)``: the permuted input and the fc2 output
+      (2 + 2 bytes per token copy) and, per copy, the fc1 output (gate and up, 2 x ffn), the
+      SwiGLU output and its probability-weighted copy (ffn each), all 16-bit; a dense MLP
+      counts ``4 + 8 x ffn / h`` once;
+    * attention probabilities, ``attention_backend: local`` only: ``6 x heads x s / h`` (the
+      fp32 softmax output and its 16-bit copy, [b, heads, s, s] each); torch's fused SDPA
+      kernels keep only their output and a [b, heads, s] fp32 log-sum-exp (negligible).
+
+    Plus the loss: the fp32 softmax of the cross-entropy, ``4 x s x b x V / TP``.
+    """
     m, t, p = recipe.model, recipe.train, recipe.parallel
-    s, b, h, a = m.seq_length, t.micro_batch_size, m.hidden_size, m.num_attention_heads
-    width = 1 if (t.bf16 or t.fp16) else 2  # the formula counts 16-bit values
-    mlp = 19.0
+    s, b, h, a = m.seq_length, micro_batch_size or t.micro_batch_size, m.hidden_size, m.num_attention_heads
+    width = 1 if (t.bf16 or t.fp16) else 2  # the per-element figures are for 16-bit values
     if m.is_moe:
-        mlp *= m.moe_router_topk * m.moe_ffn_hidden_size / (4 * h)
-    elif m.ffn_hidden_size:
-        mlp *= m.ffn_hidden_size / (4 * h)
-    per_layer = s * b * h * (15 + mlp + 5 * a * s / h) * width / p.tensor_model_parallel_size
+        mlp = m.moe_router_topk * (4 + 8 * m.moe_ffn_hidden_size / h)
+    else:
+        mlp = 4 + 8 * m.ffn_hidden_size / h
+    scores = 6 * a * s / h if getattr(m, "attention_backend", "local") == "local" else 0.0
+    per_layer = s * b * h * (18 + mlp + scores) * width / p.tensor_model_parallel_size
     layers = m.num_layers // p.pipeline_model_parallel_size
-    return int(per_layer * layers)
+    loss = 4 * s * b * recipe.padded_vocab_size // p.tensor_model_parallel_size
+    return int(per_layer * layers) + loss

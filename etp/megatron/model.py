@@ -84,17 +84,27 @@ class ETPGroupedExperts(_megatron_module()):
         return out, None
 
 
-def etp_gpt_layer_spec(num_experts: int | None = None, **kwargs):
-    """megatron-core's local GPT layer spec with ``ETPGroupedExperts`` as the MoE experts.
+def etp_gpt_layer_spec(num_experts: int | None = None, attention_backend: str = "sdpa", **kwargs):
+    """megatron-core's local GPT layer spec with ``ETPGroupedExperts`` as the MoE experts and,
+    with ``attention_backend="sdpa"`` (the default), ``etp.megatron.attention.SDPAttention`` as
+    the core attention (torch's fused SDPA kernels; ``"local"`` keeps megatron-core's
+    ``DotProductAttention``, which materializes the score matrix). Both hold no parameters:
+    the state-dict keys are the same either way.
 
     Example::
 
-        spec = etp_gpt_layer_spec(num_experts=8, normalization="RMSNorm")
+        spec = etp_gpt_layer_spec(num_experts=8, normalization="RMSNorm", attention_backend="sdpa")
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
 
+    from .attention import ATTENTION_BACKENDS, SDPAttention
+
+    if attention_backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend={attention_backend!r}: expected one of {ATTENTION_BACKENDS}")
     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, **kwargs)
+    if attention_backend == "sdpa":
+        spec.submodules.self_attention.submodules.core_attention = ModuleSpec(module=SDPAttention)
     if num_experts:
         spec.submodules.mlp.submodules.experts = ModuleSpec(module=ETPGroupedExperts)
     return spec

@@ -72,8 +72,10 @@ class _MoE(nn.Module):
         token_of = torch.arange(tokens.shape[0], device=x.device).repeat_interleave(self.topk)[order]
         counts = torch.bincount(flat_expert, minlength=self.num_experts).cpu()
         out = self.experts(tokens[token_of], counts, probs.reshape(-1)[order].to(x.dtype))
-        combined = torch.zeros_like(tokens).index_add_(0, token_of, out)
-        return combined.view(shape)
+        # Back to (token, k) order by a gather, then a fixed-order sum over k: deterministic on
+        # every device (index_add_ accumulates in arrival order on GPUs).
+        per_slot = out[torch.argsort(order)].view(tokens.shape[0], self.topk, -1)
+        return per_slot.sum(dim=1).view(shape)
 
 
 def _sharded_state_dict(module: nn.Module, prefix: str, sharded_offsets: tuple, metadata) -> dict:

@@ -14,13 +14,16 @@ mixed precision with fp32 main params and grads, distributed optimizer when the 
 grad-norm clipping counting every element once, FP8 shards re-quantized after each step).
 On CPU (megatron-core's DDP and optimizer need CUDA) torch AdamW steps the model after
 ``etp.finalize_grads`` and ``etp.clip_grad_norm_``. Every ``log_interval`` iterations: loss,
-step time, TFLOP/s per rank (6 x active parameters x tokens, attention excluded) and peak
-memory.
+step time, model TFLOP/s per rank (attention included, see [Note: FLOP count] in
+``etp.megatron.flops``), MFU against the GPU's bf16 peak, and peak memory. ``--profile DIR``
+traces a few steady-state iterations and prints where the time goes (``etp.megatron.profile``);
+``deterministic: true`` makes reruns bitwise equal (``etp.megatron.reproducible``).
 
 Example::
 
     etp-train --recipe recipes/tiny_moe_cpu.yaml
     torchrun --nproc-per-node=8 -m etp.megatron.train --recipe recipes/moe_h200x8.yaml
+    torchrun --nproc-per-node=2 -m etp.megatron.train --recipe recipes/moe_h200x2_wide.yaml --profile prof
 """
 from __future__ import annotations
 
@@ -54,6 +57,11 @@ def _parse(argv):
                              "recipe's load (or save) directory, at any parallel layout")
     parser.add_argument("--exit-after", type=int, metavar="N",
                         help="stop after iteration N (the learning-rate schedule still spans train_iters)")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="torch-profile a few steady-state iterations: one Chrome trace per rank in DIR "
+                             "and a time breakdown per iteration (printed by rank 0, JSON per rank)")
+    parser.add_argument("--peak-tflops", type=float, metavar="TFLOPS",
+                        help="bf16 peak TFLOP/s per GPU for MFU (default: the recipe's peak_tflops, else by GPU name)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override any recipe key (etp.KEY for the etp section); repeatable")
     return parser.parse_args(argv)
@@ -149,8 +157,10 @@ def _build(recipe, device):
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         expert_model_parallel_size=p.expert_model_parallel_size,
         sequence_parallel=p.sequence_parallel, use_cpu_initialization=device.type == "cpu",
+        deterministic_mode=recipe.train.deterministic,
     )
-    spec = etp_gpt_layer_spec(num_experts=m.num_experts, normalization=m.normalization)
+    spec = etp_gpt_layer_spec(num_experts=m.num_experts, normalization=m.normalization,
+                              attention_backend=m.attention_backend)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=recipe.padded_vocab_size,
                      max_sequence_length=m.max_position_embeddings or m.seq_length,
                      position_embedding_type=m.position_embedding_type,
@@ -249,15 +259,22 @@ class _MegatronStep:
 
 
 def train(rank: int, world: int, recipe, port: int | None = None, json_path: str | None = None,
-          audit_path: str | None = None, resume: bool | int = False, exit_after: int | None = None) -> list[float]:
+          audit_path: str | None = None, resume: bool | int = False, exit_after: int | None = None,
+          profile_dir: str | None = None) -> list[float]:
     """One rank of a run; returns the data-parallel mean loss of every iteration it ran.
     Rank 0 writes the run's figures to ``json_path`` and, with ``audit_path``, the memory
     audit of every rank (``etp.audit.MemoryAudit``: per-phase peaks, measured vs predicted
     bytes). With ``recipe.train.save`` and ``save_interval`` it checkpoints every
     ``save_interval`` iterations; ``resume`` (True, or an iteration) continues from the latest
     (or that) checkpoint of ``load`` (or ``save``); ``exit_after`` stops after that iteration (the schedule still
-    spans ``train_iters``)."""
+    spans ``train_iters``); ``profile_dir`` traces a few steady-state iterations into that
+    directory (see ``etp.megatron.profile.TrainingProfiler``)."""
     _silence_fallback_warnings(rank)
+    determinism = None
+    if recipe.train.deterministic:  # before any CUDA work: cuBLAS reads its workspace config once
+        from .reproducible import enable_determinism
+
+        determinism = enable_determinism()
     from megatron.core import parallel_state as ps
 
     from .groups import build_megatron_etp_groups
@@ -294,16 +311,26 @@ def train(rank: int, world: int, recipe, port: int | None = None, json_path: str
         from ..audit import MemoryAudit
 
         audit = MemoryAudit(trainer.model, trainer.optimizer, device)
-    phase = audit.phase if audit is not None else _no_phase
+    phase = _labelled(audit.phase if audit is not None else _no_phase)
     micro = recipe.num_microbatches(world)
     batches = _Batches(recipe, ps.get_data_parallel_rank(), device, micro)
     tokens_per_iter = micro * recipe.train.micro_batch_size * recipe.model.seq_length
-    flops_per_iter = 6 * recipe.num_params(active=True) * tokens_per_iter
+    from .flops import peak_tflops, training_flops
+
+    flops_per_iter = training_flops(recipe, tokens_per_iter)  # attention included: [Note: FLOP count]
+    peak = recipe.train.peak_tflops or peak_tflops(torch.cuda.get_device_name() if device.type == "cuda" else None)
     if rank == 0:
-        print(f"etp-train: {recipe.source or 'recipe'} on {world} ranks ({backend}); {summary}", flush=True)
+        print(f"etp-train: {recipe.source or 'recipe'} on {world} ranks ({backend}); {summary}; attention "
+              f"{recipe.model.attention_backend}; {flops_per_iter / 1e12:.2f} TFLOP per iteration per rank, "
+              f"peak {peak or 'unknown'} TFLOP/s" + ("; deterministic" if determinism else ""), flush=True)
     start = _resume(recipe, trainer, rank, None if resume is True else resume) if resume else 0
     stop = min(recipe.train.train_iters, exit_after or recipe.train.train_iters)
     losses, records, window = [], [], time.perf_counter()
+    profiler, window_profiled = None, False
+    if profile_dir:
+        from .profile import TrainingProfiler
+
+        profiler = TrainingProfiler(profile_dir, rank, stop - start, device.type == "cuda", trainer.model)
     for iteration in range(start, stop):
         total = torch.zeros((), device=device)
         for index, context in enumerate(trainer.microbatches(micro)):
@@ -313,11 +340,15 @@ def train(rank: int, world: int, recipe, port: int | None = None, json_path: str
                 with phase("backward"):
                     (objective / micro).backward()
             total += loss.detach() / micro
+        # The optimizer step (finalize, clip, Adam, FP8 re-quantization): post-step hooks go after it.
         norm = trainer.step(_lr(recipe, iteration), phase)
         if audit is not None:
             audit.step_done()
         dist.all_reduce(total, group=ps.get_data_parallel_group())
         losses.append(total.item() / ps.get_data_parallel_world_size())
+        if profiler is not None:
+            window_profiled |= profiler.covers(iteration - start)
+            profiler.step()
         last = iteration + 1 == stop
         t = recipe.train
         if t.save and t.save_interval and ((iteration + 1) % t.save_interval == 0 or iteration + 1 == t.train_iters):
@@ -329,16 +360,32 @@ def train(rank: int, world: int, recipe, port: int | None = None, json_path: str
                 torch.cuda.synchronize()
             elapsed = (time.perf_counter() - window) / ((iteration % recipe.train.log_interval) + 1)
             window = time.perf_counter()
-            peak = (f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if device.type == "cuda" else "n/a (CPU)")
+            memory = (f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if device.type == "cuda" else "n/a (CPU)")
+            tflops = flops_per_iter / elapsed / 1e12
+            mfu = tflops / peak if peak else None
             records.append({"iteration": iteration + 1, "loss": losses[-1], "grad_norm": norm,
-                            "ms_per_iter": elapsed * 1e3, "tflops_per_rank": flops_per_iter / elapsed / 1e12})
+                            "ms_per_iter": elapsed * 1e3, "tflops_per_rank": tflops, "mfu": mfu,
+                            "profiled": window_profiled})
+            window_profiled = False
             if rank == 0:
                 print(f"iter {iteration + 1:5d}/{recipe.train.train_iters} | loss {losses[-1]:.4f} | "
-                      f"grad norm {norm:.3f} | {elapsed * 1e3:8.1f} ms/iter | "
-                      f"{flops_per_iter / elapsed / 1e12:7.3f} TFLOP/s/rank | peak {peak}", flush=True)
+                      f"grad norm {norm:.3f} | {elapsed * 1e3:8.1f} ms/iter | {tflops:7.3f} TFLOP/s/rank | "
+                      f"MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | peak {memory}", flush=True)
+    breakdown = None
+    if profiler is not None:
+        breakdown = profiler.finish()
+        if rank == 0 and breakdown is not None:
+            from .profile import format_breakdown
+
+            print(format_breakdown(breakdown, f"rank 0, attention {recipe.model.attention_backend}"), flush=True)
     _quiesce(trainer, device)
     if json_path and rank == 0:
-        _write_report(json_path, recipe, world, backend, summary, losses, records, device)
+        from ..audit import predict_peak
+
+        extra = {"flops_per_iter_per_rank": flops_per_iter, "peak_tflops": peak, "determinism": determinism,
+                 "attention_backend": recipe.model.attention_backend, "profile": breakdown,
+                 "predicted_peak_gib": predict_peak(recipe, world)["peak"] / 2**30}  # etp-audit's, to compare
+        _write_report(json_path, recipe, world, backend, summary, losses, records, device, extra)
     if audit is not None:
         _write_audit(audit_path, audit, recipe, world, rank)
     ps.destroy_model_parallel()
@@ -392,30 +439,52 @@ def _no_phase(name: str):
     yield
 
 
+def _labelled(phase):
+    """``phase`` (the audit's, or none) inside an ``etp::<name>`` profiler range, so a trace
+    reads by itself and the breakdown can tell the optimizer's kernels."""
+    from torch.autograd.profiler import record_function
+
+    @contextlib.contextmanager
+    def labelled(name: str):
+        with record_function(f"etp::{name}"), phase(name):
+            yield
+
+    return labelled
+
+
 def _write_audit(path, audit, recipe, world: int, rank: int) -> None:
     """Gathers every rank's audit to rank 0, which prints its own table against the
     prediction and writes all of them (a collective)."""
     import json
 
-    from ..audit import predict_memory
+    from ..audit import predict_memory, predict_peak
 
     prediction = predict_memory(recipe, world)
-    mine = {"report": audit.report(), "comparison": audit.compare(prediction)}
+    peak = predict_peak(recipe, world)
+    report = audit.report()
+    measured = [r["peak_allocated"] for r in report["phases"].values() if r.get("peak_allocated") is not None]
+    peaks = {"predicted": peak["peak"], "predicted_phase": peak["peak_phase"],
+             "measured": max(measured) if measured else None}
+    mine = {"report": report, "comparison": audit.compare(prediction), "peak": peaks}
     everyone: list = [None] * world
     dist.all_gather_object(everyone, mine)
     if rank != 0:
         return
     print(audit.format_table(prediction), flush=True)
+    if peaks["measured"] is not None:
+        print(f"peak allocated: measured {peaks['measured'] / 2**30:.2f} GiB, predicted {peak['peak'] / 2**30:.2f} GiB "
+              f"({peaks['measured'] / peak['peak'] - 1:+.1%}; predicted in {peak['peak_phase']})", flush=True)
     with open(path, "w") as f:
         json.dump({"recipe": str(recipe.source), "world_size": world, "prediction": prediction,
                    "ranks": everyone}, f, indent=1, default=str)
     print(f"etp-train: wrote the memory audit of {world} ranks to {path}", flush=True)
 
 
-def _write_report(path, recipe, world, backend, summary, losses, records, device) -> None:
+def _write_report(path, recipe, world, backend, summary, losses, records, device, extra) -> None:
     import json
 
-    steady = records[1:] or records  # the first window holds warm-up and compilation
+    # The first window holds warm-up and compilation; profiled windows carry the profiler's overhead.
+    steady = [r for r in records[1:] if not r.get("profiled")] or records[1:] or records
     report = {
         "recipe": str(recipe.source), "world_size": world, "backend": backend, "etp": vars(recipe.etp),
         "params": recipe.num_params(), "active_params": recipe.num_params(active=True),
@@ -423,6 +492,9 @@ def _write_report(path, recipe, world, backend, summary, losses, records, device
         "losses": losses, "log": records,
         "ms_per_iter": sum(r["ms_per_iter"] for r in steady) / len(steady),
         "tflops_per_rank": sum(r["tflops_per_rank"] for r in steady) / len(steady),
+        "mfu": (sum(r["mfu"] for r in steady) / len(steady)) if steady[0]["mfu"] is not None else None,
+        "flops_convention": "6 x GEMM weights per token + 12 x layers x heads x kv_channels x seq (full square)",
+        **extra,
         "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else None,
     }
@@ -431,9 +503,9 @@ def _write_report(path, recipe, world, backend, summary, losses, records, device
     print(f"etp-train: wrote {path}", flush=True)
 
 
-def _spawned(rank, world, recipe, port, results, json_path, audit_path, resume, exit_after):
+def _spawned(rank, world, recipe, port, results, json_path, audit_path, resume, exit_after, profile_dir):
     try:
-        losses = train(rank, world, recipe, port, json_path, audit_path, resume, exit_after)
+        losses = train(rank, world, recipe, port, json_path, audit_path, resume, exit_after, profile_dir)
         results.put((rank, losses, None))
     except BaseException as exc:  # noqa: BLE001 - report, then fail the run
         import traceback
@@ -455,13 +527,15 @@ def main(argv=None) -> int:
             overrides["train_iters"] = args.train_iters
         if args.log_interval is not None:
             overrides["log_interval"] = args.log_interval
+        if args.peak_tflops is not None:
+            overrides["peak_tflops"] = args.peak_tflops
         recipe = Recipe.from_yaml(args.recipe, **overrides)
     except RecipeError as error:
         print(f"etp-train: {error}", file=sys.stderr)
         return 2
     if "RANK" in os.environ:  # launched by torchrun
         train(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), recipe, json_path=args.json, audit_path=args.audit,
-              resume=args.resume, exit_after=args.exit_after)
+              resume=args.resume, exit_after=args.exit_after, profile_dir=args.profile)
         dist.destroy_process_group()
         return 0
     world = recipe.parallel.world_size or 1
@@ -477,7 +551,8 @@ def main(argv=None) -> int:
     context = mp.get_context("spawn")
     results = context.Queue()
     procs = [context.Process(target=_spawned, args=(r, world, recipe, port, results, args.json, args.audit,
-                                                           args.resume, args.exit_after)) for r in range(world)]
+                                                           args.resume, args.exit_after, args.profile))
+             for r in range(world)]
     for proc in procs:
         proc.start()
     failures = []

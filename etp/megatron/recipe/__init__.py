@@ -48,6 +48,8 @@ Model (``recipe.model``, :class:`ModelSpec`):
     moe_aux_loss_coeff: 0.0.
     moe_router_load_balancing_type: aux_loss (aux_loss | seq_aux_loss | global_aux_loss |
         sinkhorn | none; one value, not Megatron-LM's list form).
+    attention_backend: sdpa (etp's own: sdpa = etp.megatron.attention.SDPAttention on torch's
+        fused SDPA kernels | local = megatron-core's DotProductAttention, full score matrix).
 
 Parallelism (``recipe.parallel``, :class:`ParallelSpec`):
     tensor_model_parallel_size: 1. pipeline_model_parallel_size: 1.
@@ -70,6 +72,10 @@ Training (``recipe.train``, :class:`TrainSpec`):
         corpus, read as bytes; a relative path is looked up from the working directory, the
         recipe's directory and the directory holding the etp package, see
         :meth:`Recipe.resolve_data_path`).
+    deterministic: false (true: torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG,
+        megatron-core deterministic_mode, deterministic SDPA kernels; bitwise-equal reruns).
+    peak_tflops: None (etp's own: bf16 peak TFLOP/s per GPU for the MFU column; None -> by GPU
+        name, etp.megatron.flops.PEAK_TFLOPS).
 
 ETP (``recipe.etp``, :class:`etp.ETPConfig`): etp_size, expert_etp_size, pad_for_alignment,
     reduction, gather_dtype, prefetch, async_reduce, debug_checks (defaults in

@@ -50,6 +50,7 @@ _DISPATCHERS = ("allgather", "alltoall", "flex")
 _LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
 _LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 _BACKENDS = ("auto", "gloo", "nccl")
+_ATTENTION_BACKENDS = ("sdpa", "local")  # etp.megatron.attention.ATTENTION_BACKENDS
 SYNTHETIC = "synthetic"
 
 
@@ -99,6 +100,10 @@ class ModelSpec:
     moe_aux_loss_coeff: float = _key(0.0, _FLOAT, "load-balancing loss weight", minimum=0.0)
     moe_router_load_balancing_type: str = _key(
         "aux_loss", _STR, "router load balancing", choices=_LOAD_BALANCING
+    )
+    attention_backend: str = _key(
+        "sdpa", _STR, "core attention: sdpa (torch fused kernels) or local (megatron's, full scores)",
+        choices=_ATTENTION_BACKENDS,
     )
 
     def __post_init__(self) -> None:
@@ -250,6 +255,13 @@ class TrainSpec:
     save_interval: int | None = _positive(None, "steps between checkpoints")
     load: str | None = _key(None, _STR, "checkpoint directory to load from")
     data: str = _key(SYNTHETIC, _STR, "'synthetic' or a text corpus path")
+    deterministic: bool = _key(
+        False, _BOOL, "bitwise-reproducible runs: torch deterministic algorithms, megatron deterministic_mode"
+    )
+    peak_tflops: float | None = _key(
+        None, _FLOAT, "bf16 peak TFLOP/s per GPU for MFU (default: by GPU name)",
+        minimum=0.0, exclusive_minimum=True,
+    )
 
     def __post_init__(self) -> None:
         _validate_fields(self)
