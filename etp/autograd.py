@@ -44,7 +44,7 @@ class _ETPWeightFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = op.dgrad(gy, runtime.acquire(param, Role.BWD, gy.dtype), counts)
         if ctx.needs_input_grad[1]:
-            if op.writes_into(x):
+            if op.writes_into(x, gy):
                 padded = runtime.wgrad_buffer(param)
                 op.wgrad(gy, x, counts, out=param.etp_layout.unpad(padded))
                 runtime.reduce_grad(param, padded)

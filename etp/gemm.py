@@ -3,7 +3,7 @@
 Each op exposes ``forward(x, w, counts)``, ``dgrad(gy, w, counts)`` and
 ``wgrad(gy, x, counts, out=None)`` so that one autograd Function (``etp.autograd``) serves
 both. ``wgrad`` writes into ``out`` (a view of a pooled, padded buffer) when
-``writes_into(x)`` says it can, and otherwise returns a new tensor: ``torch._grouped_mm``
+``writes_into(x, gy)`` says it can, and otherwise returns a new tensor: ``torch._grouped_mm``
 has no ``out=``, and copying its result into the pool would cost a full extra pass over the
 weight gradient.
 
@@ -86,7 +86,7 @@ class DenseGemm:
         return gy.matmul(_dense(w, gy.dtype))
 
     @staticmethod
-    def writes_into(x: torch.Tensor) -> bool:
+    def writes_into(x: torch.Tensor, gy: torch.Tensor) -> bool:
         return True
 
     @staticmethod
@@ -101,11 +101,16 @@ class DenseGemm:
         return out
 
 
-def _use_grouped_mm(x: torch.Tensor) -> bool:
+def _use_grouped_mm(x: torch.Tensor, out_features: int, in_features: int) -> bool:
+    """``torch._grouped_mm``'s supported case: bf16 on sm90+, and every operand's rows 16-byte
+    aligned (``in`` and ``out`` multiples of 8), which its TMA loads need (it raises "strides
+    should be multiple of 16 bytes" otherwise); other shapes take the per-expert loop."""
     return (
         x.is_cuda
         and x.dtype == torch.bfloat16
         and hasattr(torch, "_grouped_mm")
+        and out_features % 8 == 0
+        and in_features % 8 == 0
         and torch.cuda.get_device_capability(x.device)[0] >= 9
     )
 
@@ -130,7 +135,7 @@ class GroupedGemm:
             return torch._scaled_grouped_mm(xq, w.data.transpose(-2, -1), x_inv, scale_b,
                                             offs=_offsets(counts, x.device), out_dtype=x.dtype)
         w = _dense(w, x.dtype)
-        if _use_grouped_mm(x):
+        if _use_grouped_mm(x, w.shape[-2], w.shape[-1]):
             return torch._grouped_mm(x, w.transpose(-2, -1), offs=_offsets(counts, x.device))
         return grouped_linear_reference(x, w, counts)
 
@@ -144,18 +149,18 @@ class GroupedGemm:
             return torch._scaled_grouped_mm(gq, w_col, g_inv, scale_b,
                                             offs=_offsets(counts, gy.device), out_dtype=gy.dtype)
         w = _dense(w, gy.dtype)
-        if _use_grouped_mm(gy):
+        if _use_grouped_mm(gy, w.shape[-2], w.shape[-1]):
             return torch._grouped_mm(gy, w, offs=_offsets(counts, gy.device))
         parts = torch.split(gy, _splits(counts))
         return torch.cat([part.mm(w[e]) for e, part in enumerate(parts)])
 
     @staticmethod
-    def writes_into(x: torch.Tensor) -> bool:
-        return not _use_grouped_mm(x)
+    def writes_into(x: torch.Tensor, gy: torch.Tensor) -> bool:
+        return not _use_grouped_mm(x, gy.shape[-1], x.shape[-1])
 
     @staticmethod
     def wgrad(gy, x, counts, out: torch.Tensor | None = None) -> torch.Tensor:
-        if _use_grouped_mm(x):
+        if _use_grouped_mm(x, gy.shape[-1], x.shape[-1]):
             result = torch._grouped_mm(gy.t(), x, offs=_offsets(counts, x.device))
             return result if out is None else out.copy_(result)
         splits = _splits(counts)

@@ -201,6 +201,9 @@ class _TorchStep:
             group["lr"] = lr
         with phase("optimizer"):
             self.optimizer.step()
+            # The next step's first gathers start now, behind the host work between steps
+            # (the megatron path's optimizer builder does this inside its step()).
+            etp.prefetch_after_step(self.model)
         return norm.item()
 
 
