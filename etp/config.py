@@ -68,8 +68,8 @@ class ETPConfig:
             communicator, fp32 wire), "nccl_capped" (its own NCCL communicator limited to
             ``reduce_ctas`` CTAs), "symm_triton" (a Triton kernel over symmetric memory on
             ``reduce_ctas`` CTAs: 16-bit wire bytes, fp32 sums added straight into
-            ``main_grad``) or "auto" (symm_triton where the gathers use the copy engine,
-            else nccl).
+            ``main_grad``) or "auto" (nccl: the other two measured slower than the SMs
+            they free, see BENCHMARKS.md "SM-free communication").
         reduce_ctas: CTAs (thread blocks) of the "nccl_capped" and "symm_triton" reductions.
 
     Example::

@@ -81,7 +81,7 @@ def _chosen(ctx):
 
 def test_auto_picks_copy_engine_and_gathers_without_nccl_kernels():
     for chosen, homes, nccl_gathers, peer_copies in run_distributed(_chosen, 2):
-        assert chosen == [("copy_engine", "symm_triton")]
+        assert chosen == [("copy_engine", "nccl")]  # reductions: see choose_transports
         assert homes
         assert nccl_gathers == 0
         assert peer_copies > 0

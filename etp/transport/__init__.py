@@ -78,7 +78,7 @@ def _refuse(key: str, value: str, why: str) -> ValueError:
 
 def choose_transports(config: ETPConfig, group: ShardGroup, device: torch.device) -> Transports:
     """The transports of ``group`` for ``config`` (a collective over the group on CUDA)."""
-    maybe_symm = config.transport in ("auto", "copy_engine") or config.reduce_transport in ("auto", "symm_triton")
+    maybe_symm = config.transport in ("auto", "copy_engine") or config.reduce_transport == "symm_triton"
     ok, why = symmetric_memory_status(group, device) if maybe_symm else (False, "not asked for")
     if config.transport == "copy_engine" and not ok:
         raise _refuse("transport", config.transport, why)
@@ -95,7 +95,10 @@ def choose_transports(config: ETPConfig, group: ShardGroup, device: torch.device
         reasons.append("nccl: " + ("configured" if config.transport == "nccl" else why))
     reduce_name = config.reduce_transport
     if reduce_name == "auto":
-        reduce_name = "symm_triton" if gather.name == "copy_engine" else "nccl"
+        # NCCL: the SM-light reductions measured slower than they save on 2xH200 (2026-11-23,
+        # BENCHMARKS.md "SM-free communication"): symm_triton 5.8 ms at 8 CTAs for an fc1
+        # gradient NCCL reduces in 1.05 ms, and 137 ms per iteration of the flagship recipe.
+        reduce_name = "nccl"
     if reduce_name == "symm_triton":
         from .symm_reduce import SymmTritonReduce
 
