@@ -342,6 +342,7 @@ def test_checkpoint_across_etp_sizes_and_stock_models():
     _spawn(_tp1_layouts)
 
 
+@pytest.mark.slow  # TP 2 x ETP 2 resharding is also covered by test_checkpoint_train's tp2xetp2 case
 def test_checkpoint_tp2_etp2_and_ep2_load_at_tp1_ep1():
     _spawn(_other_layouts)
 

@@ -139,6 +139,7 @@ def test_resume_continues_the_loss_curve(tmp_path):
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["iter_0000010", "iter_0000020", "latest"]
 
 
+@pytest.mark.slow  # the reshard itself is bit-exact in test_reshard_weights_and_adam_moments_bit_exact
 def test_resume_at_another_layout_continues_the_loss_curve(tmp_path):
     """Saved at 2 ranks x ETP 2, resumed at 4 ranks x ETP 4 (the global batch is the same
     samples at any layout): the losses continue the 2-rank run's within fp32 reduction-order

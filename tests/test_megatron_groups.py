@@ -52,9 +52,9 @@ def _layout(ctx, tp, cp, ep, etp, eetp):
         # TP = 1, ETP = 2 of DP = 4: chunks [0 1], [2 3]; replicas [0 2], [1 3].
         (1, 1, 1, 2, 2, {0: ((0, 1), (0, 2)), 1: ((0, 1), (1, 3)), 2: ((2, 3), (0, 2)), 3: ((2, 3), (1, 3))}),
         # CP = 2: DP (without CP) is [0 2] / [1 3]; the replicate group spans the CP peers.
-        (1, 2, 1, 2, 2, None),
+        pytest.param(1, 2, 1, 2, 2, None, marks=pytest.mark.slow),
         # EP = 2: expert-data-parallel groups of 2; experts shard over them, dense over DP = 4.
-        (1, 1, 2, 4, 2, None),
+        pytest.param(1, 1, 2, 4, 2, None, marks=pytest.mark.slow),
     ],
 )
 def test_layouts(tp, cp, ep, etp, eetp, expected):

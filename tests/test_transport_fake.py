@@ -8,6 +8,7 @@ buffers from the transport's allocator, the kernel wrapper's divide / accumulate
 The real symmetric memory, copy engines and Triton kernel run in test_transport_gpu.py."""
 import logging
 
+import pytest
 import torch
 import torch.distributed as dist
 from harness import run_distributed
@@ -92,6 +93,7 @@ def _bit_for_bit(ctx, overrides, dtype):
     return _async_equals_sync(ctx, overrides, dtype, True)
 
 
+@pytest.mark.slow  # ran on 2 GPUs with the real transports: tests/test_transport_gpu.py
 def test_async_equals_sync_bf16_and_fp8_through_emulated_transports():
     for overrides, dtype in ((CE, torch.bfloat16), (dict(CE, gather_dtype="fp8_tensorwise"), torch.float32),
                              (dict(CE, gather_dtype="fp8_blockwise", pad_for_alignment=128), torch.float32)):
