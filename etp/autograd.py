@@ -2,7 +2,7 @@
 
 [Note: ETP autograd contract]
 Forward acquires the full weight from the runtime (prefetched or gathered on demand), runs
-the GEMM and saves only the input and the *shard* (the parameter itself, alive anyway): no
+the GEMM and keeps only the input and the *shard* (the parameter itself, alive anyway): no
 full weight survives from forward to backward. Backward acquires the weight again (the
 backward chain prefetched it), computes the input gradient, writes the full weight gradient
 into a pooled padded buffer (or, for GEMMs without ``out=``, hands over their result) and
@@ -28,17 +28,21 @@ class _ETPWeightFunction(torch.autograd.Function):
     """``y = op(x, W)`` where ``W`` is gathered from the ETP shard ``param``."""
 
     @staticmethod
-    def forward(ctx, x, param, op, counts):
-        weight = param.etp_runtime.acquire(param, Role.FWD, x.dtype)
+    def forward(ctx, x, param, op, counts, records_grad):
+        # ``records_grad`` comes from the caller: grad mode is always off in here.
+        weight = param.etp_runtime.acquire(param, Role.FWD, x.dtype, records_grad)
         y = op.forward(x, weight, counts)
-        ctx.save_for_backward(x, param, counts)
-        ctx.op = op
+        ctx.save_for_backward(x, counts)
+        # The parameter rides on ctx, not in saved tensors: a non-reentrant checkpoint swaps
+        # saved tensors for recomputed plain ones, which would lose the shard's ETP identity.
+        ctx.param, ctx.op = param, op
         return y
 
     @staticmethod
     def backward(ctx, gy):
-        x, param, counts = ctx.saved_tensors
-        op, runtime = ctx.op, param.etp_runtime
+        x, counts = ctx.saved_tensors
+        param, op = ctx.param, ctx.op
+        runtime = param.etp_runtime
         gy = gy.contiguous()
         grad_x = None
         if ctx.needs_input_grad[0]:
@@ -50,7 +54,12 @@ class _ETPWeightFunction(torch.autograd.Function):
                 runtime.reduce_grad(param, padded)
             else:
                 runtime.reduce_grad(param, op.wgrad(gy, x, counts))
-        return grad_x, None, None, None
+        return grad_x, None, None, None, None
+
+
+def _apply(x, param, op, counts):
+    records_grad = torch.is_grad_enabled() and param.requires_grad
+    return _ETPWeightFunction.apply(x, param, op, counts, records_grad)
 
 
 def etp_linear(
@@ -62,7 +71,7 @@ def etp_linear(
 
         y = etp_linear(x, layer.weight, layer.bias)   # layer.weight: ETPShardedParam
     """
-    y = _ETPWeightFunction.apply(x, weight, DenseGemm, None)
+    y = _apply(x, weight, DenseGemm, None)
     return y if bias is None else y + bias
 
 
@@ -76,4 +85,4 @@ def etp_grouped_linear(
 
         y = etp_grouped_linear(x_sorted, experts.fc1_weight, torch.tensor([5, 0, 9]))
     """
-    return _ETPWeightFunction.apply(x, weight, GroupedGemm, tokens_per_expert)
+    return _apply(x, weight, GroupedGemm, tokens_per_expert)

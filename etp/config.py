@@ -56,6 +56,9 @@ class ETPConfig:
             scale per weight or per expert) or "fp8_blockwise" (e4m3, 128x128 blocks; needs
             pad_for_alignment a multiple of 128).
         prefetch: gather the next weight of the chain while the current GEMM runs.
+        prefetch_recompute: with ``prefetch``, also prefetch the weights of forwards that
+            activation recompute re-runs inside backward, along their own chain (off: each
+            recomputed weight is gathered on demand). See [Note: ETP recompute chain].
         async_reduce: reduce-scatter weight gradients on a side stream, finalized later.
         debug_checks: check every gather / reduce-scatter state transition (slower) and log
             weight-cache and wgrad-pool activity on the ``etp.cache`` logger (allocations at
@@ -84,6 +87,7 @@ class ETPConfig:
     reduction: str = "mean"
     gather_dtype: str = "param"
     prefetch: bool = True
+    prefetch_recompute: bool = True
     async_reduce: bool = True
     debug_checks: bool = False
     transport: str = "auto"
@@ -121,7 +125,7 @@ class ETPConfig:
                 raise ValueError(
                     f"ETPConfig.{key}={getattr(self, key)!r}: allowed values are {list(allowed)}"
                 )
-        for key in ("prefetch", "async_reduce", "debug_checks"):
+        for key in ("prefetch", "prefetch_recompute", "async_reduce", "debug_checks"):
             value = getattr(self, key)
             if not isinstance(value, bool):
                 raise ValueError(f"ETPConfig.{key}={value!r}: expected true or false")

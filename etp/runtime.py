@@ -27,6 +27,23 @@ in between (call ``drain()`` between inference forwards to keep prefetching). At
 start, gathers still in flight are discarded: the optimizer may have changed the shards.
 ``prefetch_after_step()`` starts the pass early, right after the optimizer step (and the
 FP8 quantization): the first forward consume then finds its chain head in flight.
+
+[Note: ETP recompute chain]
+Activation recompute (megatron's ``recompute_granularity``, ``torch.utils.checkpoint``)
+runs a layer's forward again inside backward. A forward consume made while autograd
+executes a backward (``torch._C._current_graph_task_id() != -1``) is a third role,
+``Role.RECOMPUTE``: it neither starts a pass nor joins the forward chain. Its consumes are
+recorded in their own order (layer L's weights, then layer L-1's, ...) and replayed one
+consume ahead like the others, into buffers keyed by that role, so a recompute prefetch
+never overwrites a weight the backward chain is reading. The chain head is issued at the
+forward consume of the chain's last forward weight, so it arrives long before backward
+reaches it. ``ETPConfig.prefetch_recompute=False`` gathers recomputed weights on demand.
+
+Gradient counting (when the grad-ready hooks fire): a consume expects a gradient only when
+autograd records it (grad mode on and the weight requires grad). A recompute consume
+counts only in place of a forward consume that did not (megatron's and torch's reentrant
+checkpoint run the first forward under ``no_grad``); the non-reentrant checkpoint records
+the first forward and discards the recompute's graph, so its recompute does not count.
 """
 from __future__ import annotations
 
@@ -75,7 +92,9 @@ class _ParamState:
     quant: QuantizedShard | None = None  # FP8 shard of this step (FP8 gathers only)
     quant_home: torch.Tensor | None = None  # where the FP8 shard must live (copy engine)
     staged_pass: int = -1  # the pass whose shard was last cast / staged into the home
-    fwd_uses: int = 0  # forward consumes this pass: how many gradients to expect
+    fwd_uses: int = 0  # consumes this pass that autograd recorded: gradients to expect
+    untracked_uses: int = 0  # forward consumes under no_grad (a recompute may stand in)
+    recompute_uses: int = 0  # recompute consumes counted in place of untracked ones
     grads_done: int = 0
     hooks: list = field(default_factory=list)
 
@@ -117,7 +136,7 @@ class ETPRuntime:
         self._states: dict[int, _ParamState] = {}
         self._pending: deque[_ParamState] = deque()
         self._phase = Role.BWD  # so that the first forward consume starts a pass
-        self._consumed: dict[Role, set[int]] = {Role.FWD: set(), Role.BWD: set()}
+        self._consumed: dict[Role, set[int]] = {role: set() for role in Role}
         self._expected: dict[tuple[ChainKey, Role], torch.Tensor | None] = {}
         # id(ticket buffer) -> id(param) whose gather it holds, valid within one pass only
         # (the optimizer may update shards between passes without bumping any version).
@@ -198,13 +217,14 @@ class ETPRuntime:
             # once for this step. Every rank sees the same versions, so all take part.
             quantize_shards(st.param for st in self._states.values())
         for chain in self._chains.values():
-            if chain.orders[Role.BWD].params:
-                chain.orders[Role.BWD].freeze()
-        self._consumed = {Role.FWD: set(), Role.BWD: set()}
+            for role in (Role.BWD, Role.RECOMPUTE):
+                if chain.orders[role].params:
+                    chain.orders[role].freeze()
+        self._consumed = {role: set() for role in Role}
         self._holder.clear()
         self._pass_index += 1
         for st in self._states.values():
-            st.fwd_uses = st.grads_done = 0
+            st.fwd_uses = st.untracked_uses = st.recompute_uses = st.grads_done = 0
         self._expected = {
             (key, role): chain.orders[role].first() if chain.orders[role].frozen else None
             for key, chain in self._chains.items()
@@ -324,17 +344,33 @@ class ETPRuntime:
                 return buffer
         return None
 
-    def acquire(self, param: torch.Tensor, role: Role, compute_dtype: torch.dtype) -> torch.Tensor:
-        """The full logical weight of ``param`` for a GEMM of ``role``; see the module doc."""
+    def acquire(
+        self, param: torch.Tensor, role: Role, compute_dtype: torch.dtype, records_grad: bool = True
+    ) -> torch.Tensor:
+        """The full logical weight of ``param`` for a GEMM of ``role``; see the module doc.
+
+        ``records_grad``: autograd records this consume (grad mode was on and the weight
+        requires grad), so a gradient will come back for it. A forward consume made while
+        autograd runs a backward becomes ``Role.RECOMPUTE``; see [Note: ETP recompute chain].
+        """
         st = self.state(param)
+        if role is Role.FWD and torch._C._current_graph_task_id() != -1:
+            role = Role.RECOMPUTE
         chain, order = st.chain, st.chain.orders[role]
         pid = id(param)
         if role is Role.FWD:
             if self._phase is Role.BWD:
                 self._start_pass()
-            st.fwd_uses += 1
-        elif self._phase is Role.FWD:
-            self._enter_backward()
+            if records_grad:
+                st.fwd_uses += 1
+            else:
+                st.untracked_uses += 1
+        else:
+            if self._phase is Role.FWD:
+                self._enter_backward()
+            if role is Role.RECOMPUTE and records_grad and st.recompute_uses < st.untracked_uses:
+                st.recompute_uses += 1
+                st.fwd_uses += 1
         first_use = pid not in self._consumed[role]
         self._consumed[role].add(pid)
 
@@ -357,7 +393,7 @@ class ETPRuntime:
             self.stats.gathers_reused += 1
         else:
             if (
-                self.config.debug_checks and self.config.prefetch and first_use and order.frozen
+                self.config.debug_checks and self._prefetches(role) and first_use and order.frozen
                 and expected is param and order.first() is not param
             ):
                 raise ETPStateError(
@@ -374,15 +410,13 @@ class ETPRuntime:
         successor = order.after(param) if first_use else None
         if first_use:
             self._expected[(chain.key, role)] = successor
-        if self.config.prefetch:
-            if successor is not None and id(successor) not in self._consumed[role]:
-                nxt = self.state(successor)
-                if self._resident(nxt) is not None:
-                    pass  # already gathered in this pass: its consume re-uses that buffer
-                elif nxt.gather[role] is GatherState.IDLE:
-                    self._issue(nxt, role)
-                elif self.config.debug_checks:
-                    raise ETPStateError(f"ETP {role.value} gather of '{nxt.name}' issued twice")
+        if self._prefetches(role):
+            self._prefetch(successor, role)
+            if role is Role.FWD and first_use and order.is_last(param) and self._prefetches(Role.RECOMPUTE):
+                # The chain's last forward weight: backward's recompute of this chain starts
+                # next; its head is gathered now, behind the rest of forward and backward.
+                self._prefetch(chain.orders[Role.RECOMPUTE].first() if chain.orders[Role.RECOMPUTE].frozen
+                               else None, Role.RECOMPUTE)
 
         weight = param.etp_layout.unpad(buffer)
         if self.fp8:
@@ -390,6 +424,22 @@ class ETPRuntime:
                              self.config.gather_dtype == "fp8_blockwise",
                              buffer, param.etp_layout.rows)
         return weight if weight.dtype == compute_dtype else weight.to(compute_dtype)
+
+    def _prefetches(self, role: Role) -> bool:
+        return self.config.prefetch and (role is not Role.RECOMPUTE or self.config.prefetch_recompute)
+
+    def _prefetch(self, successor: torch.Tensor | None, role: Role) -> None:
+        """Issues the gather of ``successor`` for ``role`` unless this pass already
+        consumed or gathered it."""
+        if successor is None or id(successor) in self._consumed[role]:
+            return
+        nxt = self.state(successor)
+        if self._resident(nxt) is not None:
+            pass  # already gathered in this pass: its consume re-uses that buffer
+        elif nxt.gather[role] is GatherState.IDLE:
+            self._issue(nxt, role)
+        elif self.config.debug_checks:
+            raise ETPStateError(f"ETP {role.value} gather of '{nxt.name}' issued twice")
 
     # ------------------------------------------------------------------ gradients
     def _grad_dtype(self, param: torch.Tensor) -> torch.dtype:
@@ -521,6 +571,7 @@ class ETPRuntime:
         return {
             "gather_fwd": self.cache.nbytes(Role.FWD),
             "gather_bwd": self.cache.nbytes(Role.BWD),
+            "gather_recompute": self.cache.nbytes(Role.RECOMPUTE),
             "wgrad_pool": self.pool.nbytes(),
             # Symmetric memory (copy-engine shard pools, symmetric wgrad buffers): allocated
             # outside torch's caching allocator, so not in torch.cuda.memory_allocated().

@@ -105,10 +105,10 @@ def _order_and_buffers(ctx):
 
     current = [None]
 
-    def acquire(param, role, dtype):
+    def acquire(param, role, dtype, records_grad=True):
         current[0] = names[id(param)]
         log.append(("consume", role.value, names[id(param)]))
-        weight = original_acquire(param, role, dtype)
+        weight = original_acquire(param, role, dtype, records_grad)
         pointers.setdefault(iteration[0], []).append((role, names[id(param)], weight.data_ptr()))
         return weight
 
@@ -305,8 +305,8 @@ def _debug_errors(ctx):
     x = torch.randn(8, 8, device=ctx.device)
     original_take = runtime._take
 
-    def steal_after_l0(param, role, dtype, _acquire=runtime.acquire):
-        weight = _acquire(param, role, dtype)
+    def steal_after_l0(param, role, dtype, records_grad=True, _acquire=runtime.acquire):
+        weight = _acquire(param, role, dtype, records_grad)
         if param is model.l0.weight and role is Role.FWD:
             original_take(runtime.state(model.l1.weight), Role.FWD)
             runtime._holder.clear()  # and forget that the buffer holds it: the gather is lost

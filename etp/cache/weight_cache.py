@@ -34,8 +34,12 @@ log = logging.getLogger("etp.cache")
 
 
 class Role(enum.Enum):
+    """Who consumes a gathered weight: the forward, the backward, or a forward that
+    activation recompute re-runs inside backward (its own chain and buffers)."""
+
     FWD = "fwd"
     BWD = "bwd"
+    RECOMPUTE = "recompute"
 
 
 class BufferKey(NamedTuple):
