@@ -157,6 +157,90 @@ BAD = {
     "global batch % (micro x DP)": ({"global_batch_size": 12}, None, "global_batch_size", 12),
     "recipe world != launched world": ({}, 4, "world_size", 2),
     "bad world": ({"world_size": None}, 0, "world_size", 0),
+    # activation recompute (megatron-core TransformerConfig pass-through; tiny: 2 MoE layers)
+    "recompute granularity": (
+        {"recompute_granularity": "partial"}, None, "recompute_granularity", "partial"
+    ),
+    "recompute method": (
+        {"recompute_granularity": "full", "recompute_method": "even", "recompute_num_layers": 1},
+        None, "recompute_method", "even",
+    ),
+    "recompute zero layers": (
+        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 0},
+        None, "recompute_num_layers", 0,
+    ),
+    "full without method": (
+        {"recompute_granularity": "full", "recompute_num_layers": 1}, None, "recompute_method", None
+    ),
+    "full without num layers": (
+        {"recompute_granularity": "full", "recompute_method": "uniform"},
+        None, "recompute_num_layers", None,
+    ),
+    "full, block past the layers of a stage": (
+        {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 3},
+        None, "recompute_num_layers", 3,
+    ),
+    "full, uniform past the layers of a stage (PP 2)": (
+        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2,
+         "pipeline_model_parallel_size": 2, "world_size": None},
+        None, "recompute_num_layers", 2,
+    ),
+    "full with modules": (
+        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1,
+         "recompute_modules": ["moe"]}, None, "recompute_modules", ["moe"],
+    ),
+    "selective with method": (
+        {"recompute_granularity": "selective", "recompute_method": "uniform"},
+        None, "recompute_method", "uniform",
+    ),
+    "selective with num layers": (
+        {"recompute_granularity": "selective", "recompute_num_layers": 1},
+        None, "recompute_num_layers", 1,
+    ),
+    "method without granularity": ({"recompute_method": "block"}, None, "recompute_method", "block"),
+    "num layers without granularity": (
+        {"recompute_num_layers": 1}, None, "recompute_num_layers", 1
+    ),
+    "modules without granularity": (
+        {"recompute_modules": ["core_attn"]}, None, "recompute_modules", ["core_attn"]
+    ),
+    "modules not a list": (
+        {"recompute_granularity": "selective", "recompute_modules": "core_attn"},
+        None, "recompute_modules", "core_attn",
+    ),
+    "unknown module": (
+        {"recompute_granularity": "selective", "recompute_modules": ["attn"]},
+        None, "recompute_modules", ["attn"],
+    ),
+    "module twice": (
+        {"recompute_granularity": "selective", "recompute_modules": ["moe", "moe"]},
+        None, "recompute_modules", ["moe", "moe"],
+    ),
+    "no modules": (
+        {"recompute_granularity": "selective", "recompute_modules": []},
+        None, "recompute_modules", [],
+    ),
+    "moe_act (megatron's grouped-GEMM experts)": (
+        {"recompute_granularity": "selective", "recompute_modules": ["core_attn", "moe_act"]},
+        None, "recompute_modules", ["core_attn", "moe_act"],
+    ),
+    "mla_up_proj without MLA": (
+        {"recompute_granularity": "selective", "recompute_modules": ["mla_up_proj"]},
+        None, "recompute_modules", ["mla_up_proj"],
+    ),
+    "shared_experts without shared experts": (
+        {"recompute_granularity": "selective", "recompute_modules": ["shared_experts"]},
+        None, "recompute_modules", ["shared_experts"],
+    ),
+    "mlp on an MoE model": (
+        {"recompute_granularity": "selective", "recompute_modules": ["mlp"]},
+        None, "recompute_modules", ["mlp"],
+    ),
+    "moe on a dense model": (
+        {"num_experts": None, "moe_ffn_hidden_size": None, "etp": {"expert_etp_size": 1},
+         "recompute_granularity": "selective", "recompute_modules": ["moe"]},
+        None, "recompute_modules", ["moe"],
+    ),
 }
 
 
@@ -356,3 +440,126 @@ def test_etp_config_from_args_errors():
     with pytest.raises(RecipeError, match=r"etp_size=4 does not divide the data-parallel size 2"):
         etp_config_from_args(args)
     assert etp_config_from_args(args, check_layout=False).etp_size == 4
+
+
+# ---------------------------------------------------------------------------- activation recompute
+def _transformer_config(recipe):
+    """megatron-core's TransformerConfig on CPU with the recipe's recompute arguments (its own
+    __post_init__ checks run)."""
+    pytest.importorskip("megatron.core")
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    m = recipe.model
+    return TransformerConfig(
+        num_layers=m.num_layers, hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads, ffn_hidden_size=m.ffn_hidden_size,
+        num_moe_experts=m.num_experts, moe_router_topk=m.moe_router_topk,
+        moe_ffn_hidden_size=m.moe_ffn_hidden_size, gated_linear_unit=m.swiglu,
+        activation_func=F.silu, add_bias_linear=m.add_bias_linear, use_cpu_initialization=True,
+        **recipe.recompute_kwargs(),
+    )
+
+
+RECOMPUTE_OK = {  # --set overrides on the tiny recipe (2 MoE layers) that megatron-core accepts
+    "full uniform": ["recompute_granularity=full", "recompute_method=uniform",
+                     "recompute_num_layers=1"],
+    "full block, every layer": ["recompute_granularity=full", "recompute_method=block",
+                                "recompute_num_layers=2"],
+    "selective, megatron's default modules": ["recompute_granularity=selective"],
+    "selective modules": ["recompute_granularity=selective",
+                          "recompute_modules=[core_attn, layernorm, moe]"],
+    "selective mlp on a dense model": [
+        "recompute_granularity=selective", "recompute_modules=[mlp]", "num_experts=null",
+        "moe_ffn_hidden_size=null", "etp.expert_etp_size=1"],
+}
+
+
+def test_recompute_defaults_leave_megatron_without_recompute():
+    r = Recipe.from_yaml(TINY)
+    assert r.recompute_kwargs() == dict(recompute_granularity=None, recompute_method=None,
+                                        recompute_num_layers=None, recompute_modules=None)
+    config = _transformer_config(r)
+    assert (config.recompute_granularity, config.recompute_method,
+            config.recompute_num_layers) == (None, None, None)
+
+
+@pytest.mark.parametrize("case", list(RECOMPUTE_OK), ids=list(RECOMPUTE_OK))
+def test_recompute_set_overrides_reach_megatron_transformer_config(case):
+    r = Recipe.from_yaml(TINY, **parse_overrides(RECOMPUTE_OK[case]))
+    kwargs = r.recompute_kwargs()
+    config = _transformer_config(r)  # megatron-core accepts what the recipe accepted
+    for key, value in kwargs.items():
+        if key == "recompute_modules" and value is None:
+            value = ["core_attn"]  # megatron-core's default
+        assert getattr(config, key) == value, (key, getattr(config, key), value)
+    assert Recipe.from_dict(r.to_dict()) == r
+    assert r.replace() == r
+
+
+def test_recompute_set_parses_yaml_lists():
+    overrides = parse_overrides(["recompute_granularity=selective",
+                                 "recompute_modules=[core_attn,moe]", "recompute_num_layers=null"])
+    assert overrides == {"recompute_granularity": "selective",
+                         "recompute_modules": ["core_attn", "moe"], "recompute_num_layers": None}
+    r = Recipe.from_yaml(TINY, **overrides)
+    assert r.train.recompute_modules == ("core_attn", "moe")
+    assert r["recompute_modules"] == ("core_attn", "moe")
+    assert r.recompute_kwargs()["recompute_modules"] == ["core_attn", "moe"]  # a list: megatron appends
+
+
+def test_recompute_error_names_the_fix(tiny_values):
+    with pytest.raises(ValueError) as info:
+        Recipe.from_dict(tiny_values, recompute_granularity="full")
+    message = str(info.value)
+    assert "recompute_granularity='full' needs recompute_method ('uniform' or 'block') and " \
+        "recompute_num_layers" in message, message
+    with pytest.raises(ValueError, match=r"<= the layers per pipeline stage.*= 2: use 1\.\.2"):
+        Recipe.from_dict(tiny_values, recompute_granularity="full", recompute_method="block",
+                         recompute_num_layers=3)
+
+
+def test_etp_train_passes_recompute_to_its_transformer_config(monkeypatch):
+    """etp-train's megatron-core builder (etp.megatron.train._build) hands the recipe's recompute
+    keys to TransformerConfig: the config is captured before GPTModel (which needs CUDA and
+    parallel state) is built."""
+    pytest.importorskip("megatron.core")
+    import torch
+    from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer import transformer_config
+
+    from etp.megatron import train
+
+    class Built(Exception):
+        pass
+
+    real = transformer_config.TransformerConfig
+    built = []
+
+    def capture(**kwargs):
+        built.append(real(**kwargs))
+        raise Built
+
+    monkeypatch.setattr(transformer_config, "TransformerConfig", capture)
+    monkeypatch.setattr(mcore_random, "model_parallel_cuda_manual_seed", lambda seed: None)
+    for overrides in ({}, {"recompute_granularity": "full", "recompute_method": "block",
+                           "recompute_num_layers": 1}):
+        with pytest.raises(Built):
+            train._build(Recipe.from_yaml(TINY, **overrides), torch.device("meta"))
+    default, full = built
+    assert default.recompute_granularity is None and default.recompute_method is None
+    assert (full.recompute_granularity, full.recompute_method, full.recompute_num_layers) == (
+        "full", "block", 1)
+
+
+def test_etp_audit_accepts_recompute_keys(capsys):
+    import json
+
+    from etp.audit.cli import main as audit_main
+
+    sets = ["--set", "recompute_granularity=full", "--set", "recompute_method=uniform",
+            "--set", "recompute_num_layers=1"]
+    assert audit_main(["--recipe", str(BIG), "--json", "-", *sets]) == 0
+    assert json.loads(capsys.readouterr().out)["parameters"] > 0
+    assert audit_main(["--recipe", str(BIG), "--set", "recompute_granularity=full"]) != 0
+    assert "recompute_method" in capsys.readouterr().err

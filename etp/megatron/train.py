@@ -157,7 +157,7 @@ def _build(recipe, device):
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         expert_model_parallel_size=p.expert_model_parallel_size,
         sequence_parallel=p.sequence_parallel, use_cpu_initialization=device.type == "cpu",
-        deterministic_mode=recipe.train.deterministic,
+        deterministic_mode=recipe.train.deterministic, **recipe.recompute_kwargs(),
     )
     spec = etp_gpt_layer_spec(num_experts=m.num_experts, normalization=m.normalization,
                               attention_backend=m.attention_backend)

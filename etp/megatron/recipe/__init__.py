@@ -76,6 +76,19 @@ Training (``recipe.train``, :class:`TrainSpec`):
         megatron-core deterministic_mode, deterministic SDPA kernels; bitwise-equal reruns).
     peak_tflops: None (etp's own: bf16 peak TFLOP/s per GPU for the MFU column; None -> by GPU
         name, etp.megatron.flops.PEAK_TFLOPS).
+    Activation recompute, passed unchanged to megatron-core's TransformerConfig
+    (:meth:`Recipe.recompute_kwargs`; etp-train's megatron-core GPTModel path only, its CPU
+    TinyMoELM does not recompute):
+    recompute_granularity: None (no recompute | full: whole layers, only their inputs kept |
+        selective: the recompute_modules of every layer).
+    recompute_method: None (full only, and then required: uniform = chunks of
+        recompute_num_layers layers | block = the first recompute_num_layers layers of each
+        pipeline stage).
+    recompute_num_layers: None (full only, and then required; 1..num_layers / PP).
+    recompute_modules: None (selective only; a list, None -> megatron-core's [core_attn]; of
+        core_attn, layernorm, mlp (dense models), moe (MoE models); megatron-core's moe_act,
+        mla_up_proj and shared_experts are refused: etp's models have none of those parts).
+        ``--set recompute_modules=[core_attn,moe]``.
 
 ETP (``recipe.etp``, :class:`etp.ETPConfig`): etp_size, expert_etp_size, pad_for_alignment,
     reduction, gather_dtype, prefetch, async_reduce, debug_checks (defaults in

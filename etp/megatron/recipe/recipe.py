@@ -162,8 +162,70 @@ class Recipe(RecipeQuantities):
                 m.vocab_size,
                 f"must be >= 256 with data={t.data!r}: a text corpus is read as bytes",
             )
+        self._check_recompute()
         if p.world_size is not None:
             self.check_world_size(p.world_size)
+
+    def _check_recompute(self) -> None:
+        """Recompute settings against the model (TrainSpec checked the combinations alone)."""
+        m, p, t = self.model, self.parallel, self.train
+        if t.recompute_granularity == "full":
+            pp = p.pipeline_model_parallel_size
+            per_stage = m.num_layers // pp
+            if t.recompute_num_layers > per_stage:
+                unit = (
+                    "the recomputed layers of each stage"
+                    if t.recompute_method == "block"
+                    else "the layers of each recompute unit"
+                )
+                _fail(
+                    "recompute_num_layers",
+                    t.recompute_num_layers,
+                    f"with recompute_method={t.recompute_method!r} counts {unit}, so it must be "
+                    f"<= the layers per pipeline stage, num_layers / pipeline_model_parallel_size "
+                    f"= {m.num_layers} / {pp} = {per_stage}: use 1..{per_stage}",
+                )
+        if t.recompute_granularity == "selective" and t.recompute_modules is not None:
+            modules = list(t.recompute_modules)  # named as written: a list
+            if "mlp" in modules and m.is_moe:
+                _fail(
+                    "recompute_modules",
+                    modules,
+                    f"'mlp' recomputes dense MLPs, and every layer is MoE (num_experts="
+                    f"{m.num_experts}): use 'moe'",
+                )
+            if "moe" in modules and not m.is_moe:
+                _fail(
+                    "recompute_modules",
+                    modules,
+                    "'moe' recomputes MoE layers, and the model is dense (num_experts unset): "
+                    "use 'mlp'",
+                )
+            if "shared_experts" in modules:
+                _fail(
+                    "recompute_modules",
+                    modules,
+                    "'shared_experts' recomputes shared experts, which etp's models do not have: "
+                    "use 'moe' for the MoE layer",
+                )
+
+    def recompute_kwargs(self) -> dict[str, Any]:
+        """The activation-recompute arguments of megatron-core's ``TransformerConfig``, as the
+        recipe sets them (all None by default: no recompute; ``recompute_modules`` None lets
+        megatron-core fill in its default ``["core_attn"]``, used only with selective).
+
+        Example::
+
+            TransformerConfig(num_layers=2, ..., **recipe.recompute_kwargs())
+        """
+        t = self.train
+        modules = t.recompute_modules
+        return {
+            "recompute_granularity": t.recompute_granularity,
+            "recompute_method": t.recompute_method,
+            "recompute_num_layers": t.recompute_num_layers,
+            "recompute_modules": None if modules is None else list(modules),
+        }
 
     # ------------------------------------------------------------------ constructors
     @classmethod

@@ -7,7 +7,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...config import ETPConfig
-from .validation import _BOOL, _FLOAT, _INT, _STR, _fail, _validate_fields
+from .validation import (
+    _BOOL,
+    _FLOAT,
+    _INT,
+    _STR,
+    _STR_LIST,
+    RecipeError,
+    _fail,
+    _validate_fields,
+)
 
 
 def _key(
@@ -24,7 +33,8 @@ def _key(
     """A recipe key: a dataclass field whose metadata drives validation.
 
     ``default`` None means "derived" (or unset) unless ``required``; ``minimum`` / ``below``
-    bound numbers (``below`` exclusive); ``choices`` restrict strings.
+    bound numbers (``below`` exclusive); ``choices`` restrict strings (and each element of a
+    ``_STR_LIST``).
     """
     return field(
         default=default,
@@ -51,6 +61,20 @@ _LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "n
 _LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 _BACKENDS = ("auto", "gloo", "nccl")
 _ATTENTION_BACKENDS = ("sdpa", "local")  # etp.megatron.attention.ATTENTION_BACKENDS
+# megatron-core 0.16 TransformerConfig: recompute_granularity, recompute_method and the
+# recompute_modules its __post_init__ allows.
+_RECOMPUTE_GRANULARITIES = ("full", "selective")
+_RECOMPUTE_METHODS = ("uniform", "block")
+_RECOMPUTE_MODULES = (
+    "core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts"
+)
+#: allowed by megatron-core but refused by etp: module -> why
+_UNSUPPORTED_RECOMPUTE_MODULES = {
+    "moe_act": "recomputes the activation inside megatron-core's grouped-GEMM experts "
+    "(GroupedMLP / TEGroupedMLP), which etp's models do not use (megatron-core also refuses it "
+    "without its own moe_grouped_gemm): use 'moe' to recompute the whole MoE layer",
+    "mla_up_proj": "needs multi-latent attention, which etp's models do not have",
+}
 SYNTHETIC = "synthetic"
 
 
@@ -262,6 +286,20 @@ class TrainSpec:
         None, _FLOAT, "bf16 peak TFLOP/s per GPU for MFU (default: by GPU name)",
         minimum=0.0, exclusive_minimum=True,
     )
+    recompute_granularity: str | None = _key(
+        None, _STR, "activation recompute: full (whole layers) | selective (recompute_modules)",
+        choices=_RECOMPUTE_GRANULARITIES,
+    )
+    recompute_method: str | None = _key(
+        None, _STR, "layers full recompute covers: uniform | block", choices=_RECOMPUTE_METHODS
+    )
+    recompute_num_layers: int | None = _positive(
+        None, "layers per recompute unit (uniform) or recomputed layers per stage (block)"
+    )
+    recompute_modules: tuple[str, ...] | None = _key(
+        None, _STR_LIST, "submodules selective recompute covers (None: megatron's [core_attn])",
+        choices=_RECOMPUTE_MODULES,
+    )
 
     def __post_init__(self) -> None:
         _validate_fields(self)
@@ -279,6 +317,68 @@ class TrainSpec:
             _fail("fp16", True, "bf16 and fp16 are both true: choose one")
         if self.save_interval is not None and self.save is None:
             _fail("save_interval", self.save_interval, "needs save: a checkpoint directory")
+        self._check_recompute()
+
+    def _check_recompute(self) -> None:
+        """The recompute combinations megatron-core's TransformerConfig refuses (or ignores),
+        refused here with the fix (the model-dependent ones: :class:`Recipe`)."""
+        granularity, method = self.recompute_granularity, self.recompute_method
+        layers, modules = self.recompute_num_layers, self.recompute_modules
+        modules = None if modules is None else list(modules)  # named as written: a list
+        if granularity is None:
+            for key, value, needs in (
+                ("recompute_method", method, "full"),
+                ("recompute_num_layers", layers, "full"),
+                ("recompute_modules", modules, "selective"),
+            ):
+                if value is not None:
+                    _fail(
+                        key,
+                        value,
+                        f"does nothing without recompute_granularity: set "
+                        f"`recompute_granularity: {needs}` or remove {key}",
+                    )
+        elif granularity == "full":
+            if method is None or layers is None:
+                missing = "recompute_method" if method is None else "recompute_num_layers"
+                raise RecipeError(
+                    missing,
+                    None,
+                    f"recipe key recompute_granularity='full' needs recompute_method ('uniform' "
+                    f"or 'block') and recompute_num_layers (got recompute_method={method!r}, "
+                    f"recompute_num_layers={layers!r}): add e.g. `recompute_method: uniform` "
+                    "and `recompute_num_layers: 1`",
+                )
+            if modules is not None:
+                _fail(
+                    "recompute_modules",
+                    modules,
+                    "applies only with recompute_granularity: selective (full recomputes whole "
+                    "layers): remove recompute_modules or use selective",
+                )
+        else:  # selective
+            for key, value in (("recompute_method", method), ("recompute_num_layers", layers)):
+                if value is not None:
+                    _fail(
+                        key,
+                        value,
+                        "applies only with recompute_granularity: full (selective recomputes "
+                        f"recompute_modules in every layer; megatron-core refuses it): remove {key}",
+                    )
+            if modules is not None and not modules:
+                _fail(
+                    "recompute_modules",
+                    modules,
+                    "is empty: selective recompute would recompute nothing; list modules or "
+                    "leave recompute_modules unset for megatron-core's default [core_attn]",
+                )
+            for module in modules or ():
+                if module in _UNSUPPORTED_RECOMPUTE_MODULES:
+                    _fail(
+                        "recompute_modules",
+                        modules,
+                        f"{module!r} {_UNSUPPORTED_RECOMPUTE_MODULES[module]}",
+                    )
 
     @property
     def is_synthetic(self) -> bool:

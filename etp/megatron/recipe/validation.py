@@ -19,6 +19,9 @@ class RecipeError(ValueError):
 
 
 _INT, _FLOAT, _BOOL, _STR = "int", "float", "bool", "str"
+#: a list of strings (YAML ``[a, b]``; ``--set key=[a,b]``), kept as a tuple; ``choices``
+#: restrict each element
+_STR_LIST = "str_list"
 
 
 def _describe_kind(kind: str) -> str:
@@ -27,6 +30,7 @@ def _describe_kind(kind: str) -> str:
         _FLOAT: "a number",
         _BOOL: "true or false",
         _STR: "a string",
+        _STR_LIST: "a list of strings",
     }[kind]
 
 
@@ -68,6 +72,8 @@ def _check_value(key: str, value: Any, meta: Mapping[str, Any]) -> Any:
             )
         if not value:
             raise RecipeError(key, value, f"recipe key {key}={value!r}: must not be empty")
+    elif kind == _STR_LIST:
+        return _check_str_list(key, value, meta["choices"])
     minimum = meta["minimum"]
     if minimum is not None:
         if meta["exclusive_minimum"] and not value > minimum:
@@ -83,6 +89,32 @@ def _check_value(key: str, value: Any, meta: Mapping[str, Any]) -> Any:
             key, value, f"recipe key {key}={value!r}: allowed values are {list(choices)}"
         )
     return value
+
+
+def _check_str_list(key: str, value: Any, choices: Any) -> tuple[str, ...]:
+    """A list of distinct strings (each one of ``choices`` when given), returned as a tuple."""
+    if not isinstance(value, (list, tuple)):
+        raise RecipeError(
+            key,
+            value,
+            f"recipe key {key}={value!r}: expected a list of strings, got "
+            f"{type(value).__name__} (YAML `{key}: [a, b]`, or `--set {key}=[a,b]`)",
+        )
+    for item in value:
+        if not isinstance(item, str) or not item:
+            raise RecipeError(
+                key, value, f"recipe key {key}={value!r}: {item!r} is not a non-empty string"
+            )
+        if choices is not None and item not in choices:
+            raise RecipeError(
+                key,
+                value,
+                f"recipe key {key}={value!r}: {item!r} is not one of {list(choices)}",
+            )
+    repeated = sorted({item for item in value if list(value).count(item) > 1})
+    if repeated:
+        raise RecipeError(key, value, f"recipe key {key}={value!r}: {repeated} listed twice")
+    return tuple(value)
 
 
 def _validate_fields(obj: Any) -> None:
