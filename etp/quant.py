@@ -144,8 +144,7 @@ def _quantize_tensorwise(params, group) -> None:
         quantized[id(param)][lo:hi].copy_(cast)
     for param in params:
         first, n = first_slot[id(param)], _groups(param)[0]
-        scale = scales[first : first + n].contiguous()
-        param.etp_runtime.state(param).quant = QuantizedShard(quantized[id(param)], scale, param._version)
+        _store(param, quantized[id(param)], scales[first : first + n], param._version)
 
 
 def _quantize_blockwise(params, group) -> None:
@@ -168,9 +167,25 @@ def _quantize_blockwise(params, group) -> None:
         full = per_rank[:, offset : offset + n].reshape(group.size * scales.shape[0], scales.shape[1])
         offset += n
         state = param.etp_runtime.state(param)
-        if state.quant_home is not None:  # the copy-engine transport gathers from there only
+        if state.quant_home is not None and state.quant is None:  # the copy-engine transport gathers from there only
             q = state.quant_home.copy_(q)
-        state.quant = QuantizedShard(q, full.contiguous(), param._version)
+        _store(param, q, full, param._version)
+
+
+def _store(param, data: torch.Tensor, scale: torch.Tensor, version: int) -> None:
+    """Keeps this step's FP8 shard and scales. After the first step they are written into
+    the tensors of the previous step, so their addresses never change: a CUDA graph that
+    captured a gather and its scaled GEMMs reads the new step's values at replay."""
+    state = param.etp_runtime.state(param)
+    old = state.quant
+    if old is not None and old.data.shape == data.shape and old.scale.shape == scale.shape:
+        if old.data.data_ptr() != data.data_ptr():
+            old.data.copy_(data)
+        old.scale.copy_(scale)
+        torch.reciprocal(old.scale, out=old.scale_inv)
+        old.version = version
+    else:
+        state.quant = QuantizedShard(data, scale.contiguous(), version)
 
 
 def quantize_shards(model_or_params) -> int:

@@ -47,6 +47,7 @@ the first forward and discards the recompute's graph, so its recompute does not 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -145,6 +146,10 @@ class ETPRuntime:
         self._reduce_pools: dict[tuple[int, ...], WgradPool] = {}  # transports that allocate
         self._staging_logged = False
         self._pass_index = 0
+        # Grad-ready hooks: fired at once, muted (CUDA-graph warm-up) or collected to fire
+        # after a graph replay (capture). See [Note: ETP CUDA graphs] in etp/graphs.py.
+        self._hooks_muted = False
+        self._hook_sink: list | None = None
 
     # ------------------------------------------------------------------ registration
     def register(self, param: torch.Tensor, name: str, kind: str, chain_class: str = "eager") -> None:
@@ -210,12 +215,9 @@ class ETPRuntime:
         # reduction land in the next microbatch, where DDP would count it as the next one's.
         self.drain_reductions()
         self._discard_in_flight()
-        if self.fp8 and any(
-            st.quant is None or st.quant.version != st.param._version for st in self._states.values()
-        ):
-            # A shard changed since it was quantized (an optimizer step): quantize all of them
-            # once for this step. Every rank sees the same versions, so all take part.
-            quantize_shards(st.param for st in self._states.values())
+        # A shard changed since it was quantized (an optimizer step): quantize all of them
+        # once for this step. Every rank sees the same versions, so all take part.
+        self.refresh_fp8()
         for chain in self._chains.values():
             for role in (Role.BWD, Role.RECOMPUTE):
                 if chain.orders[role].params:
@@ -516,9 +518,36 @@ class ETPRuntime:
         st.pending = None
         st.reduce = transition(st.name, "reduce-scatter", st.reduce, ReduceState.IDLE)
         st.grads_done += 1
-        if st.grads_done >= st.fwd_uses:
-            for hook in st.hooks:
+        if st.grads_done >= st.fwd_uses and not self._hooks_muted:
+            if self._hook_sink is not None:
+                self._hook_sink.append(param)
+            else:
+                self.fire_grad_ready([param])
+
+    def fire_grad_ready(self, params) -> None:
+        """Calls the grad-ready hooks of ``params`` in order (after a CUDA-graph replay)."""
+        for param in params:
+            for hook in self.state(param).hooks:
                 hook(param)
+
+    @contextlib.contextmanager
+    def hooks_muted(self):
+        """Grad-ready hooks do not fire inside (gradients computed here are thrown away)."""
+        before, self._hooks_muted = self._hooks_muted, True
+        try:
+            yield
+        finally:
+            self._hooks_muted = before
+
+    @contextlib.contextmanager
+    def hooks_deferred(self):
+        """Yields the list of params whose grad-ready hooks came due inside, in order, and
+        fires none of them (a capture: the hooks must fire after each replay instead)."""
+        before, self._hook_sink = self._hook_sink, []
+        try:
+            yield self._hook_sink
+        finally:
+            self._hook_sink = before
 
     def drain_reductions(self) -> None:
         while self._pending:
@@ -546,12 +575,45 @@ class ETPRuntime:
         self._start_pass()
         issued = 0
         for chain in self._chains.values():
+            if chain.key.chain_class != "eager":
+                continue  # a graphed chain's gathers run inside its graph; see etp/graphs.py
             order = chain.orders[Role.FWD]
             head = order.first() if order.frozen else None
             if head is not None and self.state(head).gather[Role.FWD] is GatherState.IDLE:
                 self._issue(self.state(head), Role.FWD)
                 issued += 1
         return issued
+
+    # ------------------------------------------------------------------ chain classes
+    def use_chain_class(self, params, chain_class: str) -> int:
+        """Moves ``params`` onto chains of ``chain_class`` (e.g. ``"graphed"``), forgetting
+        every recorded order and buffer; call before the passes that record the new chains.
+        Returns the number of params moved. See [Note: ETP chains]."""
+        self.drain()
+        moved = 0
+        for param in params:
+            st = self.state(param)
+            key = ChainKey(chain_class, st.chain.key.kind, st.chain.key.ranks)
+            if st.chain.key != key:
+                st.chain = self._chains.get(key) or self._chains.setdefault(key, Chain(key, tuple(Role)))
+                moved += 1
+        self._chains = {key: chain for key, chain in self._chains.items()
+                        if any(st.chain is chain for st in self._states.values())}
+        for chain in self._chains.values():
+            chain.reset()
+        self.cache.clear()
+        self._expected.clear()
+        self._holder.clear()
+        return moved
+
+    def refresh_fp8(self) -> bool:
+        """Quantizes the FP8 shards now if any shard changed since (in place: the addresses a
+        captured graph reads stay valid). Returns whether it quantized."""
+        if self.fp8 and any(st.quant is None or st.quant.version != st.param._version
+                            for st in self._states.values()):
+            quantize_shards(st.param for st in self._states.values())
+            return True
+        return False
 
     # ------------------------------------------------------------------ housekeeping
     def reset(self) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CommStreams", "StreamRegistry", "current_stream_event"]
+__all__ = ["CommStreams", "StreamRegistry", "current_stream_event", "warmup_stream"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,13 @@ def current_stream_event(device: torch.device) -> torch.cuda.Event | None:
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
     return event
+
+
+def warmup_stream(device: torch.device) -> torch.cuda.Stream:
+    """A fresh side stream for the warm-up passes before a CUDA-graph capture (torch's
+    recipe: warm-up off the default stream, so lazily made handles and autograd's stream
+    state match the capture's)."""
+    return torch.cuda.Stream(device)
 
 
 class StreamRegistry:

@@ -38,6 +38,9 @@ earlier runs. The transport variants (opt-in through ``--variants``) change only
   memory, no SMs), NCCL reduce-scatter;
 * ``etp_async_ce_symm`` / ``etp_async_ce_fp8_symm``: copy-engine gathers and the Triton
   symmetric-memory reduce-scatter on ``--reduce-ctas`` CTAs;
+* ``etp_async_graphed`` / ``etp_async_fp8_graphed`` (opt-in): ``etp_async`` / ``etp_async_fp8``
+  with forward + backward captured in one CUDA graph by ``etp.GraphedStep`` and replayed
+  (finalize, FP8 re-quantization and the post-step hook stay eager);
 * ``etp_async_capped`` / ``etp_async_ce_capped``: the reduce-scatter on its own NCCL
   communicator capped at ``--reduce-ctas`` CTAs (per communicator, not NCCL_MAX_CTAS).
 
@@ -148,7 +151,7 @@ TRANSPORT_VARIANTS = {
     "etp_async_ce_capped": ("copy_engine", "nccl_capped"),
 }
 VARIANTS = ("replicated", "replicated_fp8", "ddp", "fsdp2", "etp_sync", "etp_async", "etp_async_fp8",
-            "etp_async_fp8_blockwise", *TRANSPORT_VARIANTS)
+            "etp_async_fp8_blockwise", *TRANSPORT_VARIANTS, "etp_async_graphed", "etp_async_fp8_graphed")
 DEFAULT_VARIANTS = VARIANTS[:7]  # blockwise FP8 and the transport variants are opt-in (--variants)
 # variant -> (ETPConfig.gather_dtype, ETPConfig.pad_for_alignment or None for the default)
 FP8_VARIANTS = {
@@ -436,6 +439,7 @@ class Prepared:
                                       # full mean gradient on every rank) or "sharded" (a shard
                                       # of the mean gradient)
     info: dict = dataclasses.field(default_factory=dict)  # extra JSON fields of the result
+    step: Callable | None = None      # replaces forward + backward (a CUDA-graph replay)
 
 
 class Unsupported(Exception):
@@ -618,6 +622,28 @@ def _join_side_streams(model) -> None:
                 torch.cuda.current_stream().wait_stream(stream)
 
 
+def _graphed_variant(base):
+    """``base`` with forward + backward captured in one CUDA graph (``etp.GraphedStep``) at
+    its first step (warm-up passes included) and replayed afterwards."""
+    def prepare(args, env, groups_cache) -> Prepared:
+        prep = base(args, env, groups_cache)
+        if not env.cuda:
+            raise Unsupported("CUDA graphs need a GPU")
+        from etp.graphs import GraphedStep
+
+        captured = {}
+
+        def step(work: Workload) -> None:
+            if "graph" not in captured:
+                def forward_backward(x):
+                    prep.module(x, work.counts).backward(work.grad_out)
+                captured["graph"] = GraphedStep(prep.model, forward_backward, work.x)
+            captured["graph"]()
+
+        return dataclasses.replace(prep, step=step, info={**prep.info, "cuda_graph": "GraphedStep"})
+    return prepare
+
+
 def _transport_variant(name: str):
     def prepare(args, env, groups_cache) -> Prepared:
         dtype, pad = FP8_VARIANTS.get(name, ("param", None))
@@ -636,17 +662,24 @@ PREPARE = {
     "etp_async_fp8": prepare_etp_async_fp8,
     "etp_async_fp8_blockwise": prepare_etp_async_fp8_blockwise,
     **{name: _transport_variant(name) for name in TRANSPORT_VARIANTS},
+    "etp_async_graphed": _graphed_variant(prepare_etp_async),
+    "etp_async_fp8_graphed": _graphed_variant(prepare_etp_async_fp8),
 }
 
 
 # ----------------------------------------------------------------------------- timing
 def run_step(prep: Prepared, work: Workload) -> None:
-    out = prep.module(work.x, work.counts)
-    out.backward(work.grad_out)
+    if prep.step is not None:
+        prep.step(work)
+    else:
+        out = prep.module(work.x, work.counts)
+        out.backward(work.grad_out)
     prep.finalize()
 
 
 def zero_grads(prep: Prepared, work: Workload) -> None:
+    if prep.step is not None:
+        return  # a replay overwrites the graph-owned gradients; dropping them loses the link
     prep.module.zero_grad(set_to_none=True)
     work.x.grad = None
 

@@ -26,30 +26,7 @@ echo "{" > "$OUT/summary.json.part"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -2
 python3 -c "import torch, triton, megatron.core as m; print('torch', torch.__version__, 'triton', triton.__version__, 'megatron-core', m.__version__)"
 
-# step NAME TIMEOUT CMD...: runs CMD with min(TIMEOUT, what is left of BUDGET), logs to $OUT/NAME.log
-step() {
-  local name=$1 limit=$2; shift 2
-  local left=$(( BUDGET - ($(date +%s) - START) ))
-  if (( left < 20 )); then
-    echo "=== $name: skipped (budget of ${BUDGET}s spent)"
-    echo "\"$name\": {\"rc\": null, \"skipped\": true}," >> "$OUT/summary.json.part"; return
-  fi
-  (( limit > left )) && limit=$left
-  echo "=== $name (timeout ${limit}s): $*"
-  local began=$(date +%s)
-  # Own process group, so a timeout ends torchrun *and* its workers (which hold the GPUs).
-  setsid "$@" > "$OUT/$name.log" 2>&1 &
-  local pid=$!
-  ( sleep "$limit"; echo "TIMEOUT after ${limit}s" >> "$OUT/$name.log"; kill -TERM -- -$pid 2>/dev/null
-    sleep 10; kill -KILL -- -$pid 2>/dev/null ) </dev/null >/dev/null 2>&1 &  # holds no pipe of ours
-  local watchdog=$!
-  wait $pid
-  local rc=$?
-  kill $watchdog 2>/dev/null; wait $watchdog 2>/dev/null
-  grep -v "^W[0-9]\|OMP_NUM_THREADS\|\*\*\*\*\*\|warnings.warn\|UserWarning\|FutureWarning" "$OUT/$name.log" | tail -${TAIL:-30}
-  echo "--- $name: rc=$rc in $(( $(date +%s) - began ))s"
-  echo "\"$name\": {\"rc\": $rc, \"seconds\": $(( $(date +%s) - began ))}," >> "$OUT/summary.json.part"
-}
+source tools/gpu_lib.sh
 
 # (a) bf16 parity on one GPU
 TAIL=6 step a_sdpa_parity 90 python3 -m pytest -q -rA tests/test_attention_gpu.py
