@@ -439,7 +439,8 @@ class Prepared:
                                       # full mean gradient on every rank) or "sharded" (a shard
                                       # of the mean gradient)
     info: dict = dataclasses.field(default_factory=dict)  # extra JSON fields of the result
-    step: Callable | None = None      # replaces forward + backward (a CUDA-graph replay)
+    step: Callable | None = None      # replaces forward + backward (a CUDA-graph replay);
+                                      # returns the output
 
 
 class Unsupported(Exception):
@@ -633,12 +634,14 @@ def _graphed_variant(base):
 
         captured = {}
 
-        def step(work: Workload) -> None:
+        def step(work: Workload) -> torch.Tensor:
             if "graph" not in captured:
                 def forward_backward(x):
-                    prep.module(x, work.counts).backward(work.grad_out)
+                    y = prep.module(x, work.counts)
+                    y.backward(work.grad_out)
+                    return y.detach()
                 captured["graph"] = GraphedStep(prep.model, forward_backward, work.x)
-            captured["graph"]()
+            return captured["graph"]()
 
         return dataclasses.replace(prep, step=step, info={**prep.info, "cuda_graph": "GraphedStep"})
     return prepare
@@ -776,11 +779,14 @@ def check_step(prep: Prepared, work: Workload, env: Env) -> dict:
     """One untimed step whose output sum (over ranks) and mean-gradient norm must agree
     across variants up to rounding: a variant that is fast because it is wrong shows here."""
     zero_grads(prep, work)
-    out = prep.module(work.x, work.counts)
-    out_sum = out.detach().double().sum()
-    out.backward(work.grad_out)
+    if prep.step is not None:  # a replay: eager autograd would add into the graph's grads
+        out_sum = prep.step(work).double().sum()
+    else:
+        out = prep.module(work.x, work.counts)
+        out_sum = out.detach().double().sum()
+        out.backward(work.grad_out)
+        del out
     prep.finalize()
-    del out
     sq = torch.zeros((), dtype=torch.float64, device=env.device)
     for param in prep.model.parameters():
         grad = getattr(param, "main_grad", None)
