@@ -98,8 +98,8 @@ def _train(ctx, overrides, graphed, steps=10, recompute=False):
         else:
             opt.zero_grad(set_to_none=True)
             loss = _loss(model, x)
+        finalize_grads(model, config, groups)  # eager's first step finalizes its last weight here
         hooks_per_step.append(dict(fired))
-        finalize_grads(model, config, groups)
         opt.step()
         prefetch_after_step(model)
         losses.append(loss.clone())

@@ -6,9 +6,10 @@
 #                gathers, NCCL / copy-engine), hooks once per replay, replays allocate nothing;
 #                full recompute trains bit for bit
 #            (b) expert stack: etp_async and etp_async_fp8, eager vs captured (etp.GraphedStep)
-# recompute: (c) the flagship recipe at world 2, ETP 2, full recompute of every layer, with the
-#                recompute chain prefetched and gathered on demand (etp.prefetch_recompute),
-#                12 iterations each, profiled (exposed communication), and without recompute
+# recompute: the flagship recipe at world 2, ETP 2, full recompute of every layer with the recompute
+#            chain prefetched and gathered on demand (etp.prefetch_recompute), and without recompute:
+#            (c) ITERS (20) iterations each (PROFILE=1: profiled, exposed communication);
+#            (d) deterministic: true, 6 iterations each: the three loss curves must be identical
 # Every step has its own timeout and the whole script stays under BUDGET seconds (default 540).
 set -uo pipefail
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
@@ -34,31 +35,43 @@ if [ "$WHAT" = recompute ] || [ "$WHAT" = all ]; then
   TRAIN="torchrun --standalone --nproc-per-node $N -m etp.megatron.train --recipe recipes/moe_h200x8.yaml"
   AT="--set world_size=$N --set etp.etp_size=$N --set etp.expert_etp_size=$N --set global_batch_size=$((4 * N))"
   FULL="--set recompute_granularity=full --set recompute_method=uniform --set recompute_num_layers=1"
-  for run in prefetched on_demand plain; do
-    case $run in
-      prefetched) SETS="$FULL --set etp.prefetch_recompute=true" ;;
-      on_demand) SETS="$FULL --set etp.prefetch_recompute=false" ;;
-      plain) SETS="" ;;
-    esac
-    TAIL=30 step "c_recompute_$run" 170 $TRAIN $AT $SETS --train-iters 12 --log-interval 4 \
-      --profile "$OUT/prof_$run" --json "$OUT/c_recompute_$run.json"
+  # (c) timing, ITERS iterations; (d) deterministic: true, 6 iterations, losses compared exactly
+  for kind in timing exact; do
+    for run in prefetched on_demand plain; do
+      case $run in
+        prefetched) SETS="$FULL --set etp.prefetch_recompute=true" ;;
+        on_demand) SETS="$FULL --set etp.prefetch_recompute=false" ;;
+        plain) SETS="" ;;
+      esac
+      if [ $kind = timing ]; then MORE="--train-iters ${ITERS:-20} --log-interval 5 ${PROFILE:+--profile $OUT/prof_$run}"
+      else MORE="--set deterministic=true --train-iters 6 --log-interval 3"; fi
+      TAIL=8 step "${kind}_$run" 150 $TRAIN $AT $SETS $MORE --json "$OUT/${kind}_$run.json"
+    done
   done
-  python3 - "$OUT" <<'PY' 2>&1 | tee "$OUT/c_recompute_table.md"
+  python3 - "$OUT" <<'PY' 2>&1 | tee "$OUT/recompute_table.md"
 import json, sys
 out = sys.argv[1]
-print("| run | ms/iter | TFLOP/s/GPU | peak GiB | exposed comm ms/iter | busy ms/iter | final loss |")
-print("|---|---:|---:|---:|---:|---:|---:|")
-for name in ("prefetched", "on_demand", "plain"):
+def load(name):
     try:
-        r = json.load(open(f"{out}/c_recompute_{name}.json"))
+        return json.load(open(f"{out}/{name}.json"))
     except (OSError, ValueError):
-        print(f"| {name} | failed / missing | | | | | |"); continue
+        return None
+print("| run | ms/iter | TFLOP/s/GPU | peak GiB | exposed comm ms/iter | host gaps ms/iter |")
+print("|---|---:|---:|---:|---:|---:|")
+for name in ("prefetched", "on_demand", "plain"):
+    r = load(f"timing_{name}")
+    if r is None:
+        print(f"| {name} | failed / missing | | | | |"); continue
     prof = r.get("profile") or {}
-    per = prof.get("per_iteration_ms") or prof
-    exposed, busy = per.get("exposed_communication"), per.get("busy")
     fmt = lambda v: "n/a" if v is None else f"{v:.1f}"
     print(f"| {name} | {r['ms_per_iter']:.0f} | {r['tflops_per_rank']:.1f} | {r['peak_allocated_gib']:.1f} "
-          f"| {fmt(exposed)} | {fmt(busy)} | {r['losses'][-1]:.4f} |")
+          f"| {fmt(prof.get('exposed_communication'))} | {fmt(prof.get('host_gaps'))} |")
+exact = {name: (load(f"exact_{name}") or {}).get("losses") for name in ("prefetched", "on_demand", "plain")}
+for name, losses in exact.items():
+    print(f"deterministic losses, {name}: {losses}")
+if all(exact.values()):
+    same = exact["prefetched"] == exact["on_demand"] == exact["plain"]
+    print("recompute (prefetched, on demand) vs no recompute, deterministic:", "IDENTICAL" if same else "DIFFERENT")
 PY
 fi
 echo "\"elapsed_s\": $(( $(date +%s) - START ))}" >> "$OUT/summary.json.part"
