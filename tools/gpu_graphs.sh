@@ -36,7 +36,7 @@ if [ "$WHAT" = recompute ] || [ "$WHAT" = all ]; then
   AT="--set world_size=$N --set etp.etp_size=$N --set etp.expert_etp_size=$N --set global_batch_size=$((4 * N))"
   FULL="--set recompute_granularity=full --set recompute_method=uniform --set recompute_num_layers=1"
   # (c) timing, ITERS iterations; (d) deterministic: true, 6 iterations, losses compared exactly
-  for kind in timing exact; do
+  for kind in ${KINDS:-timing exact}; do
     for run in prefetched on_demand plain; do
       case $run in
         prefetched) SETS="$FULL --set etp.prefetch_recompute=true" ;;
@@ -44,7 +44,7 @@ if [ "$WHAT" = recompute ] || [ "$WHAT" = all ]; then
         plain) SETS="" ;;
       esac
       if [ $kind = timing ]; then MORE="--train-iters ${ITERS:-20} --log-interval 5 ${PROFILE:+--profile $OUT/prof_$run}"
-      else MORE="--set deterministic=true --train-iters 6 --log-interval 3"; fi
+      else MORE="--set deterministic=true --set lr_warmup_iters=2 --train-iters 6 --log-interval 3"; fi
       TAIL=8 step "${kind}_$run" 150 $TRAIN $AT $SETS $MORE --json "$OUT/${kind}_$run.json"
     done
   done
