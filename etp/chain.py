@@ -55,6 +55,10 @@ class ObservedOrder:
     def first(self) -> torch.Tensor | None:
         return self.params[0] if self.params else None
 
+    def head(self) -> torch.Tensor | None:
+        """The first weight once the order is frozen (what a pass prefetches first), else None."""
+        return self.first() if self.frozen else None
+
     def after(self, param: torch.Tensor) -> torch.Tensor | None:
         """The next weight in this order (None at the end, or if unknown / not frozen)."""
         position = self._position.get(id(param))

@@ -222,7 +222,7 @@ class ETPRuntime(GradientReductions):
         for st in self._states.values():
             st.fwd_uses = st.untracked_uses = st.recompute_uses = st.grads_done = 0
         self._expected = {
-            (key, role): chain.orders[role].first() if chain.orders[role].frozen else None
+            (key, role): chain.orders[role].head()
             for key, chain in self._chains.items()
             for role in Role
         }
@@ -411,8 +411,7 @@ class ETPRuntime(GradientReductions):
             if role is Role.FWD and first_use and order.is_last(param) and self._prefetches(Role.RECOMPUTE):
                 # The chain's last forward weight: backward's recompute of this chain starts
                 # next; its head is gathered now, behind the rest of forward and backward.
-                self._prefetch(chain.orders[Role.RECOMPUTE].first() if chain.orders[Role.RECOMPUTE].frozen
-                               else None, Role.RECOMPUTE)
+                self._prefetch(chain.orders[Role.RECOMPUTE].head(), Role.RECOMPUTE)
 
         weight = param.etp_layout.unpad(buffer)
         if self.fp8:
@@ -462,7 +461,7 @@ class ETPRuntime(GradientReductions):
             if chain.key.chain_class != "eager":
                 continue  # a graphed chain's gathers run inside its graph; see etp/graphs.py
             order = chain.orders[Role.FWD]
-            head = order.first() if order.frozen else None
+            head = order.head()
             if head is not None and self.state(head).gather[Role.FWD] is GatherState.IDLE:
                 self._issue(self.state(head), Role.FWD)
                 issued += 1
@@ -479,7 +478,7 @@ class ETPRuntime(GradientReductions):
             st = self.state(param)
             key = ChainKey(chain_class, st.chain.key.kind, st.chain.key.ranks)
             if st.chain.key != key:
-                st.chain = self._chains.get(key) or self._chains.setdefault(key, Chain(key, tuple(Role)))
+                st.chain = self._chains.setdefault(key, Chain(key, tuple(Role)))
                 moved += 1
         self._chains = {key: chain for key, chain in self._chains.items()
                         if any(st.chain is chain for st in self._states.values())}

@@ -59,7 +59,7 @@ def _train(ctx, mode, steps=5, **overrides):
     groups = build_etp_groups(config)
     wrap_module_params_etp(model, config, groups)
     runtime = runtime_of(model)
-    fired, pending = [], {}
+    fired = []
     for name, p in model.named_parameters():
         if hasattr(p, "etp_layout"):
             # A hook must see this pass's complete gradient: record it when it fires.
