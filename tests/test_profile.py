@@ -102,3 +102,43 @@ def test_label_modules_wraps_forward_in_a_profiler_range(tmp_path):
     assert len(inside) == 1  # the router's linear, not the first one
     for handle in handles:
         handle.remove()
+
+
+def test_host_activity_counts_launches_and_attributes_syncs():
+    from etp.megatron.profile import host_activity
+
+    def runtime(name, ts, dur):
+        return {"ph": "X", "cat": "cuda_runtime", "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 1}
+
+    events = _trace()["traceEvents"] + [
+        _range("aten::item", 500, 300), _range("aten::_local_scalar_dense", 501, 298),
+        runtime("cudaMemcpyAsync", 502, 2), runtime("cudaStreamSynchronize", 505, 290),
+        _range("aten::nonzero", 1500, 100), runtime("cudaStreamSynchronize", 1510, 80),
+    ]
+    host = host_activity({"traceEvents": events})
+    assert host["iterations"] == 2
+    assert host["launches"] == (8 + 1) / 2  # 8 kernel launches and one async memcpy
+    assert host["syncs"] == 1.0 and host["sync_ms"] == pytest.approx((290 + 80) / 2e3)
+    assert [s["op"] for s in host["sync_sites"]] == ["aten::item", "aten::nonzero"]  # outermost op, busiest first
+    assert "host:" in format_breakdown({**breakdown({"traceEvents": events}), "host": host})
+
+
+def test_training_profiler_writes_python_hotspots(tmp_path):
+    import json
+
+    import torch
+
+    from etp.megatron.profile import TrainingProfiler
+
+    profiler = TrainingProfiler(str(tmp_path), 0, iterations=12, cuda=False)
+    assert profiler.python_window == (4, 6)  # just before the torch window (wait 6)
+    covered = []
+    for step in range(12):
+        torch.randn(64, 64).mm(torch.randn(64, 64)).sum().item()
+        covered.append(profiler.covers(step))
+        profiler.step()
+    table = profiler.finish()
+    assert covered == [False] * 4 + [True] * 7 + [False]  # cProfile 4-5, torch 6-10
+    assert table["host"]["python"] and all("own_ms" in row for row in table["host"]["python"])
+    assert "cProfile of 2 iterations" in (tmp_path / "host_rank0.txt").read_text()
+    assert json.loads((tmp_path / "breakdown_rank0.json").read_text())["host"]["iterations"] >= 1

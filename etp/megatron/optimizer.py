@@ -89,12 +89,14 @@ def _mark_duplicates(chunks, groups) -> None:
                 param.shared = True  # equal on ETP peers: counted once, on the first
 
 
-def get_etp_megatron_optimizer(config, model_chunks, **kwargs):
+def get_etp_megatron_optimizer(config, model_chunks, fast_fallbacks: bool = True, **kwargs):
     """megatron-core ``get_megatron_optimizer`` for ``ETPDistributedDataParallel`` chunks.
 
     Args:
         config: megatron-core ``OptimizerConfig``.
         model_chunks: the DDP-wrapped model chunks (a list, or one module).
+        fast_fallbacks: without apex / TransformerEngine, run megatron-core's multi-tensor
+            helpers on torch foreach ops and torch's Adam fused ([Note: megatron fallbacks]).
         kwargs: passed on (``config_overrides`` ...); ``pg_collection`` and
             ``use_gloo_process_groups`` are set here.
 
@@ -107,6 +109,7 @@ def get_etp_megatron_optimizer(config, model_chunks, **kwargs):
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+    from . import fast_fallbacks as fallbacks
     from .ddp import ETPDistributedDataParallel
 
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
@@ -120,8 +123,12 @@ def get_etp_megatron_optimizer(config, model_chunks, **kwargs):
     groups = runtime_of(chunks[0]).groups
     _mark_duplicates(chunks, groups)
     dense_stats, expert_stats = _stats_group(groups.dense_replicate), _stats_group(groups.expert_replicate)
+    if fast_fallbacks:
+        fallbacks.install()  # no-op with apex / TransformerEngine; [Note: megatron fallbacks]
     optimizer = get_megatron_optimizer(config, chunks, pg_collection=chunks[0].etp_pg_collection,
                                        use_gloo_process_groups=False, **kwargs)
+    if fast_fallbacks:
+        fallbacks.fuse_adam(optimizer)
     for opt in inner_optimizers(optimizer):
         if isinstance(opt, DistributedOptimizer):
             continue  # statistics over the world already; duplicates are marked shared

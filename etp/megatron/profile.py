@@ -29,6 +29,18 @@ synchronization), and ``exposed_communication`` the communication time no comput
 beside. Class times are sums of kernel durations, so with overlapping streams they can add up
 to more than ``busy``.
 
+[Note: host activity]
+``host_gaps`` says the GPU waited; ``host_activity(trace)`` says on what. From the CUDA runtime
+events of the same trace, per iteration: kernel launches (count and the time spent inside the
+launch calls), synchronizations (``cudaStreamSynchronize`` / ``cudaEventSynchronize`` ... count,
+time blocked, and the outermost CPU op around each: ``aten::item``, ``aten::nonzero``,
+``aten::to`` of a ``.cpu()``). A step whose gaps are mostly sync time is bound by data-dependent
+host decisions (remove the syncs); one with few syncs and many launches is bound by the host's
+launch rate (fewer, larger kernels; CUDA graphs). ``TrainingProfiler`` also runs ``cProfile``
+over the two iterations before the traced ones (so neither inflates the other) and writes the
+Python functions with the most own time (``python_hotspots``) to ``DIR/host_rank{r}.txt`` (the
+raw ``pstats`` beside it, for callers / callees) and the breakdown's ``host`` entry.
+
 Example::
 
     table = breakdown(json.load(open("prof/rank0.json")))
@@ -39,7 +51,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
-__all__ = ["CLASSES", "breakdown", "classify_kernel", "format_breakdown"]
+__all__ = ["CLASSES", "breakdown", "classify_kernel", "format_breakdown", "host_activity", "python_hotspots"]
 
 CLASSES = ("gemm", "attention", "moe", "elementwise", "optimizer", "communication")
 
@@ -187,6 +199,78 @@ def breakdown(trace: dict | list) -> dict:
     return result
 
 
+_LAUNCH = re.compile(r"LaunchKernel|cuLaunch|MemcpyAsync|MemsetAsync|cudaGraphLaunch", re.I)
+_SYNC = re.compile(r"Synchronize", re.I)
+
+
+def host_activity(trace: dict | list) -> dict:
+    """What the host did per profiled iteration (see [Note: host activity]): launches (count,
+    ms inside the launch calls), synchronizations with the GPU (count, ms blocked) and the
+    CPU ops they sat in, busiest first.
+
+    Args:
+        trace: a Chrome trace, as for ``breakdown``.
+
+    Example::
+
+        host = host_activity(json.load(open("prof/trace_rank0.json")))
+        print(host["syncs"], host["sync_sites"][:3])
+    """
+    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+    steps = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")]
+    iterations = max(1, len(steps))
+    ops: dict[tuple, list[tuple[float, float, str]]] = defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "cpu_op":
+            ops[(e.get("pid"), e.get("tid"))].append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)),
+                                                      e.get("name", "")))
+    for spans in ops.values():
+        spans.sort()
+    launches = launch_us = syncs = sync_us = 0.0
+    sites: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") not in ("cuda_runtime", "cuda_driver"):
+            continue
+        name, dur = e.get("name", ""), float(e.get("dur", 0))
+        if _SYNC.search(name):
+            syncs += 1
+            sync_us += dur
+            ts = float(e["ts"])
+            # The outermost CPU op around the wait names the call that synchronized (e.g.
+            # aten::item, aten::nonzero, aten::to for a .cpu()).
+            holders = [s for s in ops.get((e.get("pid"), e.get("tid")), ()) if s[0] <= ts <= s[1]]
+            site = holders[0][2] if holders else "(no CPU op)"
+            sites[site][0] += dur
+            sites[site][1] += 1
+        elif _LAUNCH.search(name):
+            launches += 1
+            launch_us += dur
+    ms = 1e-3 / iterations
+    return {"iterations": iterations, "launches": launches / iterations, "launch_ms": launch_us * ms,
+            "syncs": syncs / iterations, "sync_ms": sync_us * ms,
+            "sync_sites": [{"op": k, "ms": v[0] * ms, "calls": v[1] / iterations}
+                           for k, v in sorted(sites.items(), key=lambda kv: -kv[1][0])[:10]]}
+
+
+def python_hotspots(stats, iterations: int, top: int = 25) -> list[dict]:
+    """The ``top`` Python functions by own time from a ``pstats.Stats`` of ``iterations``
+    iterations: ``{"function", "own_ms", "cum_ms", "calls"}`` per iteration."""
+    rows = []
+    for (filename, line, func), (_, calls, own, cum, _) in stats.stats.items():
+        rows.append({"function": f"{_short_path(filename)}:{line}({func})", "own_ms": own * 1e3 / iterations,
+                     "cum_ms": cum * 1e3 / iterations, "calls": calls / iterations})
+    rows.sort(key=lambda r: -r["own_ms"])
+    return rows[:top]
+
+
+def _short_path(filename: str) -> str:
+    for marker in ("site-packages/", "/etp/", "/tools/"):
+        if marker in filename:
+            return filename.split(marker, 1)[1] if marker == "site-packages/" else marker.strip("/") + "/" + \
+                filename.split(marker, 1)[1]
+    return filename
+
+
 def format_breakdown(table: dict, title: str = "") -> str:
     """A printable table of ``breakdown``'s result, percentages of the wall time."""
     wall = table["wall"] or 1.0
@@ -198,6 +282,13 @@ def format_breakdown(table: dict, title: str = "") -> str:
         label = {"busy": "GPU busy (union)", "host_gaps": "host gaps (wall - busy)",
                  "exposed_communication": "comm not overlapped"}.get(key, key)
         rows.append(f"{label:<24}{table[key]:>10.2f}{100 * table[key] / wall:>8.1f}%")
+    host = table.get("host")
+    if host:
+        rows.append(f"host: {host['launches']:.0f} launches ({host['launch_ms']:.1f} ms in launch calls), "
+                    f"{host['syncs']:.0f} syncs ({host['sync_ms']:.1f} ms blocked) per iteration")
+        rows += [f"  sync in {s['op']}: {s['calls']:.1f} x, {s['ms']:.2f} ms" for s in host["sync_sites"][:5]]
+        rows += [f"  python {p['function']}: {p['own_ms']:.2f} ms own, {p['calls']:.0f} calls"
+                 for p in host.get("python", [])[:10]]
     return "\n".join(rows)
 
 
@@ -264,6 +355,11 @@ class TrainingProfiler:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self.handles = label_modules(model) if model is not None else []
         self.schedule = profile_schedule(iterations)
+        # cProfile takes the two steady iterations just before the torch profiler's window
+        # (none when the run is too short for both to be past the first iterations).
+        first = self.schedule["wait"]
+        self.python_window = (first - 2, first) if first >= 4 else None
+        self._step, self._python, self.python_stats = 0, None, None
         self.profiler = torch.profiler.profile(
             activities=activities, schedule=torch.profiler.schedule(**self.schedule),
             on_trace_ready=self._export, record_shapes=False, with_stack=False)
@@ -279,9 +375,24 @@ class TrainingProfiler:
         """Whether the profiler runs during ``step`` (0-based; warm-up included): its step
         time carries the profiler's overhead."""
         first = self.schedule["wait"]
+        if self.python_window is not None and self.python_window[0] <= step < self.python_window[1]:
+            return True
         return first <= step < first + self.schedule["warmup"] + self.schedule["active"]
 
     def step(self) -> None:
+        """Call once at the end of every iteration."""
+        import cProfile
+        import pstats
+
+        self._step += 1
+        if self.python_window is not None:
+            if self._step == self.python_window[0]:
+                self._python = cProfile.Profile()
+                self._python.enable()
+            elif self._step == self.python_window[1] and self._python is not None:
+                self._python.disable()
+                self.python_stats = pstats.Stats(self._python)
+                self._python = None
         self.profiler.step()
 
     def finish(self) -> dict | None:
@@ -295,7 +406,18 @@ class TrainingProfiler:
         if self.trace_path is None:
             return None
         with open(self.trace_path) as f:
-            table = breakdown(json.load(f))
+            trace = json.load(f)
+        table = breakdown(trace)
+        table["host"] = host_activity(trace)
+        if self.python_stats is not None:
+            window = self.python_window[1] - self.python_window[0]
+            table["host"]["python"] = python_hotspots(self.python_stats, window)
+            self.python_stats.dump_stats(os.path.join(self.directory, f"host_rank{self.rank}.pstats"))
+            with open(os.path.join(self.directory, f"host_rank{self.rank}.txt"), "w") as f:
+                self.python_stats.stream = f
+                f.write(f"cProfile of {window} iterations (totals, not per iteration)\n")
+                self.python_stats.sort_stats("tottime").print_stats(40)
+                self.python_stats.sort_stats("cumulative").print_stats(40)
         table["trace"] = self.trace_path
         with open(os.path.join(self.directory, f"breakdown_rank{self.rank}.json"), "w") as f:
             json.dump(table, f, indent=1)

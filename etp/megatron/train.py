@@ -76,8 +76,8 @@ def _silence_fallback_warnings(rank: int) -> None:
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
     warnings.filterwarnings("ignore", message="`load_state_dict` is deprecated")  # megatron's DCP call
     if rank == 0 and importlib.util.find_spec("apex") is None:
-        print("etp-train: NVIDIA apex not found: megatron-core uses its torch fallbacks "
-              "(no fused apex kernels); TransformerEngine is not used", flush=True)
+        print("etp-train: NVIDIA apex not found: megatron-core's fallbacks run on torch's foreach "
+              "ops and fused Adam (etp.megatron.fast_fallbacks); TransformerEngine is not used", flush=True)
 
 
 def _lr(recipe, iteration: int) -> float:
@@ -114,7 +114,12 @@ class _Batches:
 
     def get(self, iteration: int, micro: int) -> torch.Tensor:
         first = (self.rank * self.microbatches + micro) * self.rows
-        return torch.stack([self._sample(iteration, first + j) for j in range(self.rows)]).to(self.device)
+        batch = torch.stack([self._sample(iteration, first + j) for j in range(self.rows)])
+        if self.device.type == "cuda":
+            # From pinned memory without waiting: a pageable copy would wait for the GPU to
+            # finish the previous microbatch before this one's forward could be queued.
+            return batch.pin_memory().to(self.device, non_blocking=True)
+        return batch.to(self.device)
 
 
 def _build(recipe, device):
@@ -149,7 +154,8 @@ def _build(recipe, device):
         num_moe_experts=m.num_experts, moe_router_topk=m.moe_router_topk,
         moe_ffn_hidden_size=m.moe_ffn_hidden_size, moe_aux_loss_coeff=m.moe_aux_loss_coeff,
         moe_router_load_balancing_type=m.moe_router_load_balancing_type,
-        moe_token_dispatcher_type=m.moe_token_dispatcher_type,
+        # "local" is etp's own: megatron builds its alltoall dispatcher, replaced below.
+        moe_token_dispatcher_type="alltoall" if m.moe_token_dispatcher_type == "local" else m.moe_token_dispatcher_type,
         gated_linear_unit=m.swiglu, activation_func=F.silu if m.swiglu else F.gelu,
         add_bias_linear=m.add_bias_linear, normalization=m.normalization,
         init_method_std=m.init_method_std, hidden_dropout=m.hidden_dropout,
@@ -165,6 +171,10 @@ def _build(recipe, device):
                      max_sequence_length=m.max_position_embeddings or m.seq_length,
                      position_embedding_type=m.position_embedding_type,
                      share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights).to(device)
+    if m.moe_token_dispatcher_type == "local":
+        from .local_dispatcher import install_local_dispatchers
+
+        install_local_dispatchers(model)
     if recipe.train.bf16:
         model = Float16Module(config, model)
 
@@ -221,11 +231,15 @@ class _MegatronStep:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         from ..wrap import _runtime_of
+        from . import fast_fallbacks
         from .ddp import ETPDistributedDataParallel
         from .finalize import finalize_model_grads as etp_finalize_model_grads
         from .optimizer import get_etp_megatron_optimizer
 
         p, t = recipe.parallel, recipe.train
+        fast = t.megatron_fallbacks == "fast"
+        if not fast:
+            fast_fallbacks.uninstall()  # stock megatron-core, even after a fast run in this process
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=p.overlap_grad_reduce,
             use_distributed_optimizer=p.use_distributed_optimizer)
@@ -236,11 +250,16 @@ class _MegatronStep:
             use_distributed_optimizer=p.use_distributed_optimizer)
         if _runtime_of(model) is not None:
             self.model = ETPDistributedDataParallel(config, ddp_config, model)
-            self.optimizer = get_etp_megatron_optimizer(opt_config, [self.model])
+            self.optimizer = get_etp_megatron_optimizer(opt_config, [self.model], fast_fallbacks=fast)
             self.finalize = etp_finalize_model_grads
         else:
             self.model = DistributedDataParallel(config, ddp_config, model)
+            # The baseline gets the same TE/apex-free fast paths as ETP: [Note: megatron fallbacks].
+            if fast:
+                fast_fallbacks.install()
             self.optimizer = get_megatron_optimizer(opt_config, [self.model], use_gloo_process_groups=False)
+            if fast:
+                fast_fallbacks.fuse_adam(self.optimizer)
             self.finalize = finalize_model_grads
 
     def microbatches(self, count: int):

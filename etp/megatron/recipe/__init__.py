@@ -44,7 +44,9 @@ Model (``recipe.model``, :class:`ModelSpec`):
     moe_router_topk: 2. moe_ffn_hidden_size: None -> ffn_hidden_size.
     moe_grouped_gemm: false (true: etp's GroupedSwiGLUExperts, torch._grouped_mm; false:
         megatron-core SequentialMLP experts).
-    moe_token_dispatcher_type: allgather (allgather | alltoall | flex).
+    moe_token_dispatcher_type: allgather (allgather | alltoall | flex | local: etp's own
+        etp.megatron.local_dispatcher.LocalTokenDispatcher, no host synchronization, for
+        expert_model_parallel_size 1, tensor_model_parallel_size 1 and moe_grouped_gemm).
     moe_aux_loss_coeff: 0.0.
     moe_router_load_balancing_type: aux_loss (aux_loss | seq_aux_loss | global_aux_loss |
         sinkhorn | none; one value, not Megatron-LM's list form).
@@ -74,6 +76,9 @@ Training (``recipe.train``, :class:`TrainSpec`):
         :meth:`Recipe.resolve_data_path`).
     deterministic: false (true: torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG,
         megatron-core deterministic_mode, deterministic SDPA kernels; bitwise-equal reruns).
+    megatron_fallbacks: fast (etp's own: without apex / TransformerEngine, megatron-core's
+        multi-tensor helpers run as torch foreach ops and torch's Adam as its fused kernel,
+        etp.megatron.fast_fallbacks | stock: megatron-core's own per-tensor fallbacks).
     peak_tflops: None (etp's own: bf16 peak TFLOP/s per GPU for the MFU column; None -> by GPU
         name, etp.megatron.flops.PEAK_TFLOPS).
     Activation recompute, passed unchanged to megatron-core's TransformerConfig

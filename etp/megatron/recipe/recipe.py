@@ -130,6 +130,15 @@ class Recipe(RecipeQuantities):
                     m.moe_ffn_hidden_size,
                     f"must be divisible by expert_tensor_parallel_size={etp_tp}",
                 )
+            if m.moe_token_dispatcher_type == "local":
+                for name, value in (("expert_model_parallel_size", ep), ("tensor_model_parallel_size", tp),
+                                    ("expert_tensor_parallel_size", etp_tp)):
+                    if value != 1:
+                        _fail(name, value, "must be 1 with moe_token_dispatcher_type=local (every expert "
+                              "on its rank); use alltoall for expert or tensor parallelism")
+                if not m.moe_grouped_gemm:
+                    _fail("moe_grouped_gemm", False, "must be true with moe_token_dispatcher_type=local "
+                          "(etp's grouped experts take the device token counts)")
             if ep > 1 and tp > 1 and not p.sequence_parallel:
                 _fail(
                     "sequence_parallel",

@@ -1,0 +1,100 @@
+"""etp.megatron.local_dispatcher: the sync-free EP-1 permutation against megatron-core's own
+``permute`` (same rows, same order) and a float64 combine, gradients against autograd of the
+float64 reference, and (GPU) a megatron MoELayer with it against megatron's alltoall
+dispatcher ([Note: local dispatcher])."""
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+from megatron.core.transformer.moe.moe_utils import permute  # noqa: E402
+
+from etp.megatron.local_dispatcher import _Permute, _Unpermute, local_permutation  # noqa: E402
+
+
+def _routing(tokens=37, experts=8, topk=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(tokens, experts, generator=g)
+    idx = scores.topk(topk, dim=1).indices
+    routing_map = torch.zeros(tokens, experts, dtype=torch.bool).scatter_(1, idx, True)
+    probs = torch.where(routing_map, scores, torch.zeros(()))
+    return routing_map, probs
+
+
+@pytest.mark.parametrize("tokens,experts,topk", [(37, 8, 3), (1, 4, 1), (64, 64, 4), (5, 6, 6)])
+def test_permutation_matches_megatron_permute(tokens, experts, topk):
+    routing_map, probs = _routing(tokens, experts, topk)
+    x = torch.randn(tokens, 16)
+    reference, reference_probs, _ = permute(x, routing_map, probs=probs, num_out_tokens=tokens * topk)
+    idx, order, inverse = local_permutation(routing_map, topk)
+    assert torch.equal(_Permute.apply(x, order, inverse, topk), reference)
+    assert torch.equal(probs.gather(1, idx).reshape(-1).index_select(0, order), reference_probs)
+    # Each expert's rows are contiguous and counted by the map's column sums.
+    experts_of_rows = idx.reshape(-1)[order]
+    assert torch.equal(torch.bincount(experts_of_rows, minlength=experts), routing_map.sum(0))
+
+
+def test_combine_and_gradients_match_float64_reference():
+    routing_map, probs = _routing()
+    tokens, topk = routing_map.shape[0], 3
+    _, order, inverse = local_permutation(routing_map, topk)
+    x = torch.randn(tokens, 16, dtype=torch.bfloat16, requires_grad=True)
+    rows = _Permute.apply(x, order, inverse, topk)
+    w = torch.randn(rows.shape[0], 1, dtype=torch.bfloat16)
+    out = _Unpermute.apply(rows * w, order, inverse, topk)
+    out.float().square().sum().backward()
+
+    # float64 reference: token t's output is sum over its experts of w[row] * x[t].
+    x64 = x.detach().double().requires_grad_(True)
+    token_of_row = torch.div(order, topk, rounding_mode="floor")
+    expected = torch.zeros(tokens, 16, dtype=torch.float64).index_add(0, token_of_row, x64[token_of_row] * w.double())
+    torch.testing.assert_close(out.double(), expected, rtol=1e-2, atol=1e-2)
+    expected.square().sum().backward()
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="megatron-core's MoE router needs CUDA")
+def test_moe_layer_matches_megatron_alltoall():
+    import os
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from etp.megatron.local_dispatcher import LocalTokenDispatcher, install_local_dispatchers
+    from etp.megatron.model import etp_gpt_layer_spec, patch_megatron
+
+    patch_megatron()  # megatron-core 0.16 without TransformerEngine (its router's te_general_gemm)
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29533")
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    ps.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(0)
+    try:
+        config = TransformerConfig(num_layers=1, hidden_size=256, num_attention_heads=4, num_moe_experts=16,
+                                   moe_router_topk=4, moe_ffn_hidden_size=128, moe_token_dispatcher_type="alltoall",
+                                   gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                                   add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16,
+                                   moe_aux_loss_coeff=0.0)
+        spec = etp_gpt_layer_spec(num_experts=16).submodules.mlp
+        outputs = []
+        for local in (False, True):
+            torch.manual_seed(0)
+            layer = MoELayer(config, spec.submodules).cuda()
+            if local:
+                assert install_local_dispatchers(layer) == 1
+                assert isinstance(layer.token_dispatcher, LocalTokenDispatcher)
+            x = torch.randn(128, 2, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            out, _ = layer(x)
+            out.float().square().sum().backward()
+            outputs.append((out.detach(), x.grad, [p.grad.clone() for p in layer.parameters()]))
+        (out_a, gx_a, gp_a), (out_b, gx_b, gp_b) = outputs
+        # Same experts, same rows; the combine differs only in summation (bf16 scatter_add vs fp32 sum).
+        torch.testing.assert_close(out_b, out_a, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(gx_b, gx_a, rtol=2e-2, atol=2e-2)
+        for a, b in zip(gp_a, gp_b):
+            torch.testing.assert_close(b, a, rtol=5e-2, atol=5e-2)
+    finally:
+        ps.destroy_model_parallel()

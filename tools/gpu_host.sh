@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Issue #15, host overhead of the TE-free megatron-core step, from the repository root on a GPU
+# machine (megatron-core installed by the caller). Every GPU visible is used (NPROC to override);
+# ETP is on when NPROC > 1 (ETP = NPROC), off at one GPU. Three runs of the flagship recipe,
+# global batch 2 x NPROC x 2 (two micro-batches of 2 per rank), ITERS iterations, profiled
+# (etp-train --profile: kernel classes, host launches / syncs, cProfile hot spots):
+#   stock:  megatron_fallbacks=stock, moe_token_dispatcher_type=alltoall (megatron-core as shipped)
+#   fast:   megatron_fallbacks=fast (etp.megatron.fast_fallbacks), alltoall
+#   local:  fast + moe_token_dispatcher_type=local (etp.megatron.local_dispatcher)
+#   OUT=/tmp/etp_host bash tools/gpu_host.sh
+set -uo pipefail
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+export PYTHONUNBUFFERED=1 TORCH_NCCL_ASYNC_ERROR_HANDLING=1 OMP_NUM_THREADS=4
+OUT=${OUT:-/tmp/etp_host}; mkdir -p "$OUT"
+BUDGET=${BUDGET:-530}
+START=$(date +%s)
+NPROC=${NPROC:-$(nvidia-smi -L | wc -l)}
+ITERS=${ITERS:-14}
+MICRO=${MICRO:-2}
+ETP=$(( NPROC > 1 ? NPROC : 1 ))
+echo "{" > "$OUT/summary.json.part"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1
+source tools/gpu_lib.sh
+
+TAIL=4 step tests 120 python3 -m pytest -q -rs tests/test_megatron_fallbacks.py tests/test_local_dispatcher.py
+for variant in ${VARIANTS:-stock fast local}; do
+  case $variant in
+    stock) SETS="--set megatron_fallbacks=stock --set moe_token_dispatcher_type=alltoall" ;;
+    fast)  SETS="--set megatron_fallbacks=fast --set moe_token_dispatcher_type=alltoall" ;;
+    local) SETS="--set megatron_fallbacks=fast --set moe_token_dispatcher_type=local" ;;
+  esac
+  TAIL=22 step "host_$variant" 150 torchrun --standalone --nproc-per-node "$NPROC" -m etp.megatron.train \
+    --recipe recipes/moe_h200x8.yaml --set world_size=$NPROC --set etp.etp_size=$ETP --set etp.expert_etp_size=$ETP \
+    --set micro_batch_size=$MICRO --set global_batch_size=$(( NPROC * MICRO * 2 )) $SETS \
+    --train-iters "$ITERS" --log-interval 1 --profile "/tmp/prof_$variant" --json "$OUT/host_$variant.json"
+  cp "/tmp/prof_$variant/host_rank0.txt" "$OUT/host_${variant}_python.txt" 2>/dev/null
+done
+echo "\"elapsed_s\": $(( $(date +%s) - START ))}" >> "$OUT/summary.json.part"
+mv "$OUT/summary.json.part" "$OUT/summary.json"
