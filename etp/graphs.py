@@ -33,6 +33,7 @@ between steps works as in eager training.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Callable, Sequence
 
@@ -41,7 +42,7 @@ from torch import nn
 
 from .param import ETPShardedParam
 from .streams import warmup_stream
-from .wrap import runtime_of
+from .wrap import _runtime_of
 
 __all__ = ["GraphedStep"]
 
@@ -53,7 +54,9 @@ class GraphedStep:
     one CUDA graph; calling the object replays it.
 
     Args:
-        model: a model wrapped with ``etp.wrap_module_params_etp`` (or ``apply_etp``).
+        model: a model wrapped with ``etp.wrap_module_params_etp`` (or ``apply_etp``); a
+            model without ETP weights is captured as plain ``torch.cuda.graph`` of the step
+            (warm-up on a side stream, gradients restored).
         step_fn: runs forward and backward on the given tensors and returns a tensor (or a
             tuple of tensors), e.g. the detached loss. It must launch the same work every
             time: static shapes, no host synchronization (``.item()``, ``.cpu()``).
@@ -87,27 +90,41 @@ class GraphedStep:
             if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cuda":
                 raise ValueError(f"GraphedStep static input {index} must be a CUDA tensor, got {tensor!r}")
         self.model, self.step_fn, self.static_inputs = model, step_fn, static_inputs
-        self.runtime = runtime_of(model)
+        # A model without ETP weights (e.g. etp-train's ETP-off baseline) is captured the same
+        # way, with nothing of the runtime to arrange.
+        self.runtime = _runtime_of(model)
         params = [p for p in model.parameters() if isinstance(p, ETPShardedParam)]
-        self.runtime.use_chain_class(params, "graphed")
-        device = params[0].device
+        if self.runtime is not None:
+            self.runtime.use_chain_class(params, "graphed")
+        device = static_inputs[0].device if static_inputs else next(model.parameters()).device
         saved = _save_grads(model)
         side = warmup_stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side), self.runtime.hooks_muted():
+        with torch.cuda.stream(side), self._hooks_muted():
             for _ in range(warmup):
                 step_fn(*static_inputs)
-                self.runtime.drain()
+                self._drain()
         torch.cuda.current_stream(device).wait_stream(side)
         _restore_grads(saved)
-        self.runtime.refresh_fp8()
+        if self.runtime is not None:
+            self.runtime.refresh_fp8()
         self.graph = torch.cuda.CUDAGraph()
-        with self.runtime.hooks_deferred() as ready, torch.cuda.graph(self.graph, pool=pool):
+        with self._hooks_deferred() as ready, torch.cuda.graph(self.graph, pool=pool):
             self.outputs = step_fn(*static_inputs)
-            self.runtime.drain()
+            self._drain()
         self.ready = list(ready)
         log.info("etp: captured a step over %d ETP weights (%d grad-ready hooks fire after each replay)",
                  len(params), len(self.ready))
+
+    def _hooks_muted(self):
+        return contextlib.nullcontext() if self.runtime is None else self.runtime.hooks_muted()
+
+    def _hooks_deferred(self):
+        return contextlib.nullcontext([]) if self.runtime is None else self.runtime.hooks_deferred()
+
+    def _drain(self) -> None:
+        if self.runtime is not None:
+            self.runtime.drain()
 
     def __call__(self, *inputs: torch.Tensor):
         """Copies ``inputs`` into the static inputs, re-quantizes FP8 shards if the optimizer
@@ -120,7 +137,8 @@ class GraphedStep:
                 raise ValueError(f"GraphedStep input of shape {tuple(new.shape)}: the graph was captured "
                                  f"for {tuple(static.shape)}; capture another GraphedStep for that shape")
             static.copy_(new)
-        self.runtime.refresh_fp8()
+        if self.runtime is not None:
+            self.runtime.refresh_fp8()
         self.replay()
         return self.outputs
 
@@ -128,7 +146,8 @@ class GraphedStep:
         """Replays the captured step as is and fires its grad-ready hooks (no input copy,
         no FP8 refresh)."""
         self.graph.replay()
-        self.runtime.fire_grad_ready(self.ready)
+        if self.runtime is not None:
+            self.runtime.fire_grad_ready(self.ready)
 
 
 def _save_grads(model: nn.Module) -> list:

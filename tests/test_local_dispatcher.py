@@ -37,19 +37,29 @@ def test_combine_and_gradients_match_float64_reference():
     routing_map, probs = _routing()
     tokens, topk = routing_map.shape[0], 3
     _, order, inverse = local_permutation(routing_map, topk)
-    x = torch.randn(tokens, 16, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(tokens, 16, generator=g).requires_grad_(True)
+    w = torch.randn(tokens * topk, 1, generator=g)
     rows = _Permute.apply(x, order, inverse, topk)
-    w = torch.randn(rows.shape[0], 1, dtype=torch.bfloat16)
     out = _Unpermute.apply(rows * w, order, inverse, topk)
-    out.float().square().sum().backward()
+    out.square().sum().backward()
 
-    # float64 reference: token t's output is sum over its experts of w[row] * x[t].
+    # float64 reference: token t's output is the sum over its K rows j of w[j] * x[t].
     x64 = x.detach().double().requires_grad_(True)
     token_of_row = torch.div(order, topk, rounding_mode="floor")
     expected = torch.zeros(tokens, 16, dtype=torch.float64).index_add(0, token_of_row, x64[token_of_row] * w.double())
-    torch.testing.assert_close(out.double(), expected, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
     expected.square().sum().backward()
-    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_combine_of_bf16_rows_rounds_once():
+    routing_map, _ = _routing()
+    _, order, inverse = local_permutation(routing_map, 3)
+    rows = torch.randn(order.numel(), 16, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    out = _Unpermute.apply(rows, order, inverse, 3)
+    exact = rows.double().index_select(0, inverse).view(-1, 3, 16).sum(1)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, exact.float().to(torch.bfloat16))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="megatron-core's MoE router needs CUDA")

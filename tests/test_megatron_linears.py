@@ -105,7 +105,8 @@ def _mlp_parity(ctx, tp: int, sequence_parallel: bool):
         parallel_state.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("size", SIZES)
+# 4 ranks repeat the 2-rank property (each rank a shard, megatron's linears intact): slow.
+@pytest.mark.parametrize("size", [pytest.param(s, marks=(pytest.mark.slow,) if s == 4 else ()) for s in SIZES])
 def test_megatron_linears_tp1(size):
     wrapped = run_distributed(_mlp_parity, size, 1, False)
     assert wrapped == [0 if size == 1 else 2] * size

@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .batches import Batches as _Batches  # tests reach it as train._Batches
+
 __all__ = ["main", "train"]
 
 
@@ -91,35 +93,6 @@ def _lr(recipe, iteration: int) -> float:
     if t.lr_decay_style == "cosine":
         return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))
     return t.lr - (t.lr - t.min_lr) * progress  # linear (and the rest, approximately)
-
-
-class _Batches:
-    """Random windows of the corpus (bytes), or synthetic tokens. Every sample of the global
-    batch depends only on (seed, iteration, its index in the global batch), so a resumed
-    run reads what the uninterrupted run would have read, at any data-parallel layout."""
-
-    def __init__(self, recipe, rank: int, device, microbatches: int) -> None:
-        path = recipe.resolve_data_path()
-        self.data = None if path is None else torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
-        self.seed, self.rank, self.microbatches = recipe.train.seed, rank, microbatches
-        self.rows, self.width = recipe.train.micro_batch_size, recipe.model.seq_length + 1
-        self.vocab, self.device = recipe.model.vocab_size, device
-
-    def _sample(self, iteration: int, index: int) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(hash((self.seed, iteration, index)) % 2**63)
-        if self.data is None:
-            return torch.randint(0, self.vocab, (self.width,), generator=gen)
-        start = int(torch.randint(0, self.data.numel() - self.width, (1,), generator=gen))
-        return self.data[start : start + self.width].long()
-
-    def get(self, iteration: int, micro: int) -> torch.Tensor:
-        first = (self.rank * self.microbatches + micro) * self.rows
-        batch = torch.stack([self._sample(iteration, first + j) for j in range(self.rows)])
-        if self.device.type == "cuda":
-            # From pinned memory without waiting: a pageable copy would wait for the GPU to
-            # finish the previous microbatch before this one's forward could be queued.
-            return batch.pin_memory().to(self.device, non_blocking=True)
-        return batch.to(self.device)
 
 
 def _build(recipe, device):
@@ -359,9 +332,20 @@ def train(rank: int, world: int, recipe, port: int | None = None, json_path: str
         from .profile import TrainingProfiler
 
         profiler = TrainingProfiler(profile_dir, rank, stop - start, device.type == "cuda", trainer.model)
+    graphed = None
     for iteration in range(start, stop):
         total = torch.zeros((), device=device)
-        for index, context in enumerate(trainer.microbatches(micro)):
+        contexts = trainer.microbatches(micro)  # zeroes the gradients
+        if recipe.train.cuda_graph == "step" and graphed is None:
+            from .graph_step import capture_step
+
+            graphed = capture_step(trainer.model, loss_fn, batches.get(iteration, 0), micro, device)
+        for index, context in enumerate(contexts):
+            if graphed is not None:
+                # The replay adds this micro-batch's gradients into main_grad; DDP's reductions
+                # start in finalize (overlap_grad_reduce is off with graphs), so no no_sync here.
+                total += graphed(batches.get(iteration, index)) / micro
+                continue
             with context:
                 with phase("forward"):
                     loss, objective = loss_fn(trainer.model, batches.get(iteration, index))

@@ -76,6 +76,10 @@ Training (``recipe.train``, :class:`TrainSpec`):
         :meth:`Recipe.resolve_data_path`).
     deterministic: false (true: torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG,
         megatron-core deterministic_mode, deterministic SDPA kernels; bitwise-equal reruns).
+    cuda_graph: none (etp's own | step: etp-train captures one micro-batch's forward + backward in
+        a CUDA graph with etp.GraphedStep after three eager warm-ups and replays it for every
+        micro-batch; needs CUDA, moe_token_dispatcher_type local for MoE models (megatron's
+        dispatchers synchronize with the host), overlap_grad_reduce false, no recompute).
     megatron_fallbacks: fast (etp's own: without apex / TransformerEngine, megatron-core's
         multi-tensor helpers run as torch foreach ops and torch's Adam as its fused kernel,
         etp.megatron.fast_fallbacks | stock: megatron-core's own per-tensor fallbacks).

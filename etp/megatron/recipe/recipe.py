@@ -78,6 +78,18 @@ class Recipe(RecipeQuantities):
                 )
         m, p, t, e = self.model, self.parallel, self.train, self.etp
         tp = p.tensor_model_parallel_size
+        if t.cuda_graph == "step":
+            if p.overlap_grad_reduce:
+                _fail("overlap_grad_reduce", True, "must be false with cuda_graph=step (DDP's bucket "
+                      "hooks run only at capture; the reductions start after the replayed backward)")
+            if t.recompute_granularity is not None:
+                _fail("recompute_granularity", t.recompute_granularity,
+                      "must be unset with cuda_graph=step (not captured yet)")
+            if t.deterministic:
+                _fail("deterministic", True, "must be false with cuda_graph=step (its capture-safe embedding "
+                      "backward adds with atomics)")
+            if tp != 1:
+                _fail("tensor_model_parallel_size", tp, "must be 1 with cuda_graph=step (capture-safe embedding)")
         if m.num_attention_heads % tp:
             _fail(
                 "num_attention_heads",
@@ -130,6 +142,9 @@ class Recipe(RecipeQuantities):
                     m.moe_ffn_hidden_size,
                     f"must be divisible by expert_tensor_parallel_size={etp_tp}",
                 )
+            if t.cuda_graph == "step" and m.moe_token_dispatcher_type != "local":
+                _fail("moe_token_dispatcher_type", m.moe_token_dispatcher_type,
+                      "must be local with cuda_graph=step (megatron's dispatchers synchronize with the host)")
             if m.moe_token_dispatcher_type == "local":
                 for name, value in (("expert_model_parallel_size", ep), ("tensor_model_parallel_size", tp),
                                     ("expert_tensor_parallel_size", etp_tp)):

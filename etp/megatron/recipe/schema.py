@@ -282,6 +282,10 @@ class TrainSpec:
     deterministic: bool = _key(
         False, _BOOL, "bitwise-reproducible runs: torch deterministic algorithms, megatron deterministic_mode"
     )
+    cuda_graph: str = _key(
+        "none", _STR, "none | step: capture each micro-batch's forward + backward in one CUDA graph "
+        "(etp.GraphedStep) and replay it", choices=("none", "step"),
+    )
     megatron_fallbacks: str = _key(
         "fast", _STR, "without apex / TransformerEngine: fast (torch foreach helpers, fused Adam) | stock "
         "(megatron-core's own fallbacks)", choices=("fast", "stock"),
