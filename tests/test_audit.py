@@ -153,10 +153,29 @@ def test_predicted_peak_within_five_percent_of_measured(key):
 
     world, size, micro, distributed, layers = key
     recipe = Recipe.from_yaml(ROOT / "recipes/moe_h200x8.yaml", world_size=world, global_batch_size=64,
-                              num_layers=layers, attention_backend="local",
-                              etp={"etp_size": size, "expert_etp_size": size})
+                              num_layers=layers, attention_backend="local", megatron_fallbacks="stock",
+                              moe_token_dispatcher_type="alltoall", etp={"etp_size": size, "expert_etp_size": size})
     peak = predict_peak(recipe, world, distributed_optimizer=distributed, micro_batch_size=micro)["peak"] / 2**30
     assert abs(peak / MEASURED_PEAKS[key] - 1) < 0.05, (peak, MEASURED_PEAKS[key])
+
+
+# 1 x H200, ETP off, SDPA (benchmarks/2026-11-23_host_h200x1_*.json):
+# (megatron_fallbacks, dispatcher, micro-batch) -> GiB.
+MEASURED_PEAKS_1GPU = {("stock", "alltoall", 2): 95.29, ("stock", "alltoall", 4): 95.29,
+                       ("fast", "alltoall", 2): 83.05, ("fast", "local", 2): 83.05,
+                       ("fast", "local", 4): 87.30, ("fast", "local", 8): 95.80}
+
+
+@pytest.mark.parametrize("key", sorted(MEASURED_PEAKS_1GPU))
+def test_predicted_peak_with_fused_adam_within_five_percent(key):
+    from etp.audit import predict_peak
+
+    fallbacks, dispatcher, micro = key
+    recipe = Recipe.from_yaml(ROOT / "recipes/moe_h200x8.yaml", world_size=1, global_batch_size=2 * micro,
+                              micro_batch_size=micro, megatron_fallbacks=fallbacks,
+                              moe_token_dispatcher_type=dispatcher, etp={"etp_size": 1, "expert_etp_size": 1})
+    peak = predict_peak(recipe, 1)["peak"] / 2**30
+    assert abs(peak / MEASURED_PEAKS_1GPU[key] - 1) < 0.05, (peak, MEASURED_PEAKS_1GPU[key])
 
 
 def test_peak_phases_and_sdpa_activations():
@@ -171,9 +190,13 @@ def test_peak_phases_and_sdpa_activations():
     moe = 4 * (4 + 8 * 1408 / h)
     assert activation_bytes(local) == int(s * b * h * (18 + moe + 6 * a * s / h) * 8) + 4 * s * b * v
     assert activation_bytes(recipe) == int(s * b * h * (18 + moe) * 8) + 4 * s * b * v
-    plain = predict_peak(recipe, 2, recipe.etp.replace(etp_size=1, expert_etp_size=1))
-    assert plain["peak_phase"] == "optimizer_step"  # foreach Adam's fp32 temporary over 4.7 B elements
-    assert plain["optimizer_transient"] == 4 * recipe.num_params()
+    no_etp = recipe.etp.replace(etp_size=1, expert_etp_size=1)
+    stock = predict_peak(recipe.replace(megatron_fallbacks="stock"), 2, no_etp)
+    assert stock["peak_phase"] == "optimizer_step"  # foreach Adam's fp32 temporary over 4.7 B elements
+    assert stock["optimizer_transient"] == 4 * recipe.num_params()
+    fused = predict_peak(recipe, 2, no_etp)  # megatron_fallbacks: fast (default): fused Adam, in place
+    assert fused["optimizer_transient"] == 0 and fused["peak_phase"] == "forward_backward"
+    assert fused["peak"] == stock["forward_backward"] < stock["peak"]
 
 
 def test_cli_gpu_memory_fits_and_micro_batch_table(tmp_path, capsys):
