@@ -7,6 +7,8 @@
 #   stock:  megatron_fallbacks=stock, moe_token_dispatcher_type=alltoall (megatron-core as shipped)
 #   fast:   megatron_fallbacks=fast (etp.megatron.fast_fallbacks), alltoall
 #   local:  fast + moe_token_dispatcher_type=local (etp.megatron.local_dispatcher)
+#   eager:  local with overlap_grad_reduce=false (the pair of graph)
+#   graph:  eager + cuda_graph=step (etp.megatron.graph_step; not in the default VARIANTS)
 #   OUT=/tmp/etp_host bash tools/gpu_host.sh
 set -uo pipefail
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
@@ -28,6 +30,9 @@ for variant in ${VARIANTS:-stock fast local}; do
     stock) SETS="--set megatron_fallbacks=stock --set moe_token_dispatcher_type=alltoall" ;;
     fast)  SETS="--set megatron_fallbacks=fast --set moe_token_dispatcher_type=alltoall" ;;
     local) SETS="--set megatron_fallbacks=fast --set moe_token_dispatcher_type=local" ;;
+    eager) SETS="--set moe_token_dispatcher_type=local --set overlap_grad_reduce=false" ;;
+    graph) SETS="--set moe_token_dispatcher_type=local --set overlap_grad_reduce=false --set cuda_graph=step" ;;
+    *) echo "unknown variant $variant (stock | fast | local | eager | graph)"; continue ;;
   esac
   TAIL=22 step "host_$variant" 150 torchrun --standalone --nproc-per-node "$NPROC" -m etp.megatron.train \
     --recipe recipes/moe_h200x8.yaml --set world_size=$NPROC --set etp.etp_size=$ETP --set etp.expert_etp_size=$ETP \
