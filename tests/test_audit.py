@@ -90,7 +90,7 @@ def test_cli_table_json_and_plot(tmp_path, capsys):
     assert set(report) >= {"recipe", "world_size", "etp", "parameters", "units", "layouts"}
     for layout in ("without_etp", "with_etp"):
         values = report["layouts"][layout]
-        assert set(values) == {"params", "main_grad", "optimizer", "gather_fwd", "gather_bwd",
+        assert set(values) == {"params", "main_grad", "optimizer", "gather_fwd", "gather_bwd", "gather_recompute",
                                "wgrad_pool", "fp8_shards", "activations", "total"}
         assert values["total"] == sum(v for k, v in values.items() if k != "total")
     assert report["layouts"]["with_etp"]["params"] < report["layouts"]["without_etp"]["params"] / 4
@@ -218,3 +218,27 @@ def test_cli_gpu_memory_fits_and_micro_batch_table(tmp_path, capsys):
     assert report["peaks"]["with_etp"]["fits"] is True
     assert main([*args[:-1], "10GiB"]) == 0
     assert "NO" in capsys.readouterr().out
+
+
+def test_recompute_shrinks_activations_and_adds_its_gather_buffers():
+    from etp.audit import activation_bytes, predict_memory
+
+    recipe = Recipe.from_yaml(ROOT / "recipes/moe_h200x8.yaml", world_size=2, global_batch_size=8,
+                              etp={"etp_size": 2, "expert_etp_size": 2})
+    s, b, h, v, layers = 2048, 2, 2048, 32000, 8
+    per_layer = s * b * h * (18 + 4 * (4 + 8 * 1408 / h))  # SDPA: no score matrices
+    loss = 4 * s * b * v
+    full = recipe.replace(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    # 8 one-layer units keep their bf16 input; backward rebuilds one layer at a time.
+    assert activation_bytes(full) == int(layers * s * b * h * 2 + per_layer) + loss
+    block = recipe.replace(recompute_granularity="full", recompute_method="block", recompute_num_layers=3)
+    assert activation_bytes(block) == int(3 * s * b * h * 2 + (5 + 1) * per_layer) + loss
+    assert activation_bytes(recipe) == int(layers * per_layer) + loss
+
+    plain, recomputed = predict_memory(recipe, 2), predict_memory(full, 2)
+    assert plain["gather_recompute"] == 0 and recomputed["gather_recompute"] == recomputed["gather_bwd"] > 0
+    # On-demand recompute gathers keep no buffers of their own; attention-only selective
+    # recompute touches no weights.
+    assert predict_memory(full, 2, full.etp.replace(prefetch_recompute=False))["gather_recompute"] == 0
+    attention_only = recipe.replace(recompute_granularity="selective")
+    assert predict_memory(attention_only, 2)["gather_recompute"] == 0

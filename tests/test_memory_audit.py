@@ -81,6 +81,7 @@ def _audit_ranks(ctx):
     adam = 2 * PARAM_ELEMENTS * F32 + steps
     expected = {"params": params, "main_grad": params, "optimizer": adam,
                 "gather_fwd": GATHERED_ELEMENTS * F32, "gather_bwd": GATHERED_BWD_ELEMENTS * F32,
+                "gather_recompute": 0,  # no recompute in this model
                 # one fp32 wgrad buffer per padded shape, back in the pool after its reduce-scatter
                 "wgrad_pool": GATHERED_ELEMENTS * F32, "fp8_shards": 0}
     measured = dict(report["bytes"])

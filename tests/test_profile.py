@@ -142,3 +142,14 @@ def test_training_profiler_writes_python_hotspots(tmp_path):
     assert table["host"]["python"] and all("own_ms" in row for row in table["host"]["python"])
     assert "cProfile of 2 iterations" in (tmp_path / "host_rank0.txt").read_text()
     assert json.loads((tmp_path / "breakdown_rank0.json").read_text())["host"]["iterations"] >= 1
+
+
+def test_kernel_time_plausibility_against_peak():
+    from etp.megatron.profile import kernel_time_plausible
+
+    table = {"classes": {**dict.fromkeys(CLASSES, 0.0), "gemm": 19.6, "attention": 2.7}, "wall": 200.0,
+             "busy": 87.0, "host_gaps": 113.0, "exposed_communication": 0.0, "iterations": 8}
+    # 26.78 TFLOP in 22.3 ms of GEMM + attention would be 1200 TFLOP/s on a 798 TFLOP/s GPU.
+    assert not kernel_time_plausible(table, 26.78e12, 798.0)
+    assert kernel_time_plausible(table, 10e12, 798.0)
+    assert "misses kernels" in format_breakdown({**table, "kernel_time_plausible": False})

@@ -563,3 +563,15 @@ def test_etp_audit_accepts_recompute_keys(capsys):
     assert json.loads(capsys.readouterr().out)["parameters"] > 0
     assert audit_main(["--recipe", str(BIG), "--set", "recompute_granularity=full"]) != 0
     assert "recompute_method" in capsys.readouterr().err
+
+
+def test_module_doc_lists_every_etp_field():
+    import dataclasses
+    import re
+
+    import etp
+    import etp.megatron.recipe as recipe_module
+
+    section = recipe_module.__doc__.split("ETP (``recipe.etp``")[1].split("(defaults")[0]
+    listed = re.findall(r"[a-z_]+", section.split("):", 1)[1])
+    assert listed == [f.name for f in dataclasses.fields(etp.ETPConfig)]

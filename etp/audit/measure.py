@@ -17,7 +17,7 @@ The runtime half of the memory audit (the prediction is ``etp.audit.predict_memo
   them): ``params``; ``main_grad`` (``param.main_grad`` if present, else ``param.grad``);
   ``optimizer`` (state tensors, plus fp32 master copies of megatron-core's mixed-precision
   and distributed optimizers, which are the inner optimizer's parameters); the ETP runtime's
-  ``gather_fwd`` / ``gather_bwd`` / ``wgrad_pool``; ``fp8_shards`` (the FP8 copies of the
+  ``gather_fwd`` / ``gather_bwd`` / ``gather_recompute`` / ``wgrad_pool``; ``fp8_shards`` (the FP8 copies of the
   shards; their few bytes of scales are left out, as in the prediction).
 
 Every storage counts once, by address: views of one buffer (megatron-core DDP's grad and
@@ -262,9 +262,10 @@ class MemoryAudit:
         for tensor in _optimizer_tensors(self.optimizer):
             optimizer.add(tensor)
         result = {"params": param_bytes.nbytes, "main_grad": grads.nbytes, "optimizer": optimizer.nbytes,
-                  "gather_fwd": 0, "gather_bwd": 0, "wgrad_pool": 0, "fp8_shards": fp8.nbytes}
+                  "gather_fwd": 0, "gather_bwd": 0, "gather_recompute": 0, "wgrad_pool": 0,
+                  "fp8_shards": fp8.nbytes}
         for runtime in self._runtimes(params):
-            for key in ("gather_fwd", "gather_bwd", "wgrad_pool"):
+            for key in ("gather_fwd", "gather_bwd", "gather_recompute", "wgrad_pool"):
                 result[key] += runtime.nbytes()[key]
         return result
 

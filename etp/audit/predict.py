@@ -171,6 +171,10 @@ def predict_memory(recipe, world_size: int, etp: ETPConfig | None = None,
     gather_bytes = _dtype_bytes(etp.gather_dtype, param_bytes)
     fp8 = etp.gather_dtype.startswith("fp8")
     result = dict.fromkeys(CATEGORIES, 0)
+    # A recomputed forward that consumes ETP weights gathers them into buffers of its own
+    # role ([Note: ETP recompute chain]); those of a prefetching chain are kept like the others.
+    roles = ("fwd", "bwd", "recompute") if _recomputes_weights(t) and etp.prefetch and etp.prefetch_recompute \
+        else ("fwd", "bwd")
     buffers: dict[tuple, int] = {}  # (chain, role, padded shape, parity) -> elements
     pool_order: list[tuple] = []  # padded shapes of the ETP weights, forward order
     positions: dict[str, int] = {}
@@ -182,7 +186,7 @@ def predict_memory(recipe, world_size: int, etp: ETPConfig | None = None,
             numel = layout.shard_rows * layout.cols
             position = positions.get(weight.chain, 0)
             positions[weight.chain] = position + 1
-            for role in ("fwd", "bwd"):
+            for role in roles:
                 buffers[(weight.chain, role, layout.padded_shape, position % 2)] = layout.padded_rows * layout.cols
             pool_order.append(layout.padded_shape)
             if fp8:
@@ -198,6 +202,16 @@ def predict_memory(recipe, world_size: int, etp: ETPConfig | None = None,
     result["wgrad_pool"] = _wgrad_pool_bytes(pool_order)
     result["activations"] = activation_bytes(recipe, micro_batch_size)
     return result
+
+
+def _recomputes_weights(train) -> bool:
+    """Whether activation recompute re-runs modules holding weights (full recompute, or
+    selective recompute of the MLP / MoE)."""
+    if train.recompute_granularity == "full":
+        return True
+    if train.recompute_granularity == "selective":
+        return bool({"mlp", "moe"} & set(train.recompute_modules or ()))
+    return False
 
 
 def _stepped_elements(recipe, world_size: int, etp: ETPConfig, distributed: bool) -> int:
@@ -279,7 +293,8 @@ def _wgrad_pool_bytes(shapes_in_forward_order: list[tuple]) -> int:
 
 
 def activation_bytes(recipe, micro_batch_size: int | None = None) -> int:
-    """Bytes the forward keeps for backward on one rank (first pipeline stage, no recompute).
+    """Bytes the forward keeps for backward on one rank (first pipeline stage), with the
+    recipe's activation recompute.
 
     Per layer, in bytes per element of ``[s, b, h]`` (16-bit training; x2 for fp32):
 
@@ -296,6 +311,12 @@ def activation_bytes(recipe, micro_batch_size: int | None = None) -> int:
       kernels keep only their output and a [b, heads, s] fp32 log-sum-exp (negligible).
 
     Plus the loss: the fp32 softmax of the cross-entropy, ``4 x s x b x V / TP``.
+
+    Recompute (megatron-core's keys): ``full`` keeps each checkpointed unit's 16-bit input and
+    rebuilds one unit at a time in backward (uniform: units of ``recompute_num_layers`` layers;
+    block: the first ``recompute_num_layers`` layers one by one, the rest stored);
+    ``selective`` drops the attention probabilities (``core_attn``) and the MLP interior
+    (``mlp`` / ``moe``: its input and output stay).
     """
     m, t, p = recipe.model, recipe.train, recipe.parallel
     s, b, h, a = m.seq_length, micro_batch_size or t.micro_batch_size, m.hidden_size, m.num_attention_heads
@@ -305,7 +326,24 @@ def activation_bytes(recipe, micro_batch_size: int | None = None) -> int:
     else:
         mlp = 4 + 8 * m.ffn_hidden_size / h
     scores = 6 * a * s / h if getattr(m, "attention_backend", "local") == "local" else 0.0
+    granularity = getattr(t, "recompute_granularity", None)
+    modules = set(getattr(t, "recompute_modules", None) or ("core_attn",))
+    if granularity == "selective" and "core_attn" in modules:
+        scores = 0.0  # the attention core's interior is rebuilt in backward
+    if granularity == "selective" and ({"mlp", "moe"} & modules):
+        mlp = 4 if m.is_moe else 2  # the MLP's input and output only (its interior is rebuilt)
     per_layer = s * b * h * (18 + mlp + scores) * width / p.tensor_model_parallel_size
     layers = m.num_layers // p.pipeline_model_parallel_size
     loss = 4 * s * b * recipe.padded_vocab_size // p.tensor_model_parallel_size
+    if granularity == "full":
+        # Each checkpointed unit keeps only its 16-bit input [s, b, h]; backward rebuilds one
+        # unit at a time (uniform: units of recompute_num_layers layers; block: the first
+        # recompute_num_layers layers of the stage one by one, the others keep everything).
+        n = t.recompute_num_layers or 1
+        unit_input = s * b * h * 2 / p.tensor_model_parallel_size
+        if t.recompute_method == "block":
+            units, stored, rebuilt = min(n, layers), max(0, layers - n), 1
+        else:
+            units, stored, rebuilt = -(-layers // n), 0, min(n, layers)
+        return int(units * unit_input + (stored + rebuilt) * per_layer) + loss
     return int(per_layer * layers) + loss

@@ -51,7 +51,8 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
-__all__ = ["CLASSES", "breakdown", "classify_kernel", "format_breakdown", "host_activity", "python_hotspots"]
+__all__ = ["CLASSES", "breakdown", "classify_kernel", "format_breakdown", "host_activity", "kernel_time_plausible",
+           "python_hotspots"]
 
 CLASSES = ("gemm", "attention", "moe", "elementwise", "optimizer", "communication")
 
@@ -252,6 +253,14 @@ def host_activity(trace: dict | list) -> dict:
                            for k, v in sorted(sites.items(), key=lambda kv: -kv[1][0])[:10]]}
 
 
+def kernel_time_plausible(table: dict, flops_per_iter: float, peak_tflops: float) -> bool:
+    """False when the trace's GEMM time is too short for the iteration's FLOPs at the GPU's
+    peak: the profiler missed kernels (seen on 1 x H200 with the grouped GEMMs, 2026-11-23),
+    so ``busy`` is too low and ``host_gaps`` is only an upper bound."""
+    gemm_ms = table["classes"]["gemm"] + table["classes"]["attention"]
+    return gemm_ms > 0 and flops_per_iter / (gemm_ms * 1e-3) <= peak_tflops * 1e12
+
+
 def python_hotspots(stats, iterations: int, top: int = 25) -> list[dict]:
     """The ``top`` Python functions by own time from a ``pstats.Stats`` of ``iterations``
     iterations: ``{"function", "own_ms", "cum_ms", "calls"}`` per iteration."""
@@ -282,6 +291,9 @@ def format_breakdown(table: dict, title: str = "") -> str:
         label = {"busy": "GPU busy (union)", "host_gaps": "host gaps (wall - busy)",
                  "exposed_communication": "comm not overlapped"}.get(key, key)
         rows.append(f"{label:<24}{table[key]:>10.2f}{100 * table[key] / wall:>8.1f}%")
+    if table.get("kernel_time_plausible") is False:
+        rows.append("WARNING: the GEMM time above is too short for this iteration's FLOPs at the GPU's peak: "
+                    "the trace misses kernels, so GPU busy is too low and host gaps an upper bound")
     host = table.get("host")
     if host:
         rows.append(f"host: {host['launches']:.0f} launches ({host['launch_ms']:.1f} ms in launch calls), "

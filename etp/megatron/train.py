@@ -386,6 +386,10 @@ def train(rank: int, world: int, recipe, port: int | None = None, json_path: str
     breakdown = None
     if profiler is not None:
         breakdown = profiler.finish()
+        if breakdown is not None and peak:
+            from .profile import kernel_time_plausible
+
+            breakdown["kernel_time_plausible"] = kernel_time_plausible(breakdown, flops_per_iter, peak)
         if rank == 0 and breakdown is not None:
             from .profile import format_breakdown
 
