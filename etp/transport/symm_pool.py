@@ -10,6 +10,7 @@ view of the peer's pool (``peer``).
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch
 
@@ -27,7 +28,9 @@ def symm_mem_module(process_group=None):
 
     if process_group is not None and hasattr(symm_mem, "enable_symm_mem_for_group"):
         try:  # needed by older torch; newer versions rendezvous without it (and warn)
-            symm_mem.enable_symm_mem_for_group(process_group.group_name)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                symm_mem.enable_symm_mem_for_group(process_group.group_name)
         except Exception:  # noqa: BLE001 - already enabled / deprecated: both fine
             pass
     return symm_mem

@@ -45,6 +45,8 @@ Algorithms (all share the layout of [Note: receive layout] and produce the same 
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch.autograd.profiler import record_function
 
@@ -63,8 +65,10 @@ class _SymmBackend(Backend):
 
         self._symm_mem = symm_mem
         if hasattr(symm_mem, "enable_symm_mem_for_group") and ctx.group is not None:
-            try:  # needed by older torch; newer versions rendezvous without it
-                symm_mem.enable_symm_mem_for_group(ctx.group.group_name)
+            try:  # needed by older torch; newer versions rendezvous without it (and warn)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", FutureWarning)
+                    symm_mem.enable_symm_mem_for_group(ctx.group.group_name)
             except Exception:  # noqa: BLE001 - already enabled / deprecated: both fine
                 pass
         # data_ptr -> (tensor, handle, pointer table, valid-row totals [2] on device)
