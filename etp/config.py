@@ -34,7 +34,7 @@ REDUCTIONS = ("mean", "sum")
 #: How gathered weight bytes move; see [Note: ETP transports] in etp/transport/base.py.
 TRANSPORTS = ("auto", "nccl", "copy_engine")
 #: How weight-gradient reduce-scatters run; see [Note: ETP transports].
-REDUCE_TRANSPORTS = ("auto", "nccl", "nccl_capped", "symm_triton")
+REDUCE_TRANSPORTS = ("auto", "nccl", "nccl_capped", "symm_triton", "copy_engine")
 
 
 def _is_power_of_two(value: int) -> bool:
@@ -71,8 +71,11 @@ class ETPConfig:
             communicator, fp32 wire), "nccl_capped" (its own NCCL communicator limited to
             ``reduce_ctas`` CTAs), "symm_triton" (a Triton kernel over symmetric memory on
             ``reduce_ctas`` CTAs: 16-bit wire bytes, fp32 sums added straight into
-            ``main_grad``) or "auto" (nccl: the other two measured slower than the SMs
-            they free, see BENCHMARKS.md "SM-free communication").
+            ``main_grad``), "copy_engine" (the peers' 16-bit slices of this rank's rows
+            pulled over symmetric memory by the copy engines, then added in fp32 into
+            ``main_grad`` locally: SMs only for that memory-bound add) or "auto" (nccl: the
+            SM-light reductions measured so far were slower than the SMs they free, see
+            BENCHMARKS.md "SM-free communication"; copy_engine is not measured yet).
         reduce_ctas: CTAs (thread blocks) of the "nccl_capped" and "symm_triton" reductions.
 
     Example::

@@ -55,8 +55,17 @@ def _fake_symm_reduce_init(self, process_group, device, num_ctas):
 
 def _fake_allocate(self, shape, dtype, device):
     buffer = torch.empty(tuple(shape), dtype=dtype, device=device)
-    self._buffers[buffer.data_ptr()] = (buffer, torch.zeros(0))
+    self._buffers[buffer.data_ptr()] = (buffer, torch.zeros(0), None, 0)
     return buffer
+
+
+def _fake_peer_rows(self, entry, full, peer, rows):
+    # A peer's buffer as of now (the barrier before the pull): a gloo all-gather stands in
+    # for the one-sided read. Every rank pulls the same peers in the same order here.
+    snapshot = [torch.empty_like(full) for _ in range(dist.get_world_size(self.process_group or None))]
+    dist.all_gather(snapshot, full.contiguous(), group=self.process_group)
+    rank = dist.get_rank(self.process_group)
+    return snapshot[peer][rank * rows : (rank + 1) * rows]
 
 
 def _fake_kernel(table, wire, rank, out, divisor=1.0, accumulate=False, num_ctas=8, impl="auto", peers=None):
@@ -70,8 +79,9 @@ def _install_fakes():
     transport.symmetric_memory_status = lambda group, device: (True, "emulated on gloo")
     copy_engine.SymmetricPool = _FakePool
     copy_engine.CopyEngineGather._channel = lambda self: 0
-    symm_reduce.SymmTritonReduce.__init__ = _fake_symm_reduce_init
-    symm_reduce.SymmTritonReduce._allocate = _fake_allocate
+    symm_reduce._SymmetricWgradReduce.__init__ = _fake_symm_reduce_init
+    symm_reduce._SymmetricWgradReduce._allocate = _fake_allocate
+    symm_reduce.CopyEngineReduce._peer_rows = _fake_peer_rows
     symm_reduce.symm_reduce_scatter = _fake_kernel
     _fake_kernel.group = dist.group.WORLD
 
@@ -83,7 +93,9 @@ def _train(ctx, overrides):
 
 
 def test_training_parity_through_emulated_symmetric_transports():
-    for overrides in (CE, dict(CE, reduction="sum"), dict(transport="copy_engine", reduce_transport="nccl")):
+    for overrides in (CE, dict(CE, reduction="sum"), dict(transport="copy_engine", reduce_transport="nccl"),
+                      dict(transport="copy_engine", reduce_transport="copy_engine"),
+                      dict(transport="nccl", reduce_transport="copy_engine", reduction="sum")):
         for result in run_distributed(_train, 2, overrides):
             assert result["last_loss"] < result["first_loss"]
 
@@ -148,3 +160,30 @@ def test_fp8_shards_are_quantized_into_their_home():
     for in_place, fp8_in_home, *_ in run_distributed(_homes, 2, True):
         assert not any(in_place)  # the bf16/fp32 parameter stays put; the FP8 shard travels
         assert fp8_in_home and all(fp8_in_home)
+
+
+def _copy_engine_reduce(ctx):
+    from types import SimpleNamespace
+
+    _install_fakes()
+    reduce = symm_reduce.CopyEngineReduce(dist.group.WORLD, ctx.device, 8)
+    group = SimpleNamespace(rank=ctx.rank, size=ctx.world_size)
+    full = reduce.allocator()((6 * ctx.world_size, 5), torch.bfloat16, ctx.device)
+    g = torch.Generator().manual_seed(ctx.rank)
+    full.copy_(torch.randn(full.shape, generator=g).to(torch.bfloat16))
+    main_grad = torch.randn(6, 5, generator=torch.Generator().manual_seed(7 + ctx.rank))
+    start = main_grad.clone()
+    reduce.reduce_scatter(full, group, main_grad, True, async_op=False).wait()
+    plain = reduce.reduce_scatter(full, group, None, False, async_op=False).wait()  # no main_grad: wire dtype
+    everyone = [torch.empty_like(full) for _ in range(ctx.world_size)]
+    dist.all_gather(everyone, full)
+    rows = slice(6 * ctx.rank, 6 * (ctx.rank + 1))
+    exact = sum(t[rows].double() for t in everyone)
+    return (main_grad.double() - start.double() - exact / ctx.world_size).abs().max().item(), \
+        plain.dtype, (plain.double() - exact).abs().max().item(), exact.abs().max().item()
+
+
+def test_copy_engine_reduce_sums_in_fp32_against_float64():
+    for mean_error, plain_dtype, plain_error, scale in run_distributed(_copy_engine_reduce, 2):
+        assert mean_error < 1e-6 * scale  # fp32 accumulation into main_grad
+        assert plain_dtype == torch.bfloat16 and plain_error <= 2 ** -8 * scale  # one rounding to bf16

@@ -24,7 +24,8 @@ CE = dict(transport="copy_engine", reduce_transport="symm_triton")
 # Each test runs its configurations inside one process group (one spawn): the GPU script
 # has a time budget.
 MODULE_CONFIGS = [CE, dict(transport="copy_engine", reduce_transport="nccl"),
-                  dict(transport="nccl", reduce_transport="nccl_capped")]
+                  dict(transport="nccl", reduce_transport="nccl_capped"),
+                  dict(transport="copy_engine", reduce_transport="copy_engine")]
 
 
 def _cases(ctx):
@@ -43,8 +44,10 @@ def test_module_parity():
 def _train(ctx):
     results = []
     for reduction in ("mean", "sum"):
-        config = ETPConfig(etp_size=ctx.world_size, expert_etp_size=ctx.world_size, reduction=reduction, **CE)
-        results.append(train_parity(ctx, config))
+        for reduce in ("symm_triton", "copy_engine"):
+            config = ETPConfig(etp_size=ctx.world_size, expert_etp_size=ctx.world_size, reduction=reduction,
+                               **dict(CE, reduce_transport=reduce))
+            results.append(train_parity(ctx, config))
     return results
 
 

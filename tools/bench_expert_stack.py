@@ -38,6 +38,8 @@ earlier runs. The transport variants (opt-in through ``--variants``) change only
   memory, no SMs), NCCL reduce-scatter;
 * ``etp_async_ce_symm`` / ``etp_async_ce_fp8_symm``: copy-engine gathers and the Triton
   symmetric-memory reduce-scatter on ``--reduce-ctas`` CTAs;
+* ``etp_async_ce_pull`` / ``etp_async_ce_fp8_pull``: copy-engine gathers and the copy-engine
+  reduce-scatter (peers' slices pulled by the copy engines, added locally in fp32);
 * ``etp_async_graphed`` / ``etp_async_fp8_graphed`` (opt-in): ``etp_async`` / ``etp_async_fp8``
   with forward + backward captured in one CUDA graph by ``etp.GraphedStep`` and replayed
   (finalize, FP8 re-quantization and the post-step hook stay eager);
@@ -105,7 +107,7 @@ The transports side by side on 2 GPUs (what tools/gpu_overlap.sh runs)::
 
     torchrun --nproc-per-node=2 tools/bench_expert_stack.py --variants replicated,replicated_fp8,\
 fsdp2,etp_async,etp_async_fp8,etp_async_ce,etp_async_ce_fp8,etp_async_ce_symm,etp_async_ce_fp8_symm,\
-etp_async_capped --trace $OUT/trace --out $OUT/bench_expert_stack.json
+etp_async_ce_pull,etp_async_ce_fp8_pull,etp_async_capped --trace $OUT/trace --out $OUT/bench_expert_stack.json
 
 CPU check of the script itself (gloo, float32, tiny shapes, host timers)::
 
@@ -147,6 +149,8 @@ TRANSPORT_VARIANTS = {
     "etp_async_ce_fp8": ("copy_engine", "nccl"),
     "etp_async_ce_symm": ("copy_engine", "symm_triton"),
     "etp_async_ce_fp8_symm": ("copy_engine", "symm_triton"),
+    "etp_async_ce_pull": ("copy_engine", "copy_engine"),
+    "etp_async_ce_fp8_pull": ("copy_engine", "copy_engine"),
     "etp_async_capped": ("nccl", "nccl_capped"),
     "etp_async_ce_capped": ("copy_engine", "nccl_capped"),
 }
@@ -159,11 +163,12 @@ FP8_VARIANTS = {
     "etp_async_fp8_blockwise": ("fp8_blockwise", 128),
     "etp_async_ce_fp8": ("fp8_tensorwise", None),
     "etp_async_ce_fp8_symm": ("fp8_tensorwise", None),
+    "etp_async_ce_fp8_pull": ("fp8_tensorwise", None),
 }
 # Variants whose GEMMs run in FP8 (their check differs from replicated by FP8 rounding).
 FP8_COMPUTE = ("replicated_fp8", *FP8_VARIANTS)
 PROFILED = ("replicated", "replicated_fp8", "etp_async", "etp_async_fp8", "etp_async_ce",
-            "etp_async_ce_fp8_symm")  # traced under --trace
+            "etp_async_ce_fp8_symm", "etp_async_ce_pull")  # traced under --trace
 GPU_DEFAULTS = dict(layers=8, experts=16, tokens_per_expert=2048, hidden=4096, ffn=1536, warmup=5, steps=20)
 SMOKE_DEFAULTS = dict(layers=2, experts=4, tokens_per_expert=8, hidden=32, ffn=16, warmup=2, steps=2)
 # Measured separately on 2026-11-21 (shared/anchors.md), same workload and machine kind.

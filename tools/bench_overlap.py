@@ -15,7 +15,9 @@ Operations (each through ``etp.transport``, exactly as the runtime calls it):
 * ``reduce/nccl fp32`` (the megatron path: fp32 wgrad, divide, add into fp32 ``main_grad``),
   ``reduce/nccl bf16`` (bf16 wgrad, as in bench_expert_stack), ``reduce/nccl_capped`` (its
   own communicator with ``max_ctas`` = each of ``--reduce-ctas``), ``reduce/symm_triton``
-  (bf16 wire, fp32 sums added into ``main_grad`` on each of ``--reduce-ctas`` CTAs).
+  (bf16 wire, fp32 sums added into ``main_grad`` on each of ``--reduce-ctas`` CTAs),
+  ``reduce/copy_engine`` (bf16 peer slices pulled by the copy engines, fp32 adds into
+  ``main_grad`` on the side stream).
 
 For each: *alone* is the median over ``--iters`` of the operation on its side stream (the
 device otherwise idle); *beside* runs ``K`` GEMMs back to back on the compute stream while the
@@ -205,7 +207,13 @@ def build_ops(args, device, group):
     ops["reduce/nccl bf16"] = (lambda: reduce.reduce_scatter(wgrad16, group, None, True, False).wait(),
                                received(torch.bfloat16))
     if device.type == "cuda":
-        from etp.transport.symm_reduce import SymmTritonReduce
+        from etp.transport.symm_reduce import CopyEngineReduce, SymmTritonReduce
+
+        pull = CopyEngineReduce(group.rs_group, device, 0)
+        pulled = pull.allocator()(full_shape, torch.bfloat16, device)
+        pulled.copy_(wgrad16)
+        ops["reduce/copy_engine"] = (lambda: pull.reduce_scatter(pulled, group, main_grad, True, False).wait(),
+                                     received(torch.bfloat16))
 
         for ctas in args.reduce_ctas:
             capped = NCCLReduce(capped_nccl_group(group, ctas), name="nccl_capped")

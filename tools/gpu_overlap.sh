@@ -33,7 +33,7 @@ timeout -k 5 110 torchrun --nproc-per-node=2 tools/bench_overlap.py --out "$OUT/
 tail -3 "$OUT/bench_overlap.log"
 
 echo "=== 4. bench_expert_stack: replicated, FSDP2, NCCL ETP and the new transports"
-VARIANTS=replicated,replicated_fp8,fsdp2,etp_async,etp_async_fp8,etp_async_ce,etp_async_ce_fp8,etp_async_ce_symm,etp_async_ce_fp8_symm,etp_async_capped
+VARIANTS=replicated,replicated_fp8,fsdp2,etp_async,etp_async_fp8,etp_async_ce,etp_async_ce_fp8,etp_async_ce_symm,etp_async_ce_fp8_symm,etp_async_ce_pull,etp_async_ce_fp8_pull,etp_async_capped
 timeout -k 5 215 torchrun --nproc-per-node=2 tools/bench_expert_stack.py --variants "$VARIANTS" \
   --trace "$OUT/trace" --out "$OUT/bench_expert_stack.json" --benchmarks-md "$OUT/BENCHMARKS_expert_stack.md" \
   > "$OUT/bench_expert_stack.log" 2>&1; status bench_expert_stack $?
