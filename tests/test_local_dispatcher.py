@@ -108,3 +108,23 @@ def test_moe_layer_matches_megatron_alltoall():
             torch.testing.assert_close(b, a, rtol=5e-2, atol=5e-2)
     finally:
         ps.destroy_model_parallel()
+
+
+def test_counts_follow_the_sorted_rows_even_for_padding_tokens():
+    from etp.megatron.local_dispatcher import LocalTokenDispatcher
+
+    routing_map, probs = _routing(tokens=9, experts=5, topk=2)
+    routing_map[4] = False  # a padding token: megatron's router leaves its row empty
+    probs[4] = 0.0
+    dispatcher = LocalTokenDispatcher.__new__(LocalTokenDispatcher)  # no process groups on CPU
+    dispatcher.topk = 2
+    x = torch.randn(9, 1, 4)
+    rows, row_probs = dispatcher.dispatch_preprocess(x, routing_map, probs)
+    _, counts, _ = dispatcher.dispatch_postprocess(rows, row_probs)
+    assert counts.sum() == rows.shape[0] == 18
+    # Each expert's rows are the counted block, in order; the padding token's rows weigh 0.
+    idx, order, _ = local_permutation(routing_map, 2)
+    assert torch.equal(torch.repeat_interleave(torch.arange(5), counts), idx.reshape(-1)[order])
+    assert row_probs[torch.div(order, 2, rounding_mode="floor") == 4].abs().sum() == 0
+    out = dispatcher.combine_postprocess(dispatcher.token_combine(dispatcher.combine_preprocess(rows)))
+    assert out.shape == x.shape and torch.allclose(out[:, 0], 2 * x[:, 0])  # K copies of each token

@@ -129,7 +129,11 @@ class LocalTokenDispatcher(MoETokenDispatcher):
         tokens = hidden_states.reshape(-1, self.hidden_shape[-1])
         idx, order, inverse = local_permutation(routing_map, self.topk)
         self._perm = (order, inverse)
-        self._tokens_per_expert = routing_map.sum(dim=0)
+        # Counted from the rows as sorted, not from the map: a padding token's all-false row
+        # (megatron's padding_mask) still gets K rows here, with probability 0.
+        sorted_experts = idx.reshape(-1).index_select(0, order)
+        bounds = torch.searchsorted(sorted_experts, torch.arange(routing_map.shape[1] + 1, device=order.device))
+        self._tokens_per_expert = bounds.diff()
         permuted_probs = probs.gather(1, idx).reshape(-1).index_select(0, order)
         return _Permute.apply(tokens, order, inverse, self.topk), permuted_probs
 
