@@ -35,6 +35,7 @@ def test_a_raising_rank_fails_the_test_with_its_traceback():
     assert "_one_rank_raises" in message
 
 
+@pytest.mark.slow  # the harness's own timeout path: 10 s of waiting by design
 def test_a_hung_rank_is_reported_with_its_stack():
     with pytest.raises(AssertionError) as info:
         run_distributed(_one_rank_hangs, 2, timeout=8)

@@ -48,7 +48,9 @@ def _layout(ctx, tp, cp, ep, etp, eetp):
     "tp,cp,ep,etp,eetp,expected",
     [
         # TP = 2: data-parallel groups [0 2], [1 3] are the ETP groups; nothing replicates.
-        (2, 1, 1, 2, 2, {0: ((0, 2), (0,)), 1: ((1, 3), (1,)), 2: ((0, 2), (2,)), 3: ((1, 3), (3,))}),
+        # (slow: TP 2 layouts also run in test_megatron_linears_tp2_etp2 and the TP2 x ETP2 reshard)
+        pytest.param(2, 1, 1, 2, 2, {0: ((0, 2), (0,)), 1: ((1, 3), (1,)), 2: ((0, 2), (2,)), 3: ((1, 3), (3,))},
+                     marks=pytest.mark.slow),
         # TP = 1, ETP = 2 of DP = 4: chunks [0 1], [2 3]; replicas [0 2], [1 3].
         (1, 1, 1, 2, 2, {0: ((0, 1), (0, 2)), 1: ((0, 1), (1, 3)), 2: ((2, 3), (0, 2)), 3: ((2, 3), (1, 3))}),
         # CP = 2: DP (without CP) is [0 2] / [1 3]; the replicate group spans the CP peers.

@@ -94,10 +94,15 @@ def _train(ctx, overrides):
 
 def test_training_parity_through_emulated_symmetric_transports():
     for overrides in (CE, dict(CE, reduction="sum"), dict(transport="copy_engine", reduce_transport="nccl"),
-                      dict(transport="copy_engine", reduce_transport="copy_engine"),
-                      dict(transport="nccl", reduce_transport="copy_engine", reduction="sum")):
+                      dict(transport="copy_engine", reduce_transport="copy_engine")):
         for result in run_distributed(_train, 2, overrides):
             assert result["last_loss"] < result["first_loss"]
+
+
+@pytest.mark.slow  # the sum scaling of the copy-engine reduce; its mean case runs above
+def test_copy_engine_reduce_sum_parity():
+    for result in run_distributed(_train, 2, dict(transport="nccl", reduce_transport="copy_engine", reduction="sum")):
+        assert result["last_loss"] < result["first_loss"]
 
 
 def _bit_for_bit(ctx, overrides, dtype):
