@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# What the 2026-11-23 session 3 built without a 2-GPU machine, in priority order, for the next
+# session that gets one (from the repository root; megatron-core installed by the caller):
+#   OUT=/tmp/etp_pending bash tools/gpu_pending.sh
+# (a) GPU tests: the copy-engine reduce transport (module + training parity), etp-train's
+#     cuda_graph: step (eager vs captured), the local dispatcher vs megatron's alltoall
+# (b) bench_overlap: reduce/copy_engine beside a grouped GEMM, against NCCL's reduce-scatter
+# (c) expert stack: replicated, etp_async, copy-engine gathers with NCCL / copy-engine reductions
+# (d) flagship recipe at world 2, ETP 2 and ETP off: stock fallbacks + alltoall vs fast + local
+# (e) cuda_graph: step with ETP 2 (eager vs captured, overlap_grad_reduce off)
+# (f) #17's NaN: full recompute + expert ETP 2 + deterministic, with prefetch and async reduce
+#     off, then with debug_checks on (does any consume read a buffer no gather wrote?)
+# Each step has its own timeout; the whole script stays under BUDGET seconds (default 560).
+set -uo pipefail
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+export PYTHONUNBUFFERED=1 TORCH_NCCL_ASYNC_ERROR_HANDLING=1 OMP_NUM_THREADS=4
+OUT=${OUT:-/tmp/etp_pending}; mkdir -p "$OUT"
+BUDGET=${BUDGET:-560}
+START=$(date +%s)
+FLAG=recipes/moe_h200x8.yaml
+TRAIN="torchrun --standalone --nproc-per-node 2 -m etp.megatron.train"
+AT2="--set world_size=2 --set global_batch_size=8"
+echo "{" > "$OUT/summary.json.part"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -2
+source tools/gpu_lib.sh
+
+# (a)
+TAIL=8 step a_tests 170 env ETP_TEST_BACKEND=nccl python3 -m pytest -q -rs -p no:warnings \
+  tests/test_transport_gpu.py tests/test_graph_step.py tests/test_local_dispatcher.py tests/test_megatron_fallbacks.py
+
+# (b)
+TAIL=20 step b_overlap 90 torchrun --standalone --nproc-per-node 2 tools/bench_overlap.py --reduce-ctas 8 \
+  --out "$OUT/bench_overlap.json"
+
+# (c)
+TAIL=16 step c_expert_stack 120 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py \
+  --variants replicated,etp_async,etp_async_ce,etp_async_ce_pull,etp_async_ce_fp8,etp_async_ce_fp8_pull \
+  --out "$OUT/bench_expert_stack.json"
+
+# (d)
+for etp in 2 1; do
+  for variant in stock local; do
+    case $variant in
+      stock) SETS="--set megatron_fallbacks=stock --set moe_token_dispatcher_type=alltoall" ;;
+      local) SETS="--set megatron_fallbacks=fast --set moe_token_dispatcher_type=local" ;;
+    esac
+    TAIL=4 step "d_etp${etp}_$variant" 75 $TRAIN --recipe $FLAG $AT2 --set etp.etp_size=$etp \
+      --set etp.expert_etp_size=$etp $SETS --train-iters 12 --log-interval 1 --json "$OUT/d_etp${etp}_$variant.json"
+  done
+done
+
+# (e)
+for graph in none step; do
+  TAIL=4 step "e_graph_$graph" 75 $TRAIN --recipe $FLAG $AT2 --set etp.etp_size=2 --set etp.expert_etp_size=2 \
+    --set overlap_grad_reduce=false --set cuda_graph=$graph --train-iters 12 --log-interval 1 \
+    --json "$OUT/e_graph_$graph.json"
+done
+
+# (f)
+NAN="--set recompute_granularity=full --set recompute_method=uniform --set recompute_num_layers=1 \
+  --set deterministic=true --set lr_warmup_iters=2 --set etp.etp_size=1 --set etp.expert_etp_size=2"
+TAIL=6 step f_nan_no_prefetch 60 $TRAIN --recipe $FLAG $AT2 $NAN --set etp.prefetch=false \
+  --set etp.async_reduce=false --train-iters 2 --log-interval 1
+TAIL=12 step f_nan_debug 60 $TRAIN --recipe $FLAG $AT2 $NAN --set etp.debug_checks=true --train-iters 2 --log-interval 1
+
+python3 - "$OUT" <<'EOF'
+import json, sys
+out = sys.argv[1]
+print("| run | ms/iter | TFLOP/s/GPU | peak GiB | first / last loss |")
+print("|---|---:|---:|---:|---|")
+for name in ("d_etp2_stock", "d_etp2_local", "d_etp1_stock", "d_etp1_local", "e_graph_none", "e_graph_step"):
+    try:
+        r = json.load(open(f"{out}/{name}.json"))
+    except (OSError, ValueError):
+        print(f"| {name} | failed / missing | | | |"); continue
+    print(f"| {name} | {r['ms_per_iter']:.1f} | {r['tflops_per_rank']:.1f} | {r['peak_allocated_gib']:.2f} "
+          f"| {r['losses'][0]:.4f} / {r['losses'][-1]:.4f} |")
+EOF
+echo "\"elapsed_s\": $(( $(date +%s) - START ))}" >> "$OUT/summary.json.part"
+mv "$OUT/summary.json.part" "$OUT/summary.json"
