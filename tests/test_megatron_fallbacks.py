@@ -93,3 +93,17 @@ def test_fuse_adam_finds_every_link_of_a_chain():
 
     adams = [torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))]) for _ in range(2)]
     assert fast_fallbacks._torch_adams(Chained([_Wrapper(a) for a in adams])) == adams[::-1]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_checkpoint_load_creates_adam_steps_where_torch_would(fused):
+    """Loading into a fresh optimizer creates its Adam state; fused Adam (what fuse_adam
+    switches megatron's to) needs the step on the param's device, foreach Adam on the host.
+    The meta device stands for a GPU here."""
+    from etp.megatron.checkpoint.optimizer_state import _param_states
+
+    param = torch.nn.Parameter(torch.zeros(3, 2, device="meta"))
+    adam = torch.optim.AdamW([param])
+    adam.param_groups[0]["fused"] = fused
+    _param_states(adam)
+    assert adam.state[param]["step"].device.type == ("meta" if fused else "cpu")

@@ -42,7 +42,11 @@ def _param_states(optimizer) -> dict[int, _ParamState]:
     for model_param, main_param, torch_opt, flattened_range, instance in pairs:
         state = torch_opt.state[main_param]
         if not state:  # Adam before its first step: create what its first step would
-            state["step"] = torch.zeros((), dtype=torch.float32)
+            # torch keeps the step on the param's device for fused / capturable Adam (etp's
+            # megatron_fallbacks: fast switches it to fused), on the host otherwise.
+            on_device = any((g.get("fused") or g.get("capturable")) and any(q is main_param for q in g["params"])
+                            for g in torch_opt.param_groups)
+            state["step"] = torch.zeros((), dtype=torch.float32, device=main_param.device if on_device else "cpu")
             state["exp_avg"] = torch.zeros_like(main_param, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(main_param, memory_format=torch.preserve_format)
         tensors = {k: v for k, v in state.items() if torch.is_tensor(v) and v.shape == main_param.shape}
