@@ -10,6 +10,8 @@
 # (e) cuda_graph: step with ETP 2 (eager vs captured, overlap_grad_reduce off)
 # (f) #17's NaN: full recompute + expert ETP 2 + deterministic, with prefetch and async reduce
 #     off, then with debug_checks on (does any consume read a buffer no gather wrote?)
+# (g) save at iteration 3 and --resume with fused Adam (megatron_fallbacks: fast): the step
+#     counts go back onto the GPU (etp/megatron/checkpoint/optimizer_state.py)
 # Each step has its own timeout; the whole script stays under BUDGET seconds (default 560).
 set -uo pipefail
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
@@ -62,6 +64,13 @@ NAN="--set recompute_granularity=full --set recompute_method=uniform --set recom
 TAIL=6 step f_nan_no_prefetch 60 $TRAIN --recipe $FLAG $AT2 $NAN --set etp.prefetch=false \
   --set etp.async_reduce=false --train-iters 2 --log-interval 1
 TAIL=12 step f_nan_debug 60 $TRAIN --recipe $FLAG $AT2 $NAN --set etp.debug_checks=true --train-iters 2 --log-interval 1
+
+# (g)
+CKPT=/tmp/etp_pending_ckpt; rm -rf $CKPT
+TAIL=4 step g_save 75 $TRAIN --recipe $FLAG $AT2 --set etp.etp_size=2 --set etp.expert_etp_size=2 --set num_layers=2 \
+  --set save=$CKPT --set save_interval=3 --train-iters 3 --log-interval 1
+TAIL=6 step g_resume 75 $TRAIN --recipe $FLAG $AT2 --set etp.etp_size=2 --set etp.expert_etp_size=2 --set num_layers=2 \
+  --set load=$CKPT --resume --train-iters 5 --log-interval 1
 
 python3 - "$OUT" <<'EOF'
 import json, sys
