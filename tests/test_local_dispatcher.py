@@ -25,8 +25,8 @@ def test_permutation_matches_megatron_permute(tokens, experts, topk):
     routing_map, probs = _routing(tokens, experts, topk)
     x = torch.randn(tokens, 16)
     reference, reference_probs, _ = permute(x, routing_map, probs=probs, num_out_tokens=tokens * topk)
-    idx, order, inverse = local_permutation(routing_map, topk)
-    assert torch.equal(_Permute.apply(x, order, inverse, topk), reference)
+    idx, order, token_rows, inverse = local_permutation(routing_map, topk)
+    assert torch.equal(_Permute.apply(x, token_rows, inverse, topk), reference)
     assert torch.equal(probs.gather(1, idx).reshape(-1).index_select(0, order), reference_probs)
     # Each expert's rows are contiguous and counted by the map's column sums.
     experts_of_rows = idx.reshape(-1)[order]
@@ -36,12 +36,12 @@ def test_permutation_matches_megatron_permute(tokens, experts, topk):
 def test_combine_and_gradients_match_float64_reference():
     routing_map, probs = _routing()
     tokens, topk = routing_map.shape[0], 3
-    _, order, inverse = local_permutation(routing_map, topk)
+    _, order, token_rows, inverse = local_permutation(routing_map, topk)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(tokens, 16, generator=g).requires_grad_(True)
     w = torch.randn(tokens * topk, 1, generator=g)
-    rows = _Permute.apply(x, order, inverse, topk)
-    out = _Unpermute.apply(rows * w, order, inverse, topk)
+    rows = _Permute.apply(x, token_rows, inverse, topk)
+    out = _Unpermute.apply(rows * w, token_rows, inverse, topk)
     out.square().sum().backward()
 
     # float64 reference: token t's output is the sum over its K rows j of w[j] * x[t].
@@ -55,9 +55,9 @@ def test_combine_and_gradients_match_float64_reference():
 
 def test_combine_of_bf16_rows_rounds_once():
     routing_map, _ = _routing()
-    _, order, inverse = local_permutation(routing_map, 3)
+    _, order, token_rows, inverse = local_permutation(routing_map, 3)
     rows = torch.randn(order.numel(), 16, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
-    out = _Unpermute.apply(rows, order, inverse, 3)
+    out = _Unpermute.apply(rows, token_rows, inverse, 3)
     exact = rows.double().index_select(0, inverse).view(-1, 3, 16).sum(1)
     assert out.dtype == torch.bfloat16 and torch.equal(out, exact.float().to(torch.bfloat16))
 
@@ -123,7 +123,7 @@ def test_counts_follow_the_sorted_rows_even_for_padding_tokens():
     _, counts, _ = dispatcher.dispatch_postprocess(rows, row_probs)
     assert counts.sum() == rows.shape[0] == 18
     # Each expert's rows are the counted block, in order; the padding token's rows weigh 0.
-    idx, order, _ = local_permutation(routing_map, 2)
+    idx, order, _, _ = local_permutation(routing_map, 2)
     assert torch.equal(torch.repeat_interleave(torch.arange(5), counts), idx.reshape(-1)[order])
     assert row_probs[torch.div(order, 2, rounding_mode="floor") == 4].abs().sum() == 0
     out = dispatcher.combine_postprocess(dispatcher.token_combine(dispatcher.combine_preprocess(rows)))

@@ -92,7 +92,8 @@ def test_fuse_adam_finds_every_link_of_a_chain():
             raise AssertionError("ChainedOptimizer has more than one optimizer")
 
     adams = [torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))]) for _ in range(2)]
-    assert fast_fallbacks._torch_adams(Chained([_Wrapper(a) for a in adams])) == adams[::-1]
+    found = fast_fallbacks._torch_adams(Chained([_Wrapper(a) for a in adams]))
+    assert sorted(map(id, found)) == sorted(map(id, adams))
 
 
 @pytest.mark.parametrize("fused", [False, True])

@@ -11,22 +11,15 @@
 #     <= 32), 10 iterations
 # Every step has its own timeout and the whole script stays under BUDGET seconds (default 530):
 # a step that fails or times out is reported and the next one runs. summary.json lists them.
-set -uo pipefail
-export PYTHONPATH=$PWD:${PYTHONPATH:-}
-export PYTHONUNBUFFERED=1 TORCH_NCCL_ASYNC_ERROR_HANDLING=1 OMP_NUM_THREADS=4
-OUT=${OUT:-/tmp/etp_fast}; mkdir -p "$OUT"
-BUDGET=${BUDGET:-530}
-START=$(date +%s)
+source tools/gpu_lib.sh
+budget_begin /tmp/etp_fast 530
 FLAG=recipes/moe_h200x8.yaml
 WIDE=recipes/moe_h200x2_wide.yaml
 TRAIN="torchrun --standalone --nproc-per-node 2 -m etp.megatron.train"
 AT2="--set world_size=2 --set etp.etp_size=2 --set etp.expert_etp_size=2"
-echo "{" > "$OUT/summary.json.part"
 
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -2
 python3 -c "import torch, triton, megatron.core as m; print('torch', torch.__version__, 'triton', triton.__version__, 'megatron-core', m.__version__)"
 
-source tools/gpu_lib.sh
 
 # (a) bf16 parity on one GPU
 TAIL=6 step a_sdpa_parity 90 python3 -m pytest -q -rA tests/test_attention_gpu.py
@@ -98,6 +91,5 @@ print("| run | ms/iter | TFLOP/s/GPU (attention counted) | MFU | peak GiB | audi
 print("|---|---:|---:|---:|---:|---:|")
 print("\n".join(rows))
 EOF
-echo "\"elapsed_s\": $(( $(date +%s) - START ))}" >> "$OUT/summary.json.part"
-mv "$OUT/summary.json.part" "$OUT/summary.json"
+budget_end
 echo "total $(( $(date +%s) - START ))s; results in $OUT"

@@ -11,16 +11,9 @@
 #            (c) ITERS (20) iterations each (PROFILE=1: profiled, exposed communication);
 #            (d) deterministic: true, 6 iterations each: the three loss curves must be identical
 # Every step has its own timeout and the whole script stays under BUDGET seconds (default 540).
-set -uo pipefail
-export PYTHONPATH=$PWD:${PYTHONPATH:-}
-export PYTHONUNBUFFERED=1 TORCH_NCCL_ASYNC_ERROR_HANDLING=1 OMP_NUM_THREADS=4
-OUT=${OUT:-/tmp/etp_graphs}; mkdir -p "$OUT"
-BUDGET=${BUDGET:-540}
-START=$(date +%s)
-N=${NPROC:-2}
-echo "{" > "$OUT/summary.json.part"
 source tools/gpu_lib.sh
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1
+budget_begin /tmp/etp_graphs 540
+N=${NPROC:-2}
 WHAT=${1:-all}
 
 if [ "$WHAT" = graphs ] || [ "$WHAT" = all ]; then
@@ -74,6 +67,5 @@ if all(exact.values()):
     print("recompute (prefetched, on demand) vs no recompute, deterministic:", "IDENTICAL" if same else "DIFFERENT")
 PY
 fi
-echo "\"elapsed_s\": $(( $(date +%s) - START ))}" >> "$OUT/summary.json.part"
-mv "$OUT/summary.json.part" "$OUT/summary.json"
+budget_end
 echo "total $(( $(date +%s) - START ))s; results in $OUT"

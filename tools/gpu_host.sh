@@ -10,19 +10,12 @@
 #   eager:  local with overlap_grad_reduce=false (the pair of graph)
 #   graph:  eager + cuda_graph=step (etp.megatron.graph_step; not in the default VARIANTS)
 #   OUT=/tmp/etp_host bash tools/gpu_host.sh
-set -uo pipefail
-export PYTHONPATH=$PWD:${PYTHONPATH:-}
-export PYTHONUNBUFFERED=1 TORCH_NCCL_ASYNC_ERROR_HANDLING=1 OMP_NUM_THREADS=4
-OUT=${OUT:-/tmp/etp_host}; mkdir -p "$OUT"
-BUDGET=${BUDGET:-530}
-START=$(date +%s)
+source tools/gpu_lib.sh
+budget_begin /tmp/etp_host 530
 NPROC=${NPROC:-$(nvidia-smi -L | wc -l)}
 ITERS=${ITERS:-14}
 MICRO=${MICRO:-2}
 ETP=$(( NPROC > 1 ? NPROC : 1 ))
-echo "{" > "$OUT/summary.json.part"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1
-source tools/gpu_lib.sh
 
 TAIL=4 step tests 120 python3 -m pytest -q -rs tests/test_megatron_fallbacks.py tests/test_local_dispatcher.py
 for variant in ${VARIANTS:-stock fast local}; do
@@ -40,5 +33,4 @@ for variant in ${VARIANTS:-stock fast local}; do
     --train-iters "$ITERS" --log-interval 1 --profile "/tmp/prof_$variant" --json "$OUT/host_$variant.json"
   cp "/tmp/prof_$variant/host_rank0.txt" "$OUT/host_${variant}_python.txt" 2>/dev/null
 done
-echo "\"elapsed_s\": $(( $(date +%s) - START ))}" >> "$OUT/summary.json.part"
-mv "$OUT/summary.json.part" "$OUT/summary.json"
+budget_end

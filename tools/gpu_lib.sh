@@ -1,5 +1,24 @@
-# Shared by the tools/gpu_*.sh scripts (sourced, not run): a budgeted, time-limited step.
-# The caller sets OUT, BUDGET and START and starts "$OUT/summary.json.part" with "{".
+# Shared by the tools/gpu_*.sh scripts (sourced, not run): a budgeted run of time-limited steps.
+#   source tools/gpu_lib.sh
+#   budget_begin /tmp/etp_x 530   # env, OUT (default), BUDGET (default seconds), START, summary, GPU line
+#   step NAME TIMEOUT CMD...      # as many as fit
+#   budget_end                    # summary.json with every step's rc and seconds
+budget_begin() {
+  set -uo pipefail
+  export PYTHONPATH=$PWD:${PYTHONPATH:-}
+  export PYTHONUNBUFFERED=1 TORCH_NCCL_ASYNC_ERROR_HANDLING=1 OMP_NUM_THREADS=4
+  OUT=${OUT:-$1}; mkdir -p "$OUT"
+  BUDGET=${BUDGET:-$2}
+  START=$(date +%s)
+  echo "{" > "$OUT/summary.json.part"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -2
+}
+
+budget_end() {
+  echo "\"elapsed_s\": $(( $(date +%s) - START ))}" >> "$OUT/summary.json.part"
+  mv "$OUT/summary.json.part" "$OUT/summary.json"
+}
+
 # step NAME TIMEOUT CMD...: runs CMD with min(TIMEOUT, what is left of BUDGET), logs to $OUT/NAME.log
 step() {
   local name=$1 limit=$2; shift 2

@@ -13,18 +13,11 @@
 # (g) save at iteration 3 and --resume with fused Adam (megatron_fallbacks: fast): the step
 #     counts go back onto the GPU (etp/megatron/checkpoint/optimizer_state.py)
 # Each step has its own timeout; the whole script stays under BUDGET seconds (default 560).
-set -uo pipefail
-export PYTHONPATH=$PWD:${PYTHONPATH:-}
-export PYTHONUNBUFFERED=1 TORCH_NCCL_ASYNC_ERROR_HANDLING=1 OMP_NUM_THREADS=4
-OUT=${OUT:-/tmp/etp_pending}; mkdir -p "$OUT"
-BUDGET=${BUDGET:-560}
-START=$(date +%s)
+source tools/gpu_lib.sh
+budget_begin /tmp/etp_pending 560
 FLAG=recipes/moe_h200x8.yaml
 TRAIN="torchrun --standalone --nproc-per-node 2 -m etp.megatron.train"
 AT2="--set world_size=2 --set global_batch_size=8"
-echo "{" > "$OUT/summary.json.part"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -2
-source tools/gpu_lib.sh
 
 # (a)
 TAIL=8 step a_tests 170 env ETP_TEST_BACKEND=nccl python3 -m pytest -q -rs -p no:warnings \
@@ -85,5 +78,4 @@ for name in ("d_etp2_stock", "d_etp2_local", "d_etp1_stock", "d_etp1_local", "e_
     print(f"| {name} | {r['ms_per_iter']:.1f} | {r['tflops_per_rank']:.1f} | {r['peak_allocated_gib']:.2f} "
           f"| {r['losses'][0]:.4f} / {r['losses'][-1]:.4f} |")
 EOF
-echo "\"elapsed_s\": $(( $(date +%s) - START ))}" >> "$OUT/summary.json.part"
-mv "$OUT/summary.json.part" "$OUT/summary.json"
+budget_end

@@ -253,8 +253,7 @@ def predict_peak(recipe, world_size: int, etp: ETPConfig | None = None, distribu
     loss_transient = 6 * m.seq_length * b * vocab  # fp32 grad of the logits + its 16-bit copy
     # Fused Adam (megatron_fallbacks: fast, or apex / TE) steps in place; torch's foreach Adam
     # (megatron's stock fallback) holds one fp32 temporary per stepped element.
-    fused = getattr(recipe.train, "megatron_fallbacks", "stock") == "fast"
-    optimizer_transient = 0 if fused else 4 * _stepped_elements(recipe, world_size, etp, distributed)
+    optimizer_transient = 0 if recipe.train.megatron_fallbacks == "fast" else 4 * _stepped_elements(recipe, world_size, etp, distributed)
     forward_backward = steady + loss_transient
     optimizer_step = steady - categories["activations"] + optimizer_transient
     peak = max(forward_backward, optimizer_step)
@@ -326,8 +325,8 @@ def activation_bytes(recipe, micro_batch_size: int | None = None) -> int:
     else:
         mlp = 4 + 8 * m.ffn_hidden_size / h
     scores = 6 * a * s / h if getattr(m, "attention_backend", "local") == "local" else 0.0
-    granularity = getattr(t, "recompute_granularity", None)
-    modules = set(getattr(t, "recompute_modules", None) or ("core_attn",))
+    granularity = t.recompute_granularity
+    modules = set(t.recompute_modules or ("core_attn",))
     if granularity == "selective" and "core_attn" in modules:
         scores = 0.0  # the attention core's interior is rebuilt in backward
     if granularity == "selective" and ({"mlp", "moe"} & modules):

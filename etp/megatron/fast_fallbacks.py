@@ -75,39 +75,37 @@ def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
         torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
 
 
+def _bindings() -> dict[str, tuple]:
+    """Module attribute -> (megatron-core's local fallback, etp's replacement)."""
+    from megatron.core import utils
+
+    return {"l2_norm_impl": (utils.local_multi_tensor_l2_norm, foreach_l2_norm),
+            "multi_tensor_scale_impl": (utils.local_multi_tensor_scale, foreach_scale)}
+
+
+def _rebind(replace: bool) -> bool:
+    """Swaps every binding of ``_bindings`` in ``_MODULES`` one way (``replace``: fallback ->
+    etp's) or back; returns whether anything changed."""
+    swapped = False
+    for name in _MODULES:
+        module = importlib.import_module(name)
+        for attr, (fallback, ours) in _bindings().items():
+            old, new = (fallback, ours) if replace else (ours, fallback)
+            if getattr(module, attr, None) is old:
+                setattr(module, attr, new)
+                swapped = True
+    return swapped
+
+
 def install() -> bool:
     """Binds ``foreach_l2_norm`` / ``foreach_scale`` where megatron-core bound its local
     fallbacks (no-op with apex or TransformerEngine). Returns whether it swapped anything."""
-    import sys
-
-    from megatron.core import utils
-
-    swapped = False
-    for name in _MODULES:
-        module = sys.modules.get(name) or importlib.import_module(name)
-        if getattr(module, "l2_norm_impl", None) is utils.local_multi_tensor_l2_norm:
-            module.l2_norm_impl = foreach_l2_norm
-            swapped = True
-        if getattr(module, "multi_tensor_scale_impl", None) is utils.local_multi_tensor_scale:
-            module.multi_tensor_scale_impl = foreach_scale
-            swapped = True
-    return swapped
+    return _rebind(replace=True)
 
 
 def uninstall() -> None:
     """Puts megatron-core's local fallbacks back where ``install`` replaced them."""
-    import sys
-
-    from megatron.core import utils
-
-    for name in _MODULES:
-        module = sys.modules.get(name)
-        if module is None:
-            continue
-        if getattr(module, "l2_norm_impl", None) is foreach_l2_norm:
-            module.l2_norm_impl = utils.local_multi_tensor_l2_norm
-        if getattr(module, "multi_tensor_scale_impl", None) is foreach_scale:
-            module.multi_tensor_scale_impl = utils.local_multi_tensor_scale
+    _rebind(replace=False)
 
 
 def _torch_adams(optimizer) -> list:

@@ -40,25 +40,27 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 __all__ = ["LocalTokenDispatcher", "install_local_dispatchers", "local_permutation"]
 
 
-def local_permutation(routing_map: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(idx [T, K], order [T*K], inverse [T*K])`` of a ``[T, E]`` routing map with ``topk``
-    trues per row; see [Note: local dispatcher]. Row ``j`` of the permuted tokens is token
-    ``order[j] // K``; the pair (token t, k) sits at row ``inverse[t * K + k]``."""
+def local_permutation(routing_map: torch.Tensor, topk: int) -> tuple[torch.Tensor, ...]:
+    """``(idx [T, K], order [T*K], token_rows [T*K], inverse [T*K])`` of a ``[T, E]`` routing
+    map with ``topk`` trues per row; see [Note: local dispatcher]. Row ``j`` of the permuted
+    tokens is the pair ``order[j]`` = (token ``token_rows[j] = order[j] // K``, its k); the pair
+    (token t, k) sits at row ``inverse[t * K + k]``."""
     idx = routing_map.to(torch.uint8).topk(topk, dim=1, sorted=False).indices
     order = torch.argsort(idx.reshape(-1), stable=True)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    return idx, order, inverse
+    return idx, order, torch.div(order, topk, rounding_mode="floor"), inverse
 
 
 class _Permute(torch.autograd.Function):
-    """``x [T, H] -> x[order // K]`` (the dispatch); backward is the combine of the grads."""
+    """``x [T, H] -> x[token_rows]`` (the dispatch; ``token_rows = order // K``); backward is
+    the combine of the grads."""
 
     @staticmethod
-    def forward(ctx, x, order, inverse, topk):
+    def forward(ctx, x, token_rows, inverse, topk):
         ctx.save_for_backward(inverse)
         ctx.topk = topk
-        return x.index_select(0, torch.div(order, topk, rounding_mode="floor"))
+        return x.index_select(0, token_rows)
 
     @staticmethod
     def backward(ctx, grad):
@@ -71,15 +73,15 @@ class _Unpermute(torch.autograd.Function):
     dispatch of the grads."""
 
     @staticmethod
-    def forward(ctx, y, order, inverse, topk):
-        ctx.save_for_backward(order)
+    def forward(ctx, y, token_rows, inverse, topk):
+        ctx.save_for_backward(token_rows)
         ctx.topk = topk
         return _combine(y, inverse, topk)
 
     @staticmethod
     def backward(ctx, grad):
-        (order,) = ctx.saved_tensors
-        return grad.index_select(0, torch.div(order, ctx.topk, rounding_mode="floor")), None, None, None
+        (token_rows,) = ctx.saved_tensors
+        return grad.index_select(0, token_rows), None, None, None
 
 
 def _combine(rows: torch.Tensor, inverse: torch.Tensor, topk: int) -> torch.Tensor:
@@ -127,15 +129,15 @@ class LocalTokenDispatcher(MoETokenDispatcher):
         """(tokens [T*K, H] sorted by expert, their probs [T*K])."""
         self.hidden_shape = hidden_states.shape
         tokens = hidden_states.reshape(-1, self.hidden_shape[-1])
-        idx, order, inverse = local_permutation(routing_map, self.topk)
-        self._perm = (order, inverse)
+        idx, order, token_rows, inverse = local_permutation(routing_map, self.topk)
+        self._perm = (token_rows, inverse)
         # Counted from the rows as sorted, not from the map: a padding token's all-false row
         # (megatron's padding_mask) still gets K rows here, with probability 0.
         sorted_experts = idx.reshape(-1).index_select(0, order)
         bounds = torch.searchsorted(sorted_experts, torch.arange(routing_map.shape[1] + 1, device=order.device))
         self._tokens_per_expert = bounds.diff()
         permuted_probs = probs.gather(1, idx).reshape(-1).index_select(0, order)
-        return _Permute.apply(tokens, order, inverse, self.topk), permuted_probs
+        return _Permute.apply(tokens, token_rows, inverse, self.topk), permuted_probs
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         return hidden_states, probs  # every expert is local
@@ -148,9 +150,9 @@ class LocalTokenDispatcher(MoETokenDispatcher):
         return hidden_states
 
     def token_combine(self, hidden_states: torch.Tensor):
-        order, inverse = self._perm
+        token_rows, inverse = self._perm
         self._perm = None
-        return _Unpermute.apply(hidden_states, order, inverse, self.topk)
+        return _Unpermute.apply(hidden_states, token_rows, inverse, self.topk)
 
     def combine_postprocess(self, hidden_states: torch.Tensor):
         return hidden_states.view(self.hidden_shape)
