@@ -48,12 +48,14 @@ class _ETPWeightFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = op.dgrad(gy, runtime.acquire(param, Role.BWD, gy.dtype), counts)
         if ctx.needs_input_grad[1]:
+            cfg = param.etp_config
+            fp8 = dict(fp8=cfg.fp8_wgrad, fast_accum=cfg.fp8_fast_accum)
             if op.writes_into(x, gy):
                 padded = runtime.wgrad_buffer(param)
-                op.wgrad(gy, x, counts, out=param.etp_layout.unpad(padded))
+                op.wgrad(gy, x, counts, out=param.etp_layout.unpad(padded), **fp8)
                 runtime.reduce_grad(param, padded)
             else:
-                runtime.reduce_grad(param, op.wgrad(gy, x, counts))
+                runtime.reduce_grad(param, op.wgrad(gy, x, counts, **fp8))
         return grad_x, None, None, None, None
 
 

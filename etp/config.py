@@ -55,6 +55,16 @@ class ETPConfig:
             parameter's own dtype), "bf16", "fp16", "fp32", "fp8_tensorwise" (e4m3, one
             scale per weight or per expert) or "fp8_blockwise" (e4m3, 128x128 blocks; needs
             pad_for_alignment a multiple of 128).
+        fp8_fast_accum: with ``fp8_tensorwise`` gathers on sm90+, the forward and
+            input-gradient FP8 GEMMs accumulate without the periodic fp32 promotion (CUTLASS's
+            fast-accumulation kernels, TransformerEngine's choice for its forward GEMM; with
+            ``fp8_wgrad`` also the weight-gradient GEMMs):
+            1.15-1.25x faster on H200 at expert shapes with the same measured error against
+            float64 (BENCHMARKS.md "FP8 compute"). Off: the promoted kernels.
+        fp8_wgrad: the weight-gradient GEMMs of grouped (expert) weights run in FP8 on sm90+
+            with bf16 activations: both operands quantized per (expert, column) over that
+            expert's tokens (TransformerEngine's FP8 recipes quantize this GEMM too, per
+            tensor). Off by default: weight gradients then come from bf16 GEMMs.
         prefetch: gather the next weight of the chain while the current GEMM runs.
         prefetch_recompute: with ``prefetch``, also prefetch the weights of forwards that
             activation recompute re-runs inside backward, along their own chain (off: each
@@ -89,6 +99,8 @@ class ETPConfig:
     pad_for_alignment: int = 16
     reduction: str = "mean"
     gather_dtype: str = "param"
+    fp8_fast_accum: bool = True
+    fp8_wgrad: bool = False
     prefetch: bool = True
     prefetch_recompute: bool = True
     async_reduce: bool = True
@@ -128,7 +140,7 @@ class ETPConfig:
                 raise ValueError(
                     f"ETPConfig.{key}={getattr(self, key)!r}: allowed values are {list(allowed)}"
                 )
-        for key in ("prefetch", "prefetch_recompute", "async_reduce", "debug_checks"):
+        for key in ("fp8_fast_accum", "fp8_wgrad", "prefetch", "prefetch_recompute", "async_reduce", "debug_checks"):
             value = getattr(self, key)
             if not isinstance(value, bool):
                 raise ValueError(f"ETPConfig.{key}={value!r}: expected true or false")

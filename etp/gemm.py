@@ -11,6 +11,10 @@ FP8 weights (``FP8Weight``, see [Note: ETP FP8 gathers]) run ``torch._scaled_mm`
 ``torch._scaled_grouped_mm`` on sm90+ with bf16 activations quantized on the fly (one fused
 pass, one scale per row: ``etp.kernels.quantize_rowwise``), and are
 dequantized for the ordinary GEMMs everywhere else. Weight gradients stay in bf16/fp32.
+``FP8Weight.fast_accum`` (``ETPConfig.fp8_fast_accum``, on by default) lets those two GEMMs
+accumulate without CUTLASS's periodic promotion to fp32, as TransformerEngine's forward GEMM
+does: 1.15-1.25x faster on H200 at the expert shapes, with the same error against float64
+(BENCHMARKS.md "FP8 compute").
 
 Grouped GEMMs run as ``torch._grouped_mm`` on CUDA for bf16 on sm90+ (its supported case);
 everywhere else (CPU, other dtypes, older GPUs) as a per-expert loop of ``torch.mm``, which is
@@ -21,29 +25,45 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .kernels import quantize_rowwise, transpose_last2
+from .kernels import quantize_grouped_colwise, quantize_rowwise
 from .quant import FP8Weight
 
-__all__ = ["DenseGemm", "GroupedGemm", "grouped_linear", "grouped_linear_reference", "quantize_activation"]
+__all__ = [
+    "DenseGemm", "GroupedGemm", "attach_rowwise_fp8", "fp8_compute_applies", "grouped_linear",
+    "grouped_linear_reference", "quantize_activation",
+]
+
+# [Note: FP8 operands handed over]
+# The kernel that produces an activation can quantize it for the next FP8 GEMM in the same
+# pass (``etp.kernels.swiglu``: the SwiGLU output for fc2's forward, its input gradient for
+# fc1's). It attaches ``(q, scale_inv)`` to the tensor it returns, and
+# ``quantize_activation`` uses them instead of reading the activation again. The attachment
+# is a Python attribute, which autograd carries from one Function's backward to the next
+# (the tensor object survives the hand-over); it is trusted only while the tensor's
+# version, address and shape are those it was made for, so an in-place change or a
+# reshaped alias falls back to quantizing. Tested in tests/test_swiglu.py.
+_ROWWISE_FP8 = "_etp_rowwise_fp8"
 
 
 def _sm90(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
-def _fp8_shapes_ok(w: FP8Weight) -> bool:
-    # The FP8 tensor-core GEMMs need both weight dims to be multiples of 16.
-    return w.data.shape[-1] % 16 == 0 and w.data.shape[-2] % 16 == 0
+def fp8_compute_applies(x: torch.Tensor, weight_shape, grouped: bool) -> bool:
+    """Whether a tensorwise FP8 weight of ``weight_shape`` meets ``x`` in a scaled FP8 GEMM
+    (sm90+, bf16 activations, both weight dims multiples of 16 as the FP8 tensor cores
+    need) rather than in the dequantized fallback."""
+    scaled = hasattr(torch, "_scaled_grouped_mm" if grouped else "_scaled_mm")
+    return (scaled and x.dtype == torch.bfloat16 and _sm90(x)
+            and weight_shape[-1] % 16 == 0 and weight_shape[-2] % 16 == 0)
 
 
 def _scaled_dense_ok(x: torch.Tensor, w) -> bool:
-    return (isinstance(w, FP8Weight) and not w.blockwise and x.dtype == torch.bfloat16
-            and hasattr(torch, "_scaled_mm") and _sm90(x) and _fp8_shapes_ok(w))
+    return isinstance(w, FP8Weight) and not w.blockwise and fp8_compute_applies(x, w.data.shape, False)
 
 
 def _scaled_grouped_ok(x: torch.Tensor, w) -> bool:
-    return (isinstance(w, FP8Weight) and not w.blockwise and x.dtype == torch.bfloat16
-            and hasattr(torch, "_scaled_grouped_mm") and _sm90(x) and _fp8_shapes_ok(w))
+    return isinstance(w, FP8Weight) and not w.blockwise and fp8_compute_applies(x, w.data.shape, True)
 
 
 def _dense(w, dtype: torch.dtype) -> torch.Tensor:
@@ -51,9 +71,20 @@ def _dense(w, dtype: torch.dtype) -> torch.Tensor:
     return w.dequantize(dtype) if isinstance(w, FP8Weight) else w
 
 
+def attach_rowwise_fp8(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """Hands ``x``'s rowwise FP8 quantization, made by the kernel that produced ``x``, to the
+    FP8 GEMM that will consume it (see [Note: FP8 operands handed over]). Returns ``x``."""
+    setattr(x, _ROWWISE_FP8, (x._version, x.data_ptr(), x.shape, q, scale_inv))
+    return x
+
+
 def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """On-the-fly FP8 (e4m3) quantization of a 2-D activation or gradient, one scale per row,
-    in one fused pass: ``(q, scale_inv)`` with ``x ~= q * scale_inv[:, None]``."""
+    in one fused pass: ``(q, scale_inv)`` with ``x ~= q * scale_inv[:, None]``; the attached
+    quantization when the producing kernel made one (``attach_rowwise_fp8``)."""
+    handed = getattr(x, _ROWWISE_FP8, None)
+    if handed is not None and handed[:3] == (x._version, x.data_ptr(), x.shape):
+        return handed[3], handed[4]
     q, scale = quantize_rowwise(x.contiguous())
     return q, 1.0 / scale
 
@@ -68,7 +99,7 @@ class DenseGemm:
             out = w.data.shape[0]
             y = torch._scaled_mm(xq, w.data.t(), scale_a=x_inv[:, None],
                                  scale_b=w.scale_inv.reshape(1, 1).expand(1, out).contiguous(),
-                                 out_dtype=x.dtype)
+                                 out_dtype=x.dtype, use_fast_accum=w.fast_accum)
             return y.view(*x.shape[:-1], out)
         return F.linear(x, _dense(w, x.dtype))
 
@@ -79,9 +110,9 @@ class DenseGemm:
             # weight (bytes moved, nothing re-quantized).
             gq, g_inv = quantize_activation(gy.reshape(-1, gy.shape[-1]))
             inp = w.data.shape[1]
-            dx = torch._scaled_mm(gq, transpose_last2(w.data).t(), scale_a=g_inv[:, None],
+            dx = torch._scaled_mm(gq, w.data_transposed().t(), scale_a=g_inv[:, None],
                                   scale_b=w.scale_inv.reshape(1, 1).expand(1, inp).contiguous(),
-                                  out_dtype=gy.dtype)
+                                  out_dtype=gy.dtype, use_fast_accum=w.fast_accum)
             return dx.view(*gy.shape[:-1], inp)
         return gy.matmul(_dense(w, gy.dtype))
 
@@ -90,7 +121,10 @@ class DenseGemm:
         return True
 
     @staticmethod
-    def wgrad(gy, x, counts, out: torch.Tensor | None = None) -> torch.Tensor:
+    def wgrad(gy, x, counts, out: torch.Tensor | None = None, fp8: bool = False,
+              fast_accum: bool = False) -> torch.Tensor:
+        """``gy^T x``; ``fp8`` applies to grouped weights only (dense weight gradients stay
+        in the activations' dtype)."""
         gy2, x2 = gy.reshape(-1, gy.shape[-1]), x.reshape(-1, x.shape[-1])
         if out is None:
             return gy2.t().mm(x2)
@@ -133,7 +167,8 @@ class GroupedGemm:
             xq, x_inv = quantize_activation(x)
             scale_b = w.scale_inv[:, None].expand(w.data.shape[0], w.data.shape[1]).contiguous()
             return torch._scaled_grouped_mm(xq, w.data.transpose(-2, -1), x_inv, scale_b,
-                                            offs=_offsets(counts, x.device), out_dtype=x.dtype)
+                                            offs=_offsets(counts, x.device), out_dtype=x.dtype,
+                                            use_fast_accum=w.fast_accum)
         w = _dense(w, x.dtype)
         if _use_grouped_mm(x, w.shape[-2], w.shape[-1]):
             return torch._grouped_mm(x, w.transpose(-2, -1), offs=_offsets(counts, x.device))
@@ -144,10 +179,11 @@ class GroupedGemm:
         if _scaled_grouped_ok(gy, w):
             gq, g_inv = quantize_activation(gy)
             # [E, out, in] column-major per expert: the transposed copy of the FP8 weight.
-            w_col = transpose_last2(w.data).transpose(-2, -1)
+            w_col = w.data_transposed().transpose(-2, -1)
             scale_b = w.scale_inv[:, None].expand(w.data.shape[0], w.data.shape[2]).contiguous()
             return torch._scaled_grouped_mm(gq, w_col, g_inv, scale_b,
-                                            offs=_offsets(counts, gy.device), out_dtype=gy.dtype)
+                                            offs=_offsets(counts, gy.device), out_dtype=gy.dtype,
+                                            use_fast_accum=w.fast_accum)
         w = _dense(w, gy.dtype)
         if _use_grouped_mm(gy, w.shape[-2], w.shape[-1]):
             return torch._grouped_mm(gy, w, offs=_offsets(counts, gy.device))
@@ -159,7 +195,18 @@ class GroupedGemm:
         return not _use_grouped_mm(x, gy.shape[-1], x.shape[-1])
 
     @staticmethod
-    def wgrad(gy, x, counts, out: torch.Tensor | None = None) -> torch.Tensor:
+    def wgrad(gy, x, counts, out: torch.Tensor | None = None, fp8: bool = False,
+              fast_accum: bool = False) -> torch.Tensor:
+        """Per-expert ``gy_e^T x_e``. ``fp8`` (``ETPConfig.fp8_wgrad``): on sm90+ with bf16
+        activations, both operands quantized per (expert, column) over the expert's tokens,
+        transposed and padded per expert (``quantize_grouped_colwise``), then one FP8
+        grouped GEMM (``fast_accum``: without the periodic fp32 promotion)."""
+        if fp8 and gy.dtype == x.dtype and fp8_compute_applies(x, (gy.shape[-1], x.shape[-1]), grouped=True):
+            gq, g_inv, offs = quantize_grouped_colwise(gy, counts)
+            xq, x_inv, _ = quantize_grouped_colwise(x, counts)
+            result = torch._scaled_grouped_mm(gq, xq.t(), g_inv.reshape(-1), x_inv.reshape(-1), offs=offs,
+                                              out_dtype=x.dtype, use_fast_accum=fast_accum)
+            return result if out is None else out.copy_(result)
         if _use_grouped_mm(x, gy.shape[-1], x.shape[-1]):
             result = torch._grouped_mm(gy.t(), x, offs=_offsets(counts, x.device))
             return result if out is None else out.copy_(result)

@@ -7,10 +7,11 @@ per expert (the layout megatron-core's token dispatchers produce).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .activations import swiglu
 from .autograd import etp_grouped_linear
+from .gemm import fp8_compute_applies
 from .gemm import grouped_linear as plain_grouped_linear
 from .param import ETPShardedParam
 
@@ -75,18 +76,25 @@ class GroupedSwiGLUExperts(nn.Module):
     ) -> torch.Tensor:
         """``x [T, hidden]`` sorted by expert, ``tokens_per_expert [E]``; ``probs [T]``, when
         given, scales each token's hidden activation before fc2 (megatron-core's MoE
-        convention for router probabilities)."""
+        convention for router probabilities). The SwiGLU is ``etp.activations.swiglu``: one
+        fused kernel each way, float32 math rounded once."""
         if tokens_per_expert.numel() != self.num_experts:
             raise ValueError(
                 f"tokens_per_expert has {tokens_per_expert.numel()} entries; this module holds "
                 f"{self.num_experts} experts"
             )
         gate_up = grouped_linear(x, self.fc1_weight, tokens_per_expert)
-        gate, up = gate_up.chunk(2, dim=-1)
-        hidden = F.silu(gate) * up
-        if probs is not None:
-            hidden = (hidden * probs.unsqueeze(-1)).to(hidden.dtype)
+        hidden = swiglu(gate_up, probs, quantize=self._fp8_operands(x))
         return grouped_linear(hidden, self.fc2_weight, tokens_per_expert)
+
+    def _fp8_operands(self, x: torch.Tensor) -> bool:
+        """Whether both GEMMs around the SwiGLU run in FP8, so that the SwiGLU kernels quantize
+        fc2's input and fc1's input gradient as they write them."""
+        return all(
+            isinstance(w, ETPShardedParam) and w.etp_config.gather_dtype == "fp8_tensorwise"
+            and fp8_compute_applies(x, w.etp_layout.logical_shape, grouped=True)
+            for w in (self.fc1_weight, self.fc2_weight)
+        )
 
     def extra_repr(self) -> str:
         return (

@@ -37,7 +37,14 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 from .collectives import all_gather_tensor
-from .kernels import amax_to_scale, dequantize_fp8, multi_tensor_amax, multi_tensor_cast_fp8, quantize_blockwise
+from .kernels import (
+    amax_to_scale,
+    dequantize_fp8,
+    multi_tensor_amax,
+    multi_tensor_cast_fp8,
+    quantize_blockwise,
+    transpose_last2,
+)
 from .param import ETPShardedParam
 
 __all__ = ["FP8Weight", "QuantizedShard", "quantize_shards", "FP8_DTYPE", "BLOCK"]
@@ -75,6 +82,15 @@ class FP8Weight:
     blockwise: bool
     padded: torch.Tensor  # the gathered [padded_rows, cols] buffer (blockwise dequantizes it)
     rows: int
+    fast_accum: bool = False  # the scaled GEMMs' use_fast_accum (ETPConfig.fp8_fast_accum)
+    # ``data`` with its last two dims swapped, made with it (``multi_tensor_cast_fp8``'s
+    # write_transposed) by callers that keep a full FP8 weight for a whole step; otherwise
+    # the input-gradient GEMM transposes ``data`` itself.
+    transposed: torch.Tensor | None = None
+
+    def data_transposed(self) -> torch.Tensor:
+        """``data`` with its last two dims swapped, contiguous (the input-gradient operand)."""
+        return self.transposed if self.transposed is not None else transpose_last2(self.data)
 
     @property
     def groups(self) -> int:
@@ -132,7 +148,6 @@ def _quantize_tensorwise(params, group) -> None:
         with record_function("etp::all_reduce"):
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group.ag_group)
     scales = amax_to_scale(amax)
-    casts = multi_tensor_cast_fp8(views, scales[slot_index])[0] if views else []
     quantized = {}
     for param in params:
         state = param.etp_runtime.state(param)
@@ -140,8 +155,9 @@ def _quantize_tensorwise(params, group) -> None:
         if buffer is None:  # padding rows stay fp8 zeros (all bits 0) forever
             buffer = torch.zeros(param.shape, dtype=FP8_DTYPE, device=device)
         quantized[id(param)] = buffer
-    for (param, lo, hi), cast in zip(pieces, casts):
-        quantized[id(param)][lo:hi].copy_(cast)
+    if views:  # straight into the stable shard buffers: no temporary, no copy
+        multi_tensor_cast_fp8(views, scales[slot_index],
+                              out=[quantized[id(param)][lo:hi] for param, lo, hi in pieces])
     for param in params:
         first, n = first_slot[id(param)], _groups(param)[0]
         _store(param, quantized[id(param)], scales[first : first + n], param._version)

@@ -417,7 +417,7 @@ class ETPRuntime(GradientReductions):
         if self.fp8:
             return FP8Weight(weight, st.quant.scale, st.quant.scale_inv,
                              self.config.gather_dtype == "fp8_blockwise",
-                             buffer, param.etp_layout.rows)
+                             buffer, param.etp_layout.rows, self.config.fp8_fast_accum)
         return weight if weight.dtype == compute_dtype else weight.to(compute_dtype)
 
     def _prefetches(self, role: Role) -> bool:

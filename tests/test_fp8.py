@@ -1,6 +1,8 @@
 """FP8 weight gathers: once-per-step quantization (against an independent quantization of the
 full weight), one amax launch / one all-reduce / one cast, one byte per element on the wire,
 training numerics vs BF16 gathers, and the FP8 GEMMs (GPU) vs the dequantized path."""
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -208,7 +210,7 @@ gpu = pytest.mark.skipif(
 )
 
 
-def _fp8_weight(w: torch.Tensor) -> FP8Weight:
+def _fp8_weight_plain(w: torch.Tensor) -> FP8Weight:
     q = _reference_tensorwise(w.float().cpu()).cuda()
     amax = w.float().abs().amax(dim=tuple(range(1, w.dim())) if w.dim() == 3 else None)
     scale = (FP8_MAX / amax).reshape(-1).float()
@@ -221,10 +223,20 @@ def _rel(a, b):
 
 
 @gpu
-def test_scaled_gemms_match_dequantized_path():
+@pytest.mark.parametrize("fast_accum,pretransposed", [(False, False), (True, False), (True, True)],
+                         ids=["promoted", "fast_accum", "fast_accum_pretransposed"])
+def test_scaled_gemms_match_dequantized_path(fast_accum, pretransposed):
+    """Fast accumulation (ETPConfig.fp8_fast_accum) and a weight transposed in advance
+    (FP8Weight.transposed) keep the same bound against the dequantized bf16 GEMMs."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(256, 512, device="cuda", generator=gen, dtype=torch.bfloat16)
     gy = torch.randn(256, 384, device="cuda", generator=gen, dtype=torch.bfloat16)
+
+    def _fp8_weight(w):
+        plain = _fp8_weight_plain(w)
+        t = plain.data.transpose(-2, -1).contiguous() if pretransposed else None
+        return dataclasses.replace(plain, fast_accum=fast_accum, transposed=t)
+
     w = _fp8_weight(torch.randn(384, 512, device="cuda", generator=gen) * 0.02)
     dense_w = w.dequantize(torch.bfloat16)
     # Only the activation's on-the-fly quantization differs: relative error ~2^-5 rms.

@@ -19,7 +19,12 @@ Variants, side by side in one process group, in this order (each freed before th
 * ``replicated_fp8``: full weights, no communication, and the FP8 GEMMs of ``etp_async_fp8``
   (forward and input gradient through ``etp.gemm.GroupedGemm`` on a per-expert-scaled e4m3
   copy of each full weight, made once per step by the same fused amax and cast kernels;
-  weight gradients in bf16): what FP8 compute buys before any communication;
+  weight gradients in bf16; fast accumulation, ``ETPConfig.fp8_fast_accum``'s default; the
+  transposed FP8 weight of the input gradient made in the cast's pass): what FP8 compute
+  buys before any communication;
+* ``replicated_fp8_wgrad`` (opt-in): ``replicated_fp8`` with the weight-gradient GEMMs in FP8
+  too (``ETPConfig.fp8_wgrad``: operands quantized per (expert, column) over the expert's
+  tokens by ``etp.kernels.quantize_grouped_colwise``); ``etp_async_fp8_wgrad`` likewise;
 * ``ddp``: torch DistributedDataParallel over the world, default buckets, bf16 all-reduce;
 * ``fsdp2``: ``fully_shard`` on every layer, then on the root (bf16 gathers);
 * ``etp_sync``: ETP over the world, ``prefetch=False, async_reduce=False``;
@@ -141,6 +146,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import etp  # noqa: E402
+from etp.activations import swiglu  # noqa: E402
 from etp.gemm import GroupedGemm  # noqa: E402
 
 # variant -> (ETPConfig.transport, ETPConfig.reduce_transport); the rest use nccl / nccl.
@@ -155,7 +161,8 @@ TRANSPORT_VARIANTS = {
     "etp_async_ce_capped": ("copy_engine", "nccl_capped"),
 }
 VARIANTS = ("replicated", "replicated_fp8", "ddp", "fsdp2", "etp_sync", "etp_async", "etp_async_fp8",
-            "etp_async_fp8_blockwise", *TRANSPORT_VARIANTS, "etp_async_graphed", "etp_async_fp8_graphed")
+            "etp_async_fp8_blockwise", *TRANSPORT_VARIANTS, "etp_async_graphed", "etp_async_fp8_graphed",
+            "replicated_fp8_wgrad", "etp_async_fp8_wgrad")
 DEFAULT_VARIANTS = VARIANTS[:7]  # blockwise FP8 and the transport variants are opt-in (--variants)
 # variant -> (ETPConfig.gather_dtype, ETPConfig.pad_for_alignment or None for the default)
 FP8_VARIANTS = {
@@ -164,10 +171,11 @@ FP8_VARIANTS = {
     "etp_async_ce_fp8": ("fp8_tensorwise", None),
     "etp_async_ce_fp8_symm": ("fp8_tensorwise", None),
     "etp_async_ce_fp8_pull": ("fp8_tensorwise", None),
+    "etp_async_fp8_wgrad": ("fp8_tensorwise", None),
 }
 # Variants whose GEMMs run in FP8 (their check differs from replicated by FP8 rounding).
-FP8_COMPUTE = ("replicated_fp8", *FP8_VARIANTS)
-PROFILED = ("replicated", "replicated_fp8", "etp_async", "etp_async_fp8", "etp_async_ce",
+FP8_COMPUTE = ("replicated_fp8", "replicated_fp8_wgrad", *FP8_VARIANTS)
+PROFILED = ("replicated", "replicated_fp8", "replicated_fp8_wgrad", "etp_async", "etp_async_fp8", "etp_async_ce",
             "etp_async_ce_fp8_symm", "etp_async_ce_pull")  # traced under --trace
 GPU_DEFAULTS = dict(layers=8, experts=16, tokens_per_expert=2048, hidden=4096, ffn=1536, warmup=5, steps=20)
 SMOKE_DEFAULTS = dict(layers=2, experts=4, tokens_per_expert=8, hidden=32, ffn=16, warmup=2, steps=2)
@@ -321,9 +329,9 @@ class _FP8GroupedLinear(torch.autograd.Function):
     weight gradient is bf16 — exactly what ``etp_async_fp8`` computes, without communication."""
 
     @staticmethod
-    def forward(ctx, x, weight, fp8, counts):
+    def forward(ctx, x, weight, fp8, counts, fp8_wgrad):
         ctx.save_for_backward(x, counts)
-        ctx.fp8 = fp8
+        ctx.fp8, ctx.fp8_wgrad = fp8, fp8_wgrad
         return GroupedGemm.forward(x, fp8, counts)
 
     @staticmethod
@@ -331,33 +339,39 @@ class _FP8GroupedLinear(torch.autograd.Function):
         x, counts = ctx.saved_tensors
         grad_y = grad_y.contiguous()
         grad_x = GroupedGemm.dgrad(grad_y, ctx.fp8, counts) if ctx.needs_input_grad[0] else None
-        grad_w = GroupedGemm.wgrad(grad_y, x, counts) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w, None, None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = GroupedGemm.wgrad(grad_y, x, counts, fp8=ctx.fp8_wgrad, fast_accum=ctx.fp8.fast_accum)
+        return grad_x, grad_w, None, None, None
 
 
 def quantize_full_weights(model: nn.Module) -> None:
-    """Per-expert tensorwise e4m3 copies of every full expert weight, in one fused amax launch
-    and one fused cast launch (the kernels ``etp.quantize_shards`` runs on shards)."""
+    """Per-expert tensorwise e4m3 copies of every full expert weight, and their transposes
+    (the input-gradient operand), in one fused amax launch and one fused cast launch (the
+    kernels ``etp.quantize_shards`` runs on shards) written straight into stable buffers.
+    An unsharded weight lives for the whole step, so its transposed copy is made here, in
+    the cast's pass, instead of once per backward GEMM as for a gathered weight."""
     from etp.kernels import amax_to_scale, multi_tensor_amax, multi_tensor_cast_fp8
     from etp.quant import FP8_DTYPE, FP8Weight
 
     weights = [(layer, name, getattr(layer, name).detach())
                for layer in model.layers for name in ("fc1_weight", "fc2_weight")]
+    for layer, name, w in weights:
+        if name not in layer.fp8_copies:
+            layer.fp8_copies[name] = (torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device),
+                                      torch.empty(w.transpose(-2, -1).shape, dtype=FP8_DTYPE, device=w.device))
     views = [w[e] for _, _, w in weights for e in range(w.shape[0])]
+    outs = [layer.fp8_copies[name][0][e] for layer, name, w in weights for e in range(w.shape[0])]
+    outs_t = [layer.fp8_copies[name][1][e] for layer, name, w in weights for e in range(w.shape[0])]
     scales = amax_to_scale(multi_tensor_amax(views))
-    casts, _ = multi_tensor_cast_fp8(views, scales)
+    multi_tensor_cast_fp8(views, scales, write_transposed=True, out=outs, out_transposed=outs_t)
     first = 0
     for layer, name, w in weights:
         experts = w.shape[0]
-        data = layer.fp8_copies.get(name)
-        if data is None:
-            data = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device).data
-        for e in range(experts):  # bytes only: uint8 views copy FP8 on every torch version
-            data[e].view(torch.uint8).copy_(casts[first + e].view(torch.uint8))
+        data, data_t = layer.fp8_copies[name]
         scale = scales[first:first + experts].contiguous()
-        layer.fp8_weights[name] = FP8Weight(data, scale, 1.0 / scale, False,
-                                            data.view(-1, data.shape[-1]), experts * w.shape[1])
-        layer.fp8_copies[name] = data
+        layer.fp8_weights[name] = FP8Weight(data, scale, 1.0 / scale, False, data.view(-1, data.shape[-1]),
+                                            experts * w.shape[1], fast_accum=True, transposed=data_t)
         first += experts
 
 
@@ -371,20 +385,22 @@ class BenchExperts(etp.GroupedSwiGLUExperts):
     """
 
     fp8_weights: dict  # name -> FP8Weight of the step (replicated_fp8 only)
-    fp8_copies: dict   # name -> the stable FP8 buffer behind it
+    fp8_wgrad: bool = False  # replicated_fp8_wgrad: weight gradients from FP8 GEMMs too
+    fp8_copies: dict   # name -> the stable FP8 buffers behind it (data, transposed)
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         if isinstance(self.fc1_weight, etp.ETPShardedParam):
             return super().forward(x, tokens_per_expert)
         fp8 = getattr(self, "fp8_weights", None)
         if fp8:
-            gate_up = _FP8GroupedLinear.apply(x, self.fc1_weight, fp8["fc1_weight"], tokens_per_expert)
+            gate_up = _FP8GroupedLinear.apply(x, self.fc1_weight, fp8["fc1_weight"], tokens_per_expert,
+                                              self.fp8_wgrad)
         else:
             gate_up = _GroupedLinear.apply(x, self.fc1_weight, tokens_per_expert)
-        gate, up = gate_up.chunk(2, dim=-1)
-        hidden = torch.nn.functional.silu(gate) * up
+        hidden = swiglu(gate_up, None, quantize=bool(fp8))  # etp's own SwiGLU, as in etp's experts
         if fp8:
-            return _FP8GroupedLinear.apply(hidden, self.fc2_weight, fp8["fc2_weight"], tokens_per_expert)
+            return _FP8GroupedLinear.apply(hidden, self.fc2_weight, fp8["fc2_weight"], tokens_per_expert,
+                                           self.fp8_wgrad)
         return _GroupedLinear.apply(hidden, self.fc2_weight, tokens_per_expert)
 
 
@@ -488,10 +504,10 @@ def prepare_replicated(args, env, _groups) -> Prepared:
     return Prepared(model, model, lambda: None, _bytes(model.parameters()), 0, "local")
 
 
-def prepare_replicated_fp8(args, env, _groups) -> Prepared:
+def prepare_replicated_fp8(args, env, _groups, fp8_wgrad: bool = False) -> Prepared:
     model = build_model(args, env)
     for layer in model.layers:
-        layer.fp8_weights, layer.fp8_copies = {}, {}
+        layer.fp8_weights, layer.fp8_copies, layer.fp8_wgrad = {}, {}, fp8_wgrad
     quantize_full_weights(model)  # the first quantization, as after initialization
 
     def finalize() -> None:
@@ -499,7 +515,7 @@ def prepare_replicated_fp8(args, env, _groups) -> Prepared:
 
     return Prepared(model, model, finalize, _bytes(model.parameters()), 0, "local",
                     info={"fp8_copy_bytes": sum(d.numel() for layer in model.layers
-                                                for d in layer.fp8_copies.values())})
+                                                for pair in layer.fp8_copies.values() for d in pair)})
 
 
 def prepare_ddp(args, env, _groups) -> Prepared:
@@ -561,8 +577,11 @@ def _gather_elem_bytes(cfg, param: torch.Tensor) -> int:
 
 
 def _prepare_etp(args, env, groups_cache: dict, prefetch: bool, gather_dtype: str = "param",
-                 pad_for_alignment: int | None = None, transports=("nccl", "nccl")) -> Prepared:
+                 pad_for_alignment: int | None = None, transports=("nccl", "nccl"),
+                 fp8_wgrad: bool = False) -> Prepared:
     cfg = _etp_config(env, prefetch, gather_dtype, pad_for_alignment, transports, args.reduce_ctas)
+    if fp8_wgrad:
+        cfg = dataclasses.replace(cfg, fp8_wgrad=True)
     groups = _etp_groups(cfg, groups_cache)
     model = build_model(args, env)
     try:
@@ -593,7 +612,8 @@ def _prepare_etp(args, env, groups_cache: dict, prefetch: bool, gather_dtype: st
         info={"etp_config": {"gather_dtype": cfg.gather_dtype, "pad_for_alignment": cfg.pad_for_alignment,
                              "prefetch": cfg.prefetch, "async_reduce": cfg.async_reduce,
                              "transport": cfg.transport, "reduce_transport": cfg.reduce_transport,
-                             "reduce_ctas": cfg.reduce_ctas},
+                             "reduce_ctas": cfg.reduce_ctas, "fp8_fast_accum": cfg.fp8_fast_accum,
+                             "fp8_wgrad": cfg.fp8_wgrad},
               "transports": {str(k): (t.gather.name, t.reduce.name)
                              for k, t in etp.runtime_of(model).transports.items()},
               "wire_bytes_breakdown": wire},
@@ -611,6 +631,16 @@ def prepare_etp_async(args, env, groups_cache) -> Prepared:
 def prepare_etp_async_fp8(args, env, groups_cache) -> Prepared:
     dtype, pad = FP8_VARIANTS["etp_async_fp8"]
     return _prepare_etp(args, env, groups_cache, prefetch=True, gather_dtype=dtype, pad_for_alignment=pad)
+
+
+def prepare_replicated_fp8_wgrad(args, env, groups_cache) -> Prepared:
+    return prepare_replicated_fp8(args, env, groups_cache, fp8_wgrad=True)
+
+
+def prepare_etp_async_fp8_wgrad(args, env, groups_cache) -> Prepared:
+    dtype, pad = FP8_VARIANTS["etp_async_fp8_wgrad"]
+    return _prepare_etp(args, env, groups_cache, prefetch=True, gather_dtype=dtype, pad_for_alignment=pad,
+                        fp8_wgrad=True)
 
 
 def prepare_etp_async_fp8_blockwise(args, env, groups_cache) -> Prepared:
@@ -672,6 +702,8 @@ PREPARE = {
     **{name: _transport_variant(name) for name in TRANSPORT_VARIANTS},
     "etp_async_graphed": _graphed_variant(prepare_etp_async),
     "etp_async_fp8_graphed": _graphed_variant(prepare_etp_async_fp8),
+    "replicated_fp8_wgrad": prepare_replicated_fp8_wgrad,
+    "etp_async_fp8_wgrad": prepare_etp_async_fp8_wgrad,
 }
 
 

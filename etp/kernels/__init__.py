@@ -7,6 +7,10 @@
 * :func:`quantize_blockwise` / :func:`dequantize_fp8` - (1, 128) / (128, 128)
   blockwise format and dequantization.
 * :func:`quantize_rowwise` - one-pass per-row FP8 quantization of activations.
+* :func:`swiglu` / :func:`swiglu_backward` - fused SwiGLU (optionally FP8-quantizing its
+  output rowwise in the same pass), the experts' activation.
+* :func:`quantize_grouped_colwise` - per-(expert, column) FP8 of a token-sorted activation,
+  transposed and padded per expert: the FP8 weight-gradient GEMM's operands.
 * :func:`transpose_last2` - tiled transpose of FP8 matrices (the backward GEMM operand).
 
 Every op takes ``impl="auto" | "triton" | "torch"``; the pure-torch references
@@ -18,7 +22,9 @@ first imported.
 from etp.kernels.amax import multi_tensor_amax
 from etp.kernels.blockwise import dequantize_fp8, quantize_blockwise, quantize_rowwise
 from etp.kernels.cast import amax_to_scale, multi_tensor_cast_fp8
+from etp.kernels.colwise import quantize_grouped_colwise
 from etp.kernels.reference import FP8_E4M3_MAX
+from etp.kernels.swiglu import swiglu, swiglu_backward
 from etp.kernels.transpose import transpose_last2
 
 __all__ = [
@@ -28,6 +34,9 @@ __all__ = [
     "multi_tensor_amax",
     "multi_tensor_cast_fp8",
     "quantize_blockwise",
+    "quantize_grouped_colwise",
     "quantize_rowwise",
+    "swiglu",
+    "swiglu_backward",
     "transpose_last2",
 ]

@@ -394,6 +394,8 @@ def multi_tensor_cast_fp8(
     scales: torch.Tensor,
     *,
     write_transposed: bool = False,
+    out: Optional[Sequence[torch.Tensor]] = None,
+    out_transposed: Optional[Sequence[torch.Tensor]] = None,
     impl: str = "auto",
 ) -> Tuple[List[torch.Tensor], Optional[List[torch.Tensor]]]:
     """Cast many tensors to float8_e4m3fn with per-tensor scales in one launch per dtype.
@@ -415,6 +417,11 @@ def multi_tensor_cast_fp8(
         tensors: contiguous bf16 / fp16 / fp32 tensors with 1, 2 or 3 dims, on one device.
         scales: float32 tensor ``[len(tensors)]`` on the same device.
         write_transposed: also produce the transposed copies.
+        out: contiguous float8_e4m3fn destinations, one per input with its shape (views into
+            the buffers the casts live in, e.g. a stable FP8 weight): the cast writes there
+            directly, no allocation and no copy afterwards.
+        out_transposed: with ``out`` and ``write_transposed``, the transposed destinations
+            (ignored for 1-D inputs, whose transposed output is ``out[i]``).
         impl: ``"auto"`` (Triton on CUDA tensors, torch reference otherwise),
             ``"triton"`` (CPU tensors only under ``TRITON_INTERPRET=1``) or ``"torch"``.
 
@@ -438,16 +445,48 @@ def multi_tensor_cast_fp8(
             raise ValueError(f"tensors[{i}] must have 1, 2 or 3 dims, got shape {tuple(t.shape)}")
         if not t.is_contiguous():
             raise ValueError(f"tensors[{i}] is not contiguous; call .contiguous() first")
-    if not select_impl(impl, device):
-        return multi_tensor_cast_fp8_ref(tensors, scales, write_transposed=write_transposed)
-    if needs_staging(device):
-        qs, qts = multi_tensor_cast_fp8(
-            [t.cpu() for t in tensors], scales.cpu(), write_transposed=write_transposed, impl="triton"
-        )
-        qs_dev = [q.to(device) for q in qs]
-        if qts is None:
-            return qs_dev, None
-        return qs_dev, [qs_dev[i] if t.dim() < 2 else qt.to(device) for i, (t, qt) in enumerate(zip(tensors, qts))]
-    qs, qts = _alloc_outputs(tensors, write_transposed)
+    transposed_shapes = [(*t.shape[:-2], t.shape[-1], t.shape[-2]) if t.dim() >= 2 else t.shape for t in tensors]
+    if out is not None:
+        out = _check_out(out, [t.shape for t in tensors], device, "out")
+        if write_transposed:
+            if out_transposed is None:
+                raise ValueError("write_transposed with out= needs out_transposed= as well")
+            out_transposed = _check_out(out_transposed, transposed_shapes, device, "out_transposed")
+            out_transposed = [o if t.dim() >= 2 else q for t, q, o in zip(tensors, out, out_transposed)]
+    if not select_impl(impl, device) or needs_staging(device):
+        if not select_impl(impl, device):
+            qs, qts = multi_tensor_cast_fp8_ref(tensors, scales, write_transposed=write_transposed)
+        else:
+            qs, qts = multi_tensor_cast_fp8([t.cpu() for t in tensors], scales.cpu(),
+                                            write_transposed=write_transposed, impl="triton")
+        if out is None:
+            qs = [q.to(device) for q in qs]
+            if qts is None:
+                return qs, None
+            return qs, [qs[i] if t.dim() < 2 else qt.to(device) for i, (t, qt) in enumerate(zip(tensors, qts))]
+        for dst, q in zip(out, qs):  # bytes: uint8 views copy FP8 on every torch version
+            dst.view(torch.uint8).copy_(q.view(torch.uint8))
+        if qts is not None:
+            for t, dst, qt in zip(tensors, out_transposed, qts):
+                if t.dim() >= 2:
+                    dst.view(torch.uint8).copy_(qt.view(torch.uint8))
+        return list(out), (list(out_transposed) if write_transposed else None)
+    if out is None:
+        qs, qts = _alloc_outputs(tensors, write_transposed)
+    else:
+        qs, qts = list(out), (list(out_transposed) if write_transposed else None)
     _launch_multi_tensor_cast_fp8(tensors, scales.contiguous(), qs, qts)
     return qs, qts
+
+
+def _check_out(out: Sequence[torch.Tensor], shapes, device: torch.device, what: str) -> List[torch.Tensor]:
+    out = list(out)
+    if len(out) != len(shapes):
+        raise ValueError(f"{what} has {len(out)} tensors for {len(shapes)} inputs")
+    for i, (o, shape) in enumerate(zip(out, shapes)):
+        if o.dtype != torch.float8_e4m3fn or tuple(o.shape) != tuple(shape) or not o.is_contiguous() or o.device != device:
+            raise ValueError(
+                f"{what}[{i}] must be a contiguous float8_e4m3fn tensor of shape {tuple(shape)} on {device}, "
+                f"got {o.dtype} {tuple(o.shape)} (contiguous={o.is_contiguous()}) on {o.device}"
+            )
+    return out

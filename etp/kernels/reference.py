@@ -34,6 +34,9 @@ __all__ = [
     "quantize_blockwise_ref",
     "dequantize_fp8_ref",
     "blockwise_scale_shape",
+    "swiglu_ref",
+    "quantize_grouped_colwise_ref",
+    "swiglu_backward_ref",
 ]
 
 #: Largest finite value of ``torch.float8_e4m3fn``.
@@ -168,3 +171,83 @@ def dequantize_fp8_ref(
     else:
         s = _expand_block_scales(scale.float(), q.shape[-2], q.shape[-1], block[0], block[1])
     return torch.div(qf, s).to(out_dtype)
+
+
+def _rowwise_fp8(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rowwise``'s numerics: (q, 1 / scale) with one scale per row (1.0 for an
+    all-zero or empty row)."""
+    if x.shape[1] == 0:
+        return (torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device),
+                torch.ones(x.shape[0], dtype=torch.float32, device=x.device))
+    q, scale = quantize_blockwise_ref(x, 1, x.shape[1])
+    return q, torch.reciprocal(scale.reshape(x.shape[0]))
+
+
+def swiglu_ref(
+    gate_up: torch.Tensor, probs: Optional[torch.Tensor] = None, *, quantize: bool = False
+) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Reference of ``etp.kernels.swiglu``: float32 math (float64 for float64 inputs), one
+    rounding to the input dtype."""
+    math_dtype = torch.promote_types(gate_up.dtype, torch.float32)
+    g, u = gate_up.to(math_dtype).chunk(2, dim=-1)
+    h = g * torch.sigmoid(g) * u
+    if probs is not None:
+        h = h * probs.to(math_dtype)[:, None]
+    h = h.to(gate_up.dtype)
+    if not quantize:
+        return h, None, None
+    return (h, *_rowwise_fp8(h))
+
+
+def swiglu_backward_ref(
+    gate_up: torch.Tensor, grad_h: torch.Tensor, probs: Optional[torch.Tensor] = None, *,
+    probs_grad: bool = False, quantize: bool = False,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Reference of ``etp.kernels.swiglu_backward``."""
+    math_dtype = torch.promote_types(gate_up.dtype, torch.float32)
+    g, u = gate_up.to(math_dtype).chunk(2, dim=-1)
+    gh = grad_h.to(math_dtype)
+    sig = torch.sigmoid(g)
+    silu = g * sig
+    grad_probs = None
+    if probs is not None:
+        if probs_grad:
+            grad_probs = (gh * silu * u).sum(dim=-1).to(probs.dtype)
+        gh = gh * probs.to(math_dtype)[:, None]
+    dgu = torch.cat([gh * u * (sig * (1.0 + g * (1.0 - sig))), gh * silu], dim=-1).to(gate_up.dtype)
+    if not quantize:
+        return dgu, grad_probs, None, None
+    return (dgu, grad_probs, *_rowwise_fp8(dgu))
+
+
+def grouped_colwise_layout(tokens: int, counts: torch.Tensor, align: int) -> Tuple[torch.Tensor, torch.Tensor, int]:
+    """(cumulative token ends, cumulative padded ends, static padded width) of
+    ``quantize_grouped_colwise``: each expert's segment rounded up to ``align`` tokens; the
+    width ``tokens + E * (align - 1)`` rounded up to ``align`` bounds every padded layout
+    without reading the counts on the host."""
+    counts = counts.to(torch.int64)
+    ends = torch.cumsum(counts, 0)
+    pends = torch.cumsum((counts + align - 1) // align * align, 0)
+    t_pad = -(-(tokens + counts.numel() * (align - 1)) // align) * align
+    return ends, pends, t_pad
+
+
+def quantize_grouped_colwise_ref(
+    x: torch.Tensor, counts: torch.Tensor, *, align: int = 16
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference of ``etp.kernels.quantize_grouped_colwise`` (the unused tail of ``q_t`` is 0)."""
+    ends, pends, t_pad = grouped_colwise_layout(x.shape[0], counts, align)
+    experts, cols = counts.numel(), x.shape[1]
+    q = torch.zeros((cols, t_pad), dtype=torch.float8_e4m3fn, device=x.device)
+    s_inv = torch.ones((experts, cols), dtype=torch.float32, device=x.device)
+    bounds = [0] + ends.tolist()
+    pbounds = [0] + pends.tolist()
+    for e in range(experts):
+        seg = x[bounds[e]:bounds[e + 1]].float()
+        if seg.shape[0] == 0 or cols == 0:
+            continue
+        amax = seg.abs().amax(dim=0)
+        scale = amax_to_scale_ref(amax)
+        s_inv[e] = torch.reciprocal(scale)
+        q[:, pbounds[e]:pbounds[e] + seg.shape[0]] = _quantize_ref(seg, scale[None, :]).t()
+    return q, s_inv, pends.to(torch.int32)

@@ -1,0 +1,47 @@
+"""The routed experts' SwiGLU as one autograd op (``etp.kernels.swiglu`` forward and backward).
+
+With ``quantize=True`` the forward also hands the rowwise FP8 quantization of its output to
+fc2's FP8 GEMM, and the backward that of its input gradient to fc1's input-gradient GEMM
+(see [Note: FP8 operands handed over] in ``etp.gemm``): one pass over each activation
+instead of an activation pass plus a quantization pass.
+"""
+from __future__ import annotations
+
+import torch
+
+from .gemm import attach_rowwise_fp8
+from .kernels import swiglu as swiglu_kernel
+from .kernels import swiglu_backward
+
+__all__ = ["swiglu"]
+
+
+class _SwiGLUFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate_up, probs, quantize):
+        h, q, scale_inv = swiglu_kernel(gate_up, probs, quantize=quantize)
+        ctx.save_for_backward(gate_up, probs)
+        ctx.quantize = quantize
+        return attach_rowwise_fp8(h, q, scale_inv) if quantize else h
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        gate_up, probs = ctx.saved_tensors
+        probs_grad = probs is not None and ctx.needs_input_grad[1]
+        grad_gate_up, grad_probs, q, scale_inv = swiglu_backward(
+            gate_up, grad_h, probs, probs_grad=probs_grad, quantize=ctx.quantize)
+        if q is not None:
+            attach_rowwise_fp8(grad_gate_up, q, scale_inv)
+        return grad_gate_up, grad_probs, None
+
+
+def swiglu(gate_up: torch.Tensor, probs: torch.Tensor | None = None, quantize: bool = False) -> torch.Tensor:
+    """``silu(gate) * up`` (times ``probs[:, None]``) of ``gate_up [T, 2 * ffn]`` (gate columns
+    first), differentiable in ``gate_up`` and ``probs``; one fused kernel each way on CUDA.
+    ``quantize``: the next GEMMs run in FP8 (see the module docstring).
+
+    Example::
+
+        h = swiglu(x @ w1.t())             # [T, ffn]
+    """
+    return _SwiGLUFunction.apply(gate_up.contiguous(), probs, quantize)

@@ -1,0 +1,126 @@
+"""Per-expert, per-column FP8 quantization with a transposed output: the weight-gradient
+GEMM's operands.
+
+The weight gradient of a grouped linear, ``dW[e] = gy_e^T x_e``, contracts over each expert's
+tokens. Hopper's FP8 tensor cores need the contracted dimension contiguous in both operands,
+and scales may vary along the other dimensions only (not per token). So each operand
+``x [T, C]`` (tokens sorted by expert) becomes ``q_t [C, T_pad]``: token-contiguous, one scale
+per (expert, column) over that expert's tokens, each expert's token segment padded with
+zeros to a multiple of ``align`` tokens (the GEMM's 16-byte alignment of each group's
+start; zero rows add nothing). This is ``torch._scaled_grouped_mm``'s 2-D x 2-D layout with
+``scale [E * C]``.
+
+One program per (expert, column tile) walks its expert's rows twice: the column maxima,
+then the cast (re-read mostly from L2) stored transposed. Expert boundaries come from
+device tensors (no host synchronization); the padded width ``T + E * (align - 1)`` rounded
+up to ``align`` is static.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from etp.kernels.amax import (
+    _DTYPE_CODE,
+    EXACT_FP,
+    _abs_bits,
+    _to_f32,
+    check_input_dtype,
+    interpreter_active,
+    select_impl,
+)
+from etp.kernels.blockwise import _amax_to_scale, _soft_view
+from etp.kernels.cast import _quantize_f32
+from etp.kernels.reference import FP8_E4M3_MAX, grouped_colwise_layout, quantize_grouped_colwise_ref
+
+__all__ = ["quantize_grouped_colwise"]
+
+_TT = 64   # tokens per step of a program
+_TC = 64   # columns per program (its expert's rows x 64 columns stay in L2 between the passes)
+
+
+@triton.jit
+def _grouped_colwise_kernel(x_ptr, ends_ptr, pends_ptr, q_ptr, sinv_ptr, C, T_PAD,
+                            DTYPE: tl.constexpr, SOFT: tl.constexpr, FP8_MAX: tl.constexpr,
+                            TT: tl.constexpr, TC: tl.constexpr):
+    e = tl.program_id(0)
+    cols = tl.program_id(1) * TC + tl.arange(0, TC)
+    cols_ok = cols < C
+    prev = tl.maximum(e - 1, 0)
+    start = tl.where(e > 0, tl.load(ends_ptr + prev), 0).to(tl.int64)
+    end = tl.load(ends_ptr + e).to(tl.int64)
+    pstart = tl.where(e > 0, tl.load(pends_ptr + prev), 0).to(tl.int64)
+    pend = tl.load(pends_ptr + e).to(tl.int64)
+    at = tl.arange(0, TT)
+    acc = tl.zeros([TC], dtype=tl.int32)
+    for t0 in range(start, end, TT):
+        rows = t0 + at
+        mask = (rows < end)[:, None] & cols_ok[None, :]
+        x = _to_f32(tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0), DTYPE, SOFT)
+        acc = tl.maximum(acc, tl.max(_abs_bits(x), axis=0))
+    scale = _amax_to_scale(acc.to(tl.float32, bitcast=True), FP8_MAX)
+    tl.store(sinv_ptr + e * C + cols, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale), mask=cols_ok)
+    # The padded segment [pstart, pend): this expert's tokens, then zeros.
+    for p0 in range(pstart, pend, TT):
+        prow = p0 + at
+        rows = start + (prow - pstart)
+        load_ok = (rows < end)[:, None] & cols_ok[None, :]
+        x = _to_f32(tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=load_ok, other=0), DTYPE, SOFT)
+        q = _quantize_f32(x, scale[None, :], FP8_MAX, SOFT)
+        store_ok = cols_ok[:, None] & (prow < pend)[None, :]
+        tl.store(q_ptr + cols[:, None].to(tl.int64) * T_PAD + prow[None, :], tl.trans(q), mask=store_ok)
+
+
+def quantize_grouped_colwise(
+    x: torch.Tensor, counts: torch.Tensor, *, align: int = 16, impl: str = "auto"
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FP8 (e4m3) of ``x [T, C]`` transposed, one scale per (expert, column).
+
+    Args:
+        x: contiguous bf16 / fp16 / fp32 ``[T, C]``, rows sorted by expert.
+        counts: ``[E]`` integer tokens per expert (on ``x``'s device; sums to T).
+        align: each expert's token segment is padded with zeros to a multiple of this.
+        impl: ``"auto"`` (Triton on CUDA), ``"triton"`` or ``"torch"``.
+
+    Returns:
+        ``(q_t, scale_inv, padded_ends)``: ``q_t [C, T_pad]`` float8_e4m3fn with
+        ``q_t[c, p] ~= x[t, c] / scale_inv[e, c]`` for token t of expert e at padded position
+        p; ``scale_inv [E, C]`` float32 (``amax / 448``, 1.0 for an all-zero column);
+        ``padded_ends [E]`` int32 cumulative padded segment ends (the GEMM's offsets).
+
+    Example::
+
+        gq, gs, offs = quantize_grouped_colwise(grad_out, counts)
+        xq, xs, _ = quantize_grouped_colwise(x, counts)
+        dw = torch._scaled_grouped_mm(gq, xq.t(), gs.reshape(-1), xs.reshape(-1), offs=offs,
+                                      out_dtype=torch.bfloat16)
+    """
+    check_input_dtype(x, "x")
+    if x.dim() != 2 or not x.is_contiguous():
+        raise ValueError(f"quantize_grouped_colwise expects a contiguous [T, C] tensor, got shape {tuple(x.shape)}")
+    if counts.dim() != 1 or counts.device != x.device or counts.dtype.is_floating_point:
+        raise ValueError(f"counts must be a 1-D integer tensor on {x.device}, got {counts.dtype} "
+                         f"{tuple(counts.shape)} on {counts.device}")
+    if align < 1:
+        raise ValueError(f"align={align}: must be >= 1")
+    if not select_impl(impl, x.device):
+        return quantize_grouped_colwise_ref(x, counts, align=align)
+    ends, pends, t_pad = grouped_colwise_layout(x.shape[0], counts, align)
+    experts, cols = counts.numel(), x.shape[1]
+    q = torch.zeros((cols, t_pad), dtype=torch.float8_e4m3fn, device=x.device) if interpreter_active() else \
+        torch.empty((cols, t_pad), dtype=torch.float8_e4m3fn, device=x.device)
+    s_inv = torch.empty((experts, cols), dtype=torch.float32, device=x.device)
+    if experts == 0 or cols == 0:
+        return q, s_inv, pends.to(torch.int32)
+    device, soft = x.device, interpreter_active()
+    if soft and device.type == "cuda":
+        x, ends, pends, q, s_inv = (t.cpu() for t in (x, ends, pends, q, s_inv))
+    _grouped_colwise_kernel[(experts, triton.cdiv(cols, _TC))](
+        _soft_view(x, soft), ends, pends, _soft_view(q, soft), s_inv, cols, t_pad,
+        DTYPE=_DTYPE_CODE[x.dtype], SOFT=soft, FP8_MAX=FP8_E4M3_MAX, TT=_TT, TC=_TC, num_warps=4,
+        **EXACT_FP,
+    )
+    return q.to(device), s_inv.to(device), pends.to(device=device, dtype=torch.int32)

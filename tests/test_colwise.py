@@ -1,0 +1,79 @@
+"""quantize_grouped_colwise (the FP8 weight-gradient operands) against its pure-torch
+reference (bit-exact) and an independent float64 dequantization bound; GPU: the FP8
+weight-gradient GEMM built on it against a float64 per-expert reference.
+
+The Triton kernel runs compiled on CUDA, else in the interpreter (tests/conftest.py).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from etp.gemm import GroupedGemm
+from etp.kernels import quantize_grouped_colwise
+from etp.kernels.reference import quantize_grouped_colwise_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# (tokens per expert, columns): uneven segments, empty experts, one token, widths that are
+# not multiples of 16 or of the kernel's 64-column tile.
+CASES = [([5, 0, 17], 7), ([16, 16], 64), ([1], 130), ([0, 0], 3), ([3, 70, 2], 65), ([0], 0)]
+
+
+@pytest.mark.parametrize("counts,cols", CASES)
+def test_matches_reference_and_float64(counts, cols):
+    gen = torch.Generator().manual_seed(len(counts) * 100 + cols)
+    tokens = sum(counts)
+    # Rows of very different magnitudes: a per-token scale would be wrong here, a per-expert
+    # per-column one is what the GEMM can apply.
+    x = (torch.randn(tokens, cols, generator=gen) * 4 * torch.rand(tokens, 1, generator=gen)).to(torch.bfloat16)
+    if tokens:
+        x[0] = 0
+    c = torch.tensor(counts)
+    q, s_inv, pends = quantize_grouped_colwise(x.to(DEVICE), c.to(DEVICE), impl="triton")
+    q_ref, s_ref, pends_ref = quantize_grouped_colwise_ref(x, c)
+    q, s_inv, pends = q.cpu(), s_inv.cpu(), pends.cpu()
+    assert torch.equal(pends, pends_ref)
+    used = int(pends[-1]) if counts else 0
+    assert torch.equal(q[:, :used].view(torch.uint8), q_ref[:, :used].view(torch.uint8))
+    assert torch.equal(s_inv, s_ref)
+    # Independent check: dequantized values within e4m3's half-ulp (2^-4 relative) of x, the
+    # padding zeros, every expert's segment starting at a multiple of 16.
+    starts = [0] + torch.cumsum(c, 0).tolist()
+    pstarts = [0] + pends.tolist()
+    for e, n in enumerate(counts):
+        assert pstarts[e] % 16 == 0
+        seg = q[:, pstarts[e]:pstarts[e] + n].double().t() * s_inv[e].double()
+        ref = x[starts[e]:starts[e] + n].double()
+        amax = ref.abs().amax(dim=0) if n else torch.zeros(cols, dtype=torch.float64)
+        assert bool(((seg - ref).abs() <= ref.abs() * 2 ** -4 + amax * 2 ** -9 / 448 * 2 + 1e-30).all())
+        pad = q[:, pstarts[e] + n:pstarts[e + 1]]
+        assert not pad.view(torch.uint8).any()
+
+
+def test_rejects_bad_input():
+    with pytest.raises(ValueError, match="contiguous"):
+        quantize_grouped_colwise(torch.zeros(4, 6).t(), torch.tensor([6]))
+    with pytest.raises(ValueError, match="counts must be"):
+        quantize_grouped_colwise(torch.zeros(4, 6), torch.tensor([4.0]))
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),
+                    reason="FP8 GEMMs need an sm90+ GPU")
+@pytest.mark.parametrize("fast_accum", [False, True], ids=["promoted", "fast_accum"])
+def test_fp8_wgrad_against_float64(fast_accum):
+    """ETPConfig.fp8_wgrad's GEMM: per-expert gy_e^T x_e from FP8 operands, uneven and empty
+    experts included, within FP8's error of the float64 result (bf16's own error ~2^-8)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    counts = torch.tensor([100, 0, 37, 256, 1], device="cuda")
+    tokens = int(counts.sum())
+    x = torch.randn(tokens, 192, device="cuda", generator=gen, dtype=torch.bfloat16)
+    gy = torch.randn(tokens, 320, device="cuda", generator=gen, dtype=torch.bfloat16)
+    dw = GroupedGemm.wgrad(gy, x, counts, fp8=True, fast_accum=fast_accum)
+    bounds = [0] + torch.cumsum(counts, 0).tolist()
+    for e in range(counts.numel()):
+        ref = gy[bounds[e]:bounds[e + 1]].double().t() @ x[bounds[e]:bounds[e + 1]].double()
+        if ref.abs().max() == 0:
+            assert not dw[e].any()
+            continue
+        rel = ((dw[e].double() - ref).norm() / ref.norm()).item()
+        assert rel < 0.05, (e, rel)
