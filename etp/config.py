@@ -59,12 +59,14 @@ class ETPConfig:
             input-gradient FP8 GEMMs accumulate without the periodic fp32 promotion (CUTLASS's
             fast-accumulation kernels, TransformerEngine's choice for its forward GEMM; with
             ``fp8_wgrad`` also the weight-gradient GEMMs):
-            1.15-1.25x faster on H200 at expert shapes with the same measured error against
+            1.14-1.23x faster on H200 at expert shapes with the same measured error against
             float64 (BENCHMARKS.md "FP8 compute"). Off: the promoted kernels.
         fp8_wgrad: the weight-gradient GEMMs of grouped (expert) weights run in FP8 on sm90+
             with bf16 activations: both operands quantized per (expert, column) over that
             expert's tokens (TransformerEngine's FP8 recipes quantize this GEMM too, per
-            tensor). Off by default: weight gradients then come from bf16 GEMMs.
+            tensor). Off by default: on the H200 expert stack the operand quantization
+            costs about what the FP8 GEMMs save (BENCHMARKS.md "FP8 compute on the expert
+            stack"); weight gradients then come from bf16 GEMMs.
         prefetch: gather the next weight of the chain while the current GEMM runs.
         prefetch_recompute: with ``prefetch``, also prefetch the weights of forwards that
             activation recompute re-runs inside backward, along their own chain (off: each

@@ -13,7 +13,7 @@ pass, one scale per row: ``etp.kernels.quantize_rowwise``), and are
 dequantized for the ordinary GEMMs everywhere else. Weight gradients stay in bf16/fp32.
 ``FP8Weight.fast_accum`` (``ETPConfig.fp8_fast_accum``, on by default) lets those two GEMMs
 accumulate without CUTLASS's periodic promotion to fp32, as TransformerEngine's forward GEMM
-does: 1.15-1.25x faster on H200 at the expert shapes, with the same error against float64
+does: 1.14-1.23x faster on H200 at the expert shapes, with the same error against float64
 (BENCHMARKS.md "FP8 compute").
 
 Grouped GEMMs run as ``torch._grouped_mm`` on CUDA for bf16 on sm90+ (its supported case);

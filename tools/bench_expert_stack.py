@@ -865,22 +865,20 @@ def profile_steps(prep: Prepared, work: Workload, env: Env, trace_dir: str, name
 
 
 def classify(kernel_name: str) -> str:
-    lowered = kernel_name.lower()
-    if any(m in lowered for m in NCCL_MARKERS):
-        return "nccl"
-    if any(m in lowered for m in GEMM_MARKERS):
-        return "gemm"
-    return "other"
+    """nccl, gemm or other (the overlap analysis); a kernel is a GEMM only if the finer
+    breakdown says so (``_grouped_colwise_kernel`` is a quantization, not a grouped GEMM)."""
+    cls = breakdown_class(kernel_name)
+    return cls if cls in ("nccl", "gemm") else "other"
 
 
 # Finer kernel classes for the time breakdown (first match wins, in this order).
 BREAKDOWN_CLASSES = (
     ("nccl", ("nccl",)),
-    ("fp8_quantize", ("quantize", "cast_fp8", "amax")),
+    ("fp8_quantize", ("quantize", "cast_fp8", "amax", "colwise")),
     ("transpose", ("transpose",)),
     ("gemm", GEMM_MARKERS),
     ("copy", ("copy", "memcpy", "memset", "cat", "fill")),
-    ("elementwise", ("elementwise", "vectorized", "silu", "mul", "add", "reduce")),
+    ("elementwise", ("elementwise", "vectorized", "silu", "swiglu", "mul", "add", "reduce")),
 )
 
 

@@ -22,8 +22,15 @@ Measured (median of ``--iters`` runs with CUDA events, after warm-up):
 * rowwise quantize (``quantize_rowwise``, the FP8 GEMM activation input) on
   bf16 [8192, 32000] (vocabulary projection: the two-pass kernel) and
   [16384, 4096] (one pass); floor = one read of x + the fp8 write.
+* the experts' activation kernels on the expert-stack shape ([32768, 2 x 1536] bf16): the
+  fused SwiGLU forward / backward (``etp.kernels.swiglu``), each also with its rowwise FP8
+  output, against the eager torch composition it replaces (silu, mul, and for the FP8 case
+  a separate ``quantize_rowwise`` pass; backward through autograd); floor = the fused
+  kernel's bytes.
+* ``quantize_grouped_colwise`` (the FP8 weight-gradient operand) on [32768, 4096] bf16 in 16
+  experts: floor = one read of x + the fp8 write (its second read is not counted).
 * correctness of every fused result against the torch reference (exact /
-  bit-exact), recorded in the JSON.
+  bit-exact; SwiGLU to one bf16 ulp), recorded in the JSON.
 
 Every "fraction of copy bw" is floor_ms / op_ms with floor_ms = the op's bytes
 (read + written) at the copy's read+write byte rate measured in the same run.
@@ -79,10 +86,18 @@ from etp.kernels import (  # noqa: E402
     multi_tensor_amax,
     multi_tensor_cast_fp8,
     quantize_blockwise,
+    quantize_grouped_colwise,
     quantize_rowwise,
+    swiglu,
+    swiglu_backward,
 )
 from etp.kernels import cast as cast_mod  # noqa: E402
-from etp.kernels.reference import blockwise_scale_shape, quantize_blockwise_ref  # noqa: E402
+from etp.kernels.reference import (  # noqa: E402
+    blockwise_scale_shape,
+    quantize_blockwise_ref,
+    quantize_grouped_colwise_ref,
+    swiglu_ref,
+)
 
 ANCHOR_COPY_MS = 0.095  # prior H200 measurement: 2 * 201,326,592 B / 4217 GB/s
 AMAX_TARGET_FRACTION = 0.8
@@ -91,6 +106,7 @@ CAST_T_TARGET_FRACTION = 0.6
 FLUSH_BYTES = 256 << 20
 SPIN_MIN_MS = 0.2  # the spin ahead of each timed call lasts at least this long (more if the host needs it)
 ROWWISE_SHAPES = [(8192, 32000), (16384, 4096)]  # bf16 activations: vocabulary projection, hidden
+EXPERT_TOKENS, EXPERT_FFN, EXPERT_HIDDEN, EXPERTS = 32768, 1536, 4096, 16  # the expert stack's shapes
 
 AMAX_SWEEP = [  # (BLOCK, ITERS, num_warps, eviction policy); the first entry is the default
     (amax_mod._FLAT_BLOCK, amax_mod._FLAT_ITERS, amax_mod._FLAT_WARPS, amax_mod._FLAT_EVICT),
@@ -387,6 +403,52 @@ def main(argv: List[str]) -> int:
                     (f"rowwise quantize {name} torch", "torch", r["median_ms"], moved, fl / r["median_ms"])]
     result["rowwise"] = rw_res
 
+    # ---- the experts' activation kernels ------------------------------------------
+    t_tok, ffn, hid, n_exp = ((256, 48, 64, 4) if args.dry_run else
+                              (EXPERT_TOKENS, EXPERT_FFN, EXPERT_HIDDEN, EXPERTS))
+    gate_up = torch.randn((t_tok, 2 * ffn), generator=gen).to(torch.bfloat16).to(device)
+    grad_h = torch.randn((t_tok, ffn), generator=gen).to(torch.bfloat16).to(device)
+    gu_leaf = gate_up.clone().requires_grad_(True)
+
+    def eager_forward(quantize: bool):
+        h = torch.nn.functional.silu(gate_up[:, :ffn]) * gate_up[:, ffn:]
+        return quantize_rowwise(h, impl=fused_impl) if quantize else h
+
+    def eager_backward(quantize: bool):
+        h = torch.nn.functional.silu(gu_leaf[:, :ffn]) * gu_leaf[:, ffn:]
+        (d,) = torch.autograd.grad(h, gu_leaf, grad_h)
+        return quantize_rowwise(d, impl=fused_impl) if quantize else d
+
+    act_res = {}
+    elem = gate_up.numel()
+    moves = {"swiglu_fwd": 2 * elem + elem, "swiglu_fwd_fp8": 2 * elem + elem + elem // 2,
+             "swiglu_bwd": 2 * elem + elem + 2 * elem, "swiglu_bwd_fp8": 2 * elem + elem + 2 * elem + elem}
+    for name, fused_fn, eager_fn in (
+        ("swiglu_fwd", lambda: swiglu(gate_up, impl=fused_impl), lambda: eager_forward(False)),
+        ("swiglu_fwd_fp8", lambda: swiglu(gate_up, quantize=True, impl=fused_impl), lambda: eager_forward(True)),
+        ("swiglu_bwd", lambda: swiglu_backward(gate_up, grad_h, impl=fused_impl), lambda: eager_backward(False)),
+        ("swiglu_bwd_fp8", lambda: swiglu_backward(gate_up, grad_h, quantize=True, impl=fused_impl),
+         lambda: eager_backward(True)),
+    ):
+        fl = floor_ms(moves[name])
+        f, e = timer(fused_fn), timer(eager_fn)
+        act_res[name] = {"bytes_moved": moves[name], "floor_ms": fl,
+                         "fused": {**f, "fraction_of_copy_bw": fl / f["median_ms"]},
+                         "eager_torch": {**e, "fraction_of_copy_bw": fl / e["median_ms"]}}
+        rows_md += [(f"{name} [{t_tok}x{2 * ffn}] fused", fused_impl, f["median_ms"], moves[name], fl / f["median_ms"]),
+                    (f"{name} [{t_tok}x{2 * ffn}] eager torch", "torch", e["median_ms"], moves[name],
+                     fl / e["median_ms"])]
+    x_act = torch.randn((t_tok, hid), generator=gen).to(torch.bfloat16).to(device)
+    counts = torch.full((n_exp,), t_tok // n_exp, dtype=torch.int64, device=device)
+    moved = x_act.numel() * 3
+    fl = floor_ms(moved)
+    f = timer(lambda: quantize_grouped_colwise(x_act, counts, impl=fused_impl))
+    act_res["grouped_colwise"] = {"bytes_moved": moved, "floor_ms": fl,
+                                  "fused": {**f, "fraction_of_copy_bw": fl / f["median_ms"]}}
+    rows_md.append((f"grouped colwise quantize [{t_tok}x{hid}], {n_exp} experts", fused_impl, f["median_ms"],
+                    moved, fl / f["median_ms"]))
+    result["expert_activations"] = act_res
+
     # ---- correctness (fused vs torch reference) ---------------------------------
     ref_amax = multi_tensor_amax(shards, impl="torch")
     foreach_amax = torch.stack(torch._foreach_norm(shards, ord=float("inf"))).float()
@@ -408,6 +470,16 @@ def main(argv: List[str]) -> int:
         q, s = quantize_rowwise(x, impl=fused_impl)
         rq, rs = quantize_blockwise_ref(x, 1, x.shape[1])
         corr[f"rowwise_{name}_bit_mismatches"] = fp8_bit_mismatches(q, rq) + float_mismatches(s, rs.reshape(-1))
+    h, hq, hs = swiglu(gate_up, quantize=True, impl=fused_impl)
+    rh, _, _ = swiglu_ref(gate_up)
+    hq_ref, hs_ref = quantize_rowwise(h, impl="torch")
+    # The kernel's exp may differ from torch's in the last float32 bit: one bf16 ulp.
+    corr["swiglu_beyond_one_ulp"] = int(((h.float() - rh.float()).abs() > rh.float().abs() * 2 ** -7 + 1e-30).sum())
+    corr["swiglu_fp8_bit_mismatches"] = fp8_bit_mismatches(hq, hq_ref) + float_mismatches(hs, 1.0 / hs_ref)
+    cq, cs, ends = quantize_grouped_colwise(x_act, counts, impl=fused_impl)
+    rcq, rcs, _ = quantize_grouped_colwise_ref(x_act, counts)
+    used = int(ends[-1])  # past the last padded segment the kernel leaves the buffer unwritten
+    corr["grouped_colwise_bit_mismatches"] = fp8_bit_mismatches(cq[:, :used], rcq[:, :used]) + float_mismatches(cs, rcs)
     corr["all_exact"] = all(v == 0 for v in corr.values())
     result["correctness"] = corr
 

@@ -21,7 +21,8 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 
 echo "== pytest (compiled on CUDA) =="
 t0=$SECONDS
-timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernel_shapes.py \
+timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernel_shapes.py \
+    tests/test_swiglu.py tests/test_colwise.py \
     2>&1 | tee "$OUT/pytest_kernels.txt" | tail -25
 test_rc=${PIPESTATUS[0]}
 echo "pytest rc=$test_rc in $((SECONDS - t0)) s"

@@ -38,8 +38,9 @@ from etp.kernels.reference import FP8_E4M3_MAX, grouped_colwise_layout, quantize
 
 __all__ = ["quantize_grouped_colwise"]
 
-_TT = 64   # tokens per step of a program
+_TT = 128  # tokens per step of a program (H200 sweep: 128 x 64 on 4 warps, 0.25 ms for [32768, 4096])
 _TC = 64   # columns per program (its expert's rows x 64 columns stay in L2 between the passes)
+_WARPS = 4
 
 
 @triton.jit
@@ -120,7 +121,7 @@ def quantize_grouped_colwise(
         x, ends, pends, q, s_inv = (t.cpu() for t in (x, ends, pends, q, s_inv))
     _grouped_colwise_kernel[(experts, triton.cdiv(cols, _TC))](
         _soft_view(x, soft), ends, pends, _soft_view(q, soft), s_inv, cols, t_pad,
-        DTYPE=_DTYPE_CODE[x.dtype], SOFT=soft, FP8_MAX=FP8_E4M3_MAX, TT=_TT, TC=_TC, num_warps=4,
+        DTYPE=_DTYPE_CODE[x.dtype], SOFT=soft, FP8_MAX=FP8_E4M3_MAX, TT=_TT, TC=_TC, num_warps=_WARPS,
         **EXACT_FP,
     )
     return q.to(device), s_inv.to(device), pends.to(device=device, dtype=torch.int32)
