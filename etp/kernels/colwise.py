@@ -41,12 +41,13 @@ __all__ = ["quantize_grouped_colwise"]
 _TT = 128  # tokens per step of a program (H200 sweep: 128 x 64 on 4 warps, 0.25 ms for [32768, 4096])
 _TC = 64   # columns per program (its expert's rows x 64 columns stay in L2 between the passes)
 _WARPS = 4
+_UNROLL = 2  # H200 sweep: 2 tiles of 128 x 64 per loop step, 0.233 ms for [32768, 4096] (1: 0.248)
 
 
 @triton.jit
 def _grouped_colwise_kernel(x_ptr, ends_ptr, pends_ptr, q_ptr, sinv_ptr, C, T_PAD,
                             DTYPE: tl.constexpr, SOFT: tl.constexpr, FP8_MAX: tl.constexpr,
-                            TT: tl.constexpr, TC: tl.constexpr):
+                            TT: tl.constexpr, TC: tl.constexpr, UNROLL: tl.constexpr):
     e = tl.program_id(0)
     cols = tl.program_id(1) * TC + tl.arange(0, TC)
     cols_ok = cols < C
@@ -57,22 +58,26 @@ def _grouped_colwise_kernel(x_ptr, ends_ptr, pends_ptr, q_ptr, sinv_ptr, C, T_PA
     pend = tl.load(pends_ptr + e).to(tl.int64)
     at = tl.arange(0, TT)
     acc = tl.zeros([TC], dtype=tl.int32)
-    for t0 in range(start, end, TT):
-        rows = t0 + at
-        mask = (rows < end)[:, None] & cols_ok[None, :]
-        x = _to_f32(tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0), DTYPE, SOFT)
-        acc = tl.maximum(acc, tl.max(_abs_bits(x), axis=0))
+    # UNROLL independent tiles per loop step (static_range): their loads are in flight together
+    # instead of each step waiting for the previous one's.
+    for t0 in range(start, end, TT * UNROLL):
+        for u in tl.static_range(UNROLL):
+            rows = t0 + u * TT + at
+            mask = (rows < end)[:, None] & cols_ok[None, :]
+            x = _to_f32(tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0), DTYPE, SOFT)
+            acc = tl.maximum(acc, tl.max(_abs_bits(x), axis=0))
     scale = _amax_to_scale(acc.to(tl.float32, bitcast=True), FP8_MAX)
     tl.store(sinv_ptr + e * C + cols, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale), mask=cols_ok)
     # The padded segment [pstart, pend): this expert's tokens, then zeros.
-    for p0 in range(pstart, pend, TT):
-        prow = p0 + at
-        rows = start + (prow - pstart)
-        load_ok = (rows < end)[:, None] & cols_ok[None, :]
-        x = _to_f32(tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=load_ok, other=0), DTYPE, SOFT)
-        q = _quantize_f32(x, scale[None, :], FP8_MAX, SOFT)
-        store_ok = cols_ok[:, None] & (prow < pend)[None, :]
-        tl.store(q_ptr + cols[:, None].to(tl.int64) * T_PAD + prow[None, :], tl.trans(q), mask=store_ok)
+    for p0 in range(pstart, pend, TT * UNROLL):
+        for u in tl.static_range(UNROLL):
+            prow = p0 + u * TT + at
+            rows = start + (prow - pstart)
+            load_ok = (rows < end)[:, None] & cols_ok[None, :]
+            x = _to_f32(tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=load_ok, other=0), DTYPE, SOFT)
+            q = _quantize_f32(x, scale[None, :], FP8_MAX, SOFT)
+            store_ok = cols_ok[:, None] & (prow < pend)[None, :]
+            tl.store(q_ptr + cols[:, None].to(tl.int64) * T_PAD + prow[None, :], tl.trans(q), mask=store_ok)
 
 
 def quantize_grouped_colwise(
@@ -121,7 +126,7 @@ def quantize_grouped_colwise(
         x, ends, pends, q, s_inv = (t.cpu() for t in (x, ends, pends, q, s_inv))
     _grouped_colwise_kernel[(experts, triton.cdiv(cols, _TC))](
         _soft_view(x, soft), ends, pends, _soft_view(q, soft), s_inv, cols, t_pad,
-        DTYPE=_DTYPE_CODE[x.dtype], SOFT=soft, FP8_MAX=FP8_E4M3_MAX, TT=_TT, TC=_TC, num_warps=_WARPS,
+        DTYPE=_DTYPE_CODE[x.dtype], SOFT=soft, FP8_MAX=FP8_E4M3_MAX, TT=_TT, TC=_TC, UNROLL=_UNROLL, num_warps=_WARPS,
         **EXACT_FP,
     )
     return q.to(device), s_inv.to(device), pends.to(device=device, dtype=torch.int32)
