@@ -4,8 +4,12 @@
 #   OUT=/tmp/etp_pending bash tools/gpu_pending.sh
 # (a) GPU tests: the copy-engine reduce transport (module + training parity), etp-train's
 #     cuda_graph: step (eager vs captured), the local dispatcher vs megatron's alltoall
+# (a2) session 4's FP8 compute with ETP on (built and measured on 1 GPU only): the FP8 tests on
+#     2 GPUs (quantize_shards casting straight into the shard buffers, the fused SwiGLU's FP8
+#     operands inside ETP Functions) and the 2-layer FP8 recipe test
 # (b) bench_overlap: reduce/copy_engine beside a grouped GEMM, against NCCL's reduce-scatter
-# (c) expert stack: replicated, etp_async, copy-engine gathers with NCCL / copy-engine reductions
+# (c) expert stack: replicated(_fp8), etp_async(_fp8, _fp8_wgrad), copy-engine gathers with NCCL /
+#     copy-engine reductions
 # (d) flagship recipe at world 2, ETP 2 and ETP off: stock fallbacks + alltoall vs fast + local
 # (e) cuda_graph: step with ETP 2 (eager vs captured, overlap_grad_reduce off)
 # (f) #17's NaN: full recompute + expert ETP 2 + deterministic, with prefetch and async reduce
@@ -23,13 +27,17 @@ AT2="--set world_size=2 --set global_batch_size=8"
 TAIL=8 step a_tests 170 env ETP_TEST_BACKEND=nccl python3 -m pytest -q -rs -p no:warnings \
   tests/test_transport_gpu.py tests/test_graph_step.py tests/test_local_dispatcher.py tests/test_megatron_fallbacks.py
 
+# (a2)
+TAIL=8 step a2_fp8_tests 150 env ETP_TEST_BACKEND=nccl python3 -m pytest -q -rs -p no:warnings \
+  tests/test_fp8.py tests/test_fp8_recipe_gpu.py tests/test_swiglu.py tests/test_colwise.py
+
 # (b)
 TAIL=20 step b_overlap 90 torchrun --standalone --nproc-per-node 2 tools/bench_overlap.py --reduce-ctas 8 \
   --out "$OUT/bench_overlap.json"
 
 # (c)
 TAIL=16 step c_expert_stack 120 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py \
-  --variants replicated,etp_async,etp_async_ce,etp_async_ce_pull,etp_async_ce_fp8,etp_async_ce_fp8_pull \
+  --variants replicated,replicated_fp8,etp_async,etp_async_fp8,etp_async_fp8_wgrad,etp_async_ce,etp_async_ce_pull,etp_async_ce_fp8,etp_async_ce_fp8_pull \
   --out "$OUT/bench_expert_stack.json"
 
 # (d)
