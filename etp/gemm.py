@@ -10,7 +10,8 @@ weight gradient.
 FP8 weights (``FP8Weight``, see [Note: ETP FP8 gathers]) run ``torch._scaled_mm`` /
 ``torch._scaled_grouped_mm`` on sm90+ with bf16 activations quantized on the fly (one fused
 pass, one scale per row: ``etp.kernels.quantize_rowwise``), and are
-dequantized for the ordinary GEMMs everywhere else. Weight gradients stay in bf16/fp32.
+dequantized for the ordinary GEMMs everywhere else. Weight gradients stay in bf16/fp32
+unless ``ETPConfig.fp8_wgrad`` (grouped weights only).
 ``FP8Weight.fast_accum`` (``ETPConfig.fp8_fast_accum``, on by default) lets those two GEMMs
 accumulate without CUTLASS's periodic promotion to fp32, as TransformerEngine's forward GEMM
 does: 1.14-1.23x faster on H200 at the expert shapes, with the same error against float64
