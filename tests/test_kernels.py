@@ -377,6 +377,31 @@ def test_cast_aligned_fast_path(write_transposed, monkeypatch):
 
 
 @needs_triton
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_cast_into_given_buffers(impl):
+    """out= / out_transposed=: the casts land in the caller's (non-adjacent) buffers, equal to
+    the reference's own outputs; the buffers themselves are returned; mismatches are refused."""
+    gen = _gen(11)
+    tensors = [_randn(s, torch.bfloat16, gen, 4.0) for s in ((3, 5), (2, 16, 8), (7,))]
+    scales = (torch.rand(3, generator=gen) * 50).to(DEVICE)
+    big = torch.zeros(4096, dtype=torch.float8_e4m3fn, device=DEVICE)
+    out = [big[64:79].view(3, 5), big[256:512].view(2, 16, 8), big[1024:1031]]
+    out_t = [big[2048:2063].view(5, 3), big[3072:3328].view(2, 8, 16), None]
+    qs, qts = K.multi_tensor_cast_fp8(tensors, scales, write_transposed=True, out=out, out_transposed=out_t,
+                                      impl=impl)
+    rqs, rqts = K.multi_tensor_cast_fp8([t.cpu() for t in tensors], scales.cpu(), write_transposed=True,
+                                        impl="torch")
+    assert all(q is o for q, o in zip(qs, out)) and qts[0] is out_t[0] and qts[2] is out[2]
+    for q, r in zip(qs + qts[:2], rqs + rqts[:2]):
+        _assert_fp8_bit_equal(q, r)
+    assert not big[:64].view(torch.uint8).any() and not big[79:256].view(torch.uint8).any()  # nothing else written
+    with pytest.raises(ValueError, match="out\\[1\\] must be"):
+        K.multi_tensor_cast_fp8(tensors, scales, out=[out[0], out[0], out[2]], impl=impl)
+    with pytest.raises(ValueError, match="needs out_transposed"):
+        K.multi_tensor_cast_fp8(tensors, scales, write_transposed=True, out=out, impl=impl)
+
+
+@needs_triton
 def test_cast_many_tensors_binary_search():
     gen = _gen(7)
     shapes = [tuple(torch.randint(1, 20, (2,), generator=gen).tolist()) for _ in range(150)]

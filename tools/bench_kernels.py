@@ -28,7 +28,8 @@ Measured (median of ``--iters`` runs with CUDA events, after warm-up):
   a separate ``quantize_rowwise`` pass; backward through autograd); floor = the fused
   kernel's bytes.
 * ``quantize_grouped_colwise`` (the FP8 weight-gradient operand) on [32768, 4096] bf16 in 16
-  experts: floor = one read of x + the fp8 write (its second read is not counted).
+  experts: floor = one read of x + the fp8 write (its second read is not counted), plus a
+  sweep of its launch shape (JSON ``expert_activations.grouped_colwise.sweep``).
 * correctness of every fused result against the torch reference (exact /
   bit-exact; SwiGLU to one bf16 ulp), recorded in the JSON.
 
@@ -92,6 +93,7 @@ from etp.kernels import (  # noqa: E402
     swiglu_backward,
 )
 from etp.kernels import cast as cast_mod  # noqa: E402
+from etp.kernels import colwise as colwise_mod  # noqa: E402
 from etp.kernels.reference import (  # noqa: E402
     blockwise_scale_shape,
     quantize_blockwise_ref,
@@ -108,6 +110,10 @@ SPIN_MIN_MS = 0.2  # the spin ahead of each timed call lasts at least this long 
 ROWWISE_SHAPES = [(8192, 32000), (16384, 4096)]  # bf16 activations: vocabulary projection, hidden
 EXPERT_TOKENS, EXPERT_FFN, EXPERT_HIDDEN, EXPERTS = 32768, 1536, 4096, 16  # the expert stack's shapes
 
+COLWISE_SWEEP = [  # (tokens per tile, columns per program, num_warps, tiles per loop step)
+    (64, 64, 4, 1), (128, 64, 4, 1), (128, 64, 4, 4), (256, 64, 8, 1), (256, 64, 8, 2),
+    (128, 32, 4, 2), (64, 128, 4, 2), (128, 128, 8, 2),
+]
 AMAX_SWEEP = [  # (BLOCK, ITERS, num_warps, eviction policy); the first entry is the default
     (amax_mod._FLAT_BLOCK, amax_mod._FLAT_ITERS, amax_mod._FLAT_WARPS, amax_mod._FLAT_EVICT),
     (4096, 4, 8, ""),
@@ -447,6 +453,17 @@ def main(argv: List[str]) -> int:
                                   "fused": {**f, "fraction_of_copy_bw": fl / f["median_ms"]}}
     rows_md.append((f"grouped colwise quantize [{t_tok}x{hid}], {n_exp} experts", fused_impl, f["median_ms"],
                     moved, fl / f["median_ms"]))
+    if fused_impl == "triton" and not args.no_sweep:
+        # Its launch shape: (tokens per tile, columns, warps, tiles per loop step); first = default.
+        defaults = (colwise_mod._TT, colwise_mod._TC, colwise_mod._WARPS, colwise_mod._UNROLL)
+        sweep = []
+        for shape in [defaults] + [c for c in COLWISE_SWEEP if c != defaults]:
+            colwise_mod._TT, colwise_mod._TC, colwise_mod._WARPS, colwise_mod._UNROLL = shape
+            t = timer(lambda: quantize_grouped_colwise(x_act, counts, impl=fused_impl))
+            sweep.append({"tokens": shape[0], "cols": shape[1], "num_warps": shape[2], "unroll": shape[3],
+                          "median_ms": t["median_ms"], "fraction_of_copy_bw": fl / t["median_ms"]})
+        colwise_mod._TT, colwise_mod._TC, colwise_mod._WARPS, colwise_mod._UNROLL = defaults
+        act_res["grouped_colwise"]["sweep"] = sweep
     result["expert_activations"] = act_res
 
     # ---- correctness (fused vs torch reference) ---------------------------------

@@ -64,6 +64,12 @@ def _amax_to_scale(amax, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
+def _reciprocal_rn(x):
+    """1 / x, correctly rounded (torch.reciprocal's result; a plain ``/`` is approximate)."""
+    return tl.math.div_rn(tl.zeros_like(x) + 1.0, x)
+
+
+@triton.jit
 def _quantize_blockwise_kernel(
     x_ptr,
     q_ptr,

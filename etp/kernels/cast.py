@@ -445,14 +445,18 @@ def multi_tensor_cast_fp8(
             raise ValueError(f"tensors[{i}] must have 1, 2 or 3 dims, got shape {tuple(t.shape)}")
         if not t.is_contiguous():
             raise ValueError(f"tensors[{i}] is not contiguous; call .contiguous() first")
-    transposed_shapes = [(*t.shape[:-2], t.shape[-1], t.shape[-2]) if t.dim() >= 2 else t.shape for t in tensors]
     if out is not None:
         out = _check_out(out, [t.shape for t in tensors], device, "out")
         if write_transposed:
             if out_transposed is None:
                 raise ValueError("write_transposed with out= needs out_transposed= as well")
-            out_transposed = _check_out(out_transposed, transposed_shapes, device, "out_transposed")
+            if len(out_transposed) != len(tensors):
+                raise ValueError(f"out_transposed has {len(out_transposed)} tensors for {len(tensors)} inputs")
+            # A 1-D input's transposed output is its out[i] (whatever was passed there).
             out_transposed = [o if t.dim() >= 2 else q for t, q, o in zip(tensors, out, out_transposed)]
+            transposed_shapes = [(*t.shape[:-2], t.shape[-1], t.shape[-2]) if t.dim() >= 2 else t.shape
+                                 for t in tensors]
+            out_transposed = _check_out(out_transposed, transposed_shapes, device, "out_transposed")
     if not select_impl(impl, device) or needs_staging(device):
         if not select_impl(impl, device):
             qs, qts = multi_tensor_cast_fp8_ref(tensors, scales, write_transposed=write_transposed)

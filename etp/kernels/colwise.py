@@ -32,7 +32,7 @@ from etp.kernels.amax import (
     interpreter_active,
     select_impl,
 )
-from etp.kernels.blockwise import _amax_to_scale, _soft_view
+from etp.kernels.blockwise import _amax_to_scale, _reciprocal_rn, _soft_view
 from etp.kernels.cast import _quantize_f32
 from etp.kernels.reference import FP8_E4M3_MAX, grouped_colwise_layout, quantize_grouped_colwise_ref
 
@@ -67,7 +67,7 @@ def _grouped_colwise_kernel(x_ptr, ends_ptr, pends_ptr, q_ptr, sinv_ptr, C, T_PA
             x = _to_f32(tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0), DTYPE, SOFT)
             acc = tl.maximum(acc, tl.max(_abs_bits(x), axis=0))
     scale = _amax_to_scale(acc.to(tl.float32, bitcast=True), FP8_MAX)
-    tl.store(sinv_ptr + e * C + cols, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale), mask=cols_ok)
+    tl.store(sinv_ptr + e * C + cols, _reciprocal_rn(scale), mask=cols_ok)
     # The padded segment [pstart, pend): this expert's tokens, then zeros.
     for p0 in range(pstart, pend, TT * UNROLL):
         for u in tl.static_range(UNROLL):
@@ -116,8 +116,7 @@ def quantize_grouped_colwise(
         return quantize_grouped_colwise_ref(x, counts, align=align)
     ends, pends, t_pad = grouped_colwise_layout(x.shape[0], counts, align)
     experts, cols = counts.numel(), x.shape[1]
-    q = torch.zeros((cols, t_pad), dtype=torch.float8_e4m3fn, device=x.device) if interpreter_active() else \
-        torch.empty((cols, t_pad), dtype=torch.float8_e4m3fn, device=x.device)
+    q = torch.empty((cols, t_pad), dtype=torch.float8_e4m3fn, device=x.device)
     s_inv = torch.empty((experts, cols), dtype=torch.float32, device=x.device)
     if experts == 0 or cols == 0:
         return q, s_inv, pends.to(torch.int32)

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from etp.kernels.amax import _DTYPE_CODE, _abs_bits, _to_f32, interpreter_active, select_impl
-from etp.kernels.blockwise import _amax_to_scale, _soft_view
+from etp.kernels.blockwise import _amax_to_scale, _reciprocal_rn, _soft_view
 from etp.kernels.cast import _f32_to_bf16_bits, _quantize_f32
 from etp.kernels.reference import FP8_E4M3_MAX, SUPPORTED_INPUT_DTYPES, swiglu_backward_ref, swiglu_ref
 
@@ -60,9 +60,21 @@ def _round(x, DTYPE: tl.constexpr, SOFT: tl.constexpr):
 
 
 @triton.jit
-def _cast_rows(src_rows, q_rows, rows_ok, width, scale, ac, DTYPE: tl.constexpr, SOFT: tl.constexpr,
-               FP8_MAX: tl.constexpr, TC: tl.constexpr):
-    """Second loop of a quantizing kernel: re-read the row just written and cast it."""
+def _load_gate_up(gu_rows, cols, mask, FFN, DTYPE: tl.constexpr, SOFT: tl.constexpr):
+    """The gate and up halves of a [rows, cols] tile of ``[g | u]``, widened to float32."""
+    g = _to_f32(tl.load(gu_rows + cols[None, :], mask=mask, other=0), DTYPE, SOFT)
+    u = _to_f32(tl.load(gu_rows + FFN + cols[None, :], mask=mask, other=0), DTYPE, SOFT)
+    return g, u
+
+
+@triton.jit
+def _rowwise_fp8(acc, src_rows, q_rows, sinv_ptr, rows, rows_ok, width, ac, DTYPE: tl.constexpr,
+                 SOFT: tl.constexpr, FP8_MAX: tl.constexpr, TC: tl.constexpr):
+    """The quantizing kernels' tail: each row's scale from the running |x| bits ``acc``, its
+    inverse stored, then a second loop re-reads the row just written and casts it."""
+    scale = _amax_to_scale(tl.max(acc, axis=1).to(tl.float32, bitcast=True), FP8_MAX)
+    tl.store(sinv_ptr + rows, _reciprocal_rn(scale), mask=rows_ok)
+    tl.debug_barrier()  # the row's values were written by other threads of this program
     for c0 in range(0, width, TC):
         cols = c0 + ac
         mask = rows_ok[:, None] & (cols < width)[None, :]
@@ -88,8 +100,7 @@ def _swiglu_fwd_kernel(gu_ptr, p_ptr, h_ptr, q_ptr, sinv_ptr, R, FFN,
     for c0 in range(0, FFN, TC):
         cols = c0 + ac
         mask = rows_ok[:, None] & (cols < FFN)[None, :]
-        g = _to_f32(tl.load(gu_rows + cols[None, :], mask=mask, other=0), DTYPE, SOFT)
-        u = _to_f32(tl.load(gu_rows + FFN + cols[None, :], mask=mask, other=0), DTYPE, SOFT)
+        g, u = _load_gate_up(gu_rows, cols, mask, FFN, DTYPE, SOFT)
         h = g / (1.0 + tl.exp(-g)) * u
         if HAS_PROBS:
             h = h * p[:, None]
@@ -98,10 +109,8 @@ def _swiglu_fwd_kernel(gu_ptr, p_ptr, h_ptr, q_ptr, sinv_ptr, R, FFN,
         if QUANT:
             acc = tl.maximum(acc, _abs_bits(widened))
     if QUANT:
-        scale = _amax_to_scale(tl.max(acc, axis=1).to(tl.float32, bitcast=True), FP8_MAX)
-        tl.store(sinv_ptr + rows, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale), mask=rows_ok)
-        tl.debug_barrier()  # the row's values written above by other threads of this program
-        _cast_rows(h_rows, q_ptr + r64[:, None] * FFN, rows_ok, FFN, scale, ac, DTYPE, SOFT, FP8_MAX, TC)
+        _rowwise_fp8(acc, h_rows, q_ptr + r64[:, None] * FFN, sinv_ptr, rows, rows_ok, FFN, ac,
+                     DTYPE, SOFT, FP8_MAX, TC)
 
 
 @triton.jit
@@ -125,8 +134,7 @@ def _swiglu_bwd_kernel(gu_ptr, gh_ptr, p_ptr, dgu_ptr, dp_ptr, q_ptr, sinv_ptr, 
     for c0 in range(0, FFN, TC):
         cols = c0 + ac
         mask = rows_ok[:, None] & (cols < FFN)[None, :]
-        g = _to_f32(tl.load(gu_rows + cols[None, :], mask=mask, other=0), DTYPE, SOFT)
-        u = _to_f32(tl.load(gu_rows + FFN + cols[None, :], mask=mask, other=0), DTYPE, SOFT)
+        g, u = _load_gate_up(gu_rows, cols, mask, FFN, DTYPE, SOFT)
         gh = _to_f32(tl.load(gh_rows + cols[None, :], mask=mask, other=0), DTYPE, SOFT)
         sig = 1.0 / (1.0 + tl.exp(-g))
         silu = g * sig
@@ -143,10 +151,8 @@ def _swiglu_bwd_kernel(gu_ptr, gh_ptr, p_ptr, dgu_ptr, dp_ptr, q_ptr, sinv_ptr, 
     if PROBS_GRAD:
         tl.store(dp_ptr + rows, dp, mask=rows_ok)
     if QUANT:
-        scale = _amax_to_scale(tl.max(acc, axis=1).to(tl.float32, bitcast=True), FP8_MAX)
-        tl.store(sinv_ptr + rows, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale), mask=rows_ok)
-        tl.debug_barrier()
-        _cast_rows(dgu_rows, q_ptr + r64[:, None] * (2 * FFN), rows_ok, 2 * FFN, scale, ac, DTYPE, SOFT, FP8_MAX, TC)
+        _rowwise_fp8(acc, dgu_rows, q_ptr + r64[:, None] * (2 * FFN), sinv_ptr, rows, rows_ok, 2 * FFN, ac,
+                     DTYPE, SOFT, FP8_MAX, TC)
 
 
 def _launch_shape(ffn: int) -> Tuple[int, int]:
