@@ -59,7 +59,7 @@ class ETPConfig:
             input-gradient FP8 GEMMs accumulate without the periodic fp32 promotion (CUTLASS's
             fast-accumulation kernels, TransformerEngine's choice for its forward GEMM; with
             ``fp8_wgrad`` also the weight-gradient GEMMs):
-            1.14-1.23x faster on H200 at expert shapes with the same measured error against
+            1.15-1.24x faster on H200 at expert shapes with the same measured error against
             float64 (BENCHMARKS.md "FP8 compute"). Off: the promoted kernels.
         fp8_wgrad: the weight-gradient GEMMs of grouped (expert) weights run in FP8 on sm90+
             with bf16 activations: both operands quantized per (expert, column) over that

@@ -14,7 +14,7 @@ dequantized for the ordinary GEMMs everywhere else. Weight gradients stay in bf1
 unless ``ETPConfig.fp8_wgrad`` (grouped weights only).
 ``FP8Weight.fast_accum`` (``ETPConfig.fp8_fast_accum``, on by default) lets those two GEMMs
 accumulate without CUTLASS's periodic promotion to fp32, as TransformerEngine's forward GEMM
-does: 1.14-1.23x faster on H200 at the expert shapes, with the same error against float64
+does: 1.15-1.24x faster on H200 at the expert shapes, with the same error against float64
 (BENCHMARKS.md "FP8 compute").
 
 Grouped GEMMs run as ``torch._grouped_mm`` on CUDA for bf16 on sm90+ (its supported case);

@@ -38,10 +38,10 @@ from etp.kernels.reference import FP8_E4M3_MAX, grouped_colwise_layout, quantize
 
 __all__ = ["quantize_grouped_colwise"]
 
-_TT = 128  # tokens per step of a program (H200 sweep: 128 x 64 on 4 warps, 0.25 ms for [32768, 4096])
-_TC = 64   # columns per program (its expert's rows x 64 columns stay in L2 between the passes)
-_WARPS = 4
-_UNROLL = 2  # H200 sweep: 2 tiles of 128 x 64 per loop step, 0.233 ms for [32768, 4096] (1: 0.248)
+_TT = 256  # tokens per tile; launch shape from bench_kernels.py's sweep on H200: 256 x 64, 8 warps,
+_TC = 64   # two tiles per loop step: 0.222 ms for [32768, 4096] (128 x 64 x 4 warps x 2: 0.238)
+_WARPS = 8
+_UNROLL = 2  # independent tiles per loop step: their loads are in flight together
 
 
 @triton.jit
