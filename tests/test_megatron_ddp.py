@@ -204,12 +204,21 @@ def _ddp_step(ctx, overlap: bool, reduction: str, per_token: bool = False, disto
         ps.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("overlap,reduction,per_token", [
-    # slow: the synchronous path and the mean reduction also run in the per-token case
-    pytest.param(False, "mean", False, marks=pytest.mark.slow), (True, "sum", False), (False, "mean", True)],
-    ids=["sync-mean", "overlap_grad_reduce-sum", "per-token-loss-uneven-tokens"])
-def test_etp_ddp_gradients_equal_unsharded_reference(overlap, reduction, per_token):
-    assert run_distributed(_ddp_step, 4, overlap, reduction, per_token) == [True] * 4
+def _ddp_steps(ctx, configs):
+    """Several configurations in the same ranks (a 4-rank spawn costs ~8 s)."""
+    return [_ddp_step(ctx, *config) for config in configs]
+
+
+def test_etp_ddp_gradients_equal_unsharded_reference():
+    """overlap_grad_reduce with the sum reduction, and the synchronous path with a per-token
+    loss over uneven token counts (mean reduction)."""
+    configs = [(True, "sum", False), (False, "mean", True)]
+    assert run_distributed(_ddp_steps, 4, configs) == [[True, True]] * 4
+
+
+@pytest.mark.slow  # the synchronous path and the mean reduction also run in the per-token case
+def test_etp_ddp_gradients_equal_unsharded_reference_sync_mean():
+    assert run_distributed(_ddp_step, 4, False, "mean", False) == [True] * 4
 
 
 # The overlapped hooks are covered by test_etp_ddp_gradients_equal_unsharded_reference; the

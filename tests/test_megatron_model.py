@@ -52,9 +52,17 @@ def _gpt(ctx, grouped: bool):
         ps.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("grouped", [False, True])
-def test_apply_etp_shards_linears_and_experts(grouped):
-    sharded, replicated, before, after = run_distributed(_gpt, 2, grouped)[0]
+def _gpt_both(ctx):
+    """SequentialMLP and ETPGroupedExperts models in the same ranks (one spawn, not two)."""
+    return [_gpt(ctx, grouped) for grouped in (False, True)]
+
+
+def test_apply_etp_shards_linears_and_experts():
+    for grouped, result in zip((False, True), run_distributed(_gpt_both, 2)[0]):
+        _check_apply_etp(grouped, *result)
+
+
+def _check_apply_etp(grouped, sharded, replicated, before, after):
     layer = "decoder.layers.0."
     assert sharded[layer + "self_attention.linear_qkv.weight"] is False
     assert sharded[layer + "self_attention.linear_proj.weight"] is False
