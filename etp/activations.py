@@ -19,19 +19,21 @@ __all__ = ["swiglu"]
 class _SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate_up, probs, quantize):
-        h, q, scale_inv = swiglu_kernel(gate_up, probs, quantize=quantize)
+        amax = gate_up.new_empty(gate_up.shape[0], dtype=torch.float32) if quantize else None
+        h, q, scale_inv = swiglu_kernel(gate_up, probs, quantize=quantize, amax_out=amax)
         ctx.save_for_backward(gate_up, probs)
         ctx.quantize = quantize
-        return attach_rowwise_fp8(h, q, scale_inv) if quantize else h
+        return attach_rowwise_fp8(h, q, scale_inv, amax) if quantize else h
 
     @staticmethod
     def backward(ctx, grad_h):
         gate_up, probs = ctx.saved_tensors
         probs_grad = probs is not None and ctx.needs_input_grad[1]
+        amax = gate_up.new_empty(gate_up.shape[0], dtype=torch.float32) if ctx.quantize else None
         grad_gate_up, grad_probs, q, scale_inv = swiglu_backward(
-            gate_up, grad_h, probs, probs_grad=probs_grad, quantize=ctx.quantize)
+            gate_up, grad_h, probs, probs_grad=probs_grad, quantize=ctx.quantize, amax_out=amax)
         if q is not None:
-            attach_rowwise_fp8(grad_gate_up, q, scale_inv)
+            attach_rowwise_fp8(grad_gate_up, q, scale_inv, amax)
         return grad_gate_up, grad_probs, None
 
 

@@ -31,7 +31,7 @@ from .quant import FP8Weight
 
 __all__ = [
     "DenseGemm", "GroupedGemm", "attach_rowwise_fp8", "fp8_compute_applies", "grouped_linear",
-    "grouped_linear_reference", "quantize_activation",
+    "grouped_linear_reference", "quantize_activation", "row_amax",
 ]
 
 # [Note: FP8 operands handed over]
@@ -43,6 +43,9 @@ __all__ = [
 # (the tensor object survives the hand-over); it is trusted only while the tensor's
 # version, address and shape are those it was made for, so an in-place change or a
 # reshaped alias falls back to quantizing. Tested in tests/test_swiglu.py.
+# Each row's amax rides along (also when ``quantize_activation`` quantized the tensor itself,
+# then without the FP8 copy, which is not kept alive): the FP8 weight-gradient GEMM makes its
+# per-expert scales from it (``row_amax``) instead of reading the activation for its maxima.
 _ROWWISE_FP8 = "_etp_rowwise_fp8"
 
 
@@ -72,21 +75,41 @@ def _dense(w, dtype: torch.dtype) -> torch.Tensor:
     return w.dequantize(dtype) if isinstance(w, FP8Weight) else w
 
 
-def attach_rowwise_fp8(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """Hands ``x``'s rowwise FP8 quantization, made by the kernel that produced ``x``, to the
-    FP8 GEMM that will consume it (see [Note: FP8 operands handed over]). Returns ``x``."""
-    setattr(x, _ROWWISE_FP8, (x._version, x.data_ptr(), x.shape, q, scale_inv))
+def attach_rowwise_fp8(x: torch.Tensor, q: torch.Tensor | None, scale_inv: torch.Tensor | None,
+                       row_amax: torch.Tensor | None = None) -> torch.Tensor:
+    """Hands ``x``'s rowwise FP8 quantization (and each row's amax, when known), made by the
+    kernel that produced ``x``, to the FP8 GEMMs that will consume it (see [Note: FP8
+    operands handed over]). Returns ``x``."""
+    setattr(x, _ROWWISE_FP8, (x._version, x.data_ptr(), x.shape, q, scale_inv, row_amax))
     return x
+
+
+def _handed(x: torch.Tensor):
+    handed = getattr(x, _ROWWISE_FP8, None)
+    return handed if handed is not None and handed[:3] == (x._version, x.data_ptr(), x.shape) else None
+
+
+def row_amax(x: torch.Tensor) -> torch.Tensor | None:
+    """Each row's ``max |x|`` as the rowwise quantization of ``x`` found it, or None when
+    ``x`` was not quantized rowwise (or changed since)."""
+    handed = _handed(x)
+    return None if handed is None else handed[5]
 
 
 def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """On-the-fly FP8 (e4m3) quantization of a 2-D activation or gradient, one scale per row,
     in one fused pass: ``(q, scale_inv)`` with ``x ~= q * scale_inv[:, None]``; the attached
-    quantization when the producing kernel made one (``attach_rowwise_fp8``)."""
-    handed = getattr(x, _ROWWISE_FP8, None)
-    if handed is not None and handed[:3] == (x._version, x.data_ptr(), x.shape):
+    quantization when the producing kernel made one (``attach_rowwise_fp8``). The rows'
+    amax stays attached to ``x`` (``row_amax``)."""
+    handed = _handed(x)
+    if handed is not None and handed[3] is not None:
+        # One GEMM consumes a handed-over FP8 copy; dropping it here frees it with that GEMM
+        # instead of keeping it alive with x (which backward saves) until backward.
+        attach_rowwise_fp8(x, None, None, handed[5])
         return handed[3], handed[4]
-    q, scale = quantize_rowwise(x.contiguous())
+    amax = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    q, scale = quantize_rowwise(x.contiguous(), amax_out=amax)
+    attach_rowwise_fp8(x, None, None, amax)  # the FP8 copy itself is not kept alive
     return q, 1.0 / scale
 
 
@@ -201,10 +224,12 @@ class GroupedGemm:
         """Per-expert ``gy_e^T x_e``. ``fp8`` (``ETPConfig.fp8_wgrad``): on sm90+ with bf16
         activations, both operands quantized per (expert, column) over the expert's tokens,
         transposed and padded per expert (``quantize_grouped_colwise``), then one FP8
-        grouped GEMM (``fast_accum``: without the periodic fp32 promotion)."""
+        grouped GEMM (``fast_accum``: without the periodic fp32 promotion). An operand whose
+        rows' amax the forward / input-gradient GEMM already found (``row_amax``: always on the
+        FP8 path) is quantized per expert instead, from that amax, in one read."""
         if fp8 and gy.dtype == x.dtype and fp8_compute_applies(x, (gy.shape[-1], x.shape[-1]), grouped=True):
-            gq, g_inv, offs = quantize_grouped_colwise(gy, counts)
-            xq, x_inv, _ = quantize_grouped_colwise(x, counts)
+            gq, g_inv, offs = quantize_grouped_colwise(gy, counts, row_amax=row_amax(gy))
+            xq, x_inv, _ = quantize_grouped_colwise(x, counts, row_amax=row_amax(x))
             result = torch._scaled_grouped_mm(gq, xq.t(), g_inv.reshape(-1), x_inv.reshape(-1), offs=offs,
                                               out_dtype=x.dtype, use_fast_accum=fast_accum)
             return result if out is None else out.copy_(result)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from etp.gemm import GroupedGemm
+from etp.gemm import GroupedGemm, quantize_activation, row_amax
 from etp.kernels import quantize_grouped_colwise
 from etp.kernels.reference import quantize_grouped_colwise_ref
 
@@ -19,18 +19,25 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CASES = [([5, 0, 17], 7), ([16, 16], 64), ([1], 130), ([0, 0], 3), ([3, 70, 2], 65), ([0], 0)]
 
 
+@pytest.mark.parametrize("per_expert", [False, True], ids=["per_column", "per_expert"])
 @pytest.mark.parametrize("counts,cols", CASES)
-def test_matches_reference_and_float64(counts, cols):
+def test_matches_reference_and_float64(counts, cols, per_expert):
     gen = torch.Generator().manual_seed(len(counts) * 100 + cols)
     tokens = sum(counts)
     # Rows of very different magnitudes: a per-token scale would be wrong here, a per-expert
-    # per-column one is what the GEMM can apply.
+    # (per-column) one is what the GEMM can apply.
     x = (torch.randn(tokens, cols, generator=gen) * 4 * torch.rand(tokens, 1, generator=gen)).to(torch.bfloat16)
     if tokens:
-        x[0] = 0
+        x[0] = 0  # an all-zero row (a masked token's gradient) must not disturb its expert's scale
     c = torch.tensor(counts)
-    q, s_inv, pends = quantize_grouped_colwise(x.to(DEVICE), c.to(DEVICE), impl="triton")
-    q_ref, s_ref, pends_ref = quantize_grouped_colwise_ref(x, c)
+    # Per expert: the rows' maxima as the rowwise quantization stores them, computed here in
+    # float64 (exact for bf16).
+    row_amax = x.double().abs().amax(dim=1).float() if per_expert and cols else None
+    if per_expert and not cols:
+        row_amax = torch.zeros(tokens)
+    dev_amax = row_amax.to(DEVICE) if row_amax is not None else None
+    q, s_inv, pends = quantize_grouped_colwise(x.to(DEVICE), c.to(DEVICE), row_amax=dev_amax, impl="triton")
+    q_ref, s_ref, pends_ref = quantize_grouped_colwise_ref(x, c, row_amax=row_amax)
     q, s_inv, pends = q.cpu(), s_inv.cpu(), pends.cpu()
     assert torch.equal(pends, pends_ref)
     used = int(pends[-1]) if counts else 0
@@ -45,6 +52,12 @@ def test_matches_reference_and_float64(counts, cols):
         seg = q[:, pstarts[e]:pstarts[e] + n].double().t() * s_inv[e].double()
         ref = x[starts[e]:starts[e] + n].double()
         amax = ref.abs().amax(dim=0) if n else torch.zeros(cols, dtype=torch.float64)
+        if per_expert:
+            amax = amax.amax().expand(cols) if n and cols else amax
+            if n and cols:  # one scale for the expert: 448 / its amax (1 for an all-zero expert)
+                assert bool((s_inv[e] == s_inv[e, 0]).all())
+            if n and cols and amax[0] > 0:
+                assert abs(s_inv[e, 0].item() * 448 - amax[0].item()) <= amax[0].item() * 2 ** -22
         assert bool(((seg - ref).abs() <= ref.abs() * 2 ** -4 + amax * 2 ** -9 / 448 * 2 + 1e-30).all())
         pad = q[:, pstarts[e] + n:pstarts[e + 1]]
         assert not pad.view(torch.uint8).any()
@@ -55,19 +68,29 @@ def test_rejects_bad_input():
         quantize_grouped_colwise(torch.zeros(4, 6).t(), torch.tensor([6]))
     with pytest.raises(ValueError, match="counts must be"):
         quantize_grouped_colwise(torch.zeros(4, 6), torch.tensor([4.0]))
+    with pytest.raises(ValueError, match="row_amax must be"):
+        quantize_grouped_colwise(torch.zeros(4, 6), torch.tensor([4]), row_amax=torch.zeros(6))
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),
                     reason="FP8 GEMMs need an sm90+ GPU")
 @pytest.mark.parametrize("fast_accum", [False, True], ids=["promoted", "fast_accum"])
-def test_fp8_wgrad_against_float64(fast_accum):
+@pytest.mark.parametrize("scales", ["per_column", "per_expert"])
+def test_fp8_wgrad_against_float64(fast_accum, scales):
     """ETPConfig.fp8_wgrad's GEMM: per-expert gy_e^T x_e from FP8 operands, uneven and empty
-    experts included, within FP8's error of the float64 result (bf16's own error ~2^-8)."""
+    experts and all-zero rows included, within FP8's error of the float64 result (bf16's own
+    error ~2^-8). per_expert: the operands went through the forward / input-gradient GEMMs'
+    rowwise quantization first (``quantize_activation``), so the weight gradient takes one
+    scale per expert from the rows' amax it left behind."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     counts = torch.tensor([100, 0, 37, 256, 1], device="cuda")
     tokens = int(counts.sum())
     x = torch.randn(tokens, 192, device="cuda", generator=gen, dtype=torch.bfloat16)
-    gy = torch.randn(tokens, 320, device="cuda", generator=gen, dtype=torch.bfloat16)
+    gy = torch.randn(tokens, 320, device="cuda", generator=gen, dtype=torch.bfloat16) * 1e-4  # gradient-sized
+    gy[5:9] = 0  # masked tokens
+    if scales == "per_expert":
+        quantize_activation(x), quantize_activation(gy)
+        assert row_amax(x) is not None and row_amax(gy) is not None
     dw = GroupedGemm.wgrad(gy, x, counts, fp8=True, fast_accum=fast_accum)
     bounds = [0] + torch.cumsum(counts, 0).tolist()
     for e in range(counts.numel()):

@@ -40,6 +40,11 @@ def _close(actual, expected, dtype):
     assert bool((err <= bound).all()), f"max error {err.max().item():.3e}"
 
 
+def _row_amax64(t: torch.Tensor) -> torch.Tensor:
+    t = t.double()
+    return t.abs().amax(dim=1) if t.shape[1] else t.new_zeros(t.shape[0])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("with_probs", [False, True], ids=["plain", "probs"])
 @pytest.mark.parametrize("rows,ffn", SHAPES)
@@ -49,8 +54,10 @@ def test_kernels_against_float64(rows, ffn, with_probs, dtype):
     probs = torch.rand(rows, generator=gen).to(DEVICE) if with_probs else None
     grad_h = torch.randn(rows, ffn, generator=gen).to(dtype).to(DEVICE)
 
-    h, q, s_inv = swiglu_kernel(gate_up, probs, quantize=True, impl="triton")
+    amax = torch.empty(rows, device=DEVICE)
+    h, q, s_inv = swiglu_kernel(gate_up, probs, quantize=True, amax_out=amax, impl="triton")
     _close(h, _float64_forward(gate_up, probs), dtype)
+    assert torch.equal(amax.double(), _row_amax64(h))  # each row's amax, from the same pass
     # The FP8 output is exactly quantize_rowwise of the kernel's own output.
     q_ref, scale_ref = quantize_rowwise(h, impl="torch")
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
@@ -61,8 +68,9 @@ def test_kernels_against_float64(rows, ffn, with_probs, dtype):
     p64 = probs.double().requires_grad_(True) if with_probs else None
     _float64_forward(gu64, p64).backward(grad_h.double())
     dgu, dp, q, s_inv = swiglu_backward(gate_up, grad_h, probs, probs_grad=with_probs, quantize=True,
-                                        impl="triton")
+                                        amax_out=amax, impl="triton")
     _close(dgu, gu64.grad, dtype)
+    assert torch.equal(amax.double(), _row_amax64(dgu))
     if with_probs:
         torch.testing.assert_close(dp.double(), p64.grad, rtol=1e-5, atol=1e-5)
     q_ref, scale_ref = quantize_rowwise(dgu, impl="torch")
@@ -156,3 +164,24 @@ def test_fp8_operands_are_handed_over(monkeypatch):
     h.mul_(2)
     gemm.quantize_activation(h)
     assert calls == [h.shape]
+
+
+def test_handed_copy_is_consumed_once_and_row_amax_stays(monkeypatch):
+    """The FP8 copy handed over with h is freed by its one consumer (not kept alive with h,
+    which backward saves); each row's amax stays with the tensor for the FP8 weight-gradient
+    GEMM (``row_amax``), also when ``quantize_activation`` quantized the tensor itself."""
+    calls = []
+    real = gemm.quantize_rowwise
+    monkeypatch.setattr(gemm, "quantize_rowwise", lambda x, **kw: calls.append(x.shape) or real(x, **kw))
+    gate_up = torch.randn(6, 32, dtype=torch.bfloat16, device=DEVICE)
+    h = swiglu(gate_up, None, quantize=True)
+    gemm.quantize_activation(h)
+    assert calls == [] and torch.equal(gemm.row_amax(h).double(), _row_amax64(h))
+    gemm.quantize_activation(h)  # the copy went with its first consumer: quantized afresh
+    assert calls == [h.shape] and torch.equal(gemm.row_amax(h).double(), _row_amax64(h))
+    x = torch.randn(5, 48, dtype=torch.bfloat16, device=DEVICE)
+    assert gemm.row_amax(x) is None
+    gemm.quantize_activation(x)
+    assert torch.equal(gemm.row_amax(x).double(), _row_amax64(x))
+    x.add_(1)  # changed since: no stale amax
+    assert gemm.row_amax(x) is None

@@ -4,7 +4,8 @@ tokens, hidden 4096, ffn 1536) in bf16 (``torch._grouped_mm``) and FP8
 (``torch._scaled_grouped_mm``, rowwise activation scales, per-expert weight scales) with the
 promoted accumulation and with fast accumulation (``ETPConfig.fp8_fast_accum``), the weight
 gradients also as FP8 2-D x 2-D GEMMs on per-(expert, column) scaled operands
-(``ETPConfig.fp8_wgrad``). Each: median device ms of 20 after 5 warm-up, TFLOP/s, and the
+(``ETPConfig.fp8_wgrad``; etp's operand quantization per column and per expert, timed and
+with its error, also on inputs with outlier features). Each: median device ms of 20 after 5 warm-up, TFLOP/s, and the
 relative error (Frobenius) of expert 0's result against float64 on the unquantized inputs.
 Also the eager SwiGLU and a copy of the same bytes, for scale.
 
@@ -15,6 +16,8 @@ import json
 import os
 
 import torch
+
+from etp.kernels import quantize_grouped_colwise
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
 parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_fp8_gemms.json"))
@@ -28,6 +31,7 @@ dev = "cuda"
 torch.manual_seed(0)
 F8 = torch.float8_e4m3fn
 offs = torch.arange(1, E + 1, device=dev, dtype=torch.int32) * TPE
+counts = torch.full((E,), TPE, device=dev, dtype=torch.int64)
 
 
 def timed(fn, *fn_args, iters=20, warm=5, **fn_kwargs):
@@ -124,6 +128,25 @@ for name, (G, X) in {"fc1_wgrad": (g1, x), "fc2_wgrad": (gy, a)}.items():
         yb = torch._grouped_mm(G.t(), X, offs=offs)[0].double()
         row["bf16_relerr"] = ((yb - ref).norm() / ref.norm()).item()
         row["fp8_relerr"] = ((yf - ref).norm() / ref.norm()).item()
+        # etp's own operand quantization (ETPConfig.fp8_wgrad): per (expert, column), and per
+        # expert from the rows' amax the forward / input-gradient GEMMs' rowwise pass left
+        # behind; the error also on X with 8 outlier feature columns (x100, the "massive
+        # activations" of trained LLMs), where a per-expert scale is set by the outliers.
+        X_out = X.clone()
+        X_out[:, :: X.shape[1] // 8] *= 100
+        amaxes = {id(M): M.abs().amax(dim=1).float() for M in (G, X, X_out)}  # made by the rowwise pass in etp
+        for mode in ("per_column", "per_expert"):
+            def etp_operands(M, mode=mode, amaxes=amaxes):
+                return quantize_grouped_colwise(M, counts, row_amax=amaxes[id(M)] if mode == "per_expert" else None)
+            # both operands' quantization (the amax is not timed: the rowwise pass made it)
+            row[f"etp_{mode}_quantize_ms"] = timed(lambda f, a, b: (f(a), f(b)), etp_operands, G, X)
+            gq, gs, po = etp_operands(G)
+            for label, XX in (("", X), ("_outliers", X_out)):
+                xq, xs, _ = etp_operands(XX)
+                yf = torch._scaled_grouped_mm(gq, xq.t(), gs.reshape(-1), xs.reshape(-1), offs=po,
+                                              out_dtype=torch.bfloat16, use_fast_accum=True)[0].double()
+                ref = G[:TPE].double().t() @ XX[:TPE].double()
+                row[f"etp_{mode}{label}_relerr"] = ((yf - ref).norm() / ref.norm()).item()
     except Exception as exc:  # noqa: BLE001
         row["error"] = repr(exc)[:300]
     res[name] = row

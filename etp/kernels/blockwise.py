@@ -74,6 +74,7 @@ def _quantize_blockwise_kernel(
     x_ptr,
     q_ptr,
     s_ptr,
+    amax_ptr,  # HAS_AMAX: each block's amax, stored beside its scale
     R,
     C,
     NBR,
@@ -86,6 +87,7 @@ def _quantize_blockwise_kernel(
     TR: tl.constexpr,  # tile rows: rows per program (ROW_MODE) or next_pow2(BR)
     TC: tl.constexpr,  # next_pow2(BC)
     ROW_MODE: tl.constexpr,  # BR == 1: each of the TR tile rows is its own block
+    HAS_AMAX: tl.constexpr,
 ):
     """Per block b of expert e: s = FP8_MAX / max_{i in b} |x_i| (1 where 0),
     q_i = e4m3fn(clamp(x_i * s, -FP8_MAX, FP8_MAX)).
@@ -117,11 +119,15 @@ def _quantize_blockwise_kernel(
         scale = _amax_to_scale(amax, FP8_MAX)
         q = _quantize_f32(x, scale[:, None], FP8_MAX, SOFT)
         tl.store(s_base + rows * NBC + pid_c, scale, mask=rmask)
+        if HAS_AMAX:
+            tl.store(amax_ptr + e * NBR * NBC + rows * NBC + pid_c, amax, mask=rmask)
     else:
         amax = tl.max(tl.max(bits, axis=1), axis=0).to(tl.float32, bitcast=True)
         scale = _amax_to_scale(amax, FP8_MAX)
         q = _quantize_f32(x, scale, FP8_MAX, SOFT)
         tl.store(s_base + pid_r * NBC + pid_c, scale)
+        if HAS_AMAX:
+            tl.store(amax_ptr + e * NBR * NBC + pid_r * NBC + pid_c, amax)
     tl.store(q_ptr + offs, q, mask=mask)
 
 
@@ -130,6 +136,7 @@ def _quantize_blockwise_looped_kernel(
     x_ptr,
     q_ptr,
     s_ptr,
+    amax_ptr,  # HAS_AMAX: each block's amax, stored beside its scale
     R,
     C,
     NBR,
@@ -141,6 +148,7 @@ def _quantize_blockwise_looped_kernel(
     FP8_MAX: tl.constexpr,
     TR: tl.constexpr,  # chunk rows (power of 2, <= next_pow2(BR))
     TC: tl.constexpr,  # chunk cols (power of 2)
+    HAS_AMAX: tl.constexpr,
 ):
     """Same result as ``_quantize_blockwise_kernel`` for blocks too large for registers.
 
@@ -173,6 +181,8 @@ def _quantize_blockwise_looped_kernel(
     amax = tl.max(tl.max(acc, axis=1), axis=0).to(tl.float32, bitcast=True)
     scale = _amax_to_scale(amax, FP8_MAX)
     tl.store(s_ptr + e * NBR * NBC + pid_r * NBC + pid_c, scale)
+    if HAS_AMAX:
+        tl.store(amax_ptr + e * NBR * NBC + pid_r * NBC + pid_c, amax)
     for rr in range(0, BR, TR):
         rows = r0 + rr + ar
         rmask = ((rr + ar) < BR) & (rows < R)
@@ -289,16 +299,17 @@ def _looped_chunk(block_rows: int, block_cols: int) -> Tuple[int, int]:
 
 
 def _launch_quantize_looped(x3: torch.Tensor, q3: torch.Tensor, s: torch.Tensor,
-                            block_rows: int, block_cols: int, soft: bool) -> None:
+                            block_rows: int, block_cols: int, soft: bool,
+                            amax: Optional[torch.Tensor] = None) -> None:
     n_exp, rows, cols = x3.shape
     nbr, nbc = s.shape[-2], s.shape[-1]
     grid = (nbr, nbc, n_exp)
     _check_grid(grid, "quantize_blockwise")
     tr, tc = _looped_chunk(block_rows, block_cols)
     _quantize_blockwise_looped_kernel[grid](
-        _soft_view(x3, soft), _soft_view(q3, soft), s, rows, cols, nbr, nbc, block_rows, block_cols,
-        DTYPE=_DTYPE_CODE[x3.dtype], SOFT=soft, FP8_MAX=FP8_E4M3_MAX, TR=tr, TC=tc,
-        num_warps=8 if tr * tc >= 4096 else 4,
+        _soft_view(x3, soft), _soft_view(q3, soft), s, s if amax is None else amax, rows, cols, nbr, nbc,
+        block_rows, block_cols, DTYPE=_DTYPE_CODE[x3.dtype], SOFT=soft, FP8_MAX=FP8_E4M3_MAX, TR=tr, TC=tc,
+        HAS_AMAX=amax is not None, num_warps=8 if tr * tc >= 4096 else 4,
         **EXACT_FP,
     )
 
@@ -322,9 +333,9 @@ def _launch_quantize_blockwise(x: torch.Tensor, block_rows: int, block_cols: int
     grid = (triton.cdiv(rows, tr) if row_mode else nbr, nbc, n_exp)
     _check_grid(grid, "quantize_blockwise")
     _quantize_blockwise_kernel[grid](
-        _soft_view(x3, soft), _soft_view(q3, soft), s, rows, cols, nbr, nbc,
+        _soft_view(x3, soft), _soft_view(q3, soft), s, s, rows, cols, nbr, nbc,
         DTYPE=_DTYPE_CODE[x.dtype], SOFT=soft, FP8_MAX=FP8_E4M3_MAX,
-        BR=block_rows, BC=block_cols, TR=tr, TC=tc, ROW_MODE=row_mode,
+        BR=block_rows, BC=block_cols, TR=tr, TC=tc, ROW_MODE=row_mode, HAS_AMAX=False,
         num_warps=8 if tr * tc >= 8192 else 4,
         **EXACT_FP,
     )
@@ -463,7 +474,8 @@ def dequantize_fp8(
     return _launch_dequantize(q, scale, block, out_dtype)
 
 
-def quantize_rowwise(x: torch.Tensor, *, impl: str = "auto") -> Tuple[torch.Tensor, torch.Tensor]:
+def quantize_rowwise(x: torch.Tensor, *, amax_out: Optional[torch.Tensor] = None,
+                     impl: str = "auto") -> Tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D activation to float8_e4m3fn with one float32 scale per row.
 
     ``scale_r = 448 / amax(x[r, :])`` (1.0 for an all-zero or zero-width row) and
@@ -479,6 +491,9 @@ def quantize_rowwise(x: torch.Tensor, *, impl: str = "auto") -> Tuple[torch.Tens
 
     Args:
         x: contiguous bf16 / fp16 / fp32 ``[R, C]``, any R >= 0 and C >= 0.
+        amax_out: optional float32 ``[R]`` on x's device that receives each row's
+            ``max |x[r, :]|`` (0 for an all-zero row) from the same pass: per-expert scales
+            are made from it (``quantize_grouped_colwise(row_amax=...)``).
         impl: ``"auto"``, ``"triton"`` or ``"torch"`` as for the other ops.
 
     Returns:
@@ -492,28 +507,41 @@ def quantize_rowwise(x: torch.Tensor, *, impl: str = "auto") -> Tuple[torch.Tens
     if x.dim() != 2 or not x.is_contiguous():
         raise ValueError(f"quantize_rowwise expects a contiguous 2-D tensor, got shape {tuple(x.shape)}")
     rows, cols = x.shape
+    if amax_out is not None and (amax_out.shape != (rows,) or amax_out.dtype != torch.float32
+                                 or amax_out.device != x.device or not amax_out.is_contiguous()):
+        raise ValueError(f"amax_out must be a contiguous float32 [{rows}] tensor on {x.device}, got "
+                         f"{amax_out.dtype} {tuple(amax_out.shape)} on {amax_out.device}")
     use_triton = select_impl(impl, x.device)
     if cols == 0:
         # max over an empty row is 0, so the scale is 1.0 (as for an all-zero row).
+        if amax_out is not None:
+            amax_out.zero_()
         return (torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device),
                 torch.ones(rows, dtype=torch.float32, device=x.device))
     if not use_triton or rows == 0:
         q, s = quantize_blockwise_ref(x, 1, cols)
+        if amax_out is not None and rows:
+            amax_out.copy_(x.abs().amax(dim=1))  # exact in x's dtype; NaN propagates
         return q, s.reshape(rows)
     device = x.device
-    if device.type == "cuda" and interpreter_active():
+    staged = device.type == "cuda" and interpreter_active()
+    if staged:
         x = x.cpu()
     soft = interpreter_active()
     q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    amax = (torch.empty(rows, dtype=torch.float32) if staged else amax_out) if amax_out is not None else None
     tc = next_pow2(cols)
     if tc > _ONE_PASS_MAX_ELEMS:
-        _launch_quantize_looped(x.unsqueeze(0), q.unsqueeze(0), s.unsqueeze(0), 1, cols, soft)
+        _launch_quantize_looped(x.unsqueeze(0), q.unsqueeze(0), s.unsqueeze(0), 1, cols, soft,
+                                amax=None if amax is None else amax.view(1, rows, 1))
     else:
         tr = max(1, 8192 // tc)  # ~8K elements in registers per program
         _quantize_blockwise_kernel[(triton.cdiv(rows, tr), 1, 1)](
-            _soft_view(x.unsqueeze(0), soft), _soft_view(q.unsqueeze(0), soft), s, rows, cols, rows, 1,
-            DTYPE=_DTYPE_CODE[x.dtype], SOFT=soft, FP8_MAX=FP8_E4M3_MAX,
-            BR=1, BC=cols, TR=tr, TC=tc, ROW_MODE=True, num_warps=8, **EXACT_FP,
+            _soft_view(x.unsqueeze(0), soft), _soft_view(q.unsqueeze(0), soft), s, s if amax is None else amax,
+            rows, cols, rows, 1, DTYPE=_DTYPE_CODE[x.dtype], SOFT=soft, FP8_MAX=FP8_E4M3_MAX,
+            BR=1, BC=cols, TR=tr, TC=tc, ROW_MODE=True, HAS_AMAX=amax is not None, num_warps=8, **EXACT_FP,
         )
+    if staged and amax is not None:
+        amax_out.copy_(amax)
     return q.to(device), s.reshape(rows).to(device)

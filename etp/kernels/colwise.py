@@ -11,13 +11,18 @@ start; zero rows add nothing). This is ``torch._scaled_grouped_mm``'s 2-D x 2-D 
 ``scale [E * C]``.
 
 One program per (expert, column tile) walks its expert's rows twice: the column maxima,
-then the cast (re-read mostly from L2) stored transposed. Expert boundaries come from
+then the cast (re-read mostly from L2) stored transposed. Per-expert scales (``row_amax``
+given) need one read: the scale comes from the rows' maxima that the rowwise quantization of
+the same tensor already stored (for the forward / input-gradient GEMM), and e4m3's relative
+precision does not depend on the scale as long as values stay above its subnormals, so one
+scale per expert costs the GEMM no measurable accuracy (``tools/bench_fp8_gemms.py``'s
+error column). Expert boundaries come from
 device tensors (no host synchronization); the padded width ``T + E * (align - 1)`` rounded
 up to ``align`` is static.
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -45,9 +50,10 @@ _UNROLL = 2  # independent tiles per loop step: their loads are in flight togeth
 
 
 @triton.jit
-def _grouped_colwise_kernel(x_ptr, ends_ptr, pends_ptr, q_ptr, sinv_ptr, C, T_PAD,
+def _grouped_colwise_kernel(x_ptr, ends_ptr, pends_ptr, ramax_ptr, q_ptr, sinv_ptr, C, T_PAD,
                             DTYPE: tl.constexpr, SOFT: tl.constexpr, FP8_MAX: tl.constexpr,
-                            TT: tl.constexpr, TC: tl.constexpr, UNROLL: tl.constexpr):
+                            PER_EXPERT: tl.constexpr, TT: tl.constexpr, TC: tl.constexpr,
+                            UNROLL: tl.constexpr):
     e = tl.program_id(0)
     cols = tl.program_id(1) * TC + tl.arange(0, TC)
     cols_ok = cols < C
@@ -57,15 +63,23 @@ def _grouped_colwise_kernel(x_ptr, ends_ptr, pends_ptr, q_ptr, sinv_ptr, C, T_PA
     pstart = tl.where(e > 0, tl.load(pends_ptr + prev), 0).to(tl.int64)
     pend = tl.load(pends_ptr + e).to(tl.int64)
     at = tl.arange(0, TT)
-    acc = tl.zeros([TC], dtype=tl.int32)
-    # UNROLL independent tiles per loop step (static_range): their loads are in flight together
-    # instead of each step waiting for the previous one's.
-    for t0 in range(start, end, TT * UNROLL):
-        for u in tl.static_range(UNROLL):
-            rows = t0 + u * TT + at
-            mask = (rows < end)[:, None] & cols_ok[None, :]
-            x = _to_f32(tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0), DTYPE, SOFT)
-            acc = tl.maximum(acc, tl.max(_abs_bits(x), axis=0))
+    if PER_EXPERT:
+        # The expert's amax from its rows' maxima (4 bytes a row, not a read of the rows).
+        racc = tl.zeros([TT], dtype=tl.int32)
+        for t0 in range(start, end, TT):
+            rows = t0 + at
+            racc = tl.maximum(racc, _abs_bits(tl.load(ramax_ptr + rows, mask=rows < end, other=0)))
+        acc = tl.zeros([TC], dtype=tl.int32) + tl.max(racc, axis=0)
+    else:
+        acc = tl.zeros([TC], dtype=tl.int32)
+        # UNROLL independent tiles per loop step (static_range): their loads are in flight
+        # together instead of each step waiting for the previous one's.
+        for t0 in range(start, end, TT * UNROLL):
+            for u in tl.static_range(UNROLL):
+                rows = t0 + u * TT + at
+                mask = (rows < end)[:, None] & cols_ok[None, :]
+                x = _to_f32(tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0), DTYPE, SOFT)
+                acc = tl.maximum(acc, tl.max(_abs_bits(x), axis=0))
     scale = _amax_to_scale(acc.to(tl.float32, bitcast=True), FP8_MAX)
     tl.store(sinv_ptr + e * C + cols, _reciprocal_rn(scale), mask=cols_ok)
     # The padded segment [pstart, pend): this expert's tokens, then zeros.
@@ -81,20 +95,26 @@ def _grouped_colwise_kernel(x_ptr, ends_ptr, pends_ptr, q_ptr, sinv_ptr, C, T_PA
 
 
 def quantize_grouped_colwise(
-    x: torch.Tensor, counts: torch.Tensor, *, align: int = 16, impl: str = "auto"
+    x: torch.Tensor, counts: torch.Tensor, *, row_amax: Optional[torch.Tensor] = None, align: int = 16,
+    impl: str = "auto",
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FP8 (e4m3) of ``x [T, C]`` transposed, one scale per (expert, column).
+    """FP8 (e4m3) of ``x [T, C]`` transposed, one scale per (expert, column), or per expert.
 
     Args:
         x: contiguous bf16 / fp16 / fp32 ``[T, C]``, rows sorted by expert.
         counts: ``[E]`` integer tokens per expert (on ``x``'s device; sums to T).
+        row_amax: optional float32 ``[T]``, each row's ``max |x[t, :]|`` (what the rowwise
+            quantization of ``x`` for the forward / input-gradient GEMM stored with
+            ``amax_out``): then one scale per *expert*, ``448 / max`` over its rows, and x is
+            read once instead of twice (the column maxima pass is skipped).
         align: each expert's token segment is padded with zeros to a multiple of this.
         impl: ``"auto"`` (Triton on CUDA), ``"triton"`` or ``"torch"``.
 
     Returns:
         ``(q_t, scale_inv, padded_ends)``: ``q_t [C, T_pad]`` float8_e4m3fn with
         ``q_t[c, p] ~= x[t, c] / scale_inv[e, c]`` for token t of expert e at padded position
-        p; ``scale_inv [E, C]`` float32 (``amax / 448``, 1.0 for an all-zero column);
+        p; ``scale_inv [E, C]`` float32 (``amax / 448``, 1.0 for an all-zero column; equal
+        along C with ``row_amax``);
         ``padded_ends [E]`` int32 cumulative padded segment ends (the GEMM's offsets).
 
     Example::
@@ -112,8 +132,12 @@ def quantize_grouped_colwise(
                          f"{tuple(counts.shape)} on {counts.device}")
     if align < 1:
         raise ValueError(f"align={align}: must be >= 1")
+    if row_amax is not None and (row_amax.shape != (x.shape[0],) or row_amax.dtype != torch.float32
+                                 or row_amax.device != x.device):
+        raise ValueError(f"row_amax must be a float32 [{x.shape[0]}] tensor on {x.device}, got "
+                         f"{row_amax.dtype} {tuple(row_amax.shape)} on {row_amax.device}")
     if not select_impl(impl, x.device):
-        return quantize_grouped_colwise_ref(x, counts, align=align)
+        return quantize_grouped_colwise_ref(x, counts, row_amax=row_amax, align=align)
     ends, pends, t_pad = grouped_colwise_layout(x.shape[0], counts, align)
     experts, cols = counts.numel(), x.shape[1]
     q = torch.empty((cols, t_pad), dtype=torch.float8_e4m3fn, device=x.device)
@@ -121,11 +145,13 @@ def quantize_grouped_colwise(
     if experts == 0 or cols == 0:
         return q, s_inv, pends.to(torch.int32)
     device, soft = x.device, interpreter_active()
+    per_expert = row_amax is not None
+    row_amax = row_amax.contiguous() if per_expert else s_inv
     if soft and device.type == "cuda":
-        x, ends, pends, q, s_inv = (t.cpu() for t in (x, ends, pends, q, s_inv))
+        x, ends, pends, row_amax, q, s_inv = (t.cpu() for t in (x, ends, pends, row_amax, q, s_inv))
     _grouped_colwise_kernel[(experts, triton.cdiv(cols, _TC))](
-        _soft_view(x, soft), ends, pends, _soft_view(q, soft), s_inv, cols, t_pad,
-        DTYPE=_DTYPE_CODE[x.dtype], SOFT=soft, FP8_MAX=FP8_E4M3_MAX, TT=_TT, TC=_TC, UNROLL=_UNROLL, num_warps=_WARPS,
-        **EXACT_FP,
+        _soft_view(x, soft), ends, pends, row_amax, _soft_view(q, soft), s_inv, cols, t_pad,
+        DTYPE=_DTYPE_CODE[x.dtype], SOFT=soft, FP8_MAX=FP8_E4M3_MAX, PER_EXPERT=per_expert,
+        TT=_TT, TC=_TC, UNROLL=_UNROLL, num_warps=_WARPS, **EXACT_FP,
     )
     return q.to(device), s_inv.to(device), pends.to(device=device, dtype=torch.int32)

@@ -233,9 +233,11 @@ def grouped_colwise_layout(tokens: int, counts: torch.Tensor, align: int) -> Tup
 
 
 def quantize_grouped_colwise_ref(
-    x: torch.Tensor, counts: torch.Tensor, *, align: int = 16
+    x: torch.Tensor, counts: torch.Tensor, *, row_amax: torch.Tensor | None = None, align: int = 16
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Reference of ``etp.kernels.quantize_grouped_colwise`` (the unused tail of ``q_t`` is 0)."""
+    """Reference of ``etp.kernels.quantize_grouped_colwise`` (the unused tail of ``q_t`` is 0):
+    one scale per (expert, column), or per expert from ``row_amax`` (the max over the
+    expert's rows) when given."""
     ends, pends, t_pad = grouped_colwise_layout(x.shape[0], counts, align)
     experts, cols = counts.numel(), x.shape[1]
     q = torch.zeros((cols, t_pad), dtype=torch.float8_e4m3fn, device=x.device)
@@ -246,7 +248,10 @@ def quantize_grouped_colwise_ref(
         seg = x[bounds[e]:bounds[e + 1]].float()
         if seg.shape[0] == 0 or cols == 0:
             continue
-        amax = seg.abs().amax(dim=0)
+        if row_amax is None:
+            amax = seg.abs().amax(dim=0)
+        else:
+            amax = row_amax[bounds[e]:bounds[e + 1]].float().amax().expand(cols)
         scale = amax_to_scale_ref(amax)
         s_inv[e] = torch.reciprocal(scale)
         q[:, pbounds[e]:pbounds[e] + seg.shape[0]] = _quantize_ref(seg, scale[None, :]).t()

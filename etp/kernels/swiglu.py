@@ -68,12 +68,16 @@ def _load_gate_up(gu_rows, cols, mask, FFN, DTYPE: tl.constexpr, SOFT: tl.conste
 
 
 @triton.jit
-def _rowwise_fp8(acc, src_rows, q_rows, sinv_ptr, rows, rows_ok, width, ac, DTYPE: tl.constexpr,
-                 SOFT: tl.constexpr, FP8_MAX: tl.constexpr, TC: tl.constexpr):
+def _rowwise_fp8(acc, src_rows, q_rows, sinv_ptr, amax_ptr, rows, rows_ok, width, ac, DTYPE: tl.constexpr,
+                 SOFT: tl.constexpr, FP8_MAX: tl.constexpr, TC: tl.constexpr, HAS_AMAX: tl.constexpr):
     """The quantizing kernels' tail: each row's scale from the running |x| bits ``acc``, its
-    inverse stored, then a second loop re-reads the row just written and casts it."""
-    scale = _amax_to_scale(tl.max(acc, axis=1).to(tl.float32, bitcast=True), FP8_MAX)
+    inverse (and with HAS_AMAX the row's amax) stored, then a second loop re-reads the row
+    just written and casts it."""
+    amax = tl.max(acc, axis=1).to(tl.float32, bitcast=True)
+    scale = _amax_to_scale(amax, FP8_MAX)
     tl.store(sinv_ptr + rows, _reciprocal_rn(scale), mask=rows_ok)
+    if HAS_AMAX:
+        tl.store(amax_ptr + rows, amax, mask=rows_ok)
     tl.debug_barrier()  # the row's values were written by other threads of this program
     for c0 in range(0, width, TC):
         cols = c0 + ac
@@ -83,10 +87,10 @@ def _rowwise_fp8(acc, src_rows, q_rows, sinv_ptr, rows, rows_ok, width, ac, DTYP
 
 
 @triton.jit
-def _swiglu_fwd_kernel(gu_ptr, p_ptr, h_ptr, q_ptr, sinv_ptr, R, FFN,
+def _swiglu_fwd_kernel(gu_ptr, p_ptr, h_ptr, q_ptr, sinv_ptr, amax_ptr, R, FFN,
                        DTYPE: tl.constexpr, PDTYPE: tl.constexpr, SOFT: tl.constexpr,
                        FP8_MAX: tl.constexpr, HAS_PROBS: tl.constexpr, QUANT: tl.constexpr,
-                       TR: tl.constexpr, TC: tl.constexpr):
+                       HAS_AMAX: tl.constexpr, TR: tl.constexpr, TC: tl.constexpr):
     """h[r] = silu(g[r]) * u[r] (* p[r]) for TR rows; with QUANT also the rowwise FP8 of h."""
     rows = tl.program_id(0) * TR + tl.arange(0, TR)
     rows_ok = rows < R
@@ -109,15 +113,15 @@ def _swiglu_fwd_kernel(gu_ptr, p_ptr, h_ptr, q_ptr, sinv_ptr, R, FFN,
         if QUANT:
             acc = tl.maximum(acc, _abs_bits(widened))
     if QUANT:
-        _rowwise_fp8(acc, h_rows, q_ptr + r64[:, None] * FFN, sinv_ptr, rows, rows_ok, FFN, ac,
-                     DTYPE, SOFT, FP8_MAX, TC)
+        _rowwise_fp8(acc, h_rows, q_ptr + r64[:, None] * FFN, sinv_ptr, amax_ptr, rows, rows_ok, FFN, ac,
+                     DTYPE, SOFT, FP8_MAX, TC, HAS_AMAX)
 
 
 @triton.jit
-def _swiglu_bwd_kernel(gu_ptr, gh_ptr, p_ptr, dgu_ptr, dp_ptr, q_ptr, sinv_ptr, R, FFN,
+def _swiglu_bwd_kernel(gu_ptr, gh_ptr, p_ptr, dgu_ptr, dp_ptr, q_ptr, sinv_ptr, amax_ptr, R, FFN,
                        DTYPE: tl.constexpr, PDTYPE: tl.constexpr, SOFT: tl.constexpr,
                        FP8_MAX: tl.constexpr, HAS_PROBS: tl.constexpr, PROBS_GRAD: tl.constexpr,
-                       QUANT: tl.constexpr, TR: tl.constexpr, TC: tl.constexpr):
+                       QUANT: tl.constexpr, HAS_AMAX: tl.constexpr, TR: tl.constexpr, TC: tl.constexpr):
     """d[g | u][r] from dh[r]; with PROBS_GRAD dp[r] = sum(dh * silu(g) * u); with QUANT the
     rowwise FP8 of d[g | u] (one scale over both halves of the row)."""
     rows = tl.program_id(0) * TR + tl.arange(0, TR)
@@ -151,8 +155,8 @@ def _swiglu_bwd_kernel(gu_ptr, gh_ptr, p_ptr, dgu_ptr, dp_ptr, q_ptr, sinv_ptr, 
     if PROBS_GRAD:
         tl.store(dp_ptr + rows, dp, mask=rows_ok)
     if QUANT:
-        _rowwise_fp8(acc, dgu_rows, q_ptr + r64[:, None] * (2 * FFN), sinv_ptr, rows, rows_ok, 2 * FFN, ac,
-                     DTYPE, SOFT, FP8_MAX, TC)
+        _rowwise_fp8(acc, dgu_rows, q_ptr + r64[:, None] * (2 * FFN), sinv_ptr, amax_ptr, rows, rows_ok,
+                     2 * FFN, ac, DTYPE, SOFT, FP8_MAX, TC, HAS_AMAX)
 
 
 def _launch_shape(ffn: int) -> Tuple[int, int]:
@@ -191,8 +195,36 @@ def _staged(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if t is None else (t.cpu() if interpreter_active() else t)
 
 
+def _unstage(out: Optional[torch.Tensor], staged: Optional[torch.Tensor]) -> None:
+    """Writes a staged output buffer back into the caller's (a no-op when they are one)."""
+    if out is not None and staged is not out:
+        out.copy_(staged)
+
+
+def _check_amax_out(amax_out: Optional[torch.Tensor], quantize: bool, gate_up: torch.Tensor) -> None:
+    if amax_out is None:
+        return
+    rows = gate_up.shape[0]
+    if not quantize:
+        raise ValueError("amax_out is filled by the rowwise quantization: pass quantize=True")
+    if amax_out.shape != (rows,) or amax_out.dtype != torch.float32 or amax_out.device != gate_up.device \
+            or not amax_out.is_contiguous():
+        raise ValueError(f"amax_out must be a contiguous float32 [{rows}] tensor on {gate_up.device}, got "
+                         f"{amax_out.dtype} {tuple(amax_out.shape)} on {amax_out.device}")
+
+
+def _fill_row_amax(amax_out: Optional[torch.Tensor], x: torch.Tensor) -> None:
+    """The reference path's ``amax_out``: each row's max |x| (exact in x's dtype)."""
+    if amax_out is None:
+        return
+    if x.numel() == 0:
+        amax_out.zero_()
+    else:
+        amax_out.copy_(x.abs().amax(dim=1))
+
+
 def swiglu(gate_up: torch.Tensor, probs: Optional[torch.Tensor] = None, *, quantize: bool = False,
-           impl: str = "auto") -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+           amax_out: Optional[torch.Tensor] = None, impl: str = "auto") -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """``h = silu(gate) * up`` (times ``probs[:, None]`` when given) in one pass.
 
     Args:
@@ -200,6 +232,8 @@ def swiglu(gate_up: torch.Tensor, probs: Optional[torch.Tensor] = None, *, quant
         probs: optional ``[T]`` per-token multiplier (megatron-core's router probabilities).
         quantize: also return the rowwise FP8 quantization of ``h`` (``quantize_rowwise``'s
             result, with the inverse scales the scaled GEMMs take).
+        amax_out: with ``quantize``, optional float32 ``[T]`` that receives each row's
+            ``max |h[t, :]|`` (``quantize_rowwise``'s ``amax_out``).
         impl: ``"auto"`` (Triton on CUDA, the torch reference elsewhere), ``"triton"`` or ``"torch"``.
 
     Returns:
@@ -212,10 +246,13 @@ def swiglu(gate_up: torch.Tensor, probs: Optional[torch.Tensor] = None, *, quant
         h, q, s_inv = swiglu(gate_up, router_probs, quantize=True)
     """
     ffn = _check(gate_up, probs)
+    _check_amax_out(amax_out, quantize, gate_up)
     if not _kernel_applies(impl, gate_up, probs):
-        return swiglu_ref(gate_up, probs, quantize=quantize)
+        h, q, s_inv = swiglu_ref(gate_up, probs, quantize=quantize)
+        _fill_row_amax(amax_out, h)
+        return h, q, s_inv
     device, soft = gate_up.device, interpreter_active()
-    gate_up, probs = _staged(gate_up), _staged(probs)
+    gate_up, probs, amax = _staged(gate_up), _staged(probs), _staged(amax_out)
     rows = gate_up.shape[0]
     h = torch.empty((rows, ffn), dtype=gate_up.dtype, device=gate_up.device)
     q = torch.empty((rows, ffn), dtype=torch.float8_e4m3fn, device=h.device) if quantize else h
@@ -223,11 +260,12 @@ def swiglu(gate_up: torch.Tensor, probs: Optional[torch.Tensor] = None, *, quant
     tr, tc = _launch_shape(ffn)
     _swiglu_fwd_kernel[(triton.cdiv(rows, tr),)](
         _soft_view(gate_up, soft), _soft_view(probs, soft) if probs is not None else gate_up,
-        _soft_view(h, soft), _soft_view(q, soft), s_inv, rows, ffn,
+        _soft_view(h, soft), _soft_view(q, soft), s_inv, s_inv if amax is None else amax, rows, ffn,
         DTYPE=_DTYPE_CODE[gate_up.dtype], PDTYPE=_DTYPE_CODE[probs.dtype] if probs is not None else 2,
         SOFT=soft, FP8_MAX=FP8_E4M3_MAX, HAS_PROBS=probs is not None, QUANT=quantize,
-        TR=tr, TC=tc, num_warps=_WARPS,
+        HAS_AMAX=amax is not None, TR=tr, TC=tc, num_warps=_WARPS,
     )
+    _unstage(amax_out, amax)
     if not quantize:
         return h.to(device), None, None
     return h.to(device), q.to(device), s_inv.to(device)
@@ -235,7 +273,8 @@ def swiglu(gate_up: torch.Tensor, probs: Optional[torch.Tensor] = None, *, quant
 
 def swiglu_backward(
     gate_up: torch.Tensor, grad_h: torch.Tensor, probs: Optional[torch.Tensor] = None, *,
-    probs_grad: bool = False, quantize: bool = False, impl: str = "auto",
+    probs_grad: bool = False, quantize: bool = False, amax_out: Optional[torch.Tensor] = None,
+    impl: str = "auto",
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Gradients of :func:`swiglu` in one pass.
 
@@ -246,6 +285,7 @@ def swiglu_backward(
         probs_grad: also return ``d probs`` (float32 sums, in ``probs``' dtype).
         quantize: also return the rowwise FP8 quantization of ``d gate_up`` (one scale per row
             over all ``2 * ffn`` columns) with its inverse scales.
+        amax_out: with ``quantize``, optional float32 ``[T]`` for each row's ``max |d gate_up|``.
         impl: as for :func:`swiglu`.
 
     Returns:
@@ -263,10 +303,14 @@ def swiglu_backward(
     if probs_grad and probs is None:
         raise ValueError("probs_grad=True needs probs")
     grad_h = grad_h.contiguous()
+    _check_amax_out(amax_out, quantize, gate_up)
     if not _kernel_applies(impl, gate_up, probs):
-        return swiglu_backward_ref(gate_up, grad_h, probs, probs_grad=probs_grad, quantize=quantize)
+        dgu, grad_probs, q, s_inv = swiglu_backward_ref(gate_up, grad_h, probs, probs_grad=probs_grad,
+                                                        quantize=quantize)
+        _fill_row_amax(amax_out, dgu)
+        return dgu, grad_probs, q, s_inv
     device, soft = gate_up.device, interpreter_active()
-    gate_up, grad_h, probs = _staged(gate_up), _staged(grad_h), _staged(probs)
+    gate_up, grad_h, probs, amax = _staged(gate_up), _staged(grad_h), _staged(probs), _staged(amax_out)
     rows = gate_up.shape[0]
     dgu = torch.empty_like(gate_up)
     dp = torch.empty(rows, dtype=torch.float32, device=dgu.device) if probs_grad else dgu
@@ -276,11 +320,12 @@ def swiglu_backward(
     _swiglu_bwd_kernel[(triton.cdiv(rows, tr),)](
         _soft_view(gate_up, soft), _soft_view(grad_h, soft),
         _soft_view(probs, soft) if probs is not None else gate_up,
-        _soft_view(dgu, soft), dp, _soft_view(q, soft), s_inv, rows, ffn,
+        _soft_view(dgu, soft), dp, _soft_view(q, soft), s_inv, s_inv if amax is None else amax, rows, ffn,
         DTYPE=_DTYPE_CODE[gate_up.dtype], PDTYPE=_DTYPE_CODE[probs.dtype] if probs is not None else 2,
         SOFT=soft, FP8_MAX=FP8_E4M3_MAX, HAS_PROBS=probs is not None, PROBS_GRAD=probs_grad,
-        QUANT=quantize, TR=tr, TC=tc, num_warps=_WARPS,
+        QUANT=quantize, HAS_AMAX=amax is not None, TR=tr, TC=tc, num_warps=_WARPS,
     )
+    _unstage(amax_out, amax)
     grad_probs = dp.to(device=device, dtype=probs.dtype) if probs_grad else None
     if not quantize:
         return dgu.to(device), grad_probs, None, None
