@@ -16,7 +16,10 @@ from etp.kernels.reference import quantize_grouped_colwise_ref
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (tokens per expert, columns): uneven segments, empty experts, one token, widths that are
 # not multiples of 16 or of the kernel's 64-column tile.
-CASES = [([5, 0, 17], 7), ([16, 16], 64), ([1], 130), ([0, 0], 3), ([3, 70, 2], 65), ([0], 0)]
+# Many experts (the per-expert kernel's binary search over segment ends) and segments longer
+# than its 128-position tile.
+CASES = [([5, 0, 17], 7), ([16, 16], 64), ([1], 130), ([0, 0], 3), ([3, 70, 2], 65), ([0], 0),
+         ([3, 0, 0, 20, 1, 0, 7, 16, 2], 33), ([130, 1, 60], 20)]
 
 
 @pytest.mark.parametrize("per_expert", [False, True], ids=["per_column", "per_expert"])

@@ -30,7 +30,8 @@ Measured (median of ``--iters`` runs with CUDA events, after warm-up):
 * ``quantize_grouped_colwise`` (the FP8 weight-gradient operand) on [32768, 4096] bf16 in 16
   experts: floor = one read of x + the fp8 write (its second read is not counted), plus a
   sweep of its launch shape (JSON ``expert_activations.grouped_colwise.sweep``), and its
-  per-expert mode (``row_amax`` given: one read of x).
+  per-expert mode (``row_amax`` given: one read of x) with a sweep of its tile
+  (``expert_activations.grouped_per_expert.sweep``).
 * correctness of every fused result against the torch reference (exact /
   bit-exact; SwiGLU to one bf16 ulp), recorded in the JSON.
 
@@ -114,6 +115,9 @@ EXPERT_TOKENS, EXPERT_FFN, EXPERT_HIDDEN, EXPERTS = 32768, 1536, 4096, 16  # the
 COLWISE_SWEEP = [  # (tokens per tile, columns per program, num_warps, tiles per loop step)
     (64, 64, 4, 1), (128, 64, 4, 1), (128, 64, 4, 4), (256, 64, 8, 1), (256, 64, 8, 2),
     (128, 32, 4, 2), (64, 128, 4, 2), (128, 128, 8, 2),
+]
+PER_EXPERT_SWEEP = [  # (padded positions per tile, columns, num_warps)
+    (128, 128, 4), (64, 128, 4), (128, 64, 4), (64, 64, 4), (256, 128, 8), (128, 256, 8), (256, 64, 4),
 ]
 AMAX_SWEEP = [  # (BLOCK, ITERS, num_warps, eviction policy); the first entry is the default
     (amax_mod._FLAT_BLOCK, amax_mod._FLAT_ITERS, amax_mod._FLAT_WARPS, amax_mod._FLAT_EVICT),
@@ -462,6 +466,17 @@ def main(argv: List[str]) -> int:
                                      "fused": {**f, "fraction_of_copy_bw": fl / f["median_ms"]}}
     rows_md.append((f"grouped per-expert quantize [{t_tok}x{hid}], {n_exp} experts (row amax given)", fused_impl,
                     f["median_ms"], moved, fl / f["median_ms"]))
+    if fused_impl == "triton" and not args.no_sweep:
+        # Its tile: (padded positions, columns, warps); first = default.
+        defaults = (colwise_mod._PE_TP, colwise_mod._PE_TC, colwise_mod._PE_WARPS)
+        sweep = []
+        for shape in [defaults] + [c for c in PER_EXPERT_SWEEP if c != defaults]:
+            colwise_mod._PE_TP, colwise_mod._PE_TC, colwise_mod._PE_WARPS = shape
+            t = timer(lambda: quantize_grouped_colwise(x_act, counts, row_amax=x_row_amax, impl=fused_impl))
+            sweep.append({"positions": shape[0], "cols": shape[1], "num_warps": shape[2],
+                          "median_ms": t["median_ms"], "fraction_of_copy_bw": fl / t["median_ms"]})
+        colwise_mod._PE_TP, colwise_mod._PE_TC, colwise_mod._PE_WARPS = defaults
+        act_res["grouped_per_expert"]["sweep"] = sweep
     if fused_impl == "triton" and not args.no_sweep:
         # Its launch shape: (tokens per tile, columns, warps, tiles per loop step); first = default.
         defaults = (colwise_mod._TT, colwise_mod._TC, colwise_mod._WARPS, colwise_mod._UNROLL)

@@ -13,7 +13,10 @@ start; zero rows add nothing). This is ``torch._scaled_grouped_mm``'s 2-D x 2-D 
 One program per (expert, column tile) walks its expert's rows twice: the column maxima,
 then the cast (re-read mostly from L2) stored transposed. Per-expert scales (``row_amax``
 given) need one read: the scale comes from the rows' maxima that the rowwise quantization of
-the same tensor already stored (for the forward / input-gradient GEMM), and e4m3's relative
+the same tensor already stored (for the forward / input-gradient GEMM; one tiny launch
+reduces them per expert), then one program per tile of the padded layout finds each
+position's expert by binary search and casts, as many programs in flight as the transposing
+weight cast has. e4m3's relative
 precision does not depend on the scale as long as values stay above its subnormals, so one
 scale per expert costs the GEMM no measurable accuracy (``tools/bench_fp8_gemms.py``'s
 error column). Expert boundaries come from
@@ -47,13 +50,17 @@ _TT = 256  # tokens per tile; launch shape from bench_kernels.py's sweep on H200
 _TC = 64   # two tiles per loop step: 0.222 ms for [32768, 4096] (128 x 64 x 4 warps x 2: 0.238)
 _WARPS = 8
 _UNROLL = 2  # independent tiles per loop step: their loads are in flight together
+# Per-expert mode (row_amax given): one program per [padded positions x columns] tile, as the
+# transposing FP8 cast (etp.kernels.cast: 128 x 128, 4 warps).
+_PE_TP = 128
+_PE_TC = 128
+_PE_WARPS = 4
 
 
 @triton.jit
-def _grouped_colwise_kernel(x_ptr, ends_ptr, pends_ptr, ramax_ptr, q_ptr, sinv_ptr, C, T_PAD,
+def _grouped_colwise_kernel(x_ptr, ends_ptr, pends_ptr, q_ptr, sinv_ptr, C, T_PAD,
                             DTYPE: tl.constexpr, SOFT: tl.constexpr, FP8_MAX: tl.constexpr,
-                            PER_EXPERT: tl.constexpr, TT: tl.constexpr, TC: tl.constexpr,
-                            UNROLL: tl.constexpr):
+                            TT: tl.constexpr, TC: tl.constexpr, UNROLL: tl.constexpr):
     e = tl.program_id(0)
     cols = tl.program_id(1) * TC + tl.arange(0, TC)
     cols_ok = cols < C
@@ -63,23 +70,15 @@ def _grouped_colwise_kernel(x_ptr, ends_ptr, pends_ptr, ramax_ptr, q_ptr, sinv_p
     pstart = tl.where(e > 0, tl.load(pends_ptr + prev), 0).to(tl.int64)
     pend = tl.load(pends_ptr + e).to(tl.int64)
     at = tl.arange(0, TT)
-    if PER_EXPERT:
-        # The expert's amax from its rows' maxima (4 bytes a row, not a read of the rows).
-        racc = tl.zeros([TT], dtype=tl.int32)
-        for t0 in range(start, end, TT):
-            rows = t0 + at
-            racc = tl.maximum(racc, _abs_bits(tl.load(ramax_ptr + rows, mask=rows < end, other=0)))
-        acc = tl.zeros([TC], dtype=tl.int32) + tl.max(racc, axis=0)
-    else:
-        acc = tl.zeros([TC], dtype=tl.int32)
-        # UNROLL independent tiles per loop step (static_range): their loads are in flight
-        # together instead of each step waiting for the previous one's.
-        for t0 in range(start, end, TT * UNROLL):
-            for u in tl.static_range(UNROLL):
-                rows = t0 + u * TT + at
-                mask = (rows < end)[:, None] & cols_ok[None, :]
-                x = _to_f32(tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0), DTYPE, SOFT)
-                acc = tl.maximum(acc, tl.max(_abs_bits(x), axis=0))
+    acc = tl.zeros([TC], dtype=tl.int32)
+    # UNROLL independent tiles per loop step (static_range): their loads are in flight together
+    # instead of each step waiting for the previous one's.
+    for t0 in range(start, end, TT * UNROLL):
+        for u in tl.static_range(UNROLL):
+            rows = t0 + u * TT + at
+            mask = (rows < end)[:, None] & cols_ok[None, :]
+            x = _to_f32(tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0), DTYPE, SOFT)
+            acc = tl.maximum(acc, tl.max(_abs_bits(x), axis=0))
     scale = _amax_to_scale(acc.to(tl.float32, bitcast=True), FP8_MAX)
     tl.store(sinv_ptr + e * C + cols, _reciprocal_rn(scale), mask=cols_ok)
     # The padded segment [pstart, pend): this expert's tokens, then zeros.
@@ -92,6 +91,63 @@ def _grouped_colwise_kernel(x_ptr, ends_ptr, pends_ptr, ramax_ptr, q_ptr, sinv_p
             q = _quantize_f32(x, scale[None, :], FP8_MAX, SOFT)
             store_ok = cols_ok[:, None] & (prow < pend)[None, :]
             tl.store(q_ptr + cols[:, None].to(tl.int64) * T_PAD + prow[None, :], tl.trans(q), mask=store_ok)
+
+
+@triton.jit
+def _expert_scale_kernel(ramax_ptr, ends_ptr, scale_ptr, sinv_ptr, C, FP8_MAX: tl.constexpr, TB: tl.constexpr):
+    """Program e: expert e's scale from its rows' amax (NaN-propagating integer max of the
+    bits), and its inverse written for every column (the GEMM's [E * C] scale vector)."""
+    e = tl.program_id(0)
+    start = tl.where(e > 0, tl.load(ends_ptr + tl.maximum(e - 1, 0)), 0).to(tl.int64)
+    end = tl.load(ends_ptr + e).to(tl.int64)
+    at = tl.arange(0, TB)
+    acc = tl.zeros([TB], dtype=tl.int32)
+    for t0 in range(start, end, TB):
+        rows = t0 + at
+        acc = tl.maximum(acc, _abs_bits(tl.load(ramax_ptr + rows, mask=rows < end, other=0)))
+    scale = _amax_to_scale(tl.max(acc, axis=0).to(tl.float32, bitcast=True), FP8_MAX)
+    tl.store(scale_ptr + e, scale)
+    sinv = tl.zeros([TB], dtype=tl.float32) + _reciprocal_rn(scale)
+    for c0 in range(0, C, TB):
+        tl.store(sinv_ptr + e * C + c0 + at, sinv, mask=c0 + at < C)
+
+
+@triton.jit
+def _grouped_per_expert_kernel(x_ptr, ends_ptr, pends_ptr, scale_ptr, q_ptr, C, T_PAD, E,
+                               DTYPE: tl.constexpr, SOFT: tl.constexpr, FP8_MAX: tl.constexpr,
+                               LOG_E: tl.constexpr, TP: tl.constexpr, TC: tl.constexpr):
+    """One [TP padded positions x TC columns] tile of q_t: each position's expert by a binary
+    search of the padded ends, its source row, the expert's scale; read once, stored
+    transposed. Padding positions, and those past the last segment, store zeros."""
+    p = tl.program_id(0).to(tl.int64) * TP + tl.arange(0, TP)
+    cols = tl.program_id(1) * TC + tl.arange(0, TC)
+    cols_ok = cols < C
+    # e = the number of padded ends <= p (E for positions past the last segment).
+    lo = tl.zeros([TP], dtype=tl.int32)
+    hi = lo + E
+    for _ in tl.static_range(LOG_E):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        right = active & (tl.load(pends_ptr + mid, mask=active, other=0) <= p)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(active & ~right, mid, hi)
+    e = lo
+    inside = e < E
+    has_prev = inside & (e > 0)
+    prev = tl.maximum(e - 1, 0)
+    pstart = tl.load(pends_ptr + prev, mask=has_prev, other=0)
+    start = tl.load(ends_ptr + prev, mask=has_prev, other=0)
+    end = tl.load(ends_ptr + e, mask=inside, other=0)
+    rows = start + (p - pstart)
+    rows_ok = inside & (rows < end)
+    scale = tl.load(scale_ptr + e, mask=inside, other=1.0)
+    x = _to_f32(tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=rows_ok[:, None] & cols_ok[None, :],
+                        other=0), DTYPE, SOFT)
+    q = _quantize_f32(x, scale[:, None], FP8_MAX, SOFT)
+    # Past the last segment x loaded as 0, so the whole width is stored (zeros there): a mask
+    # that varies along p per element would keep the store from vectorising (8x slower).
+    tl.store(q_ptr + cols[:, None].to(tl.int64) * T_PAD + p[None, :], tl.trans(q),
+             mask=cols_ok[:, None] & (p < T_PAD)[None, :])
 
 
 def quantize_grouped_colwise(
@@ -145,13 +201,22 @@ def quantize_grouped_colwise(
     if experts == 0 or cols == 0:
         return q, s_inv, pends.to(torch.int32)
     device, soft = x.device, interpreter_active()
-    per_expert = row_amax is not None
-    row_amax = row_amax.contiguous() if per_expert else s_inv
     if soft and device.type == "cuda":
-        x, ends, pends, row_amax, q, s_inv = (t.cpu() for t in (x, ends, pends, row_amax, q, s_inv))
-    _grouped_colwise_kernel[(experts, triton.cdiv(cols, _TC))](
-        _soft_view(x, soft), ends, pends, row_amax, _soft_view(q, soft), s_inv, cols, t_pad,
-        DTYPE=_DTYPE_CODE[x.dtype], SOFT=soft, FP8_MAX=FP8_E4M3_MAX, PER_EXPERT=per_expert,
-        TT=_TT, TC=_TC, UNROLL=_UNROLL, num_warps=_WARPS, **EXACT_FP,
-    )
+        x, ends, pends, q, s_inv = (t.cpu() for t in (x, ends, pends, q, s_inv))
+        row_amax = row_amax.cpu() if row_amax is not None else None
+    if row_amax is None:
+        _grouped_colwise_kernel[(experts, triton.cdiv(cols, _TC))](
+            _soft_view(x, soft), ends, pends, _soft_view(q, soft), s_inv, cols, t_pad,
+            DTYPE=_DTYPE_CODE[x.dtype], SOFT=soft, FP8_MAX=FP8_E4M3_MAX, TT=_TT, TC=_TC, UNROLL=_UNROLL,
+            num_warps=_WARPS, **EXACT_FP,
+        )
+    else:
+        scale = torch.empty(experts, dtype=torch.float32, device=x.device)
+        _expert_scale_kernel[(experts,)](row_amax.contiguous(), ends, scale, s_inv, cols,
+                                         FP8_MAX=FP8_E4M3_MAX, TB=1024, num_warps=4, **EXACT_FP)
+        _grouped_per_expert_kernel[(triton.cdiv(t_pad, _PE_TP), triton.cdiv(cols, _PE_TC))](
+            _soft_view(x, soft), ends, pends, scale, _soft_view(q, soft), cols, t_pad, experts,
+            DTYPE=_DTYPE_CODE[x.dtype], SOFT=soft, FP8_MAX=FP8_E4M3_MAX, LOG_E=experts.bit_length(),
+            TP=_PE_TP, TC=_PE_TC, num_warps=_PE_WARPS, **EXACT_FP,
+        )
     return q.to(device), s_inv.to(device), pends.to(device=device, dtype=torch.int32)
