@@ -33,6 +33,7 @@ REDUCTIONS = ("mean", "sum")
 
 #: How gathered weight bytes move; see [Note: ETP transports] in etp/transport/base.py.
 TRANSPORTS = ("auto", "nccl", "copy_engine")
+FP8_WEIGHT_SCALINGS = ("current", "delayed")
 #: How weight-gradient reduce-scatters run; see [Note: ETP transports].
 REDUCE_TRANSPORTS = ("auto", "nccl", "nccl_capped", "symm_triton", "copy_engine")
 
@@ -67,6 +68,12 @@ class ETPConfig:
             tensor). Off by default: on the H200 expert stack the operand quantization
             costs about what the FP8 GEMMs save (BENCHMARKS.md "FP8 compute on the expert
             stack"); weight gradients then come from bf16 GEMMs.
+        fp8_weight_scaling: how ``fp8_tensorwise`` weights get their scales each step:
+            "current" (the weight's amax now: an amax pass, then the cast) or "delayed" (the
+            previous step's amax, as TransformerEngine's default recipe: one cast pass that
+            also records this step's amax; weights whose amax grew are re-cast with their own
+            scale, decided on the device, so nothing ever saturates). Delayed saves one read
+            of every FP8 weight per step; the first step, and any after new weights, is current.
         prefetch: gather the next weight of the chain while the current GEMM runs.
         prefetch_recompute: with ``prefetch``, also prefetch the weights of forwards that
             activation recompute re-runs inside backward, along their own chain (off: each
@@ -103,6 +110,7 @@ class ETPConfig:
     gather_dtype: str = "param"
     fp8_fast_accum: bool = True
     fp8_wgrad: bool = False
+    fp8_weight_scaling: str = "current"
     prefetch: bool = True
     prefetch_recompute: bool = True
     async_reduce: bool = True
@@ -137,7 +145,8 @@ class ETPConfig:
                 f"ETPConfig.pad_for_alignment={self.pad_for_alignment!r}: gather_dtype="
                 "'fp8_blockwise' needs shards of whole 128-row blocks: use a multiple of 128"
             )
-        for key, allowed in (("transport", TRANSPORTS), ("reduce_transport", REDUCE_TRANSPORTS)):
+        for key, allowed in (("transport", TRANSPORTS), ("reduce_transport", REDUCE_TRANSPORTS),
+                             ("fp8_weight_scaling", FP8_WEIGHT_SCALINGS)):
             if getattr(self, key) not in allowed:
                 raise ValueError(
                     f"ETPConfig.{key}={getattr(self, key)!r}: allowed values are {list(allowed)}"

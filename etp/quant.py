@@ -47,7 +47,7 @@ from .kernels import (
 )
 from .param import ETPShardedParam
 
-__all__ = ["FP8Weight", "QuantizedShard", "quantize_shards", "FP8_DTYPE", "BLOCK"]
+__all__ = ["FP8Weight", "QuantizedShard", "cast_tensorwise", "quantize_shards", "FP8_DTYPE", "BLOCK"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 BLOCK = 128  # rows and columns of one fp8_blockwise weight block
@@ -66,6 +66,7 @@ class QuantizedShard:
     scale: torch.Tensor
     version: int
     scale_inv: torch.Tensor | None = None
+    amax: torch.Tensor | None = None  # tensorwise: the full weight's amax per group (delayed scaling)
 
     def __post_init__(self) -> None:
         if self.scale_inv is None:  # once per step, not once per GEMM
@@ -128,8 +129,51 @@ def _pieces(param) -> list[tuple[int, int, int]]:
     return pieces
 
 
+def cast_tensorwise(views, slot_index: torch.Tensor, slots: int, out, *, out_transposed=None,
+                    prev_amax: torch.Tensor | None = None, reduce_amax=None):
+    """Tensorwise e4m3 of weight pieces into the given buffers: piece ``i`` belongs to scale
+    group ``slot_index[i]`` of ``slots``. Returns ``(scales [slots], amax [slots])``.
+
+    Current scaling (``prev_amax`` None): one amax launch, ``reduce_amax(amax)`` (the ETP
+    group's all-reduce(MAX), in place), one cast launch. Delayed scaling (``prev_amax``: the
+    groups' amax of the previous step): one cast with the previous scales that also records
+    this step's amax ([Note: ETP FP8 gathers]), the reduction, then a re-cast, decided on the
+    device, of just the groups whose amax grew (with their own scales): no value ever
+    saturates, and the amax read pass is gone. No host synchronization either way.
+
+    Example::
+
+        scales, amax = cast_tensorwise(shards, torch.arange(n, device=dev), n, out=fp8_buffers,
+                                       prev_amax=last_amax)
+    """
+    device = slot_index.device
+    reduce_amax = reduce_amax or (lambda amax: None)
+    extra = dict(write_transposed=out_transposed is not None, out=out, out_transposed=out_transposed)
+    amax = torch.zeros(slots, dtype=torch.float32, device=device)
+    if prev_amax is None:
+        if views:
+            amax.scatter_reduce_(0, slot_index, multi_tensor_amax(views), reduce="amax")
+        reduce_amax(amax)
+        scales = amax_to_scale(amax)
+        if views:
+            multi_tensor_cast_fp8(views, scales[slot_index], **extra)
+        return scales, amax
+    used = amax_to_scale(prev_amax)
+    if views:
+        piece_amax = torch.empty(len(views), dtype=torch.float32, device=device)
+        multi_tensor_cast_fp8(views, used[slot_index], amax_out=piece_amax, **extra)
+        amax.scatter_reduce_(0, slot_index, piece_amax, reduce="amax")
+    reduce_amax(amax)
+    grew = ~(amax <= prev_amax)  # a NaN amax re-casts too (to NaN, as current scaling does)
+    fresh = amax_to_scale(amax)
+    if views:
+        multi_tensor_cast_fp8(views, fresh[slot_index], only=grew[slot_index], **extra)
+    return torch.where(grew, fresh, used), amax
+
+
 def _quantize_tensorwise(params, group) -> None:
-    """amax (one launch), all-reduce(MAX) (one collective), cast (one launch)."""
+    """Current scaling: amax (one launch), all-reduce(MAX) (one collective), cast (one
+    launch); delayed (``ETPConfig.fp8_weight_scaling``): see ``cast_tensorwise``."""
     device = params[0].device
     first_slot, pieces, slots = {}, [], []
     total = 0
@@ -141,13 +185,12 @@ def _quantize_tensorwise(params, group) -> None:
         total += _groups(param)[0]
     views = [param.detach()[lo:hi] for param, lo, hi in pieces]
     slot_index = torch.tensor(slots, dtype=torch.int64, device=device)
-    amax = torch.zeros(total, dtype=torch.float32, device=device)
-    if views:
-        amax.scatter_reduce_(0, slot_index, multi_tensor_amax(views), reduce="amax")
-    if group.size > 1:
-        with record_function("etp::all_reduce"):
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group.ag_group)
-    scales = amax_to_scale(amax)
+
+    def reduce_amax(amax: torch.Tensor) -> None:
+        if group.size > 1:
+            with record_function("etp::all_reduce"):
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group.ag_group)
+
     quantized = {}
     for param in params:
         state = param.etp_runtime.state(param)
@@ -155,12 +198,26 @@ def _quantize_tensorwise(params, group) -> None:
         if buffer is None:  # padding rows stay fp8 zeros (all bits 0) forever
             buffer = torch.zeros(param.shape, dtype=FP8_DTYPE, device=device)
         quantized[id(param)] = buffer
-    if views:  # straight into the stable shard buffers: no temporary, no copy
-        multi_tensor_cast_fp8(views, scales[slot_index],
-                              out=[quantized[id(param)][lo:hi] for param, lo, hi in pieces])
+    # Straight into the stable shard buffers: no temporary, no copy.
+    scales, amax = cast_tensorwise(views, slot_index, total, [quantized[id(param)][lo:hi] for param, lo, hi in pieces],
+                                   prev_amax=_previous_amax(params), reduce_amax=reduce_amax)
     for param in params:
         first, n = first_slot[id(param)], _groups(param)[0]
-        _store(param, quantized[id(param)], scales[first : first + n], param._version)
+        _store(param, quantized[id(param)], scales[first : first + n], param._version, amax[first : first + n])
+
+
+def _previous_amax(params) -> torch.Tensor | None:
+    """The group's amax of the previous quantization when every weight has one and
+    ``fp8_weight_scaling`` is "delayed", else None (current scaling)."""
+    if params[0].etp_config.fp8_weight_scaling != "delayed":
+        return None
+    prev = []
+    for param in params:
+        quant = param.etp_runtime.state(param).quant
+        if quant is None or quant.amax is None:
+            return None
+        prev.append(quant.amax)
+    return torch.cat(prev)
 
 
 def _quantize_blockwise(params, group) -> None:
@@ -188,7 +245,7 @@ def _quantize_blockwise(params, group) -> None:
         _store(param, q, full, param._version)
 
 
-def _store(param, data: torch.Tensor, scale: torch.Tensor, version: int) -> None:
+def _store(param, data: torch.Tensor, scale: torch.Tensor, version: int, amax: torch.Tensor | None = None) -> None:
     """Keeps this step's FP8 shard and scales. After the first step they are written into
     the tensors of the previous step, so their addresses never change: a CUDA graph that
     captured a gather and its scaled GEMMs reads the new step's values at replay."""
@@ -200,8 +257,13 @@ def _store(param, data: torch.Tensor, scale: torch.Tensor, version: int) -> None
         old.scale.copy_(scale)
         torch.reciprocal(old.scale, out=old.scale_inv)
         old.version = version
+        if amax is not None and old.amax is not None and old.amax.shape == amax.shape:
+            old.amax.copy_(amax)
+        else:
+            old.amax = None if amax is None else amax.clone()
     else:
-        state.quant = QuantizedShard(data, scale.contiguous(), version)
+        state.quant = QuantizedShard(data, scale.contiguous(), version,
+                                     amax=None if amax is None else amax.clone())
 
 
 def quantize_shards(model_or_params) -> int:

@@ -40,11 +40,14 @@ class Model(nn.Module):
 COUNTS = torch.tensor([6, 2, 8])
 
 
-def _reference_tensorwise(full: torch.Tensor) -> torch.Tensor:
+def _reference_tensorwise(full: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
     """Independent FP8 quantization of a full weight: per weight (2-D) or per expert (3-D),
-    scale = 448 / amax computed in float64, cast with torch's round-to-nearest-even."""
+    scale = 448 / amax (of ``full``, or the given one) computed in float64, cast with torch's
+    round-to-nearest-even."""
     w = full.double()
-    if w.dim() == 3:
+    if amax is not None:
+        amax = amax.double().view(-1, 1, 1) if w.dim() == 3 else amax.double().reshape(())
+    elif w.dim() == 3:
         amax = w.abs().amax(dim=(1, 2), keepdim=True)
     else:
         amax = w.abs().amax()
@@ -61,8 +64,10 @@ def _gather_quantized(param) -> torch.Tensor:
 
 def _quantization(ctx, mode):
     align = 128 if mode == "fp8_blockwise" else 4
+    # Delayed weight scaling: its first quantization is current scaling (no history yet),
+    # checked below like any; the second step is checked after the weights change.
     config = ETPConfig(etp_size=ctx.world_size, expert_etp_size=ctx.world_size, gather_dtype=mode,
-                       pad_for_alignment=align)
+                       pad_for_alignment=align, fp8_weight_scaling="delayed")
     torch.manual_seed(3)
     model = Model()
     full = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -83,6 +88,47 @@ def _quantization(ctx, mode):
         assert quantize_shards(model) == 4
     finally:
         quant_module.multi_tensor_amax, quant_module.multi_tensor_cast_fp8, quant_module.dist.all_reduce = originals
+    _check_against_reference(model, full, mode)
+    if mode != "fp8_tensorwise":
+        return calls
+    # Delayed scaling, step 2: expert 0 and the dense weights grow (re-cast with their own
+    # scale: nothing saturates), experts 1 and 2 shrink (cast with the previous step's amax).
+    # Both against the independent float64 quantization; no amax pass, one cast, one re-cast.
+    prev_amax = {n: (w.abs().amax(dim=(1, 2)) if w.dim() == 3 else w.abs().amax()) for n, w in full.items()}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if isinstance(p, ETPShardedParam):
+                layout = p.etp_layout
+                grown = full[name] * (torch.tensor([1.5, 0.5, 0.75]).view(-1, 1, 1) if full[name].dim() == 3 else 1.25)
+                rows = grown.reshape(layout.rows, -1)[layout.row_start:layout.row_start + layout.valid_rows]
+                p[: layout.valid_rows].copy_(rows.view_as(p[: layout.valid_rows]))
+                full[name] = grown
+    step2 = {"amax": 0, "cast": 0, "all_reduce": 0}
+    calls_before = dict(calls)
+    quant_module.multi_tensor_amax = counted("amax", originals[0])
+    quant_module.multi_tensor_cast_fp8 = counted("cast", originals[1])
+    quant_module.dist.all_reduce = counted("all_reduce", originals[2])
+    try:
+        quantize_shards(model)
+    finally:
+        quant_module.multi_tensor_amax, quant_module.multi_tensor_cast_fp8, quant_module.dist.all_reduce = originals
+    for key in step2:
+        step2[key] = calls[key] - calls_before[key]
+    assert step2 == {"amax": 0, "cast": 2, "all_reduce": 1}, step2
+    for name, p in model.named_parameters():
+        if not isinstance(p, ETPShardedParam):
+            continue
+        w = full[name]
+        new_amax = w.abs().amax(dim=(1, 2)) if w.dim() == 3 else w.abs().amax()
+        used = torch.where(new_amax > prev_amax[name], new_amax, prev_amax[name])
+        got = _gather_quantized(p)[: p.etp_layout.rows].view(p.etp_layout.logical_shape)
+        assert torch.equal(got, _reference_tensorwise(w, used).view(torch.uint8)), name
+        scale = p.etp_runtime.state(p).quant.scale.double()
+        torch.testing.assert_close(scale, (FP8_MAX / used.double()).float().double().reshape(scale.shape))
+    return calls
+
+
+def _check_against_reference(model, full, mode) -> None:
     for name, p in model.named_parameters():
         if not isinstance(p, ETPShardedParam):
             continue
@@ -100,14 +146,14 @@ def _quantization(ctx, mode):
             want = quantize_blockwise_ref(padded, 128, 128)[0][: layout.rows].view(torch.uint8)
             want = want.view(layout.logical_shape)
         assert torch.equal(got, want), f"{name}: FP8 shard differs from the reference quantization"
-    return calls
 
 
 @pytest.mark.parametrize("size", [2, 4])
 def test_tensorwise_quantization_one_launch_one_all_reduce(size):
     for calls in run_distributed(_quantization, size, "fp8_tensorwise"):
-        # One ETP group (dense and expert sizes equal): one amax launch, one all-reduce, one cast.
-        assert calls == {"amax": 1, "cast": 1, "all_reduce": 1}
+        # One ETP group (dense and expert sizes equal): one amax launch, one all-reduce, one
+        # cast; then the delayed step: no amax launch, one all-reduce, the cast and re-cast.
+        assert calls == {"amax": 1, "cast": 3, "all_reduce": 2}
 
 
 def test_blockwise_quantization_is_local():

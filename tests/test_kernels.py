@@ -402,6 +402,40 @@ def test_cast_into_given_buffers(impl):
 
 
 @needs_triton
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_cast_records_amax_and_casts_only_the_picked(impl):
+    """amax_out: each input's max |x| from the cast's own read, against float64 (flat and
+    tiled paths, a NaN, an empty tensor); only=: skipped inputs' buffers keep their bytes and
+    their amax entry is 0, picked ones equal the reference's cast."""
+    gen = _gen(12)
+    tensors = [_randn(s, torch.bfloat16, gen, 4.0) for s in ((33, 48), (2, 16, 130), (7,), (0, 5), (300,))]
+    tensors[2][3] = float("nan")
+    scales = (torch.rand(len(tensors), generator=gen) * 50).to(DEVICE)
+    want = torch.tensor([t.double().abs().max().item() if t.numel() else 0.0 for t in tensors], dtype=torch.float64)
+    for wt in (False, True):
+        out = [torch.full(t.shape, 0x11, dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn) for t in tensors]
+        out_t = [torch.full((*t.shape[:-2], t.shape[-1], t.shape[-2]) if t.dim() > 1 else t.shape, 0x11,
+                            dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn) for t in tensors]
+        amax = torch.full((len(tensors),), -1.0, device=DEVICE)
+        K.multi_tensor_cast_fp8(tensors, scales, write_transposed=wt, out=out, out_transposed=out_t if wt else None,
+                                amax_out=amax, impl=impl)
+        torch.testing.assert_close(amax.cpu().double(), want, equal_nan=True, rtol=0, atol=0)
+        only = torch.tensor([True, False, True, False, False], device=DEVICE)
+        out2 = [torch.full(t.shape, 0x11, dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn) for t in tensors]
+        amax2 = torch.full((len(tensors),), -1.0, device=DEVICE)
+        K.multi_tensor_cast_fp8(tensors, scales * 2, out=out2, amax_out=amax2, only=only, impl=impl)
+        ref, _ = K.multi_tensor_cast_fp8([t.cpu() for t in tensors], (scales * 2).cpu(), impl="torch")
+        for i, keep in enumerate(only.tolist()):
+            if keep:
+                _assert_fp8_bit_equal(out2[i], ref[i])
+                assert amax2[i].item() == want[i].item() or (want[i].isnan() and amax2[i].isnan())
+            else:
+                assert bool((out2[i].view(torch.uint8) == 0x11).all()) and amax2[i].item() == 0
+    with pytest.raises(ValueError, match="pass the destinations with out="):
+        K.multi_tensor_cast_fp8(tensors, scales, only=only, impl=impl)
+
+
+@needs_triton
 def test_cast_many_tensors_binary_search():
     gen = _gen(7)
     shapes = [tuple(torch.randint(1, 20, (2,), generator=gen).tolist()) for _ in range(150)]

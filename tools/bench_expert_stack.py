@@ -207,6 +207,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "leave the environment as it is)")
     p.add_argument("--reduce-ctas", type=int, default=8, metavar="N",
                    help="CTAs of the capped NCCL and symmetric Triton reduce transports (8)")
+    p.add_argument("--fp8-weight-scaling", choices=("current", "delayed"), default=None,
+                   help="ETPConfig.fp8_weight_scaling of every FP8 variant (default: ETPConfig's)")
     p.add_argument("--trace", type=str, default=None, help="directory for the etp_async profiler trace")
     p.add_argument("--out", type=str, default=None, help="JSON path (default $OUT/bench_expert_stack.json)")
     p.add_argument("--benchmarks-md", type=str, default=None, help="append a result section to this file")
@@ -345,14 +347,15 @@ class _FP8GroupedLinear(torch.autograd.Function):
         return grad_x, grad_w, None, None, None
 
 
-def quantize_full_weights(model: nn.Module) -> None:
+def quantize_full_weights(model: nn.Module, scaling: str) -> None:
     """Per-expert tensorwise e4m3 copies of every full expert weight, and their transposes
-    (the input-gradient operand), in one fused amax launch and one fused cast launch (the
-    kernels ``etp.quantize_shards`` runs on shards) written straight into stable buffers.
-    An unsharded weight lives for the whole step, so its transposed copy is made here, in
-    the cast's pass, instead of once per backward GEMM as for a gathered weight."""
-    from etp.kernels import amax_to_scale, multi_tensor_amax, multi_tensor_cast_fp8
-    from etp.quant import FP8_DTYPE, FP8Weight
+    (the input-gradient operand), written straight into stable buffers by
+    ``etp.quant.cast_tensorwise`` (what ``etp.quantize_shards`` runs on shards): current
+    scaling, one fused amax launch and one fused cast launch; delayed, one cast that records
+    the amax and a re-cast of the experts whose amax grew. An unsharded weight lives for the
+    whole step, so its transposed copy is made here, in the cast's pass, instead of once per
+    backward GEMM as for a gathered weight."""
+    from etp.quant import FP8_DTYPE, FP8Weight, cast_tensorwise
 
     weights = [(layer, name, getattr(layer, name).detach())
                for layer in model.layers for name in ("fc1_weight", "fc2_weight")]
@@ -363,8 +366,9 @@ def quantize_full_weights(model: nn.Module) -> None:
     views = [w[e] for _, _, w in weights for e in range(w.shape[0])]
     outs = [layer.fp8_copies[name][0][e] for layer, name, w in weights for e in range(w.shape[0])]
     outs_t = [layer.fp8_copies[name][1][e] for layer, name, w in weights for e in range(w.shape[0])]
-    scales = amax_to_scale(multi_tensor_amax(views))
-    multi_tensor_cast_fp8(views, scales, write_transposed=True, out=outs, out_transposed=outs_t)
+    prev = getattr(model, "fp8_amax", None) if scaling == "delayed" else None
+    scales, model.fp8_amax = cast_tensorwise(views, torch.arange(len(views), device=views[0].device), len(views),
+                                             outs, out_transposed=outs_t, prev_amax=prev)
     first = 0
     for layer, name, w in weights:
         experts = w.shape[0]
@@ -508,10 +512,11 @@ def prepare_replicated_fp8(args, env, _groups, fp8_wgrad: bool = False) -> Prepa
     model = build_model(args, env)
     for layer in model.layers:
         layer.fp8_weights, layer.fp8_copies, layer.fp8_wgrad = {}, {}, fp8_wgrad
-    quantize_full_weights(model)  # the first quantization, as after initialization
+    scaling = args.fp8_weight_scaling or etp.ETPConfig().fp8_weight_scaling
+    quantize_full_weights(model, scaling)  # the first quantization, as after initialization
 
     def finalize() -> None:
-        quantize_full_weights(model)  # once per optimizer step in training: charged to every step
+        quantize_full_weights(model, scaling)  # once per optimizer step in training: charged to every step
 
     return Prepared(model, model, finalize, _bytes(model.parameters()), 0, "local",
                     info={"fp8_copy_bytes": sum(d.numel() for layer in model.layers
@@ -582,6 +587,8 @@ def _prepare_etp(args, env, groups_cache: dict, prefetch: bool, gather_dtype: st
     cfg = _etp_config(env, prefetch, gather_dtype, pad_for_alignment, transports, args.reduce_ctas)
     if fp8_wgrad:
         cfg = dataclasses.replace(cfg, fp8_wgrad=True)
+    if args.fp8_weight_scaling and cfg.gather_dtype == "fp8_tensorwise":
+        cfg = dataclasses.replace(cfg, fp8_weight_scaling=args.fp8_weight_scaling)
     groups = _etp_groups(cfg, groups_cache)
     model = build_model(args, env)
     try:
@@ -613,7 +620,7 @@ def _prepare_etp(args, env, groups_cache: dict, prefetch: bool, gather_dtype: st
                              "prefetch": cfg.prefetch, "async_reduce": cfg.async_reduce,
                              "transport": cfg.transport, "reduce_transport": cfg.reduce_transport,
                              "reduce_ctas": cfg.reduce_ctas, "fp8_fast_accum": cfg.fp8_fast_accum,
-                             "fp8_wgrad": cfg.fp8_wgrad},
+                             "fp8_wgrad": cfg.fp8_wgrad, "fp8_weight_scaling": cfg.fp8_weight_scaling},
               "transports": {str(k): (t.gather.name, t.reduce.name)
                              for k, t in etp.runtime_of(model).transports.items()},
               "wire_bytes_breakdown": wire},

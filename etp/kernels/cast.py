@@ -18,6 +18,7 @@ from etp.kernels.amax import (
     _FLAT_EVICT,
     _LINEAR_SEARCH_MAX_TENSORS,
     EXACT_FP,
+    _abs_bits,
     _find_tensor,
     _to_f32,
     block_starts,
@@ -32,7 +33,7 @@ from etp.kernels.amax import (
     select_impl,
     upload_tables,
 )
-from etp.kernels.reference import FP8_E4M3_MAX, amax_to_scale_ref, multi_tensor_cast_fp8_ref
+from etp.kernels.reference import FP8_E4M3_MAX, amax_to_scale_ref, multi_tensor_amax_ref, multi_tensor_cast_fp8_ref
 
 __all__ = ["FP8_E4M3_MAX", "amax_to_scale", "multi_tensor_cast_fp8"]
 
@@ -140,24 +141,29 @@ def _cast_flat_chunk(
     DTYPE: tl.constexpr, SOFT: tl.constexpr, FP8_MAX: tl.constexpr,
     BLOCK: tl.constexpr, ITERS: tl.constexpr, EVICT: tl.constexpr,
 ):
-    """Quantize elements [start, start + BLOCK * ITERS) of one flat tensor.
+    """Quantize elements [start, start + BLOCK * ITERS) of one flat tensor; returns the
+    chunk's max |x| as integer bits (NaN-propagating, see ``_abs_bits``).
 
     static_range unrolls the ITERS steps so their loads are independent and can
     all be in flight at once.
     """
     offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
     if start + BLOCK * ITERS <= numel:
         # Full chunk: unmasked accesses vectorise.
         for i in tl.static_range(ITERS):
             o = start + i * BLOCK + offs
             x = _to_f32(tl.load(in_base + o, eviction_policy=EVICT), DTYPE, SOFT)
+            acc = tl.maximum(acc, _abs_bits(x))
             tl.store(out_base + o, _quantize_f32(x, scale, FP8_MAX, SOFT))
     else:
         for i in tl.static_range(ITERS):
             o = start + i * BLOCK + offs
             m = o < numel
             x = _to_f32(tl.load(in_base + o, mask=m, other=0, eviction_policy=EVICT), DTYPE, SOFT)
+            acc = tl.maximum(acc, _abs_bits(x))
             tl.store(out_base + o, _quantize_f32(x, scale, FP8_MAX, SOFT), mask=m)
+    return tl.max(acc, axis=0)
 
 
 # --------------------------------------------------------------------------
@@ -169,6 +175,8 @@ def _cast_flat_chunk(
 def _multi_tensor_cast_fp8_kernel(
     table_ptr,  # int64 [8, T]: in addr, out addr, out^T addr, numel, rows, cols, first block, scale index
     scales_ptr,  # float32 [N]
+    amax_ptr,  # HAS_AMAX: int32 bits of float32 [N], each tensor's max |x| (atomic max)
+    only_ptr,  # ONLY: uint8 [N], tensors whose entry is 0 are skipped
     T,
     IN_TY: tl.constexpr,
     OUT_TY: tl.constexpr,
@@ -184,8 +192,14 @@ def _multi_tensor_cast_fp8_kernel(
     TILE_R: tl.constexpr,
     TILE_C: tl.constexpr,
     EVICT: tl.constexpr,  # eviction policy of the streaming input loads
+    HAS_AMAX: tl.constexpr,
+    ONLY: tl.constexpr,
 ):
     """q_t = e4m3fn(clamp(x_t * scales[s_t], -FP8_MAX, FP8_MAX)) for every table entry t.
+
+    HAS_AMAX: each program also folds the max |x| of what it read into ``amax[s_t]`` (one
+    atomic per program): the delayed-scaling cast records the amax of the next step's scale
+    from its own read. ONLY: programs of tensors with ``only[s_t] == 0`` do nothing.
 
     Without WRITE_T every tensor is processed flat, ``BLOCK * ITERS`` elements
     per program.  With WRITE_T, tensors with ``rows > 0`` are viewed as
@@ -196,11 +210,15 @@ def _multi_tensor_cast_fp8_kernel(
     """
     pid = tl.program_id(0)
     tid = _find_tensor(table_ptr + 6 * T, pid, T, LINEAR_SEARCH, T_POW2)
+    idx = tl.load(table_ptr + 7 * T + tid)
+    if ONLY:
+        if tl.load(only_ptr + idx) == 0:
+            return
     in_addr = tl.load(table_ptr + tid)
     out_addr = tl.load(table_ptr + T + tid)
     numel = tl.load(table_ptr + 3 * T + tid)
     first = tl.load(table_ptr + 6 * T + tid)
-    scale = tl.load(scales_ptr + tl.load(table_ptr + 7 * T + tid))
+    scale = tl.load(scales_ptr + idx)
     in_base = in_addr.to(tl.pointer_type(IN_TY))
     out_base = out_addr.to(tl.pointer_type(OUT_TY))
     if ALIGNED:
@@ -212,8 +230,8 @@ def _multi_tensor_cast_fp8_kernel(
         rows = tl.load(table_ptr + 4 * T + tid)
         cols = tl.load(table_ptr + 5 * T + tid)
         if rows == 0:
-            _cast_flat_chunk(in_base, out_base, local * (BLOCK * ITERS), numel, scale,
-                             DTYPE, SOFT, FP8_MAX, BLOCK, ITERS, EVICT)
+            bits = _cast_flat_chunk(in_base, out_base, local * (BLOCK * ITERS), numel, scale,
+                                    DTYPE, SOFT, FP8_MAX, BLOCK, ITERS, EVICT)
         else:
             outt_base = tl.load(table_ptr + 2 * T + tid).to(tl.pointer_type(OUT_TY))
             if ALIGNED:
@@ -245,9 +263,12 @@ def _multi_tensor_cast_fp8_kernel(
                 q = _quantize_f32(x, scale, FP8_MAX, SOFT)
                 tl.store(out_base + offs, q, mask=mask)
                 tl.store(outt_base + offs_t, q, mask=mask)
+            bits = tl.max(tl.max(_abs_bits(x), axis=1), axis=0)
     else:
-        _cast_flat_chunk(in_base, out_base, local * (BLOCK * ITERS), numel, scale,
-                         DTYPE, SOFT, FP8_MAX, BLOCK, ITERS, EVICT)
+        bits = _cast_flat_chunk(in_base, out_base, local * (BLOCK * ITERS), numel, scale,
+                                DTYPE, SOFT, FP8_MAX, BLOCK, ITERS, EVICT)
+    if HAS_AMAX:
+        tl.atomic_max(amax_ptr + idx, bits, sem="relaxed")
 
 
 def _matrix_dims(t: torch.Tensor) -> Tuple[int, int]:
@@ -270,8 +291,12 @@ def _launch_multi_tensor_cast_fp8(
     linear_search_max: int = _LINEAR_SEARCH_MAX_TENSORS,
     num_warps: Optional[int] = None,
     evict: str = _FLAT_EVICT,
+    amax_bits: Optional[torch.Tensor] = None,
+    only: Optional[torch.Tensor] = None,
 ) -> None:
-    """One launch per input dtype; writes into the preallocated ``qs`` / ``qts``."""
+    """One launch per input dtype; writes into the preallocated ``qs`` / ``qts`` (and folds
+    each tensor's max |x| into ``amax_bits``, int32 bits of zeroed float32, when given;
+    skips tensors whose ``only`` entry, uint8, is 0)."""
     soft = interpreter_active()
     write_t = qts is not None
     chunk = block * iters
@@ -306,6 +331,8 @@ def _launch_multi_tensor_cast_fp8(
         _multi_tensor_cast_fp8_kernel[(total,)](
             table,
             scales,
+            scales if amax_bits is None else amax_bits,
+            scales if only is None else only,
             n_t,
             IN_TY=load_ty(dtype, soft),
             OUT_TY=tl.uint8 if soft else tl.float8e4nv,
@@ -321,6 +348,8 @@ def _launch_multi_tensor_cast_fp8(
             TILE_R=tile_r,
             TILE_C=tile_c,
             EVICT=evict,
+            HAS_AMAX=amax_bits is not None,
+            ONLY=only is not None,
             num_warps=num_warps,
             **EXACT_FP,
         )
@@ -396,6 +425,8 @@ def multi_tensor_cast_fp8(
     write_transposed: bool = False,
     out: Optional[Sequence[torch.Tensor]] = None,
     out_transposed: Optional[Sequence[torch.Tensor]] = None,
+    amax_out: Optional[torch.Tensor] = None,
+    only: Optional[torch.Tensor] = None,
     impl: str = "auto",
 ) -> Tuple[List[torch.Tensor], Optional[List[torch.Tensor]]]:
     """Cast many tensors to float8_e4m3fn with per-tensor scales in one launch per dtype.
@@ -422,6 +453,13 @@ def multi_tensor_cast_fp8(
             directly, no allocation and no copy afterwards.
         out_transposed: with ``out`` and ``write_transposed``, the transposed destinations
             (ignored for 1-D inputs, whose transposed output is ``out[i]``).
+        amax_out: float32 ``[len(tensors)]`` that receives each input's ``max |x|`` (what
+            :func:`multi_tensor_amax` returns) from the cast's own read: delayed scaling
+            casts with the previous step's scale and records this step's amax in one pass.
+        only: bool ``[len(tensors)]`` on the device: inputs whose entry is False are not
+            cast at all (their outputs keep their contents, their ``amax_out`` entries are
+            0); needs ``out=``. The re-cast of delayed scaling, decided on the device: no
+            host synchronization.
         impl: ``"auto"`` (Triton on CUDA tensors, torch reference otherwise),
             ``"triton"`` (CPU tensors only under ``TRITON_INTERPRET=1``) or ``"torch"``.
 
@@ -445,6 +483,12 @@ def multi_tensor_cast_fp8(
             raise ValueError(f"tensors[{i}] must have 1, 2 or 3 dims, got shape {tuple(t.shape)}")
         if not t.is_contiguous():
             raise ValueError(f"tensors[{i}] is not contiguous; call .contiguous() first")
+    for name, t, dtype in (("amax_out", amax_out, torch.float32), ("only", only, torch.bool)):
+        if t is not None and (t.dtype != dtype or t.shape != (len(tensors),) or t.device != device):
+            raise ValueError(f"{name} must be a {dtype} tensor of shape [{len(tensors)}] on {device}, "
+                             f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+    if only is not None and out is None:
+        raise ValueError("only= leaves skipped outputs as they are: pass the destinations with out=")
     if out is not None:
         out = _check_out(out, [t.shape for t in tensors], device, "out")
         if write_transposed:
@@ -458,28 +502,42 @@ def multi_tensor_cast_fp8(
                                  for t in tensors]
             out_transposed = _check_out(out_transposed, transposed_shapes, device, "out_transposed")
     if not select_impl(impl, device) or needs_staging(device):
+        picked = [True] * len(tensors) if only is None else only.tolist()  # the reference path may sync
         if not select_impl(impl, device):
             qs, qts = multi_tensor_cast_fp8_ref(tensors, scales, write_transposed=write_transposed)
+            if amax_out is not None:
+                amax_out.copy_(torch.where(torch.tensor(picked, device=device),
+                                           multi_tensor_amax_ref(tensors).to(device), 0.0))
         else:
+            staged_amax = None if amax_out is None else torch.zeros(len(tensors))
             qs, qts = multi_tensor_cast_fp8([t.cpu() for t in tensors], scales.cpu(),
-                                            write_transposed=write_transposed, impl="triton")
+                                            write_transposed=write_transposed, amax_out=staged_amax,
+                                            impl="triton")
+            if amax_out is not None:
+                amax_out.copy_(torch.where(torch.tensor(picked), staged_amax, 0.0))
         if out is None:
             qs = [q.to(device) for q in qs]
             if qts is None:
                 return qs, None
             return qs, [qs[i] if t.dim() < 2 else qt.to(device) for i, (t, qt) in enumerate(zip(tensors, qts))]
-        for dst, q in zip(out, qs):  # bytes: uint8 views copy FP8 on every torch version
-            dst.view(torch.uint8).copy_(q.view(torch.uint8))
+        for dst, q, keep in zip(out, qs, picked):  # bytes: uint8 views copy FP8 on every torch version
+            if keep:
+                dst.view(torch.uint8).copy_(q.view(torch.uint8))
         if qts is not None:
-            for t, dst, qt in zip(tensors, out_transposed, qts):
-                if t.dim() >= 2:
+            for t, dst, qt, keep in zip(tensors, out_transposed, qts, picked):
+                if t.dim() >= 2 and keep:
                     dst.view(torch.uint8).copy_(qt.view(torch.uint8))
         return list(out), (list(out_transposed) if write_transposed else None)
     if out is None:
         qs, qts = _alloc_outputs(tensors, write_transposed)
     else:
         qs, qts = list(out), (list(out_transposed) if write_transposed else None)
-    _launch_multi_tensor_cast_fp8(tensors, scales.contiguous(), qs, qts)
+    amax_bits = None
+    if amax_out is not None:
+        amax_out.zero_()
+        amax_bits = amax_out.view(torch.int32)
+    _launch_multi_tensor_cast_fp8(tensors, scales.contiguous(), qs, qts, amax_bits=amax_bits,
+                                  only=None if only is None else only.view(torch.uint8))
     return qs, qts
 
 
