@@ -431,6 +431,10 @@ def test_cast_records_amax_and_casts_only_the_picked(impl):
                 assert amax2[i].item() == want[i].item() or (want[i].isnan() and amax2[i].isnan())
             else:
                 assert bool((out2[i].view(torch.uint8) == 0x11).all()) and amax2[i].item() == 0
+    out3 = [torch.full(t.shape, 0x22, dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn) for t in tensors]
+    K.multi_tensor_cast_fp8(tensors, scales, out=out3, only=torch.zeros(len(tensors), dtype=torch.bool, device=DEVICE),
+                            impl=impl)  # nothing picked: the kernel's early exit
+    assert all(bool((o.view(torch.uint8) == 0x22).all()) for o in out3)
     with pytest.raises(ValueError, match="pass the destinations with out="):
         K.multi_tensor_cast_fp8(tensors, scales, only=only, impl=impl)
 

@@ -22,7 +22,7 @@ first imported.
 from etp.kernels.amax import multi_tensor_amax
 from etp.kernels.blockwise import dequantize_fp8, quantize_blockwise, quantize_rowwise
 from etp.kernels.cast import amax_to_scale, multi_tensor_cast_fp8
-from etp.kernels.colwise import quantize_grouped_colwise
+from etp.kernels.colwise import grouped_colwise_layout, quantize_grouped_colwise
 from etp.kernels.reference import FP8_E4M3_MAX
 from etp.kernels.swiglu import swiglu, swiglu_backward
 from etp.kernels.transpose import transpose_last2
@@ -34,6 +34,7 @@ __all__ = [
     "multi_tensor_amax",
     "multi_tensor_cast_fp8",
     "quantize_blockwise",
+    "grouped_colwise_layout",
     "quantize_grouped_colwise",
     "quantize_rowwise",
     "swiglu",

@@ -176,7 +176,8 @@ def _multi_tensor_cast_fp8_kernel(
     table_ptr,  # int64 [8, T]: in addr, out addr, out^T addr, numel, rows, cols, first block, scale index
     scales_ptr,  # float32 [N]
     amax_ptr,  # HAS_AMAX: int32 bits of float32 [N], each tensor's max |x| (atomic max)
-    only_ptr,  # ONLY: uint8 [N], tensors whose entry is 0 are skipped
+    only_ptr,  # ONLY: uint8 [N + 1], tensors whose entry is 0 are skipped; [N]: any entry set
+    N,
     T,
     IN_TY: tl.constexpr,
     OUT_TY: tl.constexpr,
@@ -208,6 +209,11 @@ def _multi_tensor_cast_fp8_kernel(
     q^T (the layout change happens on chip).  1-D tensors (``rows == 0``) are
     processed flat and have no separate transposed copy.
     """
+    if ONLY:
+        # Usually nothing is picked (delayed scaling's re-cast): one load, not the table
+        # search's chain of dependent loads, before each of the many programs exits.
+        if tl.load(only_ptr + N) == 0:
+            return
     pid = tl.program_id(0)
     tid = _find_tensor(table_ptr + 6 * T, pid, T, LINEAR_SEARCH, T_POW2)
     idx = tl.load(table_ptr + 7 * T + tid)
@@ -333,6 +339,7 @@ def _launch_multi_tensor_cast_fp8(
             scales,
             scales if amax_bits is None else amax_bits,
             scales if only is None else only,
+            len(tensors),
             n_t,
             IN_TY=load_ty(dtype, soft),
             OUT_TY=tl.uint8 if soft else tl.float8e4nv,
@@ -536,8 +543,9 @@ def multi_tensor_cast_fp8(
     if amax_out is not None:
         amax_out.zero_()
         amax_bits = amax_out.view(torch.int32)
-    _launch_multi_tensor_cast_fp8(tensors, scales.contiguous(), qs, qts, amax_bits=amax_bits,
-                                  only=None if only is None else only.view(torch.uint8))
+    if only is not None:  # [N + 1]: the flags, then whether any is set (checked first)
+        only = torch.cat([only, only.any().view(1)]).view(torch.uint8)
+    _launch_multi_tensor_cast_fp8(tensors, scales.contiguous(), qs, qts, amax_bits=amax_bits, only=only)
     return qs, qts
 
 

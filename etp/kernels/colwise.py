@@ -44,7 +44,7 @@ from etp.kernels.blockwise import _amax_to_scale, _reciprocal_rn, _soft_view
 from etp.kernels.cast import _quantize_f32
 from etp.kernels.reference import FP8_E4M3_MAX, grouped_colwise_layout, quantize_grouped_colwise_ref
 
-__all__ = ["quantize_grouped_colwise"]
+__all__ = ["grouped_colwise_layout", "quantize_grouped_colwise"]
 
 _TT = 256  # tokens per tile; launch shape from bench_kernels.py's sweep on H200: 256 x 64, 8 warps,
 _TC = 64   # two tiles per loop step: 0.222 ms for [32768, 4096] (128 x 64 x 4 warps x 2: 0.238)
@@ -152,7 +152,7 @@ def _grouped_per_expert_kernel(x_ptr, ends_ptr, pends_ptr, scale_ptr, q_ptr, C, 
 
 def quantize_grouped_colwise(
     x: torch.Tensor, counts: torch.Tensor, *, row_amax: Optional[torch.Tensor] = None, align: int = 16,
-    impl: str = "auto",
+    layout: Optional[Tuple[torch.Tensor, torch.Tensor, int]] = None, impl: str = "auto",
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FP8 (e4m3) of ``x [T, C]`` transposed, one scale per (expert, column), or per expert.
 
@@ -164,6 +164,8 @@ def quantize_grouped_colwise(
             ``amax_out``): then one scale per *expert*, ``448 / max`` over its rows, and x is
             read once instead of twice (the column maxima pass is skipped).
         align: each expert's token segment is padded with zeros to a multiple of this.
+        layout: ``grouped_colwise_layout(T, counts, align)``, when the caller quantizes
+            several operands over the same counts (a weight gradient's two): computed once.
         impl: ``"auto"`` (Triton on CUDA), ``"triton"`` or ``"torch"``.
 
     Returns:
@@ -194,7 +196,7 @@ def quantize_grouped_colwise(
                          f"{row_amax.dtype} {tuple(row_amax.shape)} on {row_amax.device}")
     if not select_impl(impl, x.device):
         return quantize_grouped_colwise_ref(x, counts, row_amax=row_amax, align=align)
-    ends, pends, t_pad = grouped_colwise_layout(x.shape[0], counts, align)
+    ends, pends, t_pad = layout if layout is not None else grouped_colwise_layout(x.shape[0], counts, align)
     experts, cols = counts.numel(), x.shape[1]
     q = torch.empty((cols, t_pad), dtype=torch.float8_e4m3fn, device=x.device)
     s_inv = torch.empty((experts, cols), dtype=torch.float32, device=x.device)
