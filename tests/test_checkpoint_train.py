@@ -116,13 +116,21 @@ def _save_then_load(ctx, root, saved_layout, load_layouts):
     return True
 
 
+# (TP, ETP, expert ETP) saved, then loaded at each of these layouts; runs in the shared spawn.
+RESHARD = ((1, 4, 4), [(1, 2, 2), (1, 1, 1), (1, 4, 4), (1, 2, 4)])
+
+
 @pytest.mark.parametrize("saved,loads", [
-    ((1, 4, 4), [(1, 2, 2), (1, 1, 1), (1, 4, 4), (1, 2, 4)]),  # (TP, ETP, expert ETP)
+    RESHARD,
     # slow: the same save / load path with a TP change (test_checkpoint_model covers TP layouts)
     pytest.param((2, 2, 2), [(1, 4, 4), (1, 1, 1)], marks=pytest.mark.slow),
 ], ids=["etp4-to-2-1-4", "tp2xetp2-to-tp1xetp4"])
-def test_reshard_weights_and_adam_moments_bit_exact(tmp_path, saved, loads):
-    assert run_distributed(_save_then_load, 4, str(tmp_path / "ckpt"), saved, loads) == [True] * 4
+def test_reshard_weights_and_adam_moments_bit_exact(request, tmp_path, saved, loads):
+    if (saved, loads) == RESHARD:
+        results = _shared(request, "reshard")
+    else:
+        results = run_distributed(_save_then_load, 4, str(tmp_path / "ckpt"), saved, loads)
+    assert results == [True] * 4
 
 
 def test_resume_continues_the_loss_curve(tmp_path):
@@ -208,8 +216,8 @@ def _gpt_round_trip(ctx, root):
     return True
 
 
-def test_gpt_model_layers_stacked_under_one_key_round_trip(tmp_path):
-    assert run_distributed(_gpt_round_trip, 4, str(tmp_path / "ckpt")) == [True] * 4
+def test_gpt_model_layers_stacked_under_one_key_round_trip(request):
+    assert _shared(request, "gpt") == [True] * 4
 
 
 def _broken_description(ctx):
@@ -217,8 +225,9 @@ def _broken_description(ctx):
 
     from etp.megatron.checkpoint.training import _validate_on_every_rank
 
-    # Rank 1 describes half of a 2-row tensor, nobody the other half: megatron's validation
-    # fails on rank 0 only; every rank must raise instead of waiting in the save.
+    # Rank 1 describes half of a 2-row tensor, nobody the other half (ranks 0, 2, 3 nothing):
+    # megatron's validation fails on rank 0 only; every rank must raise instead of waiting in
+    # the save.
     piece = ShardedTensor.from_rank_offsets("w", torch.zeros(1, 4), (0, 1, 2), replica_id=0)
     for loading in (False, True):
         with pytest.raises(ValueError, match="sharding is invalid"):
@@ -226,8 +235,8 @@ def _broken_description(ctx):
     return True
 
 
-def test_invalid_sharding_fails_on_every_rank():
-    assert run_distributed(_broken_description, 2, timeout=60) == [True] * 2
+def test_invalid_sharding_fails_on_every_rank(request):
+    assert _shared(request, "invalid") == [True] * 4
 
 
 class _MixedPrecisionOptimizer:
@@ -286,6 +295,53 @@ def _mixed_precision_round_trip(ctx, root):
     return True
 
 
-def test_mixed_precision_masters_round_trip(tmp_path):
+def test_mixed_precision_masters_round_trip(request):
     """bf16 weights, fp32 masters and moments saved at ETP 4, loaded at ETP 2 bit for bit."""
-    assert run_distributed(_mixed_precision_round_trip, 4, str(tmp_path / "ckpt")) == [True] * 4
+    assert _shared(request, "mixed") == [True] * 4
+
+
+# ------------------------------------------------------------------------------------------
+# The 4-rank bodies above share one spawn: starting 4 ranks with megatron-core costs ~14 s
+# here, more than most bodies. Each body sets up and destroys its own model-parallel state
+# and writes under its own directory. A rank that raises fails the spawn with its traceback
+# (which names the body); the tests of bodies that had finished on every rank still pass, the
+# others report that traceback.
+
+SHARED_BODIES = ("invalid", "reshard", "gpt", "mixed")  # in this order; the cheap check first
+
+
+def _four_rank_bodies(ctx, root):
+    bodies = {"invalid": lambda: _broken_description(ctx),
+              "reshard": lambda: _save_then_load(ctx, f"{root}/reshard", *RESHARD),
+              "gpt": lambda: _gpt_round_trip(ctx, f"{root}/gpt"),
+              "mixed": lambda: _mixed_precision_round_trip(ctx, f"{root}/mixed")}
+    results = {}
+    for name in SHARED_BODIES:
+        results[name] = bodies[name]()
+        (Path(root) / f"{name}.done{ctx.rank}").write_text(json.dumps(results[name]))
+    return results
+
+
+@pytest.fixture(scope="module")
+def four_rank_bodies(tmp_path_factory):
+    """{body: per-rank results} of the shared spawn; a failed spawn's message for the bodies
+    that did not finish on every rank."""
+    root = tmp_path_factory.mktemp("ckpt")
+    try:
+        results = run_distributed(_four_rank_bodies, 4, str(root), timeout=300)
+    except AssertionError as exc:
+        finished = {}
+        for name in SHARED_BODIES:
+            files = [root / f"{name}.done{rank}" for rank in range(4)]
+            finished[name] = ([json.loads(f.read_text()) for f in files] if all(f.exists() for f in files)
+                              else f"the shared 4-rank spawn failed before this body finished:\n{exc}")
+        return finished
+    return {name: [r[name] for r in results] for name in SHARED_BODIES}
+
+
+def _shared(request, name: str) -> list:
+    """The per-rank results of body ``name`` in the shared 4-rank spawn (run on first use)."""
+    outcome = request.getfixturevalue("four_rank_bodies")[name]
+    if isinstance(outcome, str):
+        pytest.fail(outcome, pytrace=False)
+    return outcome
