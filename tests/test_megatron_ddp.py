@@ -15,6 +15,8 @@ megatron-core's DDP allocates its buffers on ``torch.cuda.current_device()``; on
 test points that at "cpu" (DDP's collectives are plain torch.distributed calls).
 """
 import contextlib
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -204,16 +206,51 @@ def _ddp_step(ctx, overlap: bool, reduction: str, per_token: bool = False, disto
         ps.destroy_model_parallel()
 
 
-def _ddp_steps(ctx, configs):
-    """Several configurations in the same ranks (a 4-rank spawn costs ~8 s)."""
-    return [_ddp_step(ctx, *config) for config in configs]
+def _ddp_steps(ctx, configs, root):
+    """Several configurations in the same ranks (a 4-rank spawn costs ~14 s); each finished
+    configuration leaves a file per rank, so that a later one's failure fails only its test."""
+    results = []
+    for index, config in enumerate(configs):
+        results.append(_ddp_step(ctx, *config))
+        (Path(root) / f"{index}.done{ctx.rank}").write_text(json.dumps(results[-1]))
+    return results
 
 
-def test_etp_ddp_gradients_equal_unsharded_reference():
+# (overlap, reduction, per_token, distributed optimizer) of the default tests, in one spawn:
+# overlap_grad_reduce with the sum reduction, the synchronous path with a per-token loss over
+# uneven token counts (mean reduction), and the distributed optimizer's chunks (synchronous).
+SHARED = {"overlap_sum": (True, "sum", False), "sync_per_token": (False, "mean", True),
+          "distopt_sync": (False, "mean", False, True)}
+
+
+@pytest.fixture(scope="module")
+def shared_steps(tmp_path_factory):
+    """{configuration: per-rank results}, or for the configurations that did not finish on
+    every rank, the failed spawn's message."""
+    root = tmp_path_factory.mktemp("ddp")
+    try:
+        results = run_distributed(_ddp_steps, 4, list(SHARED.values()), str(root))
+        return {name: [r[i] for r in results] for i, name in enumerate(SHARED)}
+    except AssertionError as exc:
+        out = {}
+        for i, name in enumerate(SHARED):
+            files = [root / f"{i}.done{rank}" for rank in range(4)]
+            out[name] = ([json.loads(f.read_text()) for f in files] if all(f.exists() for f in files)
+                         else f"the shared 4-rank spawn failed before {name} finished:\n{exc}")
+        return out
+
+
+def _shared(steps, name):
+    if isinstance(steps[name], str):
+        pytest.fail(steps[name], pytrace=False)
+    return steps[name]
+
+
+def test_etp_ddp_gradients_equal_unsharded_reference(shared_steps):
     """overlap_grad_reduce with the sum reduction, and the synchronous path with a per-token
     loss over uneven token counts (mean reduction)."""
-    configs = [(True, "sum", False), (False, "mean", True)]
-    assert run_distributed(_ddp_steps, 4, configs) == [[True, True]] * 4
+    assert _shared(shared_steps, "overlap_sum") == [True] * 4
+    assert _shared(shared_steps, "sync_per_token") == [True] * 4
 
 
 @pytest.mark.slow  # the synchronous path and the mean reduction also run in the per-token case
@@ -222,12 +259,15 @@ def test_etp_ddp_gradients_equal_unsharded_reference_sync_mean():
 
 
 # The overlapped hooks are covered by test_etp_ddp_gradients_equal_unsharded_reference; the
-# chunk layout by the synchronous case here: the overlapped one is slow.
+# chunk layout by the synchronous case here (in the shared spawn): the overlapped one is slow.
 @pytest.mark.parametrize("overlap", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["sync", "overlap_grad_reduce"])
-def test_etp_ddp_distributed_optimizer_chunks(overlap):
+def test_etp_ddp_distributed_optimizer_chunks(request, overlap):
     """Reduce-scatter buckets (distributed optimizer) over the replicate group: each rank's
     chunk is exact, including replicated params completed over the ETP group afterwards
     (ETP peers own the same chunk position)."""
-    owned = run_distributed(_ddp_step, 4, overlap, "mean", False, True)
+    if overlap:
+        owned = run_distributed(_ddp_step, 4, overlap, "mean", False, True)
+    else:
+        owned = _shared(request.getfixturevalue("shared_steps"), "distopt_sync")
     # The replicated vector's chunks: split between the 2 replicas, the same on ETP peers.
     assert sum(owned) == 2 * HIDDEN and owned[0] == owned[1] and owned[2] == owned[3]
