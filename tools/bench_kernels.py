@@ -352,6 +352,34 @@ def main(argv: List[str]) -> int:
                          "torch_ref": {**r, "fraction_of_copy_bw": fl / r["median_ms"]}}
         rows_md += [(f"fp8 cast {key} fused", fused_impl, f["median_ms"], moved, fl / f["median_ms"]),
                     (f"fp8 cast {key} torch", "torch", r["median_ms"], moved, fl / r["median_ms"])]
+    # Delayed weight scaling (ETPConfig.fp8_weight_scaling): the transposing cast that also
+    # records each tensor's amax, into given buffers; then the device-decided re-cast when no
+    # weight's amax grew (every program exits after one load).
+    qs, qts = multi_tensor_cast_fp8(shards, scales, write_transposed=True, impl=fused_impl)
+    rec_amax = torch.empty(len(shards), dtype=torch.float32, device=device)
+    moved, fl = cast_res["transposed"]["bytes_moved"], cast_res["transposed"]["floor_ms"]
+    f = timer(lambda: multi_tensor_cast_fp8(shards, scales, write_transposed=True, out=qs, out_transposed=qts,
+                                            amax_out=rec_amax, impl=fused_impl))
+    nothing = torch.zeros(len(shards), dtype=torch.bool, device=device)
+    n = timer(lambda: multi_tensor_cast_fp8(shards, scales, write_transposed=True, out=qs, out_transposed=qts,
+                                            only=nothing, impl=fused_impl))
+    cast_res["transposed_amax"] = {"bytes_moved": moved, "floor_ms": fl,
+                                   "fused": {**f, "fraction_of_copy_bw": fl / f["median_ms"]},
+                                   "recast_nothing_picked": n}
+    rows_md += [("fp8 cast transposed + amax (delayed scaling) fused", fused_impl, f["median_ms"], moved,
+                 fl / f["median_ms"]),
+                ("fp8 re-cast, nothing picked (delayed scaling)", fused_impl, n["median_ms"], 0, 0.0)]
+    if fused_impl == "triton" and not args.no_sweep:
+        sweep = []
+        bits = rec_amax.view(torch.int32)
+        for tr, tc, warps in CAST_SWEEP:
+            def run(a=tr, b=tc, w=warps):
+                cast_mod._launch_multi_tensor_cast_fp8(shards, scales, qs, qts, tile_r=a, tile_c=b, num_warps=w,
+                                                       amax_bits=bits)
+            t = timer(run)
+            sweep.append({"tile_r": tr, "tile_c": tc, "num_warps": warps, "median_ms": t["median_ms"],
+                          "fraction_of_copy_bw": fl / t["median_ms"]})
+        cast_res["transposed_amax_sweep"] = sweep
     if fused_impl == "triton" and not args.no_sweep:
         sweep = []
         qs, _ = multi_tensor_cast_fp8(shards, scales, impl=fused_impl)
@@ -501,6 +529,11 @@ def main(argv: List[str]) -> int:
     rqs, rqts = multi_tensor_cast_fp8(shards, scales, write_transposed=True, impl="torch")
     corr["cast_bit_mismatches"] = sum(fp8_bit_mismatches(a, b) for a, b in zip(qs, rqs))
     corr["cast_transposed_bit_mismatches"] = sum(fp8_bit_mismatches(a, b) for a, b in zip(qts, rqts))
+    rec_amax = torch.empty(len(shards), dtype=torch.float32, device=device)
+    multi_tensor_cast_fp8(shards, scales, write_transposed=True, out=qs, out_transposed=qts, amax_out=rec_amax,
+                          impl=fused_impl)
+    corr["cast_recorded_amax_mismatches"] = float_mismatches(rec_amax, ref_amax)
+    corr["cast_transposed_amax_bit_mismatches"] = sum(fp8_bit_mismatches(a, b) for a, b in zip(qts, rqts))
     (q_plain,), _ = multi_tensor_cast_fp8(shards[:1], scales[:1], impl=fused_impl)
     corr["cast_plain_bit_mismatches"] = fp8_bit_mismatches(q_plain, rqs[0])
     for name, x, block in (("weights_128x128", stacked, (128, 128)), ("activations_1x128", acts, (1, 128))):
