@@ -1,7 +1,10 @@
 """The etp-train driver on the CPU recipe, and the global gradient norm (every logical
 element once: shards summed over their group, padding never, replicated params once)."""
+import os
+import sys
 from pathlib import Path
 
+import pytest
 import torch
 from harness import run_distributed
 from parity import TinyMoE
@@ -11,13 +14,36 @@ from etp import ETPConfig, ETPShardedParam, build_etp_groups, finalize_grads, gl
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_cpu_recipe_trains_five_steps(capfd):
+@pytest.fixture(scope="module")
+def profiled_run(tmp_path_factory):
+    """One etp-train run of the CPU recipe (6 iterations, logged in pairs) with --profile,
+    --json, --peak-tflops and --audit: (exit code, the ranks' stdout, its directory). Both
+    tests below read it (a run costs ~10 s of start-up, its iterations ~70 ms each)."""
     from etp.megatron.train import main
 
-    assert main(["--recipe", str(ROOT / "recipes" / "tiny_moe_cpu.yaml"), "--train-iters", "5",
-                 "--log-interval", "1"]) == 0
-    lines = [line for line in capfd.readouterr().out.splitlines() if line.startswith("iter")]
-    assert len(lines) == 5 and lines[-1].startswith("iter     5/5")
+    tmp = tmp_path_factory.mktemp("run")
+    recipe = ROOT / "recipes" / "tiny_moe_cpu.yaml"
+    stdout = tmp / "stdout.txt"
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(stdout, "w") as f:
+            os.dup2(f.fileno(), 1)  # the spawned ranks write to file descriptor 1
+            code = main(["--recipe", str(recipe), "--train-iters", "6", "--log-interval", "2", "--profile",
+                         str(tmp / "prof"), "--json", str(tmp / "run.json"), "--peak-tflops", "1",
+                         "--audit", str(tmp / "audit.json")])
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    return code, stdout.read_text(), tmp
+
+
+def test_cpu_recipe_trains(profiled_run):
+    """The run logs every second iteration and its loss goes down."""
+    code, out, _ = profiled_run
+    assert code == 0
+    lines = [line for line in out.splitlines() if line.startswith("iter")]
+    assert len(lines) == 3 and lines[-1].startswith("iter     6/6"), lines
     losses = [float(line.split("loss ")[1].split()[0]) for line in lines]
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
 
@@ -51,7 +77,7 @@ def test_global_grad_norm_counts_every_element_once():
     assert norms[0] == norms[1]
 
 
-def test_cpu_recipe_profile_and_report(tmp_path, capfd):
+def test_cpu_recipe_profile_and_report(profiled_run):
     """--profile writes a trace and a breakdown per rank (CPU: no kernels, so the GPU classes are
     zero, but the schedule, the export and the classifier run); --json carries the FLOP count
     and the audit's predicted peak; --audit adds the predicted peak (measured on CUDA only)."""
@@ -59,14 +85,10 @@ def test_cpu_recipe_profile_and_report(tmp_path, capfd):
 
     from etp.megatron.flops import training_flops
     from etp.megatron.recipe import Recipe
-    from etp.megatron.train import main
 
-    recipe = ROOT / "recipes" / "tiny_moe_cpu.yaml"
-    report = tmp_path / "run.json"
-    assert main(["--recipe", str(recipe), "--train-iters", "6", "--log-interval", "2", "--profile",
-                 str(tmp_path / "prof"), "--json", str(report), "--peak-tflops", "1",
-                 "--audit", str(tmp_path / "audit.json")]) == 0
-    out = capfd.readouterr().out
+    code, out, tmp_path = profiled_run
+    assert code == 0
+    recipe, report = ROOT / "recipes" / "tiny_moe_cpu.yaml", tmp_path / "run.json"
     assert "time per iteration" in out and "MFU" in out
     for rank in (0, 1):
         assert (tmp_path / "prof" / f"trace_rank{rank}.json").stat().st_size > 0
@@ -84,16 +106,6 @@ def test_cpu_recipe_profile_and_report(tmp_path, capfd):
     assert audit["ranks"][0]["peak"]["predicted"] > 0 and audit["ranks"][0]["peak"]["measured"] is None  # CPU
 
 
-def _deterministic_flag(ctx):
-    from etp.megatron.reproducible import enable_determinism
-
-    before = torch.are_deterministic_algorithms_enabled()
-    try:
-        return before, enable_determinism()
-    finally:
-        torch.use_deterministic_algorithms(False)
-
-
 def test_deterministic_runs_repeat_bitwise(tmp_path):
     import json
 
@@ -109,5 +121,21 @@ def test_deterministic_runs_repeat_bitwise(tmp_path):
         assert data["determinism"]["CUBLAS_WORKSPACE_CONFIG"]
         losses.append(data["losses"])
     assert losses[0] == losses[1]
-    before, state = run_distributed(_deterministic_flag, 1)[0]
-    assert before is False and state["use_deterministic_algorithms"] is True
+
+
+def test_enable_determinism_switches_torch(monkeypatch):
+    """enable_determinism turns torch's flag on from off (in this process, restored after)."""
+    from etp.megatron.reproducible import enable_determinism
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.delenv("ETP_DETERMINISTIC_WARN_ONLY", raising=False)
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    assert saved[0] is False
+    try:
+        state = enable_determinism()
+        assert state["use_deterministic_algorithms"] is True and torch.are_deterministic_algorithms_enabled()
+        assert state["CUBLAS_WORKSPACE_CONFIG"] == os.environ["CUBLAS_WORKSPACE_CONFIG"] and not state["warn_only"]
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[2], saved[3]
