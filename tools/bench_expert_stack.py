@@ -23,8 +23,10 @@ Variants, side by side in one process group, in this order (each freed before th
   transposed FP8 weight of the input gradient made in the cast's pass): what FP8 compute
   buys before any communication;
 * ``replicated_fp8_wgrad`` (opt-in): ``replicated_fp8`` with the weight-gradient GEMMs in FP8
-  too (``ETPConfig.fp8_wgrad``: operands quantized per (expert, column) over the expert's
-  tokens by ``etp.kernels.quantize_grouped_colwise``); ``etp_async_fp8_wgrad`` likewise;
+  too (``ETPConfig.fp8_wgrad``: operands quantized per expert from the rows' amax of their
+  rowwise quantization by ``etp.kernels.quantize_grouped_colwise``); ``etp_async_fp8_wgrad``
+  likewise; ``--fp8-weight-scaling delayed`` applies ``ETPConfig.fp8_weight_scaling`` to every
+  FP8 variant;
 * ``ddp``: torch DistributedDataParallel over the world, default buckets, bf16 all-reduce;
 * ``fsdp2``: ``fully_shard`` on every layer, then on the root (bf16 gathers);
 * ``etp_sync``: ETP over the world, ``prefetch=False, async_reduce=False``;
