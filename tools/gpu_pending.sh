@@ -7,6 +7,9 @@
 # (a2) session 4's FP8 compute with ETP on (built and measured on 1 GPU only): the FP8 tests on
 #     2 GPUs (quantize_shards casting straight into the shard buffers, the fused SwiGLU's FP8
 #     operands inside ETP Functions) and the 2-layer FP8 recipe test
+# (a3) session 5's all-FP8 options with ETP on: the FP8 recipe with fp8_wgrad + delayed weight
+#     scaling beside bf16 gathers (loss within compare_recipe_runs' tolerance decides whether they
+#     can become defaults), and the expert stack's ETP FP8 variants with delayed scaling
 # (b) bench_overlap: reduce/copy_engine beside a grouped GEMM, against NCCL's reduce-scatter
 # (c) expert stack: replicated(_fp8), etp_async(_fp8, _fp8_wgrad), copy-engine gathers with NCCL /
 #     copy-engine reductions
@@ -30,6 +33,18 @@ TAIL=8 step a_tests 170 env ETP_TEST_BACKEND=nccl python3 -m pytest -q -rs -p no
 # (a2)
 TAIL=8 step a2_fp8_tests 150 env ETP_TEST_BACKEND=nccl python3 -m pytest -q -rs -p no:warnings \
   tests/test_fp8.py tests/test_fp8_recipe_gpu.py tests/test_swiglu.py tests/test_colwise.py
+
+# (a3)
+FP8ALL="--set etp.gather_dtype=fp8_tensorwise --set etp.fp8_wgrad=true --set etp.fp8_weight_scaling=delayed"
+for gd in bf16 fp8all; do
+  case $gd in bf16) SETS="--set etp.gather_dtype=bf16" ;; fp8all) SETS="$FP8ALL" ;; esac
+  TAIL=4 step "a3_recipe_$gd" 75 $TRAIN --recipe $FLAG $AT2 --set etp.etp_size=2 --set etp.expert_etp_size=2 \
+    $SETS --train-iters 25 --log-interval 5 --json "$OUT/a3_recipe_$gd.json"
+done
+TAIL=4 step a3_compare 30 python3 tools/compare_recipe_runs.py --etp "$OUT/a3_recipe_fp8all.json" --baseline "$OUT/a3_recipe_bf16.json"
+TAIL=12 step a3_expert_stack 120 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py \
+  --variants replicated,replicated_fp8_wgrad,etp_async_fp8,etp_async_fp8_wgrad --fp8-weight-scaling delayed \
+  --out "$OUT/bench_expert_stack_fp8all.json"
 
 # (b)
 TAIL=20 step b_overlap 90 torchrun --standalone --nproc-per-node 2 tools/bench_overlap.py --reduce-ctas 8 \
