@@ -41,7 +41,7 @@ for gd in bf16 fp8all; do
   TAIL=4 step "a3_recipe_$gd" 75 $TRAIN --recipe $FLAG $AT2 --set etp.etp_size=2 --set etp.expert_etp_size=2 \
     $SETS --train-iters 25 --log-interval 5 --json "$OUT/a3_recipe_$gd.json"
 done
-TAIL=4 step a3_compare 30 python3 tools/compare_recipe_runs.py --etp "$OUT/a3_recipe_fp8all.json" --baseline "$OUT/a3_recipe_bf16.json"
+TAIL=4 step a3_compare 30 python3 tools/compare_recipe_runs.py --etp "$OUT/a3_recipe_fp8all.json" --baseline "$OUT/a3_recipe_bf16.json" --tolerance 0.03
 TAIL=12 step a3_expert_stack 120 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py \
   --variants replicated,replicated_fp8_wgrad,etp_async_fp8,etp_async_fp8_wgrad --fp8-weight-scaling delayed \
   --out "$OUT/bench_expert_stack_fp8all.json"
