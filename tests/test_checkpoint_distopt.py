@@ -21,12 +21,12 @@ inside the spawned ranks only.
 import pytest
 import torch
 import torch.distributed as dist
-from harness import run_distributed
 from test_checkpoint_train import (
     _full,
     _gpt,
     _mixed_precision,
     _mixed_precision_snapshot,
+    shared_body,
 )
 
 pytest.importorskip("megatron.core")
@@ -177,5 +177,6 @@ def _round_trips(ctx, root):
     return True
 
 
-def test_distributed_optimizer_state_reshards_both_ways(tmp_path):
-    assert run_distributed(_round_trips, 4, str(tmp_path), timeout=300) == [True] * 4
+def test_distributed_optimizer_state_reshards_both_ways(tmp_path_factory):
+    # _round_trips runs in test_checkpoint_train's shared 4-rank spawn (one start-up less).
+    assert shared_body(tmp_path_factory, "distributed_optimizer") == [True] * 4

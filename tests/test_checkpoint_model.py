@@ -338,8 +338,11 @@ def _spawn(fn):
         assert run_distributed(fn, 4, root) == [True] * 4
 
 
-def test_checkpoint_across_etp_sizes_and_stock_models():
-    _spawn(_tp1_layouts)
+def test_checkpoint_across_etp_sizes_and_stock_models(tmp_path_factory):
+    # _tp1_layouts runs in test_checkpoint_train's shared 4-rank spawn (one start-up less).
+    from test_checkpoint_train import shared_body
+
+    assert shared_body(tmp_path_factory, "model_layouts") == [True] * 4
 
 
 @pytest.mark.slow  # TP 2 x ETP 2 resharding is also covered by test_checkpoint_train's tp2xetp2 case

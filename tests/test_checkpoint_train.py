@@ -116,7 +116,8 @@ def _save_then_load(ctx, root, saved_layout, load_layouts):
     return True
 
 
-# (TP, ETP, expert ETP) saved, then loaded at each of these layouts; runs in the shared spawn.
+# (TP, ETP, expert ETP) saved, then loaded at each of these layouts; runs in the shared spawn
+# (the end of this module).
 RESHARD = ((1, 4, 4), [(1, 2, 2), (1, 1, 1), (1, 4, 4), (1, 2, 4)])
 
 
@@ -127,7 +128,7 @@ RESHARD = ((1, 4, 4), [(1, 2, 2), (1, 1, 1), (1, 4, 4), (1, 2, 4)])
 ], ids=["etp4-to-2-1-4", "tp2xetp2-to-tp1xetp4"])
 def test_reshard_weights_and_adam_moments_bit_exact(request, tmp_path, saved, loads):
     if (saved, loads) == RESHARD:
-        results = _shared(request, "reshard")
+        results = shared_body(request.getfixturevalue("tmp_path_factory"), "reshard")
     else:
         results = run_distributed(_save_then_load, 4, str(tmp_path / "ckpt"), saved, loads)
     assert results == [True] * 4
@@ -216,8 +217,8 @@ def _gpt_round_trip(ctx, root):
     return True
 
 
-def test_gpt_model_layers_stacked_under_one_key_round_trip(request):
-    assert _shared(request, "gpt") == [True] * 4
+def test_gpt_model_layers_stacked_under_one_key_round_trip(tmp_path_factory):
+    assert shared_body(tmp_path_factory, "gpt") == [True] * 4
 
 
 def _broken_description(ctx):
@@ -235,8 +236,8 @@ def _broken_description(ctx):
     return True
 
 
-def test_invalid_sharding_fails_on_every_rank(request):
-    assert _shared(request, "invalid") == [True] * 4
+def test_invalid_sharding_fails_on_every_rank(tmp_path_factory):
+    assert shared_body(tmp_path_factory, "invalid") == [True] * 4
 
 
 class _MixedPrecisionOptimizer:
@@ -295,26 +296,35 @@ def _mixed_precision_round_trip(ctx, root):
     return True
 
 
-def test_mixed_precision_masters_round_trip(request):
+def test_mixed_precision_masters_round_trip(tmp_path_factory):
     """bf16 weights, fp32 masters and moments saved at ETP 4, loaded at ETP 2 bit for bit."""
-    assert _shared(request, "mixed") == [True] * 4
+    assert shared_body(tmp_path_factory, "mixed") == [True] * 4
 
 
 # ------------------------------------------------------------------------------------------
-# The 4-rank bodies above share one spawn: starting 4 ranks with megatron-core costs ~14 s
+# The 4-rank checkpoint bodies of this module, test_checkpoint_model and
+# test_checkpoint_distopt share one spawn: starting 4 ranks with megatron-core costs ~14 s
 # here, more than most bodies. Each body sets up and destroys its own model-parallel state
 # and writes under its own directory. A rank that raises fails the spawn with its traceback
 # (which names the body); the tests of bodies that had finished on every rank still pass, the
 # others report that traceback.
 
-SHARED_BODIES = ("invalid", "reshard", "gpt", "mixed")  # in this order; the cheap check first
+# In this order: the cheap check first; the distributed optimizer's body last (it points
+# torch's CUDA defaults at the CPU for the rest of the process).
+SHARED_BODIES = ("invalid", "reshard", "gpt", "mixed", "model_layouts", "distributed_optimizer")
+_shared_outcome: dict = {}  # filled by the first test that asks, in whichever module
 
 
 def _four_rank_bodies(ctx, root):
+    from test_checkpoint_distopt import _round_trips
+    from test_checkpoint_model import _tp1_layouts
+
     bodies = {"invalid": lambda: _broken_description(ctx),
               "reshard": lambda: _save_then_load(ctx, f"{root}/reshard", *RESHARD),
               "gpt": lambda: _gpt_round_trip(ctx, f"{root}/gpt"),
-              "mixed": lambda: _mixed_precision_round_trip(ctx, f"{root}/mixed")}
+              "mixed": lambda: _mixed_precision_round_trip(ctx, f"{root}/mixed"),
+              "model_layouts": lambda: _tp1_layouts(ctx, f"{root}/model_layouts"),
+              "distributed_optimizer": lambda: _round_trips(ctx, f"{root}/distributed_optimizer")}
     results = {}
     for name in SHARED_BODIES:
         results[name] = bodies[name]()
@@ -322,13 +332,13 @@ def _four_rank_bodies(ctx, root):
     return results
 
 
-@pytest.fixture(scope="module")
-def four_rank_bodies(tmp_path_factory):
-    """{body: per-rank results} of the shared spawn; a failed spawn's message for the bodies
-    that did not finish on every rank."""
-    root = tmp_path_factory.mktemp("ckpt")
+def _run_shared_bodies(root: Path) -> dict:
+    """{body: per-rank results}; a failed spawn's message for the bodies that did not finish
+    on every rank."""
+    for name in ("model_layouts", "distributed_optimizer"):  # these two write into an existing directory
+        (root / name).mkdir()
     try:
-        results = run_distributed(_four_rank_bodies, 4, str(root), timeout=300)
+        results = run_distributed(_four_rank_bodies, 4, str(root), timeout=400)
     except AssertionError as exc:
         finished = {}
         for name in SHARED_BODIES:
@@ -339,9 +349,12 @@ def four_rank_bodies(tmp_path_factory):
     return {name: [r[name] for r in results] for name in SHARED_BODIES}
 
 
-def _shared(request, name: str) -> list:
-    """The per-rank results of body ``name`` in the shared 4-rank spawn (run on first use)."""
-    outcome = request.getfixturevalue("four_rank_bodies")[name]
+def shared_body(tmp_path_factory, name: str) -> list:
+    """The per-rank results of body ``name`` in the shared 4-rank spawn (run once per session,
+    on first use)."""
+    if not _shared_outcome:
+        _shared_outcome.update(_run_shared_bodies(tmp_path_factory.mktemp("ckpt_shared")))
+    outcome = _shared_outcome[name]
     if isinstance(outcome, str):
         pytest.fail(outcome, pytrace=False)
     return outcome
