@@ -15,7 +15,7 @@ megatron-core's DDP allocates its buffers on ``torch.cuda.current_device()``; on
 test points that at "cpu" (DDP's collectives are plain torch.distributed calls).
 """
 import contextlib
-import json
+import pickle
 from pathlib import Path
 
 import pytest
@@ -206,51 +206,63 @@ def _ddp_step(ctx, overlap: bool, reduction: str, per_token: bool = False, disto
         ps.destroy_model_parallel()
 
 
-def _ddp_steps(ctx, configs, root):
-    """Several configurations in the same ranks (a 4-rank spawn costs ~14 s); each finished
-    configuration leaves a file per rank, so that a later one's failure fails only its test."""
-    results = []
-    for index, config in enumerate(configs):
-        results.append(_ddp_step(ctx, *config))
-        (Path(root) / f"{index}.done{ctx.rank}").write_text(json.dumps(results[-1]))
+# ------------------------------------------------------------------------------------------
+# The default 4-rank bodies of test_megatron_groups, test_megatron_linears and this module
+# share one spawn (starting 4 ranks with megatron-core costs ~14 s here, more than any of
+# these bodies): each sets up and destroys its own model-parallel state. A body that finishes
+# leaves a file per rank; when a later one fails the spawn, the tests of the finished bodies
+# still pass and the others report its traceback.
+
+# (overlap, reduction, per_token, distributed optimizer) of this module's default tests:
+# overlap_grad_reduce with the sum reduction, the synchronous path with a per-token loss over
+# uneven token counts (mean reduction), and the distributed optimizer's chunks (synchronous).
+DDP_CONFIGS = {"overlap_sum": (True, "sum", False), "sync_per_token": (False, "mean", True),
+               "distopt_sync": (False, "mean", False, True)}
+# In this order: DDP's bodies last (they point torch.cuda.current_device at the CPU).
+SHARED_BODIES = ("groups_layout", "linears_tp2", *DDP_CONFIGS)
+_shared_outcome: dict = {}  # filled by the first test that asks, in whichever module
+
+
+def _shared_bodies(ctx, root):
+    from test_megatron_groups import SHARED_LAYOUT, _layout
+    from test_megatron_linears import _mlp_parity
+
+    results = {}
+    for name in SHARED_BODIES:
+        if name == "groups_layout":
+            results[name] = _layout(ctx, *SHARED_LAYOUT)
+        elif name == "linears_tp2":
+            results[name] = _mlp_parity(ctx, 2, False)
+        else:
+            results[name] = _ddp_step(ctx, *DDP_CONFIGS[name])
+        (Path(root) / f"{name}.done{ctx.rank}").write_bytes(pickle.dumps(results[name]))
     return results
 
 
-# (overlap, reduction, per_token, distributed optimizer) of the default tests, in one spawn:
-# overlap_grad_reduce with the sum reduction, the synchronous path with a per-token loss over
-# uneven token counts (mean reduction), and the distributed optimizer's chunks (synchronous).
-SHARED = {"overlap_sum": (True, "sum", False), "sync_per_token": (False, "mean", True),
-          "distopt_sync": (False, "mean", False, True)}
+def shared_body(tmp_path_factory, name: str) -> list:
+    """The per-rank results of body ``name`` in the shared 4-rank spawn (run once per session,
+    on first use)."""
+    if not _shared_outcome:
+        root = tmp_path_factory.mktemp("megatron_shared")
+        try:
+            results = run_distributed(_shared_bodies, 4, str(root), timeout=300)
+            _shared_outcome.update({n: [r[n] for r in results] for n in SHARED_BODIES})
+        except AssertionError as exc:
+            for n in SHARED_BODIES:
+                files = [root / f"{n}.done{rank}" for rank in range(4)]
+                _shared_outcome[n] = ([pickle.loads(f.read_bytes()) for f in files] if all(f.exists() for f in files)
+                                      else f"the shared 4-rank spawn failed before {n} finished:\n{exc}")
+    outcome = _shared_outcome[name]
+    if isinstance(outcome, str):
+        pytest.fail(outcome, pytrace=False)
+    return outcome
 
 
-@pytest.fixture(scope="module")
-def shared_steps(tmp_path_factory):
-    """{configuration: per-rank results}, or for the configurations that did not finish on
-    every rank, the failed spawn's message."""
-    root = tmp_path_factory.mktemp("ddp")
-    try:
-        results = run_distributed(_ddp_steps, 4, list(SHARED.values()), str(root))
-        return {name: [r[i] for r in results] for i, name in enumerate(SHARED)}
-    except AssertionError as exc:
-        out = {}
-        for i, name in enumerate(SHARED):
-            files = [root / f"{i}.done{rank}" for rank in range(4)]
-            out[name] = ([json.loads(f.read_text()) for f in files] if all(f.exists() for f in files)
-                         else f"the shared 4-rank spawn failed before {name} finished:\n{exc}")
-        return out
-
-
-def _shared(steps, name):
-    if isinstance(steps[name], str):
-        pytest.fail(steps[name], pytrace=False)
-    return steps[name]
-
-
-def test_etp_ddp_gradients_equal_unsharded_reference(shared_steps):
+def test_etp_ddp_gradients_equal_unsharded_reference(tmp_path_factory):
     """overlap_grad_reduce with the sum reduction, and the synchronous path with a per-token
     loss over uneven token counts (mean reduction)."""
-    assert _shared(shared_steps, "overlap_sum") == [True] * 4
-    assert _shared(shared_steps, "sync_per_token") == [True] * 4
+    assert shared_body(tmp_path_factory, "overlap_sum") == [True] * 4
+    assert shared_body(tmp_path_factory, "sync_per_token") == [True] * 4
 
 
 @pytest.mark.slow  # the synchronous path and the mean reduction also run in the per-token case
@@ -261,13 +273,13 @@ def test_etp_ddp_gradients_equal_unsharded_reference_sync_mean():
 # The overlapped hooks are covered by test_etp_ddp_gradients_equal_unsharded_reference; the
 # chunk layout by the synchronous case here (in the shared spawn): the overlapped one is slow.
 @pytest.mark.parametrize("overlap", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["sync", "overlap_grad_reduce"])
-def test_etp_ddp_distributed_optimizer_chunks(request, overlap):
+def test_etp_ddp_distributed_optimizer_chunks(tmp_path_factory, overlap):
     """Reduce-scatter buckets (distributed optimizer) over the replicate group: each rank's
     chunk is exact, including replicated params completed over the ETP group afterwards
     (ETP peers own the same chunk position)."""
     if overlap:
         owned = run_distributed(_ddp_step, 4, overlap, "mean", False, True)
     else:
-        owned = _shared(request.getfixturevalue("shared_steps"), "distopt_sync")
+        owned = shared_body(tmp_path_factory, "distopt_sync")
     # The replicated vector's chunks: split between the 2 replicas, the same on ETP peers.
     assert sum(owned) == 2 * HIDDEN and owned[0] == owned[1] and owned[2] == owned[3]

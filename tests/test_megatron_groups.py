@@ -52,6 +52,11 @@ def _layout(ctx, tp, cp, ep, etp, eetp):
         ps.destroy_model_parallel()
 
 
+# (TP, CP, EP, ETP, expert ETP) of the default case: it runs in test_megatron_ddp's shared
+# 4-rank spawn (one start-up less).
+SHARED_LAYOUT = (1, 1, 1, 2, 2)
+
+
 @pytest.mark.parametrize(
     "tp,cp,ep,etp,eetp,expected",
     [
@@ -67,10 +72,15 @@ def _layout(ctx, tp, cp, ep, etp, eetp):
         pytest.param(1, 1, 2, 4, 2, None, marks=pytest.mark.slow),
     ],
 )
-def test_layouts(tp, cp, ep, etp, eetp, expected):
+def test_layouts(tmp_path_factory, tp, cp, ep, etp, eetp, expected):
     """Also: an ETP size the data-parallel group cannot hold is refused (checked in the same
     ranks, saving a spawn)."""
-    results = run_distributed(_layout, 4, tp, cp, ep, etp, eetp)
+    if (tp, cp, ep, etp, eetp) == SHARED_LAYOUT:
+        from test_megatron_ddp import shared_body
+
+        results = shared_body(tmp_path_factory, "groups_layout")
+    else:
+        results = run_distributed(_layout, 4, tp, cp, ep, etp, eetp)
     for rank, result in enumerate(results):
         if expected is not None:
             assert (result["dense"], result["replicate"]) == expected[rank], (rank, result)

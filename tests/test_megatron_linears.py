@@ -113,8 +113,14 @@ def test_megatron_linears_tp1(size):
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_megatron_linears_tp2_etp2(sequence_parallel):
+def test_megatron_linears_tp2_etp2(tmp_path_factory, sequence_parallel):
     if sequence_parallel and backend() != "nccl":
         pytest.skip("megatron's sequence-parallel gather allocates on CUDA: GPU run only "
                     "(ETP_TEST_BACKEND=nccl)")
-    assert run_distributed(_mlp_parity, 4, 2, sequence_parallel) == [2] * 4
+    if sequence_parallel:
+        results = run_distributed(_mlp_parity, 4, 2, sequence_parallel)
+    else:  # in test_megatron_ddp's shared 4-rank spawn (one start-up less)
+        from test_megatron_ddp import shared_body
+
+        results = shared_body(tmp_path_factory, "linears_tp2")
+    assert results == [2] * 4
