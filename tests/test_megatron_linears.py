@@ -19,7 +19,9 @@ SIZES = [int(s) for s in os.environ.get("ETP_TEST_SIZES", "1,2,4").split(",")]
 HIDDEN, FFN, SEQ, BATCH = 12, 20, 8, 3
 
 
-def _mlp_parity(ctx, tp: int, sequence_parallel: bool):
+def _mlp_parity(ctx, tp: int, sequence_parallel: bool, etp_alone: bool = False):
+    """``etp_alone``: ETP 1 inside the data-parallel group (every rank its own ETP group, on
+    the data of the first), as on a single rank."""
     from megatron.core import ModelParallelConfig, parallel_state
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -29,6 +31,8 @@ def _mlp_parity(ctx, tp: int, sequence_parallel: bool):
     try:
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         dp_group = parallel_state.get_data_parallel_group()
+        if etp_alone:
+            dp_group = [torch.distributed.new_group([r]) for r in range(ctx.world_size)][ctx.rank]
         etp_size = torch.distributed.get_world_size(dp_group)
         dp_rank = torch.distributed.get_rank(dp_group)
         config = ModelParallelConfig(
@@ -105,11 +109,25 @@ def _mlp_parity(ctx, tp: int, sequence_parallel: bool):
         parallel_state.destroy_model_parallel()
 
 
+def _tp1_etp2_and_etp1(ctx):
+    return _mlp_parity(ctx, 1, False), _mlp_parity(ctx, 1, False, etp_alone=True)
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """ETP 2 and (each rank alone) ETP 1 at TP 1 in one 2-rank spawn: {size: per-rank results}."""
+    results = run_distributed(_tp1_etp2_and_etp1, 2)
+    return {2: [r[0] for r in results], 1: [r[1] for r in results]}
+
+
 # 4 ranks repeat the 2-rank property (each rank a shard, megatron's linears intact): slow.
 @pytest.mark.parametrize("size", [pytest.param(s, marks=(pytest.mark.slow,) if s == 4 else ()) for s in SIZES])
-def test_megatron_linears_tp1(size):
-    wrapped = run_distributed(_mlp_parity, size, 1, False)
-    assert wrapped == [0 if size == 1 else 2] * size
+def test_megatron_linears_tp1(request, size):
+    if size in (1, 2) and 2 in SIZES:  # ETP 1 runs in the 2-rank spawn, one rank per ETP group
+        wrapped = request.getfixturevalue("two_ranks")[size]
+    else:
+        wrapped = run_distributed(_mlp_parity, size, 1, False)
+    assert wrapped == [0 if size == 1 else 2] * len(wrapped)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
