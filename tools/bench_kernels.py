@@ -119,17 +119,16 @@ COLWISE_SWEEP = [  # (tokens per tile, columns per program, num_warps, tiles per
 PER_EXPERT_SWEEP = [  # (padded positions per tile, columns, num_warps)
     (128, 128, 4), (64, 128, 4), (128, 64, 4), (64, 64, 4), (256, 128, 8), (128, 256, 8), (256, 64, 4),
 ]
-AMAX_SWEEP = [  # (BLOCK, ITERS, num_warps, eviction policy, programs per SM: 0 = one per block); first = default
-    (amax_mod._FLAT_BLOCK, amax_mod._FLAT_ITERS, amax_mod._FLAT_WARPS, amax_mod._FLAT_EVICT, amax_mod._PROGRAMS_PER_SM),
-    (4096, 4, 8, "evict_first", 0),
-    (4096, 4, 8, "evict_first", 4),
-    (4096, 4, 8, "evict_first", 16),
-    (4096, 2, 8, "evict_first", 8),
-    (2048, 8, 4, "evict_first", 8),
-    (2048, 8, 4, "evict_first", 16),
-    (8192, 4, 16, "evict_first", 4),
-    (4096, 4, 8, "", 8),
-    (2048, 4, 4, "evict_first", 0),
+AMAX_SWEEP = [  # (BLOCK, ITERS, num_warps, eviction policy); the first entry is the default
+    (amax_mod._FLAT_BLOCK, amax_mod._FLAT_ITERS, amax_mod._FLAT_WARPS, amax_mod._FLAT_EVICT),
+    (4096, 4, 8, ""),
+    (2048, 8, 4, "evict_first"),
+    (4096, 8, 8, "evict_first"),
+    (8192, 4, 8, "evict_first"),
+    (2048, 4, 4, "evict_first"),
+    (1024, 16, 4, "evict_first"),
+    (8192, 8, 16, "evict_first"),
+    (4096, 16, 8, "evict_first"),
 ]
 CAST_FLAT_SWEEP = [  # (BLOCK, ITERS, num_warps, eviction policy) of the plain cast; first = default
     (cast_mod._FLAT_BLOCK, cast_mod._FLAT_ITERS, cast_mod._FLAT_WARPS, amax_mod._FLAT_EVICT),
@@ -328,14 +327,12 @@ def main(argv: List[str]) -> int:
     if fused_impl == "triton" and not args.no_sweep:
         sweep = []
         out = torch.zeros(n_t, dtype=torch.float32, device=device)
-        for block, iters, warps, evict, per_sm in AMAX_SWEEP:
-            def run(b=block, i=iters, w=warps, ev=evict, ps=per_sm):
+        for block, iters, warps, evict in AMAX_SWEEP:
+            def run(b=block, i=iters, w=warps, ev=evict):
                 out.zero_()
-                amax_mod._launch_multi_tensor_amax(shards, out, block=b, iters=i, num_warps=w, evict=ev,
-                                                   programs_per_sm=ps)
+                amax_mod._launch_multi_tensor_amax(shards, out, block=b, iters=i, num_warps=w, evict=ev)
             t = timer(run)
             sweep.append({"block": block, "iters": iters, "num_warps": warps, "evict": evict,
-                          "programs_per_sm": per_sm,
                           "median_ms": t["median_ms"], "fraction_of_copy_bw": amax_floor / t["median_ms"]})
         amax_res["sweep"] = sweep
     result["amax"] = amax_res

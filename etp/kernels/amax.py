@@ -47,9 +47,6 @@ _FLAT_WARPS = 8
 # Eviction policy of the streaming loads: every input byte is read exactly once,
 # so marking the lines evict-first keeps L2 for the small table / outputs.
 _FLAT_EVICT = "evict_first"
-# Grid-stride launch: this many programs per SM loop over the blocks (0: one program per
-# block). A guess for the first sweep of bench_kernels.py, which times 0, 4, 8 and 16.
-_PROGRAMS_PER_SM = 8
 
 # Launch options of every kernel here: no FMA contraction, so each float op
 # rounds exactly like the torch reference (explicit, also because Triton 3.9
@@ -244,13 +241,30 @@ def load_ty(dtype: torch.dtype, soft: bool):
 
 
 @triton.jit
-def _amax_chunk(table_ptr, out_bits_ptr, blk, T, IN_TY: tl.constexpr, DTYPE: tl.constexpr, SOFT: tl.constexpr,
-                ALIGNED: tl.constexpr, LINEAR_SEARCH: tl.constexpr, T_POW2: tl.constexpr, BLOCK: tl.constexpr,
-                ITERS: tl.constexpr, EVICT: tl.constexpr):
-    """Block ``blk`` of the launch: elements ``[c*CHUNK, (c+1)*CHUNK)`` of the tensor t that
-    owns it (``c = blk - first_block[t]``, ``CHUNK = BLOCK * ITERS``), reduced to
-    ``m = max(bits(|x|))`` and folded into ``out_bits[k]`` by an atomic max."""
-    tid = _find_tensor(table_ptr + 3 * T, blk, T, LINEAR_SEARCH, T_POW2)
+def _multi_tensor_amax_kernel(
+    table_ptr,  # int64 [4, T]: address, numel, output index, first block
+    out_bits_ptr,  # int32 view of the float32 output (zero-initialised)
+    T,  # number of tensors in this launch
+    IN_TY: tl.constexpr,  # pointer element type for the loads
+    DTYPE: tl.constexpr,  # 0 bf16, 1 fp16, 2 fp32
+    SOFT: tl.constexpr,  # integer-bit conversions (interpreter)
+    ALIGNED: tl.constexpr,  # every address is 16-byte aligned
+    LINEAR_SEARCH: tl.constexpr,
+    T_POW2: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ITERS: tl.constexpr,
+    EVICT: tl.constexpr,  # eviction policy of the streaming loads ("" or "evict_first")
+):
+    """out[k] = max over i of |x_t[i]| for the tensor t with output index k.
+
+    Program ``pid`` owns elements ``[c*CHUNK, (c+1)*CHUNK)`` of tensor t where
+    ``c = pid - first_block[t]`` and ``CHUNK = BLOCK * ITERS``; it reduces them
+    to ``m = max(bits(|x|))`` and does ``atomic_max(out_bits[k], m)``.  The
+    integer max on |x| bits equals the float max and makes NaN win (see
+    ``_abs_bits``), so the float32 result is NaN iff the tensor has a NaN.
+    """
+    pid = tl.program_id(0)
+    tid = _find_tensor(table_ptr + 3 * T, pid, T, LINEAR_SEARCH, T_POW2)
     addr = tl.load(table_ptr + tid)
     numel = tl.load(table_ptr + T + tid)
     out_idx = tl.load(table_ptr + 2 * T + tid)
@@ -260,7 +274,7 @@ def _amax_chunk(table_ptr, out_bits_ptr, blk, T, IN_TY: tl.constexpr, DTYPE: tl.
         # The hint must sit on the pointer: a hint on the int64 address is not
         # propagated through int-to-pointer, and without it loads are scalar.
         base = tl.multiple_of(base, 16)
-    start = (blk - first) * (BLOCK * ITERS)
+    start = (pid - first) * (BLOCK * ITERS)
     offs = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.int32)
     # static_range unrolls, so the ITERS loads are independent instructions the
@@ -281,40 +295,6 @@ def _amax_chunk(table_ptr, out_bits_ptr, blk, T, IN_TY: tl.constexpr, DTYPE: tl.
     tl.atomic_max(out_bits_ptr + out_idx, tl.max(acc, axis=0), sem="relaxed")
 
 
-@triton.jit
-def _multi_tensor_amax_kernel(
-    table_ptr,  # int64 [4, T]: address, numel, output index, first block
-    out_bits_ptr,  # int32 view of the float32 output (zero-initialised)
-    T,  # number of tensors in this launch
-    TOTAL,  # blocks of the launch (GRID_STRIDE: programs loop over them)
-    IN_TY: tl.constexpr,  # pointer element type for the loads
-    DTYPE: tl.constexpr,  # 0 bf16, 1 fp16, 2 fp32
-    SOFT: tl.constexpr,  # integer-bit conversions (interpreter)
-    ALIGNED: tl.constexpr,  # every address is 16-byte aligned
-    LINEAR_SEARCH: tl.constexpr,
-    T_POW2: tl.constexpr,
-    BLOCK: tl.constexpr,
-    ITERS: tl.constexpr,
-    EVICT: tl.constexpr,  # eviction policy of the streaming loads ("" or "evict_first")
-    GRID_STRIDE: tl.constexpr,  # fewer programs than blocks, each looping with the grid's stride
-):
-    """out[k] = max over i of |x_t[i]| for the tensor t with output index k.
-
-    One block per program, or (GRID_STRIDE) blocks ``pid, pid + grid, ...``: a grid of a few
-    programs per SM streams without launching (and retiring) one program per block. The
-    integer max on |x| bits equals the float max and makes NaN win (see ``_abs_bits``), so
-    the float32 result is NaN iff the tensor has a NaN.
-    """
-    pid = tl.program_id(0)
-    if GRID_STRIDE:
-        for blk in range(pid, TOTAL, tl.num_programs(0)):
-            _amax_chunk(table_ptr, out_bits_ptr, blk, T, IN_TY, DTYPE, SOFT, ALIGNED, LINEAR_SEARCH, T_POW2,
-                        BLOCK, ITERS, EVICT)
-    else:
-        _amax_chunk(table_ptr, out_bits_ptr, pid, T, IN_TY, DTYPE, SOFT, ALIGNED, LINEAR_SEARCH, T_POW2,
-                    BLOCK, ITERS, EVICT)
-
-
 # Decided once, when the kernels are decorated (that is when Triton reads
 # TRITON_INTERPRET).
 _INTERPRETED = _is_interpreter(_multi_tensor_amax_kernel)
@@ -329,10 +309,8 @@ def _launch_multi_tensor_amax(
     num_warps: int = _FLAT_WARPS,
     linear_search_max: int = _LINEAR_SEARCH_MAX_TENSORS,
     evict: str = _FLAT_EVICT,
-    programs_per_sm: int | None = None,
 ) -> torch.Tensor:
-    """Launch the amax kernel once per input dtype (``programs_per_sm``: grid-stride with
-    that many programs per SM when the blocks outnumber them; 0: one program per block).
+    """Launch the amax kernel once per input dtype.
 
     ``out`` (float32 [len(tensors)]) must be zero-filled if given; by default
     it is carved out of the zeroed tail of the table upload, so a call costs
@@ -355,17 +333,11 @@ def _launch_multi_tensor_amax(
         # Two float32 results per zeroed int64 word.
         out = tail.view(torch.float32)[:n_out]
     out_bits = out.view(torch.int32)
-    if programs_per_sm is None:
-        programs_per_sm = _PROGRAMS_PER_SM
-    # The interpreter strides over 3 programs, so CPU tests run the loop too.
-    limit = 3 if soft else programs_per_sm * _sm_count(device) if programs_per_sm else 0
     for table, (dtype, n_t, total, aligned) in zip(dev_tables, launches):
-        grid = min(total, limit) if limit else total
-        _multi_tensor_amax_kernel[(grid,)](
+        _multi_tensor_amax_kernel[(total,)](
             table,
             out_bits,
             n_t,
-            total,
             IN_TY=load_ty(dtype, soft),
             DTYPE=_DTYPE_CODE[dtype],
             SOFT=soft,
@@ -375,23 +347,10 @@ def _launch_multi_tensor_amax(
             BLOCK=block,
             ITERS=iters,
             EVICT=evict,
-            GRID_STRIDE=grid < total,
             num_warps=num_warps,
             **EXACT_FP,
         )
     return out
-
-
-_SM_COUNT: dict = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
 
 
 # --------------------------------------------------------------------------
