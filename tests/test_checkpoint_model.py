@@ -345,7 +345,7 @@ def test_checkpoint_across_etp_sizes_and_stock_models(tmp_path_factory):
     assert shared_body(tmp_path_factory, "model_layouts") == [True] * 4
 
 
-@pytest.mark.slow  # TP 2 x ETP 2 resharding is also covered by test_checkpoint_train's tp2xetp2 case
+@pytest.mark.slow  # TP 2 x ETP 2 resharding runs by default in test_checkpoint_train's tp2xetp2 case
 def test_checkpoint_tp2_etp2_and_ep2_load_at_tp1_ep1():
     _spawn(_other_layouts)
 

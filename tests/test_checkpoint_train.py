@@ -119,19 +119,12 @@ def _save_then_load(ctx, root, saved_layout, load_layouts):
 # (TP, ETP, expert ETP) saved, then loaded at each of these layouts; runs in the shared spawn
 # (the end of this module).
 RESHARD = ((1, 4, 4), [(1, 2, 2), (1, 1, 1), (1, 4, 4), (1, 2, 4)])
+RESHARD_TP2 = ((2, 2, 2), [(1, 4, 4), (1, 1, 1)])  # a TP change too
 
 
-@pytest.mark.parametrize("saved,loads", [
-    RESHARD,
-    # slow: the same save / load path with a TP change (test_checkpoint_model covers TP layouts)
-    pytest.param((2, 2, 2), [(1, 4, 4), (1, 1, 1)], marks=pytest.mark.slow),
-], ids=["etp4-to-2-1-4", "tp2xetp2-to-tp1xetp4"])
-def test_reshard_weights_and_adam_moments_bit_exact(request, tmp_path, saved, loads):
-    if (saved, loads) == RESHARD:
-        results = shared_body(request.getfixturevalue("tmp_path_factory"), "reshard")
-    else:
-        results = run_distributed(_save_then_load, 4, str(tmp_path / "ckpt"), saved, loads)
-    assert results == [True] * 4
+@pytest.mark.parametrize("body", ["reshard", "reshard_tp2"], ids=["etp4-to-2-1-4", "tp2xetp2-to-tp1xetp4"])
+def test_reshard_weights_and_adam_moments_bit_exact(request, body):
+    assert shared_body(request.getfixturevalue("tmp_path_factory"), body) == [True] * 4
 
 
 def test_resume_continues_the_loss_curve(tmp_path):
@@ -311,7 +304,7 @@ def test_mixed_precision_masters_round_trip(tmp_path_factory):
 
 # In this order: the cheap check first; the distributed optimizer's body last (it points
 # torch's CUDA defaults at the CPU for the rest of the process).
-SHARED_BODIES = ("invalid", "reshard", "gpt", "mixed", "model_layouts", "distributed_optimizer")
+SHARED_BODIES = ("invalid", "reshard", "reshard_tp2", "gpt", "mixed", "model_layouts", "distributed_optimizer")
 _shared_outcome: dict = {}  # filled by the first test that asks, in whichever module
 
 
@@ -321,6 +314,7 @@ def _four_rank_bodies(ctx, root):
 
     bodies = {"invalid": lambda: _broken_description(ctx),
               "reshard": lambda: _save_then_load(ctx, f"{root}/reshard", *RESHARD),
+              "reshard_tp2": lambda: _save_then_load(ctx, f"{root}/reshard_tp2", *RESHARD_TP2),
               "gpt": lambda: _gpt_round_trip(ctx, f"{root}/gpt"),
               "mixed": lambda: _mixed_precision_round_trip(ctx, f"{root}/mixed"),
               "model_layouts": lambda: _tp1_layouts(ctx, f"{root}/model_layouts"),
