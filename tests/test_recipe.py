@@ -126,6 +126,11 @@ BAD = {
         {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2, "world_size": None},
         None, "sequence_parallel", False,
     ),
+    "etp dispatcher with TP": (
+        {"moe_token_dispatcher_type": "etp", "tensor_model_parallel_size": 2, "world_size": None,
+         "etp": {"etp_size": 1, "expert_etp_size": 1}},
+        None, "tensor_model_parallel_size", 2,
+    ),
     "fp8 gathers without bf16": (
         {"etp": {"gather_dtype": "fp8_tensorwise"}}, None, "etp.gather_dtype", "fp8_tensorwise"
     ),

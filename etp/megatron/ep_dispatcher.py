@@ -32,7 +32,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from etp import ep
 
-__all__ = ["EtpTokenDispatcher"]
+__all__ = ["EtpTokenDispatcher", "install_etp_dispatchers"]
 
 
 class EtpTokenDispatcher(MoETokenDispatcher):
@@ -126,3 +126,28 @@ class EtpTokenDispatcher(MoETokenDispatcher):
     def combine_postprocess(self, hidden_states: torch.Tensor):
         # Shared experts run in MoELayer itself without moe_shared_expert_overlap (refused above).
         return hidden_states.view(self.hidden_shape)
+
+
+def install_etp_dispatchers(model: torch.nn.Module, *, max_tokens_per_rank: int, backend: str = "auto") -> int:
+    """Replaces the ``token_dispatcher`` of every megatron-core ``MoELayer`` in ``model`` with an
+    ``EtpTokenDispatcher`` on the layer's own expert-parallel group (recipe key
+    ``moe_token_dispatcher_type: etp``); returns how many. Call after building the model.
+
+    Example::
+
+        install_etp_dispatchers(gpt_model, max_tokens_per_rank=seq_length * micro_batch_size)
+    """
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    count = 0
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            old = module.token_dispatcher
+            groups = SimpleNamespace(ep=old.ep_group, expt_tp=old.tp_group, tp_ep=old.tp_ep_group)
+            module.token_dispatcher = EtpTokenDispatcher(
+                old.num_local_experts, list(old.local_expert_indices), config=module.config, pg_collection=groups,
+                max_tokens_per_rank=max_tokens_per_rank, backend=backend)
+            count += 1
+    return count

@@ -127,8 +127,9 @@ def _build(recipe, device):
         num_moe_experts=m.num_experts, moe_router_topk=m.moe_router_topk,
         moe_ffn_hidden_size=m.moe_ffn_hidden_size, moe_aux_loss_coeff=m.moe_aux_loss_coeff,
         moe_router_load_balancing_type=m.moe_router_load_balancing_type,
-        # "local" is etp's own: megatron builds its alltoall dispatcher, replaced below.
-        moe_token_dispatcher_type="alltoall" if m.moe_token_dispatcher_type == "local" else m.moe_token_dispatcher_type,
+        # "local" and "etp" are etp's own: megatron builds its alltoall dispatcher, replaced below.
+        moe_token_dispatcher_type=("alltoall" if m.moe_token_dispatcher_type in ("local", "etp")
+                                   else m.moe_token_dispatcher_type),
         gated_linear_unit=m.swiglu, activation_func=F.silu if m.swiglu else F.gelu,
         add_bias_linear=m.add_bias_linear, normalization=m.normalization,
         init_method_std=m.init_method_std, hidden_dropout=m.hidden_dropout,
@@ -148,6 +149,10 @@ def _build(recipe, device):
         from .local_dispatcher import install_local_dispatchers
 
         install_local_dispatchers(model)
+    elif m.moe_token_dispatcher_type == "etp":
+        from .ep_dispatcher import install_etp_dispatchers
+
+        install_etp_dispatchers(model, max_tokens_per_rank=m.seq_length * recipe.train.micro_batch_size)
     if recipe.train.bf16:
         model = Float16Module(config, model)
 

@@ -46,7 +46,10 @@ Model (``recipe.model``, :class:`ModelSpec`):
         megatron-core SequentialMLP experts).
     moe_token_dispatcher_type: allgather (allgather | alltoall | flex | local: etp's own
         etp.megatron.local_dispatcher.LocalTokenDispatcher, no host synchronization, for
-        expert_model_parallel_size 1, tensor_model_parallel_size 1 and moe_grouped_gemm).
+        expert_model_parallel_size 1, tensor_model_parallel_size 1 and moe_grouped_gemm; etp:
+        etp.megatron.ep_dispatcher.EtpTokenDispatcher over etp.ep's dispatch / combine, any
+        expert_model_parallel_size, tensor and expert tensor parallel size 1; GPU runs only,
+        the CPU driver's model has no megatron dispatcher).
     moe_aux_loss_coeff: 0.0.
     moe_router_load_balancing_type: aux_loss (aux_loss | seq_aux_loss | global_aux_loss |
         sinkhorn | none; one value, not Megatron-LM's list form).

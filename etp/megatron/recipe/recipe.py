@@ -154,6 +154,11 @@ class Recipe(RecipeQuantities):
                 if not m.moe_grouped_gemm:
                     _fail("moe_grouped_gemm", False, "must be true with moe_token_dispatcher_type=local "
                           "(etp's grouped experts take the device token counts)")
+            if m.moe_token_dispatcher_type == "etp":
+                for name, value in (("tensor_model_parallel_size", tp), ("expert_tensor_parallel_size", etp_tp)):
+                    if value != 1:
+                        _fail(name, value, "must be 1 with moe_token_dispatcher_type=etp (etp.ep's dispatcher "
+                              "moves whole tokens over the expert-parallel group); use alltoall for tensor parallelism")
             if ep > 1 and tp > 1 and not p.sequence_parallel:
                 _fail(
                     "sequence_parallel",

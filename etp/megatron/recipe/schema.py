@@ -56,7 +56,7 @@ def _positive(default: Any, help: str, **kw: Any) -> Any:
 
 _NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 _POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
-_DISPATCHERS = ("allgather", "alltoall", "flex", "local")
+_DISPATCHERS = ("allgather", "alltoall", "flex", "local", "etp")
 _LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
 _LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 _BACKENDS = ("auto", "gloo", "nccl")
@@ -119,7 +119,7 @@ class ModelSpec:
     moe_ffn_hidden_size: int | None = _positive(None, "width of each expert's MLP")
     moe_grouped_gemm: bool = _key(False, _BOOL, "grouped expert GEMMs")
     moe_token_dispatcher_type: str = _key(
-        "allgather", _STR, "token dispatcher (local: etp's sync-free one for EP 1 and TP 1)", choices=_DISPATCHERS
+        "allgather", _STR, "token dispatcher (local: etp's sync-free one for EP 1 and TP 1; etp: etp.ep's for EP >= 1, TP 1)", choices=_DISPATCHERS
     )
     moe_aux_loss_coeff: float = _key(0.0, _FLOAT, "load-balancing loss weight", minimum=0.0)
     moe_router_load_balancing_type: str = _key(
