@@ -17,6 +17,7 @@
 # (e) cuda_graph: step with ETP 2 (eager vs captured, overlap_grad_reduce off)
 # (f) #17's NaN: full recompute + expert ETP 2 + deterministic, with prefetch and async reduce
 #     off, then with debug_checks on (does any consume read a buffer no gather wrote?)
+# (h) EP 2 with moe_token_dispatcher_type: etp against alltoall (issue #16's recipe key)
 # (g) save at iteration 3 and --resume with fused Adam (megatron_fallbacks: fast): the step
 #     counts go back onto the GPU (etp/megatron/checkpoint/optimizer_state.py)
 # Each step has its own timeout; the whole script stays under BUDGET seconds (default 560).
@@ -88,12 +89,20 @@ TAIL=4 step g_save 75 $TRAIN --recipe $FLAG $AT2 --set etp.etp_size=2 --set etp.
 TAIL=6 step g_resume 75 $TRAIN --recipe $FLAG $AT2 --set etp.etp_size=2 --set etp.expert_etp_size=2 --set num_layers=2 \
   --set load=$CKPT --resume --train-iters 5 --log-interval 1
 
+# (h) #16's recipe key: EP 2 with etp's dispatcher against megatron's alltoall (dense ETP 2)
+for disp in etp alltoall; do
+  TAIL=4 step "h_ep2_$disp" 75 $TRAIN --recipe $FLAG $AT2 --set expert_model_parallel_size=2 --set etp.etp_size=2 \
+    --set etp.expert_etp_size=1 --set moe_token_dispatcher_type=$disp --set deterministic=true \
+    --train-iters 10 --log-interval 5 --json "$OUT/h_ep2_$disp.json"
+done
+
 python3 - "$OUT" <<'EOF'
 import json, sys
 out = sys.argv[1]
 print("| run | ms/iter | TFLOP/s/GPU | peak GiB | first / last loss |")
 print("|---|---:|---:|---:|---|")
-for name in ("d_etp2_stock", "d_etp2_local", "d_etp1_stock", "d_etp1_local", "e_graph_none", "e_graph_step"):
+for name in ("d_etp2_stock", "d_etp2_local", "d_etp1_stock", "d_etp1_local", "e_graph_none", "e_graph_step",
+             "h_ep2_etp", "h_ep2_alltoall"):
     try:
         r = json.load(open(f"{out}/{name}.json"))
     except (OSError, ValueError):
