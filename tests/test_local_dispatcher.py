@@ -128,3 +128,35 @@ def test_counts_follow_the_sorted_rows_even_for_padding_tokens():
     assert row_probs[torch.div(order, 2, rounding_mode="floor") == 4].abs().sum() == 0
     out = dispatcher.combine_postprocess(dispatcher.token_combine(dispatcher.combine_preprocess(rows)))
     assert out.shape == x.shape and torch.allclose(out[:, 0], 2 * x[:, 0])  # K copies of each token
+
+
+def test_replace_token_dispatchers_swaps_every_moe_layer():
+    """The install helpers' shared loop (``install_local_dispatchers`` and, for the recipe key
+    ``moe_token_dispatcher_type: etp``, ``install_etp_dispatchers``): every MoELayer, however
+    deep, gets the new dispatcher built from the old one's experts, its config and its groups;
+    other modules are left alone. CPU: layers made without megatron's (CUDA) router."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from etp.megatron.local_dispatcher import replace_token_dispatchers
+
+    def fake_layer(tag):
+        layer = MoELayer.__new__(MoELayer)
+        torch.nn.Module.__init__(layer)
+        layer.config = f"config {tag}"
+        layer.token_dispatcher = SimpleNamespace(ep_group=f"ep {tag}", tp_group=f"tp {tag}", tp_ep_group=f"tp_ep {tag}",
+                                                 num_local_experts=2, local_expert_indices=[2, 3])
+        return layer
+
+    layers = [fake_layer(0), fake_layer(1)]
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(layers[0]), layers[1])
+    made = []
+
+    def make(old, config, groups):
+        made.append((old.local_expert_indices, config, groups.ep, groups.expt_tp, groups.tp_ep))
+        return f"new {len(made)}"
+
+    assert replace_token_dispatchers(model, make) == 2
+    assert made == [([2, 3], f"config {i}", f"ep {i}", f"tp {i}", f"tp_ep {i}") for i in (0, 1)]
+    assert [layer.token_dispatcher for layer in layers] == ["new 1", "new 2"]

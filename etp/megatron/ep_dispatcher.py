@@ -137,17 +137,8 @@ def install_etp_dispatchers(model: torch.nn.Module, *, max_tokens_per_rank: int,
 
         install_etp_dispatchers(gpt_model, max_tokens_per_rank=seq_length * micro_batch_size)
     """
-    from types import SimpleNamespace
+    from .local_dispatcher import replace_token_dispatchers
 
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-
-    count = 0
-    for module in model.modules():
-        if isinstance(module, MoELayer):
-            old = module.token_dispatcher
-            groups = SimpleNamespace(ep=old.ep_group, expt_tp=old.tp_group, tp_ep=old.tp_ep_group)
-            module.token_dispatcher = EtpTokenDispatcher(
-                old.num_local_experts, list(old.local_expert_indices), config=module.config, pg_collection=groups,
-                max_tokens_per_rank=max_tokens_per_rank, backend=backend)
-            count += 1
-    return count
+    return replace_token_dispatchers(model, lambda old, config, groups: EtpTokenDispatcher(
+        old.num_local_experts, list(old.local_expert_indices), config=config, pg_collection=groups,
+        max_tokens_per_rank=max_tokens_per_rank, backend=backend))

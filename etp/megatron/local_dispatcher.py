@@ -158,9 +158,9 @@ class LocalTokenDispatcher(MoETokenDispatcher):
         return hidden_states.view(self.hidden_shape)
 
 
-def install_local_dispatchers(model: torch.nn.Module) -> int:
-    """Replaces the ``token_dispatcher`` of every megatron-core ``MoELayer`` in ``model`` with a
-    ``LocalTokenDispatcher``; returns how many. Call after building the model."""
+def replace_token_dispatchers(model: torch.nn.Module, make) -> int:
+    """Replaces the ``token_dispatcher`` of every megatron-core ``MoELayer`` in ``model`` with
+    ``make(old_dispatcher, config, pg_collection)`` (the layer's own groups); returns how many."""
     from types import SimpleNamespace
 
     from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -170,7 +170,13 @@ def install_local_dispatchers(model: torch.nn.Module) -> int:
         if isinstance(module, MoELayer):
             old = module.token_dispatcher
             groups = SimpleNamespace(ep=old.ep_group, expt_tp=old.tp_group, tp_ep=old.tp_ep_group)
-            module.token_dispatcher = LocalTokenDispatcher(
-                old.num_local_experts, list(old.local_expert_indices), config=module.config, pg_collection=groups)
+            module.token_dispatcher = make(old, module.config, groups)
             count += 1
     return count
+
+
+def install_local_dispatchers(model: torch.nn.Module) -> int:
+    """Replaces the ``token_dispatcher`` of every megatron-core ``MoELayer`` in ``model`` with a
+    ``LocalTokenDispatcher``; returns how many. Call after building the model."""
+    return replace_token_dispatchers(model, lambda old, config, groups: LocalTokenDispatcher(
+        old.num_local_experts, list(old.local_expert_indices), config=config, pg_collection=groups))
