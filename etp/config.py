@@ -74,7 +74,7 @@ class ETPConfig:
             previous step's amax, as TransformerEngine's default recipe: one cast pass that
             also records this step's amax; weights whose amax grew are re-cast with their own
             scale, decided on the device, so nothing ever saturates). Delayed saves one read
-            of every FP8 weight per step; the first step, and any after new weights, is current.
+            of every FP8 weight per step; a weight's first quantization (no previous amax) is current.
         prefetch: gather the next weight of the chain while the current GEMM runs.
         prefetch_recompute: with ``prefetch``, also prefetch the weights of forwards that
             activation recompute re-runs inside backward, along their own chain (off: each

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .kernels import grouped_colwise_layout, quantize_grouped_colwise, quantize_rowwise
+from .kernels.colwise import ALIGN as COLWISE_ALIGN
 from .quant import FP8Weight
 
 __all__ = [
@@ -228,7 +229,7 @@ class GroupedGemm:
         rows' amax the forward / input-gradient GEMM already found (``row_amax``: always on the
         FP8 path) is quantized per expert instead, from that amax, in one read."""
         if fp8 and gy.dtype == x.dtype and fp8_compute_applies(x, (gy.shape[-1], x.shape[-1]), grouped=True):
-            layout = grouped_colwise_layout(x.shape[0], counts, 16)  # shared by both operands
+            layout = grouped_colwise_layout(x.shape[0], counts, COLWISE_ALIGN)  # shared by both operands
             gq, g_inv, offs = quantize_grouped_colwise(gy, counts, row_amax=row_amax(gy), layout=layout)
             xq, x_inv, _ = quantize_grouped_colwise(x, counts, row_amax=row_amax(x), layout=layout)
             result = torch._scaled_grouped_mm(gq, xq.t(), g_inv.reshape(-1), x_inv.reshape(-1), offs=offs,

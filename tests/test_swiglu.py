@@ -85,6 +85,12 @@ def test_bad_input_names_the_fix():
         swiglu_kernel(torch.zeros(3, 4), torch.zeros(2))
     with pytest.raises(ValueError, match="probs_grad=True needs probs"):
         swiglu_backward(torch.zeros(3, 4), torch.zeros(3, 2), probs_grad=True)
+    with pytest.raises(ValueError, match="pass quantize=True"):
+        swiglu_kernel(torch.zeros(3, 4), amax_out=torch.zeros(3))
+    with pytest.raises(ValueError, match="amax_out must be a contiguous float32 \\[3\\]"):
+        swiglu_backward(torch.zeros(3, 4), torch.zeros(3, 2), quantize=True, amax_out=torch.zeros(4))
+    with pytest.raises(ValueError, match="amax_out must be a contiguous float32 \\[3\\]"):
+        quantize_rowwise(torch.zeros(3, 4), amax_out=torch.zeros(3, dtype=torch.float64))
 
 
 def test_experts_module_matches_eager_float64():

@@ -474,6 +474,25 @@ def dequantize_fp8(
     return _launch_dequantize(q, scale, block, out_dtype)
 
 
+def check_row_amax_out(amax_out: Optional[torch.Tensor], rows: int, device: torch.device) -> None:
+    """The rowwise quantizing kernels' ``amax_out``: None, or a contiguous float32 ``[rows]``."""
+    if amax_out is not None and (amax_out.shape != (rows,) or amax_out.dtype != torch.float32
+                                 or amax_out.device != device or not amax_out.is_contiguous()):
+        raise ValueError(f"amax_out must be a contiguous float32 [{rows}] tensor on {device}, got "
+                         f"{amax_out.dtype} {tuple(amax_out.shape)} on {amax_out.device}")
+
+
+def fill_row_amax(amax_out: Optional[torch.Tensor], x: torch.Tensor) -> None:
+    """The reference paths' ``amax_out``: each row's max |x| (exact in x's dtype; NaN
+    propagates; 0 for zero-width rows)."""
+    if amax_out is None:
+        return
+    if x.numel() == 0:
+        amax_out.zero_()
+    else:
+        amax_out.copy_(x.abs().amax(dim=1))
+
+
 def quantize_rowwise(x: torch.Tensor, *, amax_out: Optional[torch.Tensor] = None,
                      impl: str = "auto") -> Tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D activation to float8_e4m3fn with one float32 scale per row.
@@ -507,10 +526,7 @@ def quantize_rowwise(x: torch.Tensor, *, amax_out: Optional[torch.Tensor] = None
     if x.dim() != 2 or not x.is_contiguous():
         raise ValueError(f"quantize_rowwise expects a contiguous 2-D tensor, got shape {tuple(x.shape)}")
     rows, cols = x.shape
-    if amax_out is not None and (amax_out.shape != (rows,) or amax_out.dtype != torch.float32
-                                 or amax_out.device != x.device or not amax_out.is_contiguous()):
-        raise ValueError(f"amax_out must be a contiguous float32 [{rows}] tensor on {x.device}, got "
-                         f"{amax_out.dtype} {tuple(amax_out.shape)} on {amax_out.device}")
+    check_row_amax_out(amax_out, rows, x.device)
     use_triton = select_impl(impl, x.device)
     if cols == 0:
         # max over an empty row is 0, so the scale is 1.0 (as for an all-zero row).
@@ -520,8 +536,7 @@ def quantize_rowwise(x: torch.Tensor, *, amax_out: Optional[torch.Tensor] = None
                 torch.ones(rows, dtype=torch.float32, device=x.device))
     if not use_triton or rows == 0:
         q, s = quantize_blockwise_ref(x, 1, cols)
-        if amax_out is not None and rows:
-            amax_out.copy_(x.abs().amax(dim=1))  # exact in x's dtype; NaN propagates
+        fill_row_amax(amax_out, x)
         return q, s.reshape(rows)
     device = x.device
     staged = device.type == "cuda" and interpreter_active()

@@ -16,12 +16,11 @@ given) need one read: the scale comes from the rows' maxima that the rowwise qua
 the same tensor already stored (for the forward / input-gradient GEMM; one tiny launch
 reduces them per expert), then one program per tile of the padded layout finds each
 position's expert by binary search and casts, as many programs in flight as the transposing
-weight cast has. e4m3's relative
-precision does not depend on the scale as long as values stay above its subnormals, so one
-scale per expert costs the GEMM no measurable accuracy (``tools/bench_fp8_gemms.py``'s
-error column). Expert boundaries come from
-device tensors (no host synchronization); the padded width ``T + E * (align - 1)`` rounded
-up to ``align`` is static.
+weight cast has. e4m3's relative precision does not depend on the scale as long as values
+stay above its subnormals, so one scale per expert costs the GEMM no measurable accuracy
+(``tools/bench_fp8_gemms.py``'s error column). Expert boundaries come from device tensors
+(no host synchronization); the padded width ``T + E * (align - 1)`` rounded up to ``align``
+is static.
 """
 from __future__ import annotations
 
@@ -44,14 +43,15 @@ from etp.kernels.blockwise import _amax_to_scale, _reciprocal_rn, _soft_view
 from etp.kernels.cast import _quantize_f32
 from etp.kernels.reference import FP8_E4M3_MAX, grouped_colwise_layout, quantize_grouped_colwise_ref
 
-__all__ = ["grouped_colwise_layout", "quantize_grouped_colwise"]
+__all__ = ["ALIGN", "grouped_colwise_layout", "quantize_grouped_colwise"]
 
 _TT = 256  # tokens per tile; launch shape from bench_kernels.py's sweep on H200: 256 x 64, 8 warps,
 _TC = 64   # two tiles per loop step: 0.222 ms for [32768, 4096] (128 x 64 x 4 warps x 2: 0.238)
 _WARPS = 8
 _UNROLL = 2  # independent tiles per loop step: their loads are in flight together
-# Per-expert mode (row_amax given): one program per [padded positions x columns] tile, as the
-# transposing FP8 cast (etp.kernels.cast: 128 x 128, 4 warps).
+# Per-expert mode (row_amax given): one program per [padded positions x columns] tile; the
+# fastest of bench_kernels.py's sweep on H200 (0.129 ms for [32768, 4096]; 256 x 64: 0.132).
+ALIGN = 16  # tokens each expert's segment is padded to: the GEMM's 16-byte group alignment
 _PE_TP = 128
 _PE_TC = 128
 _PE_WARPS = 4
@@ -151,7 +151,7 @@ def _grouped_per_expert_kernel(x_ptr, ends_ptr, pends_ptr, scale_ptr, q_ptr, C, 
 
 
 def quantize_grouped_colwise(
-    x: torch.Tensor, counts: torch.Tensor, *, row_amax: Optional[torch.Tensor] = None, align: int = 16,
+    x: torch.Tensor, counts: torch.Tensor, *, row_amax: Optional[torch.Tensor] = None, align: int = ALIGN,
     layout: Optional[Tuple[torch.Tensor, torch.Tensor, int]] = None, impl: str = "auto",
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FP8 (e4m3) of ``x [T, C]`` transposed, one scale per (expert, column), or per expert.

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from etp.kernels.amax import _DTYPE_CODE, _abs_bits, _to_f32, interpreter_active, select_impl
-from etp.kernels.blockwise import _amax_to_scale, _reciprocal_rn, _soft_view
+from etp.kernels.blockwise import _amax_to_scale, _reciprocal_rn, _soft_view, check_row_amax_out, fill_row_amax
 from etp.kernels.cast import _f32_to_bf16_bits, _quantize_f32
 from etp.kernels.reference import FP8_E4M3_MAX, SUPPORTED_INPUT_DTYPES, swiglu_backward_ref, swiglu_ref
 
@@ -202,25 +202,9 @@ def _unstage(out: Optional[torch.Tensor], staged: Optional[torch.Tensor]) -> Non
 
 
 def _check_amax_out(amax_out: Optional[torch.Tensor], quantize: bool, gate_up: torch.Tensor) -> None:
-    if amax_out is None:
-        return
-    rows = gate_up.shape[0]
-    if not quantize:
+    if amax_out is not None and not quantize:
         raise ValueError("amax_out is filled by the rowwise quantization: pass quantize=True")
-    if amax_out.shape != (rows,) or amax_out.dtype != torch.float32 or amax_out.device != gate_up.device \
-            or not amax_out.is_contiguous():
-        raise ValueError(f"amax_out must be a contiguous float32 [{rows}] tensor on {gate_up.device}, got "
-                         f"{amax_out.dtype} {tuple(amax_out.shape)} on {amax_out.device}")
-
-
-def _fill_row_amax(amax_out: Optional[torch.Tensor], x: torch.Tensor) -> None:
-    """The reference path's ``amax_out``: each row's max |x| (exact in x's dtype)."""
-    if amax_out is None:
-        return
-    if x.numel() == 0:
-        amax_out.zero_()
-    else:
-        amax_out.copy_(x.abs().amax(dim=1))
+    check_row_amax_out(amax_out, gate_up.shape[0], gate_up.device)
 
 
 def swiglu(gate_up: torch.Tensor, probs: Optional[torch.Tensor] = None, *, quantize: bool = False,
@@ -249,7 +233,7 @@ def swiglu(gate_up: torch.Tensor, probs: Optional[torch.Tensor] = None, *, quant
     _check_amax_out(amax_out, quantize, gate_up)
     if not _kernel_applies(impl, gate_up, probs):
         h, q, s_inv = swiglu_ref(gate_up, probs, quantize=quantize)
-        _fill_row_amax(amax_out, h)
+        fill_row_amax(amax_out, h)
         return h, q, s_inv
     device, soft = gate_up.device, interpreter_active()
     gate_up, probs, amax = _staged(gate_up), _staged(probs), _staged(amax_out)
@@ -307,7 +291,7 @@ def swiglu_backward(
     if not _kernel_applies(impl, gate_up, probs):
         dgu, grad_probs, q, s_inv = swiglu_backward_ref(gate_up, grad_h, probs, probs_grad=probs_grad,
                                                         quantize=quantize)
-        _fill_row_amax(amax_out, dgu)
+        fill_row_amax(amax_out, dgu)
         return dgu, grad_probs, q, s_inv
     device, soft = gate_up.device, interpreter_active()
     gate_up, grad_h, probs, amax = _staged(gate_up), _staged(grad_h), _staged(probs), _staged(amax_out)
