@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import faulthandler
 import os
+import pickle
 import queue
 import socket
 import tempfile
@@ -69,7 +70,10 @@ def _child(fn, rank, world_size, port, backend_name, timeout, stack_dir, args, r
             **({"device_id": device} if backend_name == "nccl" else {}),
         )
         result = fn(RankContext(rank, world_size, backend_name, device), *args)
-        results.put((rank, "ok", result))
+        # Plain pickle bytes, not the queue's own pickler: that one passes tensor storages as
+        # file descriptors served by this process, which may have exited (after the barrier
+        # below) before the parent unpickles them (FileNotFoundError in the parent).
+        results.put((rank, "ok", pickle.dumps(result)))
         dist.barrier()
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         results.put((rank, "error", traceback.format_exc()))
@@ -110,7 +114,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float | None = None):
         while len(outcome) < world_size and time.monotonic() < deadline:
             try:
                 rank, status, payload = results.get(timeout=0.5)
-                outcome[rank] = (status, payload)
+                outcome[rank] = (status, pickle.loads(payload) if status == "ok" else payload)
                 if status == "error":
                     # Peers of a failed rank block in their next collective: give them a
                     # moment to report their own errors, then stop waiting.
