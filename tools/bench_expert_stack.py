@@ -47,6 +47,8 @@ earlier runs. The transport variants (opt-in through ``--variants``) change only
   symmetric-memory reduce-scatter on ``--reduce-ctas`` CTAs;
 * ``etp_async_ce_pull`` / ``etp_async_ce_fp8_pull``: copy-engine gathers and the copy-engine
   reduce-scatter (peers' slices pulled by the copy engines, added locally in fp32);
+* ``etp_async_ce_fp8_wgrad``: ``etp_async_ce_fp8`` with the weight-gradient GEMMs in FP8 too
+  (``etp_async_fp8_wgrad`` on copy-engine gathers: every option of the fastest FP8 path);
 * ``etp_async_graphed`` / ``etp_async_fp8_graphed`` (opt-in): ``etp_async`` / ``etp_async_fp8``
   with forward + backward captured in one CUDA graph by ``etp.GraphedStep`` and replayed
   (finalize, FP8 re-quantization and the post-step hook stay eager);
@@ -161,6 +163,7 @@ TRANSPORT_VARIANTS = {
     "etp_async_ce_fp8_pull": ("copy_engine", "copy_engine"),
     "etp_async_capped": ("nccl", "nccl_capped"),
     "etp_async_ce_capped": ("copy_engine", "nccl_capped"),
+    "etp_async_ce_fp8_wgrad": ("copy_engine", "nccl"),
 }
 VARIANTS = ("replicated", "replicated_fp8", "ddp", "fsdp2", "etp_sync", "etp_async", "etp_async_fp8",
             "etp_async_fp8_blockwise", *TRANSPORT_VARIANTS, "etp_async_graphed", "etp_async_fp8_graphed",
@@ -174,6 +177,7 @@ FP8_VARIANTS = {
     "etp_async_ce_fp8_symm": ("fp8_tensorwise", None),
     "etp_async_ce_fp8_pull": ("fp8_tensorwise", None),
     "etp_async_fp8_wgrad": ("fp8_tensorwise", None),
+    "etp_async_ce_fp8_wgrad": ("fp8_tensorwise", None),
 }
 # Variants whose GEMMs run in FP8 (their check differs from replicated by FP8 rounding).
 FP8_COMPUTE = ("replicated_fp8", "replicated_fp8_wgrad", *FP8_VARIANTS)
@@ -695,7 +699,7 @@ def _transport_variant(name: str):
     def prepare(args, env, groups_cache) -> Prepared:
         dtype, pad = FP8_VARIANTS.get(name, ("param", None))
         return _prepare_etp(args, env, groups_cache, prefetch=True, gather_dtype=dtype, pad_for_alignment=pad,
-                            transports=TRANSPORT_VARIANTS[name])
+                            transports=TRANSPORT_VARIANTS[name], fp8_wgrad=name.endswith("_fp8_wgrad"))
     return prepare
 
 

@@ -1,7 +1,7 @@
 # Shared by the tools/gpu_*.sh scripts (sourced, not run): a budgeted run of time-limited steps.
 #   source tools/gpu_lib.sh
 #   budget_begin /tmp/etp_x 530   # env, OUT (default), BUDGET (default seconds), START, summary, GPU line
-#   step NAME TIMEOUT CMD...      # as many as fit
+#   step NAME TIMEOUT CMD...      # as many as fit (ONLY=REGEX: just the matching steps)
 #   budget_end                    # summary.json with every step's rc and seconds
 budget_begin() {
   set -uo pipefail
@@ -20,8 +20,11 @@ budget_end() {
 }
 
 # step NAME TIMEOUT CMD...: runs CMD with min(TIMEOUT, what is left of BUDGET), logs to $OUT/NAME.log
+# ONLY (an extended regex, optional) runs just the steps whose name matches it: one script, split
+# over several device calls.
 step() {
   local name=$1 limit=$2; shift 2
+  if [[ -n "${ONLY:-}" ]] && ! [[ $name =~ $ONLY ]]; then return; fi
   local left=$(( BUDGET - ($(date +%s) - START) ))
   if (( left < 20 )); then
     echo "=== $name: skipped (budget of ${BUDGET}s spent)"
