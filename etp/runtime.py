@@ -297,10 +297,13 @@ class ETPRuntime(GradientReductions):
         param = st.param
         source = self._source(param)  # cast on the current stream, after the optimizer's writes
         streams: CommStreams = self.streams.get(st.chain.key.chain_class, st.chain.key.ranks, param.device)
+        # The ticket buffer first: its first allocation may enqueue a write on the current
+        # stream (torch's deterministic mode fills new memory with NaN), which the gather must
+        # follow, not race (it did: NaN gradients under recompute, see [Note: ETP streams]).
+        buffer = self._buffer(st, role)
         # See [Note: ETP streams]: the AG stream must not read the shard (or overwrite a buffer
         # a queued GEMM reads) before the current stream has got there.
         CommStreams.wait(streams.ag, current_stream_event(param.device))
-        buffer = self._buffer(st, role)
         with streams.use(streams.ag):
             handle = self._transports(param).gather.gather(source, param.etp_group, buffer, async_op=True)
         self._holder[id(buffer)] = id(param)

@@ -15,6 +15,12 @@ event recorded on the producer's stream before it reads (the shard written by th
 optimizer, the wgrad written by the GEMM), and the consumer waits on the collective's work
 handle before it reads the result. On CPU every stream is a no-op and events are None;
 gloo work handles give the same asynchrony.
+
+A buffer a side stream will write is allocated *before* the event it waits on is recorded:
+an allocation may itself enqueue a write on the current stream (torch's deterministic mode
+fills new memory with NaN), and that write must come before the side stream's, not race
+it. (Found as NaN gradients on 2 GPUs: a ticket buffer first allocated by a prefetch, behind
+the event, was NaN-filled after its gather had landed.)
 """
 from __future__ import annotations
 

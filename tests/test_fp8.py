@@ -59,7 +59,7 @@ def _gather_quantized(param) -> torch.Tensor:
     state = param.etp_runtime.state(param)
     shards = [torch.empty_like(state.quant.data.view(torch.uint8)) for _ in range(param.etp_group.size)]
     torch.distributed.all_gather(shards, state.quant.data.view(torch.uint8).contiguous(), group=param.etp_group.ag_group)
-    return torch.cat(shards)
+    return torch.cat(shards).cpu()  # the references are computed on the CPU
 
 
 def _quantization(ctx, mode):
@@ -71,6 +71,7 @@ def _quantization(ctx, mode):
     torch.manual_seed(3)
     model = Model()
     full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.to(ctx.device)
     wrap_module_params_etp(model, config, build_etp_groups(config))
     calls = {"amax": 0, "cast": 0, "all_reduce": 0}
 
@@ -123,7 +124,7 @@ def _quantization(ctx, mode):
         used = torch.where(new_amax > prev_amax[name], new_amax, prev_amax[name])
         got = _gather_quantized(p)[: p.etp_layout.rows].view(p.etp_layout.logical_shape)
         assert torch.equal(got, _reference_tensorwise(w, used).view(torch.uint8)), name
-        scale = p.etp_runtime.state(p).quant.scale.double()
+        scale = p.etp_runtime.state(p).quant.scale.double().cpu()
         torch.testing.assert_close(scale, (FP8_MAX / used.double()).float().double().reshape(scale.shape))
     return calls
 
@@ -163,8 +164,10 @@ def test_blockwise_quantization_is_local():
 
 def _wire_bytes(ctx, mode):
     align = 128 if mode == "fp8_blockwise" else 16
+    # NCCL gathers: the copy-engine transport (auto's choice on GPUs) moves bytes without
+    # all_gather_tensor; its bytes are tested in test_transport_gpu.py.
     config = ETPConfig(etp_size=ctx.world_size, expert_etp_size=ctx.world_size, gather_dtype=mode,
-                       pad_for_alignment=align)
+                       pad_for_alignment=align, transport="nccl")
     torch.manual_seed(3)
     model = Model().to(ctx.device)
     groups = build_etp_groups(config)

@@ -1,6 +1,6 @@
 """etp-train's ``cuda_graph: step`` ([Note: etp-train graph step]): the capture-safe
 embedding against ``F.embedding`` in float64, the recipe rules, and (GPU) a 2-layer flagship
-recipe captured vs eager."""
+recipe captured vs eager, with ETP over up to 2 GPUs."""
 import json
 import os
 import subprocess
@@ -54,12 +54,14 @@ def test_capture_needs_cuda():
 
 
 def _run(tmp_path, graph: str) -> list[float]:
+    # ETP over every GPU (up to 2): the captured step holds ETP's gathers and reductions.
+    world = min(2, torch.cuda.device_count())
     out = tmp_path / f"{graph}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-           "-m", "etp.megatron.train", "--recipe", FLAGSHIP, "--set", "world_size=1",
-           "--set", "num_layers=2", "--set", "etp.etp_size=1", "--set", "etp.expert_etp_size=1",
-           "--set", "global_batch_size=4", "--set", "overlap_grad_reduce=false", "--set", f"cuda_graph={graph}",
-           "--train-iters", "6", "--log-interval", "6", "--json", str(out)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+           "-m", "etp.megatron.train", "--recipe", FLAGSHIP, "--set", f"world_size={world}",
+           "--set", "num_layers=2", "--set", f"etp.etp_size={world}", "--set", f"etp.expert_etp_size={world}",
+           "--set", "global_batch_size=4", "--set", "lr_warmup_iters=2", "--set", "overlap_grad_reduce=false",
+           "--set", f"cuda_graph={graph}", "--train-iters", "6", "--log-interval", "6", "--json", str(out)]
     subprocess.run(cmd, check=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     return json.loads(out.read_text())["losses"]
 

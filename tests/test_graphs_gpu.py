@@ -1,7 +1,8 @@
 """CUDA-graph capture of ETP training steps (``etp.GraphedStep``) on real GPUs: 10 Adam
 steps captured vs eager are bit-identical (losses and parameters), bf16 and FP8 gathers,
 NCCL and copy-engine transports; grad-ready hooks fire once per replay; a replay allocates
-nothing; and full activation recompute inside the eager step trains bit for bit too.
+nothing; and full activation recompute inside the eager step trains bit for bit too, also under
+deterministic mode's NaN fill of new memory with a busy current stream.
 
 Run with ``ETP_TEST_BACKEND=nccl`` on a machine with 2 GPUs; skipped otherwise.
 """
@@ -146,3 +147,32 @@ def _recompute_equals_plain(ctx):
 
 def test_recompute_trains_bit_for_bit_on_gpu():
     run_distributed(_recompute_equals_plain, 2)
+
+
+def _recompute_under_deterministic_fill(ctx):
+    # [Note: ETP streams]: a ticket buffer first allocated by a prefetch is NaN-filled on the
+    # current stream in deterministic mode; that fill must land before the gather, not after.
+    # Each ticket lookup first sleeps on the current stream (a busy one, like a real step's),
+    # so a gather that did not wait for the fill would land first and be overwritten.
+    import torch.utils.deterministic
+
+    import etp.cache.weight_cache as weight_cache
+
+    original = weight_cache.WeightCache.ticket
+
+    def busy_ticket(self, param_id, role, key):
+        torch.cuda._sleep(2_000_000)
+        return original(self, param_id, role, key)
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    weight_cache.WeightCache.ticket = busy_ticket
+    try:
+        return _recompute_equals_plain(ctx)
+    finally:
+        weight_cache.WeightCache.ticket = original
+        torch.use_deterministic_algorithms(False)
+
+
+def test_recompute_prefetches_survive_deterministic_fill():
+    run_distributed(_recompute_under_deterministic_fill, 2)

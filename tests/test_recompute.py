@@ -1,6 +1,8 @@
 """Activation recompute with ETP weights: the recomputed forward's gathers ride their own
 prefetched chain ([Note: ETP recompute chain]). Compared against the same model trained
 without recompute (bit for bit) on gloo ranks."""
+import sys
+
 import pytest
 import torch
 from harness import run_distributed
@@ -127,3 +129,37 @@ def test_recompute_consumes_form_their_own_order():
     assert by_role[Role.RECOMPUTE.value] == 12
     assert by_role[Role.FWD.value] == 13
     assert by_role[Role.BWD.value] == 13
+
+
+def _issue_order(ctx):
+    # Every prefetch must allocate its ticket buffer before it records the event the AG
+    # stream waits on: an allocation may write on the current stream (deterministic mode's
+    # NaN fill), which must land before the gather, not after it.
+    import etp.runtime as runtime_module
+
+    calls = []
+    original_buffer, original_event = runtime_module.ETPRuntime._buffer, runtime_module.current_stream_event
+
+    def buffer(self, st, role):
+        calls.append(f"buffer from {sys._getframe(1).f_code.co_name}")  # _issue or _gather_now
+        return original_buffer(self, st, role)
+
+    def event(device):
+        calls.append("event")
+        return original_event(device)
+
+    runtime_module.ETPRuntime._buffer, runtime_module.current_stream_event = buffer, event
+    try:
+        _train(ctx, "reentrant", steps=3)
+    finally:
+        runtime_module.ETPRuntime._buffer, runtime_module.current_stream_event = original_buffer, original_event
+    return calls
+
+
+def test_prefetch_allocates_before_the_side_stream_waits():
+    calls = run_distributed(_issue_order, 2)[0]
+    assert calls.count("event") > 10  # prefetches happened
+    # Each issued gather looks its buffer up, then records the event, nothing in between.
+    issued = [i for i, call in enumerate(calls) if call == "buffer from _issue"]
+    assert len(issued) == calls.count("event")
+    assert all(calls[i + 1] == "event" for i in issued), calls[:12]

@@ -16,7 +16,8 @@
 # (d) flagship recipe at world 2, ETP 2 and ETP off: stock fallbacks + alltoall vs fast + local
 # (e) cuda_graph: step with ETP 2 (eager vs captured, overlap_grad_reduce off)
 # (f) #17's NaN: full recompute + expert ETP 2 + deterministic, with prefetch and async reduce
-#     off, then with debug_checks on (does any consume read a buffer no gather wrote?)
+#     off, then with debug_checks on (does any consume read a buffer no gather wrote?); (f2) the
+#     same after the fix, expert ETP and full ETP
 # (h) EP 2 with moe_token_dispatcher_type: etp against alltoall (issue #16's recipe key)
 # (g) save at iteration 3 and --resume with fused Adam (megatron_fallbacks: fast): the step
 #     counts go back onto the GPU (etp/megatron/checkpoint/optimizer_state.py)
@@ -76,17 +77,23 @@ done
 
 # (f)
 NAN="--set recompute_granularity=full --set recompute_method=uniform --set recompute_num_layers=1 \
-  --set deterministic=true --set lr_warmup_iters=2 --set etp.etp_size=1 --set etp.expert_etp_size=2"
-TAIL=6 step f_nan_no_prefetch 60 $TRAIN --recipe $FLAG $AT2 $NAN --set etp.prefetch=false \
-  --set etp.async_reduce=false --train-iters 2 --log-interval 1
-TAIL=12 step f_nan_debug 60 $TRAIN --recipe $FLAG $AT2 $NAN --set etp.debug_checks=true --train-iters 2 --log-interval 1
+  --set deterministic=true --set lr_warmup_iters=2"
+TAIL=6 step f_nan_no_prefetch 60 $TRAIN --recipe $FLAG $AT2 $NAN --set etp.etp_size=1 --set etp.expert_etp_size=2 \
+  --set etp.prefetch=false --set etp.async_reduce=false --train-iters 2 --log-interval 1
+TAIL=12 step f_nan_debug 60 $TRAIN --recipe $FLAG $AT2 $NAN --set etp.etp_size=1 --set etp.expert_etp_size=2 \
+  --set etp.debug_checks=true --train-iters 2 --log-interval 1
+# (f2) after the fix (ticket buffers allocated before the AG stream's event): prefetched recompute
+# chain, expert ETP 2 and full ETP 2, deterministic, 6 iterations: finite losses and grad norms
+for etp in 1 2; do
+  TAIL=6 step "f2_recompute_etp${etp}" 60 $TRAIN --recipe $FLAG $AT2 $NAN --set etp.etp_size=$etp \
+    --set etp.expert_etp_size=2 --train-iters 6 --log-interval 1 --json "$OUT/f2_recompute_etp${etp}.json"
+done
 
 # (g)
 CKPT=/tmp/etp_pending_ckpt; rm -rf $CKPT
-TAIL=4 step g_save 75 $TRAIN --recipe $FLAG $AT2 --set etp.etp_size=2 --set etp.expert_etp_size=2 --set num_layers=2 \
-  --set save=$CKPT --set save_interval=3 --train-iters 3 --log-interval 1
-TAIL=6 step g_resume 75 $TRAIN --recipe $FLAG $AT2 --set etp.etp_size=2 --set etp.expert_etp_size=2 --set num_layers=2 \
-  --set load=$CKPT --resume --train-iters 5 --log-interval 1
+G="--set etp.etp_size=2 --set etp.expert_etp_size=2 --set num_layers=2 --set lr_warmup_iters=2"
+TAIL=4 step g_save 75 $TRAIN --recipe $FLAG $AT2 $G --set save=$CKPT --set save_interval=3 --train-iters 3 --log-interval 1
+TAIL=6 step g_resume 75 $TRAIN --recipe $FLAG $AT2 $G --set load=$CKPT --resume --train-iters 5 --log-interval 1
 
 # (h) #16's recipe key: EP 2 with etp's dispatcher against megatron's alltoall (dense ETP 2)
 for disp in etp alltoall; do
