@@ -319,12 +319,6 @@ def train(rank: int, world: int, recipe, port: int | None = None, json_path: str
 
     flops_per_iter = training_flops(recipe, tokens_per_iter)  # attention included: [Note: FLOP count]
     peak = recipe.train.peak_tflops or peak_tflops(torch.cuda.get_device_name() if device.type == "cuda" else None)
-    if rank == 0 and recipe.train.recompute_granularity == "full" and recipe.etp.expert_etp_size > 1:
-        # Seen on 2xH200 (2026-11-23): with deterministic: true (torch fills uninitialized memory
-        # with NaN) this combination gave NaN gradients from the first step; dense ETP, expert
-        # ETP without recompute and recompute without expert ETP did not. Not yet explained.
-        print("etp-train: WARNING: full recompute with expert_etp_size > 1 read uninitialized memory in a "
-              "deterministic run (NaN gradients); check grad norms, see README 'Activation recompute'", flush=True)
     if rank == 0:
         print(f"etp-train: {recipe.source or 'recipe'} on {world} ranks ({backend}); {summary}; attention "
               f"{recipe.model.attention_backend}; {flops_per_iter / 1e12:.2f} TFLOP per iteration per rank, "
