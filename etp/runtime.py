@@ -140,6 +140,7 @@ class ETPRuntime(GradientReductions):
         self._reduce_pools: dict[tuple[int, ...], WgradPool] = {}  # transports that allocate
         self._staging_logged = False
         self._pass_index = 0
+        self.quant_plans: dict = {}  # etp.quant's per-group tensorwise plans (stable views)
         # Grad-ready hooks: fired at once, muted (CUDA-graph warm-up) or collected to fire
         # after a graph replay (capture). See [Note: ETP CUDA graphs] in etp/graphs.py.
         self._hooks_muted = False
@@ -509,6 +510,7 @@ class ETPRuntime(GradientReductions):
             chain.reset()
         self.cache.clear()
         self.pool.clear()
+        self.quant_plans.clear()
         for pool in self._reduce_pools.values():
             pool.clear()
         self.streams.clear()

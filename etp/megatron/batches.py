@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from ..streams import to_device_async
+
 __all__ = ["Batches"]
 
 
@@ -28,8 +30,6 @@ class Batches:
     def get(self, iteration: int, micro: int) -> torch.Tensor:
         first = (self.rank * self.microbatches + micro) * self.rows
         batch = torch.stack([self._sample(iteration, first + j) for j in range(self.rows)])
-        if self.device.type == "cuda":
-            # From pinned memory without waiting: a pageable copy would wait for the GPU to
-            # finish the previous microbatch before this one's forward could be queued.
-            return batch.pin_memory().to(self.device, non_blocking=True)
-        return batch.to(self.device)
+        # Without waiting: a pageable copy would wait for the GPU to finish the previous
+        # microbatch before this one's forward could be queued.
+        return to_device_async(batch, self.device)

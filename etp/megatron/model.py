@@ -16,6 +16,7 @@ import torch
 from ..config import ETPConfig
 from ..groups import ETPGroups
 from ..modules import GroupedSwiGLUExperts
+from ..streams import to_device_async
 from ..wrap import WrapSummary, wrap_module_params_etp
 from .groups import build_megatron_etp_groups
 
@@ -85,7 +86,7 @@ class ETPGroupedExperts(_megatron_module()):
             # megatron's dispatchers hand the counts over on the host. The grouped GEMMs need
             # them on the device (their offsets): one copy from pinned memory here, which does
             # not wait for the GPU, instead of a blocking copy in each of the six GEMMs.
-            counts = counts.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else counts.to(device)
+            counts = to_device_async(counts, device)
         out = self.experts(permuted_local_hidden_states, counts, permuted_probs)
         return out, None
 
