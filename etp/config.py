@@ -66,15 +66,18 @@ class ETPConfig:
             with bf16 activations (TransformerEngine's FP8 recipes quantize this GEMM too):
             each operand gets one scale per expert from the rows' amax its rowwise
             quantization already found (per (expert, column) where none is known), cast
-            transposed in one read. H200 expert stack: 0.876x -> 0.820x of bf16's step
-            (BENCHMARKS.md "FP8 weight gradients that pay"). Off by default until the FP8
-            recipe's loss has been compared on GPUs; weight gradients then come from bf16 GEMMs.
+            transposed in one read. On by default since the flagship recipe's loss with it
+            tracked bf16 gathers on 2xH200 (1.4% apart over the last 10 of 25 iterations) and
+            the 2xH200 expert stack's ETP FP8 step fell from 1.03x to 0.98x of bf16
+            replicated's (BENCHMARKS.md "2xH200 session 6"). Off: weight gradients from bf16
+            GEMMs.
         fp8_weight_scaling: how ``fp8_tensorwise`` weights get their scales each step:
             "current" (the weight's amax now: an amax pass, then the cast) or "delayed" (the
             previous step's amax, as TransformerEngine's default recipe: one cast pass that
             also records this step's amax; weights whose amax grew are re-cast with their own
-            scale, decided on the device, so nothing ever saturates). Delayed saves one read
-            of every FP8 weight per step; a weight's first quantization (no previous amax) is current.
+            scale, decided on the device, so nothing ever saturates). Delayed (the default)
+            saves one read of every FP8 weight per step; a weight's first quantization (no
+            previous amax) is current.
         prefetch: gather the next weight of the chain while the current GEMM runs.
         prefetch_recompute: with ``prefetch``, also prefetch the weights of forwards that
             activation recompute re-runs inside backward, along their own chain (off: each
@@ -110,8 +113,8 @@ class ETPConfig:
     reduction: str = "mean"
     gather_dtype: str = "param"
     fp8_fast_accum: bool = True
-    fp8_wgrad: bool = False
-    fp8_weight_scaling: str = "current"
+    fp8_wgrad: bool = True
+    fp8_weight_scaling: str = "delayed"
     prefetch: bool = True
     prefetch_recompute: bool = True
     async_reduce: bool = True

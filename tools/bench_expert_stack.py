@@ -23,10 +23,11 @@ Variants, side by side in one process group, in this order (each freed before th
   transposed FP8 weight of the input gradient made in the cast's pass): what FP8 compute
   buys before any communication;
 * ``replicated_fp8_wgrad`` (opt-in): ``replicated_fp8`` with the weight-gradient GEMMs in FP8
-  too (``ETPConfig.fp8_wgrad``: operands quantized per expert from the rows' amax of their
-  rowwise quantization by ``etp.kernels.quantize_grouped_colwise``); ``etp_async_fp8_wgrad``
-  likewise; ``--fp8-weight-scaling delayed`` applies ``ETPConfig.fp8_weight_scaling`` to every
-  FP8 variant;
+  too (``ETPConfig.fp8_wgrad``, etp's default: operands quantized per expert from the rows' amax
+  of their rowwise quantization by ``etp.kernels.quantize_grouped_colwise``);
+  ``etp_async_fp8_wgrad`` likewise. Every other FP8 variant pins ``fp8_wgrad=False`` (bf16
+  weight-gradient GEMMs), so a name means the same across runs; ``--fp8-weight-scaling``
+  sets ``ETPConfig.fp8_weight_scaling`` of every FP8 variant (default: etp's, ``delayed``);
 * ``ddp``: torch DistributedDataParallel over the world, default buckets, bf16 all-reduce;
 * ``fsdp2``: ``fully_shard`` on every layer, then on the root (bf16 gathers);
 * ``etp_sync``: ETP over the world, ``prefetch=False, async_reduce=False``;
@@ -592,8 +593,9 @@ def _prepare_etp(args, env, groups_cache: dict, prefetch: bool, gather_dtype: st
                  pad_for_alignment: int | None = None, transports=("nccl", "nccl"),
                  fp8_wgrad: bool = False) -> Prepared:
     cfg = _etp_config(env, prefetch, gather_dtype, pad_for_alignment, transports, args.reduce_ctas)
-    if fp8_wgrad:
-        cfg = dataclasses.replace(cfg, fp8_wgrad=True)
+    # Pinned either way (ETPConfig's default is on): "_fp8" variants keep bf16 weight-gradient
+    # GEMMs, "_fp8_wgrad" ones run them in FP8, so each name means one thing across runs.
+    cfg = dataclasses.replace(cfg, fp8_wgrad=fp8_wgrad)
     if args.fp8_weight_scaling and cfg.gather_dtype == "fp8_tensorwise":
         cfg = dataclasses.replace(cfg, fp8_weight_scaling=args.fp8_weight_scaling)
     groups = _etp_groups(cfg, groups_cache)
