@@ -12,7 +12,7 @@
 # (d) expert stack with the defaults: replicated / replicated_fp8 / replicated_fp8_wgrad /
 #     etp_async_ce / etp_async_ce_fp8_wgrad, and the quantization plan (c400bfd) on etp_async_fp8 (NCCL gathers)
 # (e) bench_ep: SonicMoE's and the DeepSeek-V3-like workloads (issue 16's target: >= 1.2x NCCL's
-#     all-to-all; last measured 0.47x / 0.32x, session 2)
+#     all-to-all; last measured 0.47x / 0.32x, session 2), and symm_push on 64 / 132 CTAs
 # Each step has its own timeout; the whole script stays under BUDGET seconds (default 560).
 # ONLY (tools/gpu_lib.sh) runs a subset, e.g. ONLY='^(a_|b_)'.
 source tools/gpu_lib.sh
@@ -48,6 +48,11 @@ TAIL=12 step d_expert_stack 120 torchrun --standalone --nproc-per-node 2 tools/b
 # (e)
 TAIL=16 step e_bench_ep 150 torchrun --standalone --nproc-per-node 2 tools/bench_ep.py \
   --workloads sonicmoe,deepseek_v3 --iters 5 --warmup 2 --out "$OUT/bench_ep.json"
+# The symm kernels run on EPConfig.num_ctas (32) CTAs: is 0.47x of NCCL a CTA budget, not a design limit?
+for ctas in 64 132; do
+  TAIL=10 step "e_bench_ep_ctas$ctas" 90 torchrun --standalone --nproc-per-node 2 tools/bench_ep.py \
+    --workloads sonicmoe --backends symm_push --num-ctas $ctas --iters 5 --warmup 2 --out "$OUT/bench_ep_ctas$ctas.json"
+done
 
 python3 - "$OUT" <<'EOF'
 import json, sys
