@@ -69,7 +69,7 @@ class ETPConfig:
             transposed in one read. On by default since the flagship recipe's loss with it
             tracked bf16 gathers on 2xH200 (1.4% apart over the last 10 of 25 iterations) and
             the 2xH200 expert stack's ETP FP8 step fell from 1.03x to 0.98x of bf16
-            replicated's (BENCHMARKS.md "2xH200 session 6"). Off: weight gradients from bf16
+            replicated's (BENCHMARKS.md "2xH200, session 6"). Off: weight gradients from bf16
             GEMMs.
         fp8_weight_scaling: how ``fp8_tensorwise`` weights get their scales each step:
             "current" (the weight's amax now: an amax pass, then the cast) or "delayed" (the

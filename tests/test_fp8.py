@@ -162,6 +162,33 @@ def test_blockwise_quantization_is_local():
         assert calls["all_reduce"] == 0
 
 
+def _moved_shards(ctx):
+    # quantize_shards keeps its per-group plan (views of the shards, FP8 destinations) while the
+    # shards stay where they are. A shard moved to new storage (megatron DDP's buffers do that)
+    # with new values must be cast from there: a stale plan would cast the old storage.
+    config = ETPConfig(etp_size=ctx.world_size, expert_etp_size=ctx.world_size, gather_dtype="fp8_tensorwise",
+                       pad_for_alignment=4, fp8_weight_scaling="current")
+    torch.manual_seed(3)
+    model = Model()
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.to(ctx.device)
+    wrap_module_params_etp(model, config, build_etp_groups(config))
+    quantize_shards(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if isinstance(p, ETPShardedParam):
+                moved = p.detach().clone() * -0.5
+                assert moved.data_ptr() != p.data_ptr()
+                p.data = moved
+                full[name] = full[name] * -0.5
+    quantize_shards(model)
+    _check_against_reference(model, full, "fp8_tensorwise")
+
+
+def test_quantization_follows_shards_to_new_storage():
+    run_distributed(_moved_shards, 2)
+
+
 def _wire_bytes(ctx, mode):
     align = 128 if mode == "fp8_blockwise" else 16
     # NCCL gathers: the copy-engine transport (auto's choice on GPUs) moves bytes without
