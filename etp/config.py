@@ -100,6 +100,12 @@ class ETPConfig:
             SM-light reductions measured so far were slower than the SMs they free, see
             BENCHMARKS.md "SM-free communication"; copy_engine is not measured yet).
         reduce_ctas: CTAs (thread blocks) of the "nccl_capped" and "symm_triton" reductions.
+        gemm_sm_carveout: SMs the GEMMs leave free for the side streams' kernels from the
+            first weight-gradient reduce-scatter of a backward pass to its last (torch's SM
+            carve-out; 0: off). A persistent GEMM that starts while a collective holds SMs
+            otherwise runs part of its tiles late, up to twice its time alone: set it to the
+            reduction's CTAs (``reduce_ctas`` with "nccl_capped" / "symm_triton") plus one
+            for the copy-engine transport's barrier kernel. See [Note: GEMM SM carve-out].
 
     Example::
 
@@ -122,6 +128,7 @@ class ETPConfig:
     transport: str = "auto"
     reduce_transport: str = "auto"
     reduce_ctas: int = 8
+    gemm_sm_carveout: int = 0
 
     def __post_init__(self) -> None:
         for key in ("etp_size", "expert_etp_size", "pad_for_alignment", "reduce_ctas"):
@@ -130,6 +137,10 @@ class ETPConfig:
                 raise ValueError(f"ETPConfig.{key}={value!r}: expected a positive integer")
             if value <= 0:
                 raise ValueError(f"ETPConfig.{key}={value!r}: must be >= 1")
+        carveout = self.gemm_sm_carveout
+        if isinstance(carveout, bool) or not isinstance(carveout, int) or carveout < 0:
+            raise ValueError(f"ETPConfig.gemm_sm_carveout={carveout!r}: expected a non-negative integer "
+                             "(SMs the GEMMs leave free during backward; 0: off)")
         if not _is_power_of_two(self.pad_for_alignment):
             raise ValueError(
                 f"ETPConfig.pad_for_alignment={self.pad_for_alignment!r}: must be a power of two "

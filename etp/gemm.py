@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from .kernels import grouped_colwise_layout, quantize_grouped_colwise, quantize_rowwise
 from .kernels.colwise import ALIGN as COLWISE_ALIGN
 from .quant import FP8Weight
+from .streams import to_device_async
 
 __all__ = [
     "DenseGemm", "GroupedGemm", "attach_rowwise_fp8", "fp8_compute_applies", "grouped_linear",
@@ -229,6 +230,8 @@ class GroupedGemm:
         rows' amax the forward / input-gradient GEMM already found (``row_amax``: always on the
         FP8 path) is quantized per expert instead, from that amax, in one read."""
         if fp8 and gy.dtype == x.dtype and fp8_compute_applies(x, (gy.shape[-1], x.shape[-1]), grouped=True):
+            if counts.device != x.device:  # host counts (e.g. a caller's fixed split): copy, never raise
+                counts = to_device_async(counts, x.device)
             layout = grouped_colwise_layout(x.shape[0], counts, COLWISE_ALIGN)  # shared by both operands
             gq, g_inv, offs = quantize_grouped_colwise(gy, counts, row_amax=row_amax(gy), layout=layout)
             xq, x_inv, _ = quantize_grouped_colwise(x, counts, row_amax=row_amax(x), layout=layout)

@@ -81,6 +81,7 @@ class GradientReductions:
         st.pending = PendingReduce(padded, handle)
         self._pending.append(st)
         self.stats.reduce_scatters += 1
+        self.sm_carveout.hold()  # the GEMMs from here on may run beside it
         if not self.config.async_reduce or st.chain.orders[Role.BWD].is_last(param):
             self.drain_reductions()
         else:
@@ -139,3 +140,4 @@ class GradientReductions:
     def drain_reductions(self) -> None:
         while self._pending:
             self._finalize(self._pending[0])
+        self.sm_carveout.release()  # nothing in flight: the GEMMs may take every SM again

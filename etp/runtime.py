@@ -60,7 +60,7 @@ from .config import ETPConfig
 from .quant import FP8Weight, QuantizedShard, quantize_shards
 from .reductions import GradientReductions, PendingReduce
 from .state import ETPStateError, GatherState, ReduceState, transition
-from .streams import CommStreams, StreamRegistry, current_stream_event
+from .streams import CommStreams, GemmSmCarveout, StreamRegistry, current_stream_event
 from .transport import Handle, Transports, choose_transports
 
 __all__ = ["ETPRuntime", "register_grad_ready_hook"]
@@ -126,6 +126,7 @@ class ETPRuntime(GradientReductions):
         self.cache = WeightCache(debug=config.debug_checks)
         self.pool = WgradPool(debug=config.debug_checks)
         self.streams = StreamRegistry()
+        self.sm_carveout = GemmSmCarveout(config.gemm_sm_carveout)
         self.stats = RuntimeStats()
         self._chains: dict[ChainKey, Chain] = {}
         self._states: dict[int, _ParamState] = {}

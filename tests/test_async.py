@@ -241,6 +241,35 @@ def test_grad_ready_hook_fires_after_main_grad_is_complete():
     run_distributed(_hook_after_main_grad, 2)
 
 
+def _carveout_seen(ctx):
+    config = ETPConfig(etp_size=ctx.world_size, expert_etp_size=ctx.world_size, gemm_sm_carveout=5)
+    model, groups = _setup(config, ctx.device)
+    carveout = torch._C._get_sm_carveout_experimental
+    seen = {"forward": [], "grad_ready": []}
+    model.l1.register_forward_pre_hook(lambda module, args: seen["forward"].append(carveout()))
+    for p in model.parameters():
+        if isinstance(p, ETPShardedParam):
+            register_grad_ready_hook(p, lambda q: seen["grad_ready"].append(carveout()))
+    for it in range(2):
+        _step(model, config, groups, seed=it)
+    return seen, carveout()
+
+
+def test_gemm_sm_carveout_is_held_from_the_first_reduction_to_the_drain():
+    # See [Note: GEMM SM carve-out]: the forward keeps every SM; every reduction lands while
+    # the carve-out is held; after finalize_grads the setting is what it was (None).
+    for seen, after in run_distributed(_carveout_seen, 2):
+        assert seen["forward"] == [None, None]
+        assert seen["grad_ready"] and set(seen["grad_ready"]) == {5}
+        assert after is None
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True])
+def test_gemm_sm_carveout_must_be_a_count(bad):
+    with pytest.raises(ValueError, match="gemm_sm_carveout"):
+        ETPConfig(gemm_sm_carveout=bad)
+
+
 # ---------------------------------------------------------------- tied / no prefetch
 class TiedModel(nn.Module):
     """A weight used twice per step (like tied embedding / output weights)."""

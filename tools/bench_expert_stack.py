@@ -183,6 +183,7 @@ FP8_VARIANTS = {
 # Variants whose GEMMs run in FP8 (their check differs from replicated by FP8 rounding).
 FP8_COMPUTE = ("replicated_fp8", "replicated_fp8_wgrad", *FP8_VARIANTS)
 PROFILED = ("replicated", "replicated_fp8", "replicated_fp8_wgrad", "etp_async", "etp_async_fp8", "etp_async_ce",
+            "etp_async_ce_capped",
             "etp_async_ce_fp8_symm", "etp_async_ce_pull", "etp_async_ce_fp8",
             "etp_async_ce_fp8_wgrad")  # traced under --trace
 GPU_DEFAULTS = dict(layers=8, experts=16, tokens_per_expert=2048, hidden=4096, ffn=1536, warmup=5, steps=20)
@@ -215,6 +216,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "leave the environment as it is)")
     p.add_argument("--reduce-ctas", type=int, default=8, metavar="N",
                    help="CTAs of the capped NCCL and symmetric Triton reduce transports (8)")
+    p.add_argument("--gemm-sm-carveout", type=int, default=0, metavar="N",
+                   help="ETPConfig.gemm_sm_carveout of every ETP variant: SMs the GEMMs leave free "
+                        "during backward (0: off)")
     p.add_argument("--fp8-weight-scaling", choices=("current", "delayed"), default=None,
                    help="ETPConfig.fp8_weight_scaling of every FP8 variant (default: ETPConfig's)")
     p.add_argument("--trace", type=str, default=None, help="directory for the etp_async profiler trace")
@@ -595,7 +599,7 @@ def _prepare_etp(args, env, groups_cache: dict, prefetch: bool, gather_dtype: st
     cfg = _etp_config(env, prefetch, gather_dtype, pad_for_alignment, transports, args.reduce_ctas)
     # Pinned either way (ETPConfig's default is on): "_fp8" variants keep bf16 weight-gradient
     # GEMMs, "_fp8_wgrad" ones run them in FP8, so each name means one thing across runs.
-    cfg = dataclasses.replace(cfg, fp8_wgrad=fp8_wgrad)
+    cfg = dataclasses.replace(cfg, fp8_wgrad=fp8_wgrad, gemm_sm_carveout=args.gemm_sm_carveout)
     if args.fp8_weight_scaling and cfg.gather_dtype == "fp8_tensorwise":
         cfg = dataclasses.replace(cfg, fp8_weight_scaling=args.fp8_weight_scaling)
     groups = _etp_groups(cfg, groups_cache)
@@ -629,7 +633,8 @@ def _prepare_etp(args, env, groups_cache: dict, prefetch: bool, gather_dtype: st
                              "prefetch": cfg.prefetch, "async_reduce": cfg.async_reduce,
                              "transport": cfg.transport, "reduce_transport": cfg.reduce_transport,
                              "reduce_ctas": cfg.reduce_ctas, "fp8_fast_accum": cfg.fp8_fast_accum,
-                             "fp8_wgrad": cfg.fp8_wgrad, "fp8_weight_scaling": cfg.fp8_weight_scaling},
+                             "fp8_wgrad": cfg.fp8_wgrad, "fp8_weight_scaling": cfg.fp8_weight_scaling,
+                             "gemm_sm_carveout": cfg.gemm_sm_carveout},
               "transports": {str(k): (t.gather.name, t.reduce.name)
                              for k, t in etp.runtime_of(model).transports.items()},
               "wire_bytes_breakdown": wire},
