@@ -138,7 +138,8 @@ def test_wgrad_pool_doubles_shapes_reduced_back_to_back():
 
 
 # Measured peaks allocated (GiB) of the flagship recipe with megatron-core's local attention,
-# shared/anchors.md (world 2) and benchmarks/audit_recipe_4xh200_*.json (world 4):
+# shared/anchors.md (world 2) and benchmarks/audit_recipe_4xh200_*.json (world 4), before the
+# copy-engine transport existed (NCCL gathers):
 # (world, ETP size, micro-batch, distributed optimizer, layers) -> GiB.
 MEASURED_PEAKS = {
     (2, 2, 2, False, 8): 58.1, (2, 2, 4, False, 8): 68.0, (2, 2, 8, False, 8): 89.3,
@@ -155,7 +156,8 @@ def test_predicted_peak_within_five_percent_of_measured(key):
     recipe = Recipe.from_yaml(ROOT / "recipes/moe_h200x8.yaml", world_size=world, global_batch_size=64,
                               num_layers=layers, attention_backend="local", megatron_fallbacks="stock",
                               moe_token_dispatcher_type="alltoall", etp={"etp_size": size, "expert_etp_size": size})
-    peak = predict_peak(recipe, world, distributed_optimizer=distributed, micro_batch_size=micro)["peak"] / 2**30
+    peak = predict_peak(recipe, world, distributed_optimizer=distributed, micro_batch_size=micro,
+                        transport="nccl")["peak"] / 2**30
     assert abs(peak / MEASURED_PEAKS[key] - 1) < 0.05, (peak, MEASURED_PEAKS[key])
 
 
@@ -185,9 +187,10 @@ def test_peak_phases_and_sdpa_activations():
                               etp={"etp_size": 2, "expert_etp_size": 2})
     local = recipe.replace(attention_backend="local")
     s, b, h, a, v = 2048, 2, 2048, 16, 32000
-    # Per layer, bytes per [s, b, h] element: 18 + topk (4 + 8 ffn / h) + 6 a s / h (local scores), 8 layers,
-    # plus the cross-entropy's fp32 softmax.
-    moe = 4 * (4 + 8 * 1408 / h)
+    # Per layer, bytes per [s, b, h] element: 18 + topk (2 + 6 ffn / h) (etp's experts behind its
+    # local dispatcher: fc1 input, SwiGLU input, fc2 input per token copy) + 6 a s / h (local
+    # scores), 8 layers, plus the cross-entropy's fp32 softmax.
+    moe = 4 * (2 + 6 * 1408 / h)
     assert activation_bytes(local) == int(s * b * h * (18 + moe + 6 * a * s / h) * 8) + 4 * s * b * v
     assert activation_bytes(recipe) == int(s * b * h * (18 + moe) * 8) + 4 * s * b * v
     no_etp = recipe.etp.replace(etp_size=1, expert_etp_size=1)
@@ -220,13 +223,44 @@ def test_cli_gpu_memory_fits_and_micro_batch_table(tmp_path, capsys):
     assert "NO" in capsys.readouterr().out
 
 
+def test_symmetric_memory_is_outside_the_allocator_peak_but_inside_the_fit():
+    from etp.audit import fits, largest_micro_batch, predict_memory, predict_peak
+    from etp.audit.predict import FRAGMENTATION, RESERVED_OUTSIDE, weight_inventory
+
+    recipe = Recipe.from_yaml(ROOT / "recipes/moe_h200x8.yaml", world_size=2, global_batch_size=8,
+                              etp={"etp_size": 2, "expert_etp_size": 2})
+    nccl, ce = predict_peak(recipe, 2, transport="nccl"), predict_peak(recipe, 2, transport="copy_engine")
+    assert predict_peak(recipe, 2)["gather_transport"] == "copy_engine"  # auto: NVLink GPUs of one host
+    # The copy-engine pool holds the bf16 shards themselves: 4.70 B parameters, the 33 ETP
+    # weights (all but embeddings, output layer, norms and routers) halved, 2 bytes each.
+    shards = sum(w.numel for w in weight_inventory(recipe) if w.chain is not None) // 2 * 2
+    assert nccl["outside_allocator"] == 0 and abs(ce["outside_allocator"] - shards) < 2**20
+    assert ce["peak"] == nccl["peak"] - ce["outside_allocator"] and ce["device_peak"] == nccl["peak"]
+    # FP8 gathers: the FP8 shards (1 byte each) are in symmetric memory, the bf16 ones are not.
+    fp8 = Recipe.from_yaml(ROOT / "recipes/moe_h200x8.yaml", world_size=2, global_batch_size=8,
+                           etp={"etp_size": 2, "expert_etp_size": 2, "gather_dtype": "fp8_tensorwise"})
+    fp8_ce = predict_peak(fp8, 2, transport="copy_engine")
+    assert fp8_ce["outside_allocator"] == predict_memory(fp8, 2)["fp8_shards"] == ce["outside_allocator"] // 2
+    # Under the distributed optimizer DDP's parameter buffer holds the shards too: on the
+    # device twice, in the allocator once.
+    dist = predict_peak(recipe, 2, distributed_optimizer=True, transport="copy_engine")
+    dist_nccl = predict_peak(recipe, 2, distributed_optimizer=True, transport="nccl")
+    assert dist["peak"] == dist_nccl["peak"] and dist["device_peak"] == dist_nccl["peak"] + shards
+    # A GPU 256 MiB short of the copy-engine run at micro-batch 2 (its allocator peak alone fits):
+    # micro-batch 1 (one sample less of activations) is the largest that fits.
+    gpu = int(ce["peak"] * FRAGMENTATION) + RESERVED_OUTSIDE + ce["outside_allocator"] - 2**28
+    assert fits(ce["peak"], gpu) and not fits(ce["peak"], gpu, ce["outside_allocator"])
+    best, _ = largest_micro_batch(recipe, 2, gpu, transport="copy_engine", candidates=(1, 2))
+    assert best == 1
+
+
 def test_recompute_shrinks_activations_and_adds_its_gather_buffers():
     from etp.audit import activation_bytes, predict_memory
 
     recipe = Recipe.from_yaml(ROOT / "recipes/moe_h200x8.yaml", world_size=2, global_batch_size=8,
                               etp={"etp_size": 2, "expert_etp_size": 2})
     s, b, h, v, layers = 2048, 2, 2048, 32000, 8
-    per_layer = s * b * h * (18 + 4 * (4 + 8 * 1408 / h))  # SDPA: no score matrices
+    per_layer = s * b * h * (18 + 4 * (2 + 6 * 1408 / h))  # SDPA: no score matrices; etp's experts
     loss = 4 * s * b * v
     full = recipe.replace(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     # 8 one-layer units keep their bf16 input; backward rebuilds one layer at a time.

@@ -98,7 +98,7 @@ def audit(recipe_path: str, world_size: int | None = None, etp_size: int | None 
         peak = predict_peak(recipe, world, config, distributed_optimizer)
         peaks[name] = {k: v for k, v in peak.items() if k != "categories"}
         if gpu_memory:
-            peaks[name]["fits"] = fits(peak["peak"], gpu_memory)
+            peaks[name]["fits"] = fits(peak["peak"], gpu_memory, peak["outside_allocator"])
     micro = None
     if gpu_memory:
         micro = {"candidates": [], "largest": {}}
@@ -107,6 +107,7 @@ def audit(recipe_path: str, world_size: int | None = None, etp_size: int | None 
             micro["largest"][name] = best
             micro["candidates"] = [b for b, _ in table]
             micro[name] = [peak for _, peak in table]
+            micro.setdefault("outside_allocator", {})[name] = peaks[name]["outside_allocator"]
     return {
         "recipe": recipe_path,
         "world_size": world,
@@ -120,7 +121,8 @@ def audit(recipe_path: str, world_size: int | None = None, etp_size: int | None 
         "layouts": layouts,
         "peaks": peaks,
         "gpu_memory": gpu_memory,
-        "fit_rule": f"peak x {FRAGMENTATION} + {RESERVED_OUTSIDE / GIB:.0f} GiB outside the allocator <= gpu_memory",
+        "fit_rule": f"peak x {FRAGMENTATION} + symmetric memory + {RESERVED_OUTSIDE / GIB:.0f} GiB outside the "
+                    "allocator <= gpu_memory",
         "micro_batches": micro,
     }
 
@@ -136,6 +138,10 @@ def format_table(report: dict) -> str:
         rows.append(f"{'peak':<14}" + "".join(f"{peaks[n]['peak'] / GIB:>14.3f}" for n in names)
                     + "   (allocated; the larger of forward/backward and the optimizer step)")
         rows.append(f"{'peak phase':<14}" + "".join(f"{_PHASE[peaks[n]['peak_phase']]:>14}" for n in names))
+        rows.append(f"{'symmetric':<14}" + "".join(f"{peaks[n]['outside_allocator'] / GIB:>14.3f}" for n in names)
+                    + f"   (outside the allocator's peak; gathers over {peaks['with_etp']['gather_transport']}: "
+                    "etp.transport auto is taken as copy_engine, NVLink GPUs of one host; "
+                    "--set etp.transport=nccl otherwise)")
         if report.get("gpu_memory"):
             rows.append(f"{'fits':<14}" + "".join(f"{'yes' if peaks[n]['fits'] else 'NO':>14}" for n in names)
                         + f"   ({report['gpu_memory'] / GIB:.1f} GiB GPU; {report['fit_rule']})")
@@ -148,7 +154,7 @@ def format_table(report: dict) -> str:
             cells = ""
             for n in ("without_etp", "with_etp"):
                 peak = micro[n][i]
-                mark = "" if fits(peak, report["gpu_memory"]) else "*"
+                mark = "" if fits(peak, report["gpu_memory"], micro["outside_allocator"][n]) else "*"
                 cells += f"{peak / GIB:>13.2f}{mark or ' '}"
             rows.append(f"{b:<14}{cells}")
         rows.append(f"(* does not fit) largest micro-batch that fits: without ETP "

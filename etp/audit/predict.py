@@ -22,8 +22,9 @@ optimizer), ``gather_fwd`` / ``gather_bwd``, ``wgrad_pool``, ``fp8_shards`` and
 The categories are the bytes alive throughout a step; the allocator's peak adds transients.
 ``predict_peak`` takes the larger of two phases:
 
-* forward / backward: categories + the loss's transients at the start of backward (the fp32
-  gradient of the logits and its bf16 copy, 6 x s x b x V bytes);
+* forward / backward: categories + the loss's transient at the start of backward (the bf16
+  copy of the fp32 gradient of the logits, 2 x s x b x V bytes: megatron-core's
+  ``vocab_parallel_cross_entropy`` computes that gradient in place in its saved fp32 softmax);
 * optimizer step (activations freed): categories + one fp32 temporary per element the
   optimizer steps (torch's foreach Adam materializes ``sqrt(v) + eps`` for the whole list:
   4 bytes per local main-param element, divided by the replicas under the distributed
@@ -43,6 +44,18 @@ predicted vs 58.1 / 68.0 / 89.3 measured; ETP off micro-batch 2 / 4: 96.2 / 100.
 100.1; distributed optimizer 63.2 vs 63.2; world 4: ETP 4 38.0 vs 38.2, ETP off 96.2 vs 95.5
 (all within 1.2 %). The SDPA figures (no score matrices) are not measured yet.
 
+Recalibration (2 x H200, 2026-11-23, SDPA, ``megatron_fallbacks: fast``, etp's grouped experts,
+copy-engine gathers; measured in BENCHMARKS.md sessions 6 and 7): the prediction above was
+9-19 % high. Three terms were wrong, each read off the code, not fitted: the loss transient
+(6 -> 2 x s x b x V, see above), the routed experts' kept tensors (etp's experts keep neither
+fc2's output nor a probability-weighted copy: ``activation_bytes``), and the copy-engine
+transport's symmetric memory, which ``max_memory_allocated`` does not see
+(``outside_allocator``: counted by ``fits``, not in ``peak``). Now, predicted vs measured GiB:
+flagship ETP 2 micro-batch 2 45.8 vs 46.9 (bf16 gathers), 47.9 vs 49.1 (FP8); ETP off 82.1 vs
+82.4; wide recipe (micro-batch 16) ETP 2 69.5 vs 70.9, FP8 71.6 vs 73.1, ETP 2 + distributed
+optimizer 73.8 vs 75.2, DDP 105.8 vs 107.3, distributed optimizer 79.6 vs 81.1 (all within
+2.4 %, all slightly low).
+
 ``fits`` adds what the prediction leaves out: allocator fragmentation (``FRAGMENTATION``; the
 peak reserved / peak allocated of the 4 x H200 audits was 1.07 with ETP and 1.10 without)
 is a ratio, and the CUDA context, NCCL and cuBLAS workspaces outside the allocator
@@ -56,8 +69,8 @@ from ..config import GATHER_DTYPES, ETPConfig
 from ..layout import ShardLayout
 from .categories import CATEGORIES
 
-__all__ = ["FRAGMENTATION", "RESERVED_OUTSIDE", "WeightSpec", "activation_bytes", "fits", "largest_micro_batch",
-           "predict_memory", "predict_peak", "weight_inventory"]
+__all__ = ["FRAGMENTATION", "RESERVED_OUTSIDE", "WeightSpec", "activation_bytes", "fits", "gather_transport",
+           "largest_micro_batch", "predict_memory", "predict_peak", "weight_inventory"]
 
 #: Allocator headroom over the predicted peak when deciding whether a run fits (see [Note: predicted peak]).
 FRAGMENTATION = 1.10
@@ -231,13 +244,79 @@ def _stepped_elements(recipe, world_size: int, etp: ETPConfig, distributed: bool
     return total
 
 
+def gather_transport(etp: ETPConfig, transport: str | None = None) -> str:
+    """The gather transport the prediction assumes: ``transport`` when given (etp-train
+    passes the one its runtime chose), else ``etp.transport`` with ``auto`` taken as
+    ``copy_engine``, which is what ``auto`` picks on NVLink GPUs of one host (the machines
+    the recipes are for); on CPU / gloo or across hosts it picks ``nccl``: pass that.
+
+    Example::
+
+        gather_transport(ETPConfig(etp_size=2))             # "copy_engine"
+        gather_transport(ETPConfig(etp_size=2), "nccl")     # "nccl"
+    """
+    name = transport or etp.transport
+    if name not in ("auto", "nccl", "copy_engine"):
+        raise ValueError(f"transport={name!r}: expected auto, nccl or copy_engine")
+    return "copy_engine" if name == "auto" else name
+
+
+def _sharded_param_bytes(recipe, etp: ETPConfig) -> int:
+    """Bytes of the ETP shards themselves (the recipe's parameter dtype)."""
+    param_bytes = 2 if (recipe.train.bf16 or recipe.train.fp16) else 4
+    sizes = {False: etp.etp_size, True: etp.expert_etp_size}
+    total = 0
+    for weight in weight_inventory(recipe):
+        size = sizes[weight.expert]
+        if weight.chain is not None and size > 1:
+            layout = ShardLayout(weight.shape, size, 0, etp.pad_for_alignment)
+            total += layout.shard_rows * layout.cols * param_bytes
+    return total
+
+
+def _outside_allocator(recipe, etp: ETPConfig, categories: dict[str, int], transport: str | None,
+                       distributed: bool) -> tuple[int, int]:
+    """(bytes in torch symmetric memory, the part of them the categories count) per rank.
+
+    The caching allocator (and so ``torch.cuda.max_memory_allocated``) never sees symmetric
+    memory. It holds the copy-engine transport's shard pool: the 16-bit shards themselves,
+    which the optimizer then updates in place, or with FP8 gathers the FP8 shards, the 16-bit
+    ones staying in the allocator (``ETPRuntime.setup_transports``); and the symmetric wgrad
+    pool of the ``symm_triton`` / ``copy_engine`` reductions. Under megatron's distributed
+    optimizer DDP moves every parameter into its contiguous parameter buffer (an allocator
+    tensor) and etp stages the shard into its symmetric home once per pass
+    (``ETPRuntime._source``): the 16-bit shards are then in both places.
+    """
+    if etp.etp_size == 1 and etp.expert_etp_size == 1:
+        return 0, 0
+    outside = counted = 0
+    if gather_transport(etp, transport) == "copy_engine":
+        if etp.gather_dtype.startswith("fp8"):
+            outside += categories["fp8_shards"]
+            counted += categories["fp8_shards"]
+        else:
+            shards = _sharded_param_bytes(recipe, etp)
+            outside += shards
+            counted += 0 if distributed else shards
+    if etp.reduce_transport in ("symm_triton", "copy_engine"):
+        outside += categories["wgrad_pool"]
+        counted += categories["wgrad_pool"]
+    return outside, counted
+
+
 def predict_peak(recipe, world_size: int, etp: ETPConfig | None = None, distributed_optimizer: bool | None = None,
-                 micro_batch_size: int | None = None) -> dict:
+                 micro_batch_size: int | None = None, transport: str | None = None) -> dict:
     """The predicted peak allocated bytes per rank and where it happens. See [Note: predicted peak].
+
+    ``transport``: the gather transport (``gather_transport``): with ``copy_engine`` the shards
+    live in symmetric memory, outside the allocator's peak (``outside_allocator``) but on the GPU
+    (``device_peak``, what ``fits`` must hold).
 
     Returns:
         ``{"categories": predict_memory(...), "steady": sum of categories, "loss_transient",
-        "optimizer_transient", "forward_backward", "optimizer_step", "peak", "peak_phase"}``.
+        "optimizer_transient", "forward_backward", "optimizer_step", "peak", "peak_phase",
+        "outside_allocator", "device_peak", "gather_transport"}``; ``peak`` and the two phases
+        are allocator bytes (comparable with ``torch.cuda.max_memory_allocated``).
 
     Example::
 
@@ -246,11 +325,15 @@ def predict_peak(recipe, world_size: int, etp: ETPConfig | None = None, distribu
     etp = etp or recipe.etp
     distributed = recipe.parallel.use_distributed_optimizer if distributed_optimizer is None else distributed_optimizer
     categories = predict_memory(recipe, world_size, etp, distributed, micro_batch_size)
-    steady = sum(categories[c] for c in CATEGORIES)
+    outside, counted = _outside_allocator(recipe, etp, categories, transport, distributed)
+    steady = sum(categories[c] for c in CATEGORIES) - counted
     m = recipe.model
     b = micro_batch_size or recipe.train.micro_batch_size
     vocab = recipe.padded_vocab_size // recipe.parallel.tensor_model_parallel_size
-    loss_transient = 6 * m.seq_length * b * vocab  # fp32 grad of the logits + its 16-bit copy
+    # megatron-core's vocab_parallel_cross_entropy turns its saved fp32 softmax (counted in
+    # the activations) into the fp32 gradient of the logits in place; what backward adds at the
+    # loss is the 16-bit copy of that gradient (the backward of the logits' .float()).
+    loss_transient = 2 * m.seq_length * b * vocab
     # Fused Adam (megatron_fallbacks: fast, or apex / TE) steps in place; torch's foreach Adam
     # (megatron's stock fallback) holds one fp32 temporary per stepped element.
     optimizer_transient = 0 if recipe.train.megatron_fallbacks == "fast" else 4 * _stepped_elements(recipe, world_size, etp, distributed)
@@ -260,22 +343,29 @@ def predict_peak(recipe, world_size: int, etp: ETPConfig | None = None, distribu
     return {"categories": categories, "steady": steady, "loss_transient": loss_transient,
             "optimizer_transient": optimizer_transient, "forward_backward": forward_backward,
             "optimizer_step": optimizer_step, "peak": peak,
-            "peak_phase": "forward_backward" if forward_backward >= optimizer_step else "optimizer_step"}
+            "peak_phase": "forward_backward" if forward_backward >= optimizer_step else "optimizer_step",
+            "outside_allocator": outside, "device_peak": peak + outside,
+            "gather_transport": gather_transport(etp, transport)}
 
 
-def fits(peak_bytes: int, gpu_bytes: int) -> bool:
-    """Whether a predicted peak fits a GPU of ``gpu_bytes`` once fragmentation and the memory
-    outside the allocator are added (``FRAGMENTATION``, ``RESERVED_OUTSIDE``)."""
-    return peak_bytes * FRAGMENTATION + RESERVED_OUTSIDE <= gpu_bytes
+def fits(peak_bytes: int, gpu_bytes: int, outside_bytes: int = 0) -> bool:
+    """Whether a predicted allocator peak fits a GPU of ``gpu_bytes`` once fragmentation, the
+    CUDA context / NCCL / cuBLAS memory (``FRAGMENTATION``, ``RESERVED_OUTSIDE``) and the
+    predicted symmetric-memory bytes (``outside_bytes``: ``predict_peak``'s
+    ``outside_allocator``) are added."""
+    return peak_bytes * FRAGMENTATION + outside_bytes + RESERVED_OUTSIDE <= gpu_bytes
 
 
 def largest_micro_batch(recipe, world_size: int, gpu_bytes: int, etp: ETPConfig | None = None,
                         distributed_optimizer: bool | None = None,
-                        candidates=(1, 2, 4, 8, 16, 32, 64)) -> tuple[int | None, list[tuple[int, int]]]:
-    """The largest candidate micro-batch whose predicted peak fits, and (micro-batch, peak) for
-    every candidate."""
-    table = [(b, predict_peak(recipe, world_size, etp, distributed_optimizer, b)["peak"]) for b in candidates]
-    good = [b for b, peak in table if fits(peak, gpu_bytes)]
+                        candidates=(1, 2, 4, 8, 16, 32, 64),
+                        transport: str | None = None) -> tuple[int | None, list[tuple[int, int]]]:
+    """The largest candidate micro-batch whose predicted peak fits, and (micro-batch, allocator
+    peak) for every candidate (the symmetric-memory bytes, the same for every micro-batch,
+    are counted in the fit)."""
+    peaks = [predict_peak(recipe, world_size, etp, distributed_optimizer, b, transport) for b in candidates]
+    table = [(b, peak["peak"]) for b, peak in zip(candidates, peaks)]
+    good = [b for b, peak in zip(candidates, peaks) if fits(peak["peak"], gpu_bytes, peak["outside_allocator"])]
     return (max(good) if good else None), table
 
 
@@ -301,10 +391,15 @@ def activation_bytes(recipe, micro_batch_size: int | None = None) -> int:
       norms' inputs and outputs, q / k / v after rope, the attention context, the projection
       input, the router, residuals (calibrated: with the two terms below it reproduces the
       measured 152 of the flagship recipe, local attention, within 1 %);
-    * routed experts: ``topk x (4 + 8 x moe_ffn / h)``: the permuted input and the fc2 output
-      (2 + 2 bytes per token copy) and, per copy, the fc1 output (gate and up, 2 x ffn), the
-      SwiGLU output and its probability-weighted copy (ffn each), all 16-bit; a dense MLP
-      counts ``4 + 8 x ffn / h`` once;
+    * routed experts, etp's ``ETPGroupedExperts`` (``moe_grouped_gemm``) behind etp's local
+      dispatcher:
+      ``topk x (2 + 6 x moe_ffn / h)``: per token copy, fc1's input, the SwiGLU's input (gate
+      and up) and fc2's input, all 16-bit (the probabilities are applied inside the SwiGLU
+      kernel, and the combine keeps only indices); megatron's ``SequentialMLP`` or any expert
+      module behind megatron's own dispatchers (calibrated with ``alltoall``):
+      ``topk x (4 + 8 x moe_ffn / h)``: the permuted input and the fc2 output (2 + 2 bytes per
+      token copy) and, per copy, the fc1 output (gate and up, 2 x ffn), the SwiGLU output and
+      its probability-weighted copy (ffn each); a dense MLP counts ``4 + 8 x ffn / h`` once;
     * attention probabilities, ``attention_backend: local`` only: ``6 x heads x s / h`` (the
       fp32 softmax output and its 16-bit copy, [b, heads, s, s] each); torch's fused SDPA
       kernels keep only their output and a [b, heads, s] fp32 log-sum-exp (negligible).
@@ -320,7 +415,13 @@ def activation_bytes(recipe, micro_batch_size: int | None = None) -> int:
     m, t, p = recipe.model, recipe.train, recipe.parallel
     s, b, h, a = m.seq_length, micro_batch_size or t.micro_batch_size, m.hidden_size, m.num_attention_heads
     width = 1 if (t.bf16 or t.fp16) else 2  # the per-element figures are for 16-bit values
-    if m.is_moe:
+    if m.is_moe and getattr(m, "moe_grouped_gemm", False) and getattr(m, "moe_token_dispatcher_type", "") == "local":
+        # etp's ETPGroupedExperts: per token copy, fc1's input (h), the SwiGLU's input
+        # (gate and up, 2 x ffn: etp.activations saves it, the routing probabilities applied
+        # inside the kernel) and fc2's input (ffn); the combine keeps only indices, so fc2's
+        # output is not kept. 16-bit each.
+        mlp = m.moe_router_topk * (2 + 6 * m.moe_ffn_hidden_size / h)
+    elif m.is_moe:
         mlp = m.moe_router_topk * (4 + 8 * m.moe_ffn_hidden_size / h)
     else:
         mlp = 4 + 8 * m.ffn_hidden_size / h

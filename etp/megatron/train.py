@@ -399,10 +399,12 @@ def train(rank: int, world: int, recipe, port: int | None = None, json_path: str
 
         extra = {"flops_per_iter_per_rank": flops_per_iter, "peak_tflops": peak, "determinism": determinism,
                  "attention_backend": recipe.model.attention_backend, "profile": breakdown,
-                 "predicted_peak_gib": predict_peak(recipe, world)["peak"] / 2**30}  # etp-audit's, to compare
+                 # etp-audit's, to compare (with the gather transport this run chose)
+                 "predicted_peak_gib": predict_peak(recipe, world, transport=_gather_transport(trainer.model))["peak"]
+                 / 2**30}
         _write_report(json_path, recipe, world, backend, summary, losses, records, device, extra)
     if audit is not None:
-        _write_audit(audit_path, audit, recipe, world, rank)
+        _write_audit(audit_path, audit, recipe, world, rank, _gather_transport(trainer.model))
     ps.destroy_model_parallel()
     return losses
 
@@ -467,7 +469,16 @@ def _labelled(phase):
     return labelled
 
 
-def _write_audit(path, audit, recipe, world: int, rank: int) -> None:
+def _gather_transport(model) -> str | None:
+    """The gather transport the ETP runtime of ``model`` chose (None without ETP weights)."""
+    from ..wrap import _runtime_of
+
+    runtime = _runtime_of(model)
+    names = {t.gather.name for t in runtime.transports.values()} if runtime is not None else set()
+    return names.pop() if len(names) == 1 else None
+
+
+def _write_audit(path, audit, recipe, world: int, rank: int, transport: str | None = None) -> None:
     """Gathers every rank's audit to rank 0, which prints its own table against the
     prediction and writes all of them (a collective)."""
     import json
@@ -475,7 +486,7 @@ def _write_audit(path, audit, recipe, world: int, rank: int) -> None:
     from ..audit import predict_memory, predict_peak
 
     prediction = predict_memory(recipe, world)
-    peak = predict_peak(recipe, world)
+    peak = predict_peak(recipe, world, transport=transport)
     report = audit.report()
     measured = [r["peak_allocated"] for r in report["phases"].values() if r.get("peak_allocated") is not None]
     peaks = {"predicted": peak["peak"], "predicted_phase": peak["peak_phase"],
