@@ -12,6 +12,7 @@
 * :func:`quantize_grouped_colwise` - per-(expert, column) FP8 of a token-sorted activation,
   transposed and padded per expert: the FP8 weight-gradient GEMM's operands.
 * :func:`transpose_last2` - tiled transpose of FP8 matrices (the backward GEMM operand).
+* :func:`embedding_backward` - deterministic, capture-safe embedding weight gradient.
 
 Every op takes ``impl="auto" | "triton" | "torch"``; the pure-torch references
 in :mod:`etp.kernels.reference` define the numerics and are the CPU fallback.
@@ -23,6 +24,7 @@ from etp.kernels.amax import multi_tensor_amax
 from etp.kernels.blockwise import dequantize_fp8, quantize_blockwise, quantize_rowwise
 from etp.kernels.cast import amax_to_scale, multi_tensor_cast_fp8
 from etp.kernels.colwise import grouped_colwise_layout, quantize_grouped_colwise
+from etp.kernels.embedding import embedding_backward
 from etp.kernels.reference import FP8_E4M3_MAX
 from etp.kernels.swiglu import swiglu, swiglu_backward
 from etp.kernels.transpose import transpose_last2
@@ -31,6 +33,7 @@ __all__ = [
     "FP8_E4M3_MAX",
     "amax_to_scale",
     "dequantize_fp8",
+    "embedding_backward",
     "multi_tensor_amax",
     "multi_tensor_cast_fp8",
     "quantize_blockwise",

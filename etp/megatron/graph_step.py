@@ -16,8 +16,10 @@ What a whole-step capture of megatron-core's ``GPTModel`` needs beyond ``Graphed
 * **A capture-safe embedding backward.** ``F.embedding``'s CUDA backward sorts the token ids
   and reads the number of unique ids on the host. With tensor parallelism 1,
   ``_CaptureSafeEmbedding`` keeps the forward and adds the gradient rows with ``index_add_``
-  into an fp32 buffer instead (no host read; atomics, so not bitwise reproducible: the
-  recipe refuses ``deterministic`` with graphs).
+  into an fp32 buffer instead (no host read; atomics). Under ``deterministic: true`` it
+  takes ``etp.kernels.embedding_backward`` (a stable sort and one ordered fp32 sum per row:
+  no atomics), and etp-train then uses it in eager runs too, so a captured run and an eager
+  one run the same kernels and train bit for bit alike.
 * **No AccumulateGrad node on the legacy stream.** megatron DDP holds every parameter's
   ``AccumulateGrad`` node (made on the legacy default stream at construction); autograd
   syncs a leaf node's stream with the gradient's producer, which a capture forbids for the
@@ -39,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from ..graphs import GraphedStep
+from ..kernels.embedding import embedding_backward
 from ..param import ETPShardedParam
 
 __all__ = ["capture_step", "make_embeddings_capture_safe"]
@@ -56,7 +59,12 @@ class _CaptureSafeEmbedding(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (ids,) = ctx.saved_tensors
+        if torch.are_deterministic_algorithms_enabled():
+            # Ordered sums, no atomics (index_add_'s CUDA path would be refused here anyway).
+            summed = embedding_backward(ids, grad, ctx.weight_shape[0])
+            return None, summed.to(ctx.weight_dtype)
         # At least fp32 for the sums (bf16 weights), never less than the weight's own precision.
+        # index_add_ (atomics) outside deterministic mode: one pass, ~no sort.
         dtype = torch.promote_types(ctx.weight_dtype, torch.float32)
         accumulated = torch.zeros(ctx.weight_shape, dtype=dtype, device=grad.device)
         accumulated.index_add_(0, ids.reshape(-1), grad.reshape(-1, grad.shape[-1]).to(dtype))

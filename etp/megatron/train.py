@@ -306,6 +306,13 @@ def train(rank: int, world: int, recipe, port: int | None = None, json_path: str
     summary = apply_etp(model, recipe.etp, groups)
     tp_group = ps.get_tensor_model_parallel_group()
     trainer = _TorchStep(recipe, model, groups, tp_group) if config is None else _MegatronStep(recipe, model, config)
+    if (recipe.train.deterministic and config is not None and recipe.train.cuda_graph != "step"
+            and recipe.parallel.tensor_model_parallel_size == 1):
+        # The embedding backward a captured step takes (ordered sums, no atomics): eager and
+        # captured deterministic runs then run the same kernels ([Note: etp-train graph step]).
+        from .graph_step import make_embeddings_capture_safe
+
+        make_embeddings_capture_safe(trainer.model)
     audit = None
     if audit_path:
         from ..audit import MemoryAudit

@@ -85,9 +85,6 @@ class Recipe(RecipeQuantities):
             if t.recompute_granularity is not None:
                 _fail("recompute_granularity", t.recompute_granularity,
                       "must be unset with cuda_graph=step (not captured yet)")
-            if t.deterministic:
-                _fail("deterministic", True, "must be false with cuda_graph=step (its capture-safe embedding "
-                      "backward adds with atomics)")
             if tp != 1:
                 _fail("tensor_model_parallel_size", tp, "must be 1 with cuda_graph=step (capture-safe embedding)")
         if m.num_attention_heads % tp:
