@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .audit_report import gather_transport_of, write_audit
 from .batches import Batches as _Batches  # tests reach it as train._Batches
 
 __all__ = ["main", "train"]
@@ -407,11 +408,11 @@ def train(rank: int, world: int, recipe, port: int | None = None, json_path: str
         extra = {"flops_per_iter_per_rank": flops_per_iter, "peak_tflops": peak, "determinism": determinism,
                  "attention_backend": recipe.model.attention_backend, "profile": breakdown,
                  # etp-audit's, to compare (with the gather transport this run chose)
-                 "predicted_peak_gib": predict_peak(recipe, world, transport=_gather_transport(trainer.model))["peak"]
+                 "predicted_peak_gib": predict_peak(recipe, world, transport=gather_transport_of(trainer.model))["peak"]
                  / 2**30}
         _write_report(json_path, recipe, world, backend, summary, losses, records, device, extra)
     if audit is not None:
-        _write_audit(audit_path, audit, recipe, world, rank, _gather_transport(trainer.model))
+        write_audit(audit_path, audit, recipe, world, rank, gather_transport_of(trainer.model))
     ps.destroy_model_parallel()
     return losses
 
@@ -474,43 +475,6 @@ def _labelled(phase):
             yield
 
     return labelled
-
-
-def _gather_transport(model) -> str | None:
-    """The gather transport the ETP runtime of ``model`` chose (None without ETP weights)."""
-    from ..wrap import _runtime_of
-
-    runtime = _runtime_of(model)
-    names = {t.gather.name for t in runtime.transports.values()} if runtime is not None else set()
-    return names.pop() if len(names) == 1 else None
-
-
-def _write_audit(path, audit, recipe, world: int, rank: int, transport: str | None = None) -> None:
-    """Gathers every rank's audit to rank 0, which prints its own table against the
-    prediction and writes all of them (a collective)."""
-    import json
-
-    from ..audit import predict_memory, predict_peak
-
-    prediction = predict_memory(recipe, world)
-    peak = predict_peak(recipe, world, transport=transport)
-    report = audit.report()
-    measured = [r["peak_allocated"] for r in report["phases"].values() if r.get("peak_allocated") is not None]
-    peaks = {"predicted": peak["peak"], "predicted_phase": peak["peak_phase"],
-             "measured": max(measured) if measured else None}
-    mine = {"report": report, "comparison": audit.compare(prediction), "peak": peaks}
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, mine)
-    if rank != 0:
-        return
-    print(audit.format_table(prediction), flush=True)
-    if peaks["measured"] is not None:
-        print(f"peak allocated: measured {peaks['measured'] / 2**30:.2f} GiB, predicted {peak['peak'] / 2**30:.2f} GiB "
-              f"({peaks['measured'] / peak['peak'] - 1:+.1%}; predicted in {peak['peak_phase']})", flush=True)
-    with open(path, "w") as f:
-        json.dump({"recipe": str(recipe.source), "world_size": world, "prediction": prediction,
-                   "ranks": everyone}, f, indent=1, default=str)
-    print(f"etp-train: wrote the memory audit of {world} ranks to {path}", flush=True)
 
 
 def _write_report(path, recipe, world, backend, summary, losses, records, device, extra) -> None:
