@@ -109,6 +109,17 @@ def _config(world, **kw):
     return ep.EPConfig(**base)
 
 
+def test_config_rejects_bad_tile_parameters():
+    bad = [("tile_rows", 3), ("tile_rows", 0), ("num_warps", 6), ("num_warps", 64), ("num_stages", 0),
+           ("num_ctas", 0)]
+    for field, value in bad:
+        with pytest.raises(ValueError, match=f"EPConfig.{field}="):
+            _config(2, **{field: value})
+    cfg = _config(2, tile_rows=8, num_warps=16, num_stages=4)
+    assert (cfg.tile_rows, cfg.num_warps, cfg.num_stages) == (8, 16, 4)
+    assert _config(2).tile_rows is None  # picked per kernel
+
+
 def _layer_vs_model(ctx, backends, cases, cfg_kw):
     torch.manual_seed(0)
     errors = []

@@ -10,6 +10,7 @@ import pytest
 import torch
 from test_ep import make_case
 
+from etp.ep.backends.base import sum_pairs
 from etp.ep.layout import count_pairs, pair_rows
 from etp.kernels import ep_move as km
 from etp.kernels import ep_reference as ref
@@ -34,78 +35,103 @@ def _bufs(world, *shape, dtype=torch.float32, fill=0.0):
     return [torch.full(shape, fill, dtype=dtype, device=DEVICE) for _ in range(world)]
 
 
-def _check_all_moves(case, world, capacity, expert_capacity=None):
-    idx, layouts, xs, ws = _simulate(case, world, capacity, expert_capacity)
-    t_max, hidden, topk = 7, 5, 3
+def _check_all_moves(case, world, capacity, expert_capacity=None, *, topk=3, hidden=5, t_max=7, launch=None):
+    """Every kernel against its reference on one routing; ``launch``: the tile parameters
+    (num_ctas / rows / num_warps / stages) of every launch (default: a few programs, the
+    automatic tiles)."""
+    idx, layouts, xs, ws = _simulate(case, world, capacity, expert_capacity, topk=topk, hidden=hidden, t_max=t_max)
+    launch = launch or {}
+    ctas = lambda n: {"num_ctas": n, **launch}  # noqa: E731 - launch's num_ctas wins
     tab = lambda bufs: km.table_of(bufs, DEVICE)  # noqa: E731
     # 1. direct push of rows and weights.
     recv_x, recv_w = _bufs(world, capacity, hidden), _bufs(world, capacity)
     want_x, want_w = _bufs(world, capacity, hidden), _bufs(world, capacity)
     for r, lay in enumerate(layouts):
         km.push_rows(xs[r], ws[r], lay.pair_row, lay.pair_rank, tab(recv_x), tab(recv_w), mode=km.X_ROWS,
-                     num_ctas=3)
+                     **ctas(3))
         ref.push_rows_ref(xs[r], ws[r], lay.pair_row, lay.pair_rank, want_x, want_w, mode=1)
     for d in range(world):
         assert torch.equal(recv_x[d], want_x[d]) and torch.equal(recv_w[d], want_w[d]), d
         total = int(layouts[d].tokens_per_expert.sum())
         assert total <= capacity and bool((recv_x[d][total:] == 0).all())
-    # 2. rank de-duplicated push + metadata, then the local expansion gives the same rows.
+    # 2. rank de-duplicated push + metadata, then the local expansion gives the same rows;
+    # also with this rank's own tokens left out of the push and expanded from x.
     tok, want_tok = _bufs(world, world * t_max, hidden), _bufs(world, world * t_max, hidden)
+    tok_remote, want_tok_remote = _bufs(world, world * t_max, hidden), _bufs(world, world * t_max, hidden)
     maps, want_maps = _bufs(world, capacity, dtype=torch.int64), _bufs(world, capacity, dtype=torch.int64)
     red = _bufs(world, world * t_max, topk, dtype=torch.int64, fill=7)
     want_red = [r.clone() for r in red]
     for r, lay in enumerate(layouts):
         km.push_rows(xs[r], None, lay.pair_row, lay.pair_rank, tab(tok), None, mode=km.X_DEDUP, me=r, t_max=t_max,
-                     num_ctas=2)
+                     **ctas(2))
         ref.push_rows_ref(xs[r], None, lay.pair_row, lay.pair_rank, want_tok, None, mode=2, me=r, t_max=t_max)
-        km.push_meta(lay.pair_row, lay.pair_rank, tab(maps), tab(red), world, r, t_max, topk, num_ctas=2)
+        km.push_rows(xs[r], ws[r], lay.pair_row, lay.pair_rank, tab(tok_remote), tab(recv_w), mode=km.X_DEDUP, me=r,
+                     t_max=t_max, skip_local=True, **ctas(3))
+        ref.push_rows_ref(xs[r], ws[r], lay.pair_row, lay.pair_rank, want_tok_remote, want_w, mode=2, me=r,
+                          t_max=t_max, skip_local=True)
+        km.push_meta(lay.pair_row, lay.pair_rank, tab(maps), tab(red), world, r, t_max, topk, **ctas(2))
         ref.push_meta_ref(lay.pair_row, lay.pair_rank, want_maps, want_red, r, t_max, topk)
     for d in range(world):
         assert torch.equal(tok[d], want_tok[d]) and torch.equal(maps[d], want_maps[d])
+        assert torch.equal(tok_remote[d], want_tok_remote[d]) and torch.equal(recv_w[d], want_w[d])
+        assert not tok_remote[d][d * t_max: (d + 1) * t_max].any(), "skip_local wrote this rank's own slot"
         n_valid = [x.shape[0] for x in xs]
         for s in range(world):  # slots past a rank's tokens keep stale values
             assert torch.equal(red[d][s * t_max: s * t_max + n_valid[s]], want_red[d][s * t_max: s * t_max + n_valid[s]])
         out = torch.full((capacity, hidden), 9.0, device=DEVICE)
         totals = torch.tensor([capacity, -5], dtype=torch.int64, device=DEVICE)
-        km.select_rows(tok[d], maps[d], out, layouts[d].tokens_per_expert, totals, num_ctas=3)
+        km.select_rows(tok[d], maps[d], out, layouts[d].tokens_per_expert, totals, **ctas(3))
         assert torch.equal(out, recv_x[d]), f"expanded rows of rank {d} differ from the direct push"
         total = int(layouts[d].tokens_per_expert.sum())
         assert totals.tolist() == [total, total]  # the kernel carried the new total on device
         out[total:] = 9.0  # rows past the recorded total are not the kernel's to clear
-        km.zero_tail(out, torch.zeros_like(layouts[d].tokens_per_expert), totals, num_ctas=2)
+        km.zero_tail(out, torch.zeros_like(layouts[d].tokens_per_expert), totals, **ctas(2))
         assert bool((out[:total] == 0).all()) and bool((out[total:] == 9.0).all()) and totals[0] == 0
         want_out, want_totals = out.clone(), totals.clone()
-        km.select_rows(tok[d], maps[d], out, layouts[d].tokens_per_expert, totals, num_ctas=3)
+        km.select_rows(tok[d], maps[d], out, layouts[d].tokens_per_expert, totals, **ctas(3))
         ref.select_rows_ref(tok[d], maps[d], want_out, layouts[d].tokens_per_expert, want_totals)
         assert torch.equal(out, want_out) and totals[0] == want_totals[0]
-    # 3. all-gather of the token rows.
+        out.fill_(9.0)
+        totals = torch.tensor([capacity, 0], dtype=torch.int64, device=DEVICE)
+        km.select_rows(tok_remote[d], maps[d], out, layouts[d].tokens_per_expert, totals, local=xs[d],
+                       local_first=d * t_max, **ctas(2))
+        assert torch.equal(out, recv_x[d]), f"rank {d}: expansion with own rows from x differs from the direct push"
+    # 3. all-gather of the token rows (all, and all but one rank's).
     staged = [torch.cat([x, torch.full((t_max - x.shape[0], hidden), 3.0, device=DEVICE)]) for x in xs]
     tokens = layouts[0].tokens
-    got, want = _bufs(1, world * t_max, hidden, fill=-1.0)[0], _bufs(1, world * t_max, hidden, fill=-1.0)[0]
-    km.gather_tokens(tab(staged), tokens, got, t_max, num_ctas=4)
-    ref.gather_tokens_ref(staged, tokens, want, t_max)
-    assert torch.equal(got, want)
+    for skip in (-1, world - 1):
+        got, want = _bufs(1, world * t_max, hidden, fill=-1.0)[0], _bufs(1, world * t_max, hidden, fill=-1.0)[0]
+        km.gather_tokens(tab(staged), tokens, got, t_max, skip=skip, **ctas(4))
+        ref.gather_tokens_ref(staged, tokens, want, t_max, skip=skip)
+        assert torch.equal(got, want)
     # 4. combine: pull-reduce, and local reduce + de-duplicated pull; per-pair scalars.
     gen = torch.Generator().manual_seed(0)
     ys = [torch.randn(capacity, hidden, generator=gen).to(DEVICE) for _ in range(world)]
-    partial, want_partial = _bufs(world, world * t_max, hidden), _bufs(world, world * t_max, hidden)
+    # Slots without a row here must keep what they held: start from 5, not 0.
+    partial, want_partial = _bufs(world, world * t_max, hidden, fill=5.0), _bufs(world, world * t_max, hidden, fill=5.0)
     for d in range(world):
-        km.local_reduce(ys[d], red[d], tokens, partial[d], t_max, num_ctas=3)
+        km.local_reduce(ys[d], red[d], tokens, partial[d], t_max, **ctas(3))
         ref.local_reduce_ref(ys[d], red[d], tokens, want_partial[d], t_max)
         assert torch.equal(partial[d], want_partial[d])
     for r, lay in enumerate(layouts):
         T = xs[r].shape[0]
         out, want = torch.empty(T, hidden, device=DEVICE), torch.empty(T, hidden, device=DEVICE)
-        km.pull_reduce(tab(ys), lay.pair_row, lay.pair_rank, out, num_ctas=2)
+        km.pull_reduce(tab(ys), lay.pair_row, lay.pair_rank, out, **ctas(2))
         ref.pull_reduce_ref(ys, lay.pair_row, lay.pair_rank, want)
         assert torch.equal(out, want)
+        if T:
+            per_pair = torch.stack([ys[d][row] if row >= 0 else torch.zeros(hidden, device=DEVICE)
+                                    for row, d in zip(lay.pair_row.tolist(), lay.pair_rank.tolist())])
+            summed = torch.empty_like(out)
+            sum_pairs(per_pair.view(T, topk, hidden), summed)
+            assert torch.equal(out, summed), "pull_reduce is not the k-order fp32 sum every backend reproduces"
         out2, want2 = torch.empty(T, hidden, device=DEVICE), torch.empty(T, hidden, device=DEVICE)
-        km.pull_reduce(tab(partial), lay.pair_row, lay.pair_rank, out2, dedup=True, me=r, t_max=t_max, num_ctas=2)
+        km.pull_reduce(tab(partial), lay.pair_row, lay.pair_rank, out2, dedup=True, me=r, t_max=t_max, **ctas(2))
         ref.pull_reduce_ref(partial, lay.pair_row, lay.pair_rank, want2, dedup=True, me=r, t_max=t_max)
         assert torch.equal(out2, want2)
         torch.testing.assert_close(out2, out, rtol=1e-6, atol=1e-6)  # same sum, other order
         pairs, want_pairs = torch.empty(T * topk, device=DEVICE), torch.empty(T * topk, device=DEVICE)
-        km.pull_pairs(tab(recv_w), lay.pair_row, lay.pair_rank, pairs, num_ctas=2)
+        km.pull_pairs(tab(recv_w), lay.pair_row, lay.pair_rank, pairs, **ctas(2))
         ref.pull_pairs_ref(recv_w, lay.pair_row, lay.pair_rank, want_pairs)
         assert torch.equal(pairs, want_pairs)
         sent = lay.pair_row >= 0
@@ -120,6 +146,35 @@ def test_move_kernels_match_reference(case):
 def test_move_kernels_with_dropping_and_overflow():
     _check_all_moves("skewed", 4, capacity=9, expert_capacity=4)  # dropping: 2 local experts x 4 rows
     _check_all_moves("skewed", 2, capacity=11)  # overflow: rows past the capacity are not sent
+
+
+# Multi-row tiles with ragged tails: T (7, 6, 0 tokens) and the capacity not multiples of
+# ROWS, more tiles than programs, H past one column block (4136 = 4096 + a masked 40), K = 1,
+# pipelining on and off. rows counts copy rows: the K = 3 reductions take rows // 3 (8 -> 2,
+# 16 -> 4). Every case must equal the references bit for bit.
+@pytest.mark.parametrize("case, world, topk, hidden, launch", [
+    ("uniform", 2, 3, 5, dict(rows=8, num_ctas=3, stages=2)),
+    ("zero_tokens", 2, 3, 5, dict(rows=16, num_ctas=2, stages=1)),
+    ("one_rank", 2, 1, 5, dict(rows=4, num_ctas=2)),
+    ("uniform", 4, 1, 24, dict(rows=1, num_ctas=5, stages=3)),
+    ("zero_tokens", 2, 2, 4136, dict(rows=4, num_ctas=3)),
+    ("uniform", 2, 3, 4136, dict(num_ctas=2)),
+], ids=["rows8", "rows16-zero-tokens", "rows4-k1", "rows1-4ranks", "two-col-blocks", "two-col-blocks-auto"])
+def test_move_kernels_tiles_with_ragged_tails(case, world, topk, hidden, launch):
+    _check_all_moves(case, world, capacity=world * 7 * topk - 3, topk=topk, hidden=hidden, launch=launch)
+
+
+def test_tile_shapes():
+    assert km.row_block(5) == 16 and km.row_block(4096) == 4096 and km.row_block(4136) == 4096
+    assert km.row_block(7168) == 1024  # a divisor: no masked-off tail
+    assert km.tile_rows(None, 4096) == 4 and km.tile_rows(None, 4096, 8) == 1 and km.tile_rows(2, 4096) == 2
+    assert km.tile_rows(None, 7168) == 16 and km.tile_rows(None, 7168, 8) == 2  # 1024-wide blocks
+    assert km.tile_rows(16, 4096, 3) == 4 and km.tile_rows(2, 4096, 3) == 1  # a reduction: rows // K
+    with pytest.raises(ValueError, match="power of two"):
+        km.tile_rows(3, 4096)
+    with pytest.raises(ValueError, match="at most 64 ranks"):
+        km.pull_reduce(torch.zeros(65, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                       torch.zeros(1, dtype=torch.int64), torch.zeros(1, 4), dedup=True)
 
 
 # ---------------------------------------------------------------- the symm backends on CPU
@@ -192,8 +247,9 @@ def _symm_on_cpu(ctx, name):
 
     for fn_name in _MOVE_KERNELS:
         setattr(ep_move, fn_name, recorder(fn_name, getattr(ep_move, fn_name)))
+    # 4-row tiles: T = 6, 3, 5 leave ragged tails; 2 programs loop over several tiles.
     cfg = ep.EPConfig(num_experts=4, topk=2, hidden_size=8, max_tokens_per_rank=6, dtype=torch.float32,
-                      num_ctas=2, backend=name)
+                      num_ctas=2, tile_rows=4, num_stages=2, backend=name)
     disp, ref_disp = ep.ExpertDispatcher(cfg), ep.ExpertDispatcher(ep.EPConfig(**{**cfg.__dict__,
                                                                                   "backend": "reference"}))
     gen = torch.Generator().manual_seed(1)
@@ -229,6 +285,17 @@ def _symm_on_cpu(ctx, name):
                 disp._move_combine_pairs(disp._recv_w, handle)
             per_step.append(list(launches))
             allocs.append(mode.ops)
+        # tune() changes the launches of the next moves, not their results.
+        before = recv_x.clone()
+        disp.dispatch_backend.tune(num_ctas=3, tile_rows=1, num_warps=4, num_stages=1)
+        launches.clear()
+        recv_x, _, _ = disp.dispatch(x, w, handle)
+        if not torch.equal(recv_x, before):
+            errors.append("dispatch after tune() differs")
+        tuned = {(dict(kw)["num_ctas"], dict(kw)["rows"], dict(kw)["num_warps"], dict(kw)["stages"])
+                 for _, _, kw in launches}
+        if tuned != {(3, 1, 4, 1)}:
+            errors.append(f"launches after tune(): {tuned}")
     return errors, per_step, allocs, sorted(mode.seen)
 
 

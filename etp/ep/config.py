@@ -28,6 +28,10 @@ __all__ = ["EPConfig"]
 _BACKEND_PREFIXES = ("auto", "reference", "nccl", "symm_")
 
 
+def _is_power_of_two(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1 and not value & (value - 1)
+
+
 @dataclass(frozen=True)
 class EPConfig:
     """Static description of an expert-parallel token exchange.
@@ -48,7 +52,18 @@ class EPConfig:
         validate: check ``topk_idx`` on the host in ``prepare`` (a host sync). ``None``:
             on for CPU tensors, off on GPU, where bad indices are counted on device,
             left out of the exchange, and raised by ``check()``.
-        num_ctas: thread blocks the Triton copy kernels use (the symm backends).
+        num_ctas: thread blocks the Triton copy kernels use (the symm backends). 132 (an
+            H100 / H200's SMs): on 2 x H200 ``symm_dedup`` moves SonicMoE's workload at 1.50x /
+            1.70x NCCL's all-to-all bandwidth (dispatch / combine) on 132, 1.40x / 1.09x on 66,
+            0.79x / 0.56x on 32 (BENCHMARKS.md, session 7); fewer leave SMs to compute that
+            runs beside the move, at that cost.
+        tile_rows: rows each of those blocks copies per loop iteration (a power of two;
+            the reductions, which read K rows per row they write, take ``tile_rows // K``).
+            ``None``: about 32 KB of bf16 rows per iteration. See [Note: row tiles] in
+            ``etp.kernels.ep_move``.
+        num_warps: warps per thread block of the copy kernels.
+        num_stages: loop iterations of a copy kernel in flight at once (software
+            pipelining through shared memory; lowered per kernel to what fits).
         cache_dir: where ``backend="auto"`` caches its choice (default
             ``$ETP_CACHE_DIR`` or ``~/.cache/etp``).
 
@@ -68,14 +83,22 @@ class EPConfig:
     drop_tokens: bool = False
     weight_dtype: torch.dtype = torch.float32
     validate: Optional[bool] = None
-    num_ctas: int = 32
+    num_ctas: int = 132
+    tile_rows: Optional[int] = None
+    num_warps: int = 8
+    num_stages: int = 3
     cache_dir: Optional[str] = None
 
     def __post_init__(self):
-        for name in ("num_experts", "topk", "hidden_size", "max_tokens_per_rank", "num_ctas"):
+        for name in ("num_experts", "topk", "hidden_size", "max_tokens_per_rank", "num_ctas", "num_stages"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"EPConfig.{name}={value!r}: expected a positive int")
+        if self.tile_rows is not None and not _is_power_of_two(self.tile_rows):
+            raise ValueError(f"EPConfig.tile_rows={self.tile_rows!r}: expected a power of two (a Triton tile's "
+                             "row count), or None to pick it per kernel")
+        if not _is_power_of_two(self.num_warps) or self.num_warps > 32:
+            raise ValueError(f"EPConfig.num_warps={self.num_warps!r}: expected a power of two (1 to 32)")
         if self.topk > self.num_experts:
             raise ValueError(f"EPConfig.topk={self.topk} is larger than num_experts={self.num_experts}")
         for name in ("dtype", "weight_dtype"):

@@ -4,12 +4,31 @@ Every kernel reads and writes through *pointer tables*: int64 device tensors hol
 address of the same buffer on every rank (``buffer_ptrs`` of a symmetric-memory handle,
 or plain local addresses, which is how the CPU interpreter tests them). A kernel never
 synchronizes with peers: the caller fences each phase with a symmetric-memory barrier.
-All kernels are persistent (``num_ctas`` programs loop over their rows) so a transfer can
-take few SMs. The pure-torch references of ``etp.kernels.ep_reference`` define the result.
+The pure-torch references of ``etp.kernels.ep_reference`` define the results.
 
 Notation: ``T`` tokens of this rank, ``K`` experts per token, ``H`` row width, pair
 ``p = t * K + k`` with ``pair_row[p]`` (-1: not sent) and ``pair_rank[p]``; ``T_max`` the
 tokens slot of each source rank in a per-token buffer (slot ``s * T_max + t``).
+
+[Note: row tiles]
+A move of a few GB is bound by the bytes in flight, not by instructions: one 8 KB row per
+loop iteration on 32 programs keeps ~256 KB in flight, ~150 GB/s at NVLink's latency. So
+every kernel is persistent (``num_ctas`` programs, few SMs) and each program moves
+``[ROWS, BLOCK_H]`` tiles, iterating over (row tile, column block) pairs in one flat loop
+that Triton software-pipelines (``tl.range(num_stages=STAGES)``: on Hopper the loads of
+the next ``STAGES - 1`` iterations are in flight as cp.async copies into shared memory,
+address loads one stage earlier). A reduction issues the K loads of its tile
+unconditionally, masked: a pair not taken loads nothing and adds 0, which leaves an fp32
+sum that starts at +0 unchanged bit for bit, so the adds stay in k order while the loads
+overlap. No load or store sits behind a data-dependent ``if``: masks only. Addresses come
+from pointer tables, about which the compiler knows nothing: ``ALIGN`` tells it that rows
+start 16-byte aligned, or it issues one 2-byte access per element.
+
+``rows`` (a power of two), ``num_warps`` and ``stages`` are launch parameters (the
+``EPConfig`` fields ``tile_rows`` / ``num_warps`` / ``num_stages``). ``rows`` counts rows of
+a copy; a reduction over K rows takes ``rows // K`` output rows, so one setting reads about
+the same bytes per iteration everywhere (default: ``_TILE_ELEMS`` elements, see
+``tile_rows``); ``stages`` is lowered to what fits in shared memory.
 """
 from __future__ import annotations
 
@@ -18,74 +37,132 @@ import triton
 import triton.language as tl
 
 __all__ = ["push_rows", "pull_reduce", "pull_pairs", "select_rows", "gather_tokens", "local_reduce",
-           "push_meta", "zero_tail"]
+           "push_meta", "zero_tail", "tile_rows", "row_block"]
 
 # Modes of _push_kernel's x rows.
 X_NONE, X_ROWS, X_DEDUP = 0, 1, 2
+# Widest column block: a 4096-wide bf16 row is one block.
+_MAX_BLOCK_H = 4096
+# Elements one program reads per loop iteration by default: 32 KB of bf16 rows.
+_TILE_ELEMS = 16384
+DEFAULT_NUM_WARPS = 8
+# Loop iterations in flight (see [Note: row tiles]) and the shared memory their loads may
+# take (an H100 / H200 thread block may use 227 KB).
+DEFAULT_STAGES = 3
+_SMEM_BUDGET = 96 * 1024  # data tiles only; leaves room for the routing entries and the epilogue
+_MAX_AUTO_ROWS = 64
+# Pairs per iteration of the per-pair (index and scalar) kernels.
+_PAIR_BLOCK = 1024
 
 
-def _block(h: int) -> int:
-    return min(4096, triton.next_power_of_2(max(h, 16)))
+def row_block(h: int) -> int:
+    """BLOCK_H for rows of width ``h``: all of it up to 4096, else a power of two that
+    divides ``h`` (no masked-off tail: 7168 -> 1024) where one >= 1024 does."""
+    full = triton.next_power_of_2(max(h, 16))
+    if full <= _MAX_BLOCK_H:
+        return full
+    for block in (4096, 2048, 1024):
+        if h % block == 0:
+            return block
+    return _MAX_BLOCK_H
+
+
+def tile_rows(rows, h: int, loads_per_row: int = 1) -> int:
+    """ROWS of a tile. ``rows`` (None: ``_TILE_ELEMS`` elements' worth) counts rows of a copy,
+    which loads one row per row it writes; a kernel that loads ``loads_per_row`` rows per
+    row it writes (a reduction over K) takes ``rows // loads_per_row``, so that one setting
+    means about the same bytes per iteration in every kernel (a power of two, at least 1)."""
+    if rows is None:
+        # Capped: a tall, narrow tile would also pipeline ROWS x K routing entries per stage
+        # (tens of KB of shared memory that the data-tile budget below does not count).
+        rows = max(1, min(_MAX_AUTO_ROWS, _TILE_ELEMS // row_block(h)))
+    elif not isinstance(rows, int) or rows < 1 or rows & (rows - 1):
+        raise ValueError(f"rows={rows!r}: expected a power of two >= 1 (a tile is a tl.arange)")
+    fit = max(1, rows // loads_per_row)
+    return 1 << (fit.bit_length() - 1)
+
+
+@triton.jit
+def _first_of_rank(send, d, seen):
+    """``(send and the token sent nothing to rank d before, seen | d's bit)``: ``seen`` holds
+    one bit per rank a token's earlier pairs went to (hence at most 64 ranks), so the first
+    pair to each rank carries the token's one copy there."""
+    bit = tl.where(send, tl.full(d.shape, 1, tl.int64) << tl.where(send, d, 0), 0)
+    return send & ((seen & bit) == 0), seen | bit
 
 
 @triton.jit
 def _push_kernel(x_ptr, w_ptr, row_ptr, rank_ptr, x_table, w_table, T, H, me, T_max,
-                 K: tl.constexpr, X_MODE: tl.constexpr, HAS_W: tl.constexpr, BLOCK_H: tl.constexpr):
+                 K: tl.constexpr, X_MODE: tl.constexpr, HAS_W: tl.constexpr, SKIP_LOCAL: tl.constexpr,
+                 ROWS: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr, STAGES: tl.constexpr):
     """X_ROWS: ``x_table[d][pair_row[p]] = x[t]``; X_DEDUP: ``x_table[d][me*T_max + t] = x[t]``
-    once per destination d of token t; HAS_W: ``w_table[d][pair_row[p]] = w[p]``."""
-    offs = tl.arange(0, BLOCK_H)
-    for t in range(tl.program_id(0), T, tl.num_programs(0)):
+    once per destination d of token t (SKIP_LOCAL: not for d = me); HAS_W:
+    ``w_table[d][pair_row[p]] = w[p]``. A tile of ROWS tokens is read once and stored K times."""
+    cols = tl.arange(0, BLOCK_H)
+    n_h = tl.cdiv(H, BLOCK_H) if X_MODE != 0 else 1
+    for it in tl.range(tl.program_id(0), tl.cdiv(T, ROWS) * n_h, tl.num_programs(0), num_stages=STAGES):
+        t = (it // n_h) * ROWS + tl.arange(0, ROWS)
+        h = (it % n_h) * BLOCK_H + cols
+        live = t < T
+        hmask = h < H
+        t64 = t.to(tl.int64)
+        pair0 = t64 * K
         if HAS_W:
-            for k in tl.static_range(K):
-                row = tl.load(row_ptr + t * K + k)
-                if row >= 0:
-                    d = tl.load(rank_ptr + t * K + k)
-                    dst_w = tl.load(w_table + d).to(tl.pointer_type(w_ptr.dtype.element_ty))
-                    tl.store(dst_w + row, tl.load(w_ptr + t * K + k))
-        if X_MODE != 0:
-            for h0 in range(0, H, BLOCK_H):
-                mask = h0 + offs < H
-                vals = tl.load(x_ptr + tl.cast(t, tl.int64) * H + h0 + offs, mask=mask)
+            if it % n_h == 0:  # a tile's weights go with its first column block (uniform branch)
                 for k in tl.static_range(K):
-                    row = tl.load(row_ptr + t * K + k)
-                    d = tl.load(rank_ptr + t * K + k)
-                    send = row >= 0
-                    if X_MODE == 2:
-                        # One copy per destination rank: only the first pair of t going to d.
-                        for k2 in tl.static_range(k):
-                            r2 = tl.load(row_ptr + t * K + k2)
-                            d2 = tl.load(rank_ptr + t * K + k2)
-                            send = send & ((r2 < 0) | (d2 != d))
-                        row = tl.cast(me * T_max + t, tl.int64)
-                    if send:
-                        dst = tl.load(x_table + d).to(tl.pointer_type(x_ptr.dtype.element_ty))
-                        tl.store(dst + row * H + h0 + offs, vals, mask=mask)
+                    row = tl.load(row_ptr + pair0 + k, mask=live, other=-1)
+                    d = tl.load(rank_ptr + pair0 + k, mask=live, other=0)
+                    sent = row >= 0
+                    dst_w = tl.load(w_table + tl.where(sent, d, 0)).to(tl.pointer_type(w_ptr.dtype.element_ty))
+                    tl.store(dst_w + tl.where(sent, row, 0), tl.load(w_ptr + pair0 + k, mask=sent), mask=sent)
+        if X_MODE != 0:
+            vals = tl.load(x_ptr + (t64 * H)[:, None] + h[None, :], mask=live[:, None] & hmask[None, :])
+            seen = tl.zeros([ROWS], tl.int64)
+            for k in tl.static_range(K):
+                row = tl.load(row_ptr + pair0 + k, mask=live, other=-1)
+                d = tl.load(rank_ptr + pair0 + k, mask=live, other=0)
+                send = row >= 0
+                if X_MODE == 2:
+                    send, seen = _first_of_rank(send, d, seen)
+                    if SKIP_LOCAL:
+                        send = send & (d != me)
+                    row = t64 + me * T_max
+                dst = tl.load(x_table + tl.where(send, d, 0)).to(tl.pointer_type(x_ptr.dtype.element_ty))
+                dst = tl.multiple_of(dst + tl.where(send, row, 0) * H, ALIGN)
+                tl.store(dst[:, None] + h[None, :], vals, mask=send[:, None] & hmask[None, :])
 
 
 @triton.jit
 def _pull_reduce_kernel(table, row_ptr, rank_ptr, out_ptr, T, H, me, T_max,
-                        K: tl.constexpr, DEDUP: tl.constexpr, BLOCK_H: tl.constexpr):
-    """``out[t] = sum_k src_d[row]`` over sent pairs in k order, fp32 accumulation. DEDUP:
-    ``src_d[me*T_max + t]`` once per destination rank d (its partial sum)."""
-    offs = tl.arange(0, BLOCK_H)
-    for t in range(tl.program_id(0), T, tl.num_programs(0)):
-        for h0 in range(0, H, BLOCK_H):
-            mask = h0 + offs < H
-            acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-            for k in tl.static_range(K):
-                row = tl.load(row_ptr + t * K + k)
-                d = tl.load(rank_ptr + t * K + k)
-                take = row >= 0
-                if DEDUP:
-                    for k2 in tl.static_range(k):
-                        r2 = tl.load(row_ptr + t * K + k2)
-                        d2 = tl.load(rank_ptr + t * K + k2)
-                        take = take & ((r2 < 0) | (d2 != d))
-                    row = tl.cast(me * T_max + t, tl.int64)
-                if take:
-                    src = tl.load(table + d).to(tl.pointer_type(out_ptr.dtype.element_ty))
-                    acc += tl.load(src + row * H + h0 + offs, mask=mask).to(tl.float32)
-            tl.store(out_ptr + tl.cast(t, tl.int64) * H + h0 + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+                        K: tl.constexpr, DEDUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+                        ALIGN: tl.constexpr, STAGES: tl.constexpr):
+    """``out[t] = sum_k src_d[row]`` over sent pairs, accumulated in fp32 in k order (the
+    K loads of a tile are issued together; the adds stay in k order: bit-identical to
+    ``sum_pairs``). DEDUP: ``src_d[me*T_max + t]`` once per destination rank d (its partial
+    sum), in the order of each rank's first pair."""
+    cols = tl.arange(0, BLOCK_H)
+    n_h = tl.cdiv(H, BLOCK_H)
+    for it in tl.range(tl.program_id(0), tl.cdiv(T, ROWS) * n_h, tl.num_programs(0), num_stages=STAGES):
+        t = (it // n_h) * ROWS + tl.arange(0, ROWS)
+        h = (it % n_h) * BLOCK_H + cols
+        live = t < T
+        hmask = h < H
+        t64 = t.to(tl.int64)
+        pair0 = t64 * K
+        acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
+        seen = tl.zeros([ROWS], tl.int64)
+        for k in tl.static_range(K):
+            row = tl.load(row_ptr + pair0 + k, mask=live, other=-1)
+            d = tl.load(rank_ptr + pair0 + k, mask=live, other=0)
+            take = row >= 0
+            if DEDUP:
+                take, seen = _first_of_rank(take, d, seen)
+                row = t64 + me * T_max
+            src = tl.load(table + tl.where(take, d, 0)).to(tl.pointer_type(out_ptr.dtype.element_ty))
+            src = tl.multiple_of(src + tl.where(take, row, 0) * H, ALIGN)
+            acc += tl.load(src[:, None] + h[None, :], mask=take[:, None] & hmask[None, :], other=0.0).to(tl.float32)
+        tl.store(out_ptr + (t64 * H)[:, None] + h[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=live[:, None] & hmask[None, :])
 
 
 @triton.jit
@@ -103,74 +180,97 @@ def _pull_pairs_kernel(table, row_ptr, rank_ptr, out_ptr, N, BLOCK: tl.constexpr
 
 
 @triton.jit
-def _select_kernel(src_ptr, map_ptr, out_ptr, tpe_ptr, totals_ptr, H, E_LOCAL: tl.constexpr,
-                   E_PAD: tl.constexpr, BLOCK_H: tl.constexpr, IDENTITY: tl.constexpr, ZERO_ONLY: tl.constexpr):
-    """``out[r] = src[map[r]]`` (IDENTITY: ``src[r]``) for r < sum(tokens_per_expert), skipped
-    with ZERO_ONLY; rows in ``[that, totals[0])`` are zeroed (they held the previous step's
-    rows). Program 0 stores the new total in ``totals[1]`` (every program reads ``totals[0]``,
-    so it cannot be overwritten here; the launcher copies [1] to [0] after the kernel)."""
+def _select_kernel(src_ptr, map_ptr, local_ptr, out_ptr, tpe_ptr, totals_ptr, H, local_first, local_rows,
+                   E_LOCAL: tl.constexpr, E_PAD: tl.constexpr, IDENTITY: tl.constexpr, ZERO_ONLY: tl.constexpr,
+                   HAS_LOCAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr):
+    """``out[r] = src[map[r]]`` (IDENTITY: ``src[r]``; HAS_LOCAL: ``local[map[r] - local_first]``
+    where ``map[r] - local_first`` lies in ``[0, local_rows)``) for r < sum(tokens_per_expert),
+    skipped with ZERO_ONLY; rows in ``[that, totals[0])`` are zeroed (they held the previous
+    step's rows). Program 0 stores the new total in ``totals[1]`` (every program reads
+    ``totals[0]``, so it cannot be overwritten here; the launcher copies [1] to [0] after)."""
     e = tl.arange(0, E_PAD)
     total = tl.sum(tl.load(tpe_ptr + e, mask=e < E_LOCAL, other=0), axis=0)
     prev = tl.load(totals_ptr)
     if tl.program_id(0) == 0:
         tl.store(totals_ptr + 1, total)
     end = tl.maximum(total, prev)
-    offs = tl.arange(0, BLOCK_H)
-    first = tl.program_id(0)
-    if ZERO_ONLY:
-        first += total
-    for r in range(first, end, tl.num_programs(0)):
-        r64 = tl.cast(r, tl.int64)
-        if r < total:
+    first = total if ZERO_ONLY else 0
+    cols = tl.arange(0, BLOCK_H)
+    n_h = tl.cdiv(H, BLOCK_H)
+    for it in tl.range(tl.program_id(0), tl.cdiv(end - first, ROWS) * n_h, tl.num_programs(0), num_stages=STAGES):
+        r = first + (it // n_h) * ROWS + tl.arange(0, ROWS)
+        h = (it % n_h) * BLOCK_H + cols
+        hmask = h < H
+        r64 = r.to(tl.int64)
+        keep = r < end
+        if ZERO_ONLY:
+            vals = tl.zeros([ROWS, BLOCK_H], out_ptr.dtype.element_ty)
+        else:
+            copy = r < total
             if IDENTITY:
                 q = r64
             else:
-                q = tl.load(map_ptr + r)
-            for h0 in range(0, H, BLOCK_H):
-                mask = h0 + offs < H
-                tl.store(out_ptr + r64 * H + h0 + offs, tl.load(src_ptr + q * H + h0 + offs, mask=mask), mask=mask)
-        else:
-            for h0 in range(0, H, BLOCK_H):
-                mask = h0 + offs < H
-                tl.store(out_ptr + r64 * H + h0 + offs, tl.zeros([BLOCK_H], out_ptr.dtype.element_ty), mask=mask)
+                q = tl.load(map_ptr + r64, mask=copy, other=0)
+            ptrs = src_ptr + (tl.where(copy, q, 0) * H)[:, None] + h[None, :]
+            if HAS_LOCAL:
+                # This rank's own tokens never went through src: read them where they are
+                # (one load of either address, so one tile of shared memory per stage).
+                mine = (q >= local_first) & (q < local_first + local_rows)
+                own = local_ptr + (tl.where(copy & mine, q - local_first, 0) * H)[:, None] + h[None, :]
+                ptrs = tl.where(mine[:, None], own, ptrs)
+            vals = tl.load(ptrs, mask=copy[:, None] & hmask[None, :], other=0.0)
+        tl.store(out_ptr + (r64 * H)[:, None] + h[None, :], vals, mask=keep[:, None] & hmask[None, :])
 
 
 @triton.jit
-def _gather_tokens_kernel(table, tokens_ptr, out_ptr, W, T_max, H, BLOCK_H: tl.constexpr):
-    """``out[s*T_max + t] = src_s[t]`` for every rank s and t < tokens[s]."""
-    offs = tl.arange(0, BLOCK_H)
-    for q in range(tl.program_id(0), W * T_max, tl.num_programs(0)):
+def _gather_tokens_kernel(table, tokens_ptr, out_ptr, W, T_max, H, skip, ROWS: tl.constexpr,
+                          BLOCK_H: tl.constexpr, ALIGN: tl.constexpr, STAGES: tl.constexpr):
+    """``out[s*T_max + t] = src_s[t]`` for every rank s != skip and t < tokens[s]."""
+    cols = tl.arange(0, BLOCK_H)
+    slots = W * T_max
+    n_h = tl.cdiv(H, BLOCK_H)
+    for it in tl.range(tl.program_id(0), tl.cdiv(slots, ROWS) * n_h, tl.num_programs(0), num_stages=STAGES):
+        q = (it // n_h) * ROWS + tl.arange(0, ROWS)
+        h = (it % n_h) * BLOCK_H + cols
+        inside = q < slots
         s = q // T_max
         t = q % T_max
-        if t < tl.load(tokens_ptr + s):
-            src = tl.load(table + s).to(tl.pointer_type(out_ptr.dtype.element_ty))
-            for h0 in range(0, H, BLOCK_H):
-                mask = h0 + offs < H
-                tl.store(out_ptr + tl.cast(q, tl.int64) * H + h0 + offs,
-                         tl.load(src + tl.cast(t, tl.int64) * H + h0 + offs, mask=mask), mask=mask)
+        live = inside & (t < tl.load(tokens_ptr + s, mask=inside, other=0)) & (s != skip)
+        src = tl.load(table + tl.where(live, s, 0)).to(tl.pointer_type(out_ptr.dtype.element_ty))
+        src = tl.multiple_of(src + tl.where(live, t, 0).to(tl.int64) * H, ALIGN)
+        mask = live[:, None] & (h < H)[None, :]
+        vals = tl.load(src[:, None] + h[None, :], mask=mask)
+        tl.store(out_ptr + (q.to(tl.int64) * H)[:, None] + h[None, :], vals, mask=mask)
 
 
 @triton.jit
-def _local_reduce_kernel(y_ptr, red_ptr, tokens_ptr, out_ptr, W, T_max, H, K: tl.constexpr, BLOCK_H: tl.constexpr):
-    """``out[q] = sum_k y[red[q, k]]`` (red >= 0, k order, fp32) for slots q = s*T_max + t,
-    t < tokens[s], that have at least one row here; other slots are left as they are."""
-    offs = tl.arange(0, BLOCK_H)
-    for q in range(tl.program_id(0), W * T_max, tl.num_programs(0)):
+def _local_reduce_kernel(y_ptr, red_ptr, tokens_ptr, out_ptr, W, T_max, H, K: tl.constexpr, ROWS: tl.constexpr,
+                         BLOCK_H: tl.constexpr, STAGES: tl.constexpr):
+    """``out[q] = sum_k y[red[q, k]]`` (red >= 0, k order, fp32; the K loads of a tile issued
+    together) for slots q = s*T_max + t, t < tokens[s], that have at least one row here;
+    other slots are left as they are."""
+    cols = tl.arange(0, BLOCK_H)
+    slots = W * T_max
+    n_h = tl.cdiv(H, BLOCK_H)
+    for it in tl.range(tl.program_id(0), tl.cdiv(slots, ROWS) * n_h, tl.num_programs(0), num_stages=STAGES):
+        q = (it // n_h) * ROWS + tl.arange(0, ROWS)
+        h = (it % n_h) * BLOCK_H + cols
+        hmask = h < H
+        inside = q < slots
         s = q // T_max
         t = q % T_max
-        if t < tl.load(tokens_ptr + s):
-            any_row = tl.load(red_ptr + tl.cast(q, tl.int64) * K) >= 0
-            for k in tl.static_range(1, K):
-                any_row = any_row | (tl.load(red_ptr + tl.cast(q, tl.int64) * K + k) >= 0)
-            if any_row:
-                for h0 in range(0, H, BLOCK_H):
-                    mask = h0 + offs < H
-                    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-                    for k in tl.static_range(K):
-                        row = tl.load(red_ptr + tl.cast(q, tl.int64) * K + k)
-                        if row >= 0:
-                            acc += tl.load(y_ptr + row * H + h0 + offs, mask=mask).to(tl.float32)
-                    tl.store(out_ptr + tl.cast(q, tl.int64) * H + h0 + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        live = inside & (t < tl.load(tokens_ptr + s, mask=inside, other=0))
+        q64 = q.to(tl.int64)
+        acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
+        found = q < 0  # no row yet
+        for k in tl.static_range(K):
+            row = tl.load(red_ptr + q64 * K + k, mask=live, other=-1)
+            take = row >= 0
+            found = found | take
+            offs = (tl.where(take, row, 0) * H)[:, None] + h[None, :]
+            acc += tl.load(y_ptr + offs, mask=take[:, None] & hmask[None, :], other=0.0).to(tl.float32)
+        tl.store(out_ptr + (q64 * H)[:, None] + h[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=found[:, None] & hmask[None, :])
 
 
 @triton.jit
@@ -191,45 +291,91 @@ def _push_meta_kernel(row_ptr, rank_ptr, map_table, red_table, N, W, me, T_max, 
 
 
 # ------------------------------------------------------------------ launchers
+# Every row launcher takes ``num_ctas`` (programs), ``rows`` (ROWS of a tile, None: see
+# tile_rows), ``num_warps`` and ``stages``; see [Note: row tiles].
 def _grid(num_ctas: int):
     return (max(1, num_ctas),)
 
 
+def _row_align(rows: torch.Tensor) -> int:
+    """Byte alignment the kernels may assume of every row start in a pointer-table buffer
+    of ``rows``' row width. An address loaded from a table tells the compiler nothing, and
+    without the hint it issues one 2-byte load per element instead of 16-byte vectors. The
+    buffers themselves are allocations (symmetric memory, or whole tensors in the tests), so
+    they start aligned; rows then stay 16-byte aligned when a row is a multiple of 16 bytes."""
+    return 16 if rows.shape[-1] * rows.element_size() % 16 == 0 else rows.element_size()
+
+
+def _check_dedup_world(table) -> None:
+    # _first_of_rank keeps one bit per rank in an int64.
+    if table.numel() > 64:
+        raise ValueError(f"the rank de-duplicated moves (symm_dedup, symm_allgather) take at most 64 ranks, got "
+                         f"{table.numel()}; use symm_push")
+
+
+def _stages(stages: int, rows: int, h: int, elem_bytes: int, loads: int = 1) -> int:
+    """Pipeline depth that fits: the loads of ``stages - 1`` iterations wait in shared
+    memory (``loads`` tiles of ``[rows, BLOCK_H]`` each)."""
+    if not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"stages={stages!r}: expected an int >= 1")
+    per_stage = rows * row_block(h) * elem_bytes * loads
+    return max(1, min(stages, 1 + _SMEM_BUDGET // per_stage))
+
+
 def push_rows(x, w, pair_row, pair_rank, x_table, w_table, *, mode: int, me: int = 0, t_max: int = 0,
-              num_ctas: int = 32) -> None:
-    """Writes x rows (``mode``: X_NONE / X_ROWS / X_DEDUP) and, if ``w`` is given, routing
-    weights into the peers' buffers named by the tables. See ``_push_kernel``."""
-    tokens = x.shape[0]
-    K = pair_row.numel() // tokens if tokens else 1
-    H = x.shape[1]
+              skip_local: bool = False, num_ctas: int = 32, rows=None, num_warps: int = DEFAULT_NUM_WARPS,
+              stages: int = DEFAULT_STAGES) -> None:
+    """Writes x rows (``mode``: X_NONE / X_ROWS / X_DEDUP; ``skip_local``: X_DEDUP leaves
+    out this rank's own slot) and, if ``w`` is given, routing weights into the peers'
+    buffers named by the tables. See ``_push_kernel``."""
+    tokens, H = x.shape
     if tokens == 0:
         return
+    K = pair_row.numel() // tokens
     x_table = x_table if x_table is not None else w_table
+    if mode == X_DEDUP:
+        _check_dedup_world(x_table)
+    ROWS = tile_rows(rows, H)
     _push_kernel[_grid(num_ctas)](x, w if w is not None else x, pair_row, pair_rank, x_table,
                                   w_table if w_table is not None else x_table, tokens, H, me, t_max,
-                                  K=K, X_MODE=mode, HAS_W=w is not None, BLOCK_H=_block(H))
+                                  K=K, X_MODE=mode, HAS_W=w is not None, SKIP_LOCAL=skip_local, ROWS=ROWS,
+                                  BLOCK_H=row_block(H), ALIGN=_row_align(x),
+                                  STAGES=_stages(stages, ROWS, H, x.element_size()), num_warps=num_warps)
 
 
 def pull_reduce(table, pair_row, pair_rank, out, *, dedup: bool = False, me: int = 0, t_max: int = 0,
-                num_ctas: int = 32) -> None:
+                num_ctas: int = 32, rows=None, num_warps: int = DEFAULT_NUM_WARPS,
+                stages: int = DEFAULT_STAGES) -> None:
     """``out [T, H]``: each token's sum of its pairs' rows pulled from the peers."""
     tokens, H = out.shape
     if tokens == 0:
         return
-    _pull_reduce_kernel[_grid(num_ctas)](table, pair_row, pair_rank, out, tokens, H, me, t_max,
-                                         K=pair_row.numel() // tokens, DEDUP=dedup, BLOCK_H=_block(H))
+    K = pair_row.numel() // tokens
+    if dedup:
+        _check_dedup_world(table)
+    ROWS = tile_rows(rows, H, K)
+    _pull_reduce_kernel[_grid(num_ctas)](table, pair_row, pair_rank, out, tokens, H, me, t_max, K=K, DEDUP=dedup,
+                                         ROWS=ROWS, BLOCK_H=row_block(H), ALIGN=_row_align(out),
+                                         STAGES=_stages(stages, ROWS, H, out.element_size(), K),
+                                         num_warps=num_warps)
 
 
-def pull_pairs(table, pair_row, pair_rank, out, *, num_ctas: int = 32) -> None:
-    """``out [T*K]``: each pair's scalar pulled from its destination."""
+def pull_pairs(table, pair_row, pair_rank, out, *, num_ctas: int = 32, rows=None,
+               num_warps: int = DEFAULT_NUM_WARPS, stages: int = DEFAULT_STAGES) -> None:
+    """``out [T*K]``: each pair's scalar pulled from its destination (``rows`` and ``stages``
+    are ignored: these are scalars, ``_PAIR_BLOCK`` per iteration)."""
     if out.numel():
-        _pull_pairs_kernel[_grid(num_ctas)](table, pair_row, pair_rank, out, out.numel(), BLOCK=256)
+        _pull_pairs_kernel[_grid(num_ctas)](table, pair_row, pair_rank, out, out.numel(), BLOCK=_PAIR_BLOCK,
+                                            num_warps=num_warps)
 
 
 def select_rows(src, src_map, out, tokens_per_expert, totals, *, identity: bool = False,
-                zero_only: bool = False, num_ctas: int = 32) -> None:
+                zero_only: bool = False, local=None, local_first: int = 0, num_ctas: int = 32, rows=None,
+                num_warps: int = DEFAULT_NUM_WARPS, stages: int = DEFAULT_STAGES) -> None:
     """``out[r] = src[src_map[r]]`` for the valid rows, zero for the rest of the previous
-    valid rows.
+    valid rows. With ``local`` ([L, H]): rows whose ``src_map`` value lies in
+    ``[local_first, local_first + L)`` come from ``local[src_map[r] - local_first]`` instead
+    (this rank's own tokens, which need not be copied into ``src`` first).
 
     ``totals`` (int64 [2], on device, one per ``out``) carries the row count across calls:
     ``totals[0]`` is read as the previous call's valid rows and holds this call's afterwards
@@ -239,38 +385,52 @@ def select_rows(src, src_map, out, tokens_per_expert, totals, *, identity: bool 
     """
     if totals.dtype != torch.int64 or totals.numel() != 2 or not totals.is_contiguous():
         raise ValueError(f"totals: expected a contiguous int64 [2] tensor, got {totals.dtype} {tuple(totals.shape)}")
-    local = tokens_per_expert.numel()
-    _select_kernel[_grid(num_ctas)](src, src_map if src_map is not None else totals, out, tokens_per_expert,
-                                    totals, out.shape[1], E_LOCAL=local, E_PAD=triton.next_power_of_2(local),
-                                    BLOCK_H=_block(out.shape[1]), IDENTITY=identity,
-                                    ZERO_ONLY=zero_only)
+    n_local = tokens_per_expert.numel()
+    H = out.shape[1]
+    ROWS = tile_rows(rows, H)
+    _select_kernel[_grid(num_ctas)](src, src_map if src_map is not None else totals,
+                                    local if local is not None else src, out, tokens_per_expert, totals, H,
+                                    local_first, local.shape[0] if local is not None else 0,
+                                    E_LOCAL=n_local, E_PAD=triton.next_power_of_2(n_local), IDENTITY=identity,
+                                    ZERO_ONLY=zero_only, HAS_LOCAL=local is not None, ROWS=ROWS,
+                                    BLOCK_H=row_block(H),
+                                    STAGES=_stages(stages, ROWS, H, out.element_size()), num_warps=num_warps)
     totals[0:1].copy_(totals[1:2])
 
 
-def gather_tokens(table, tokens, out, t_max: int, *, num_ctas: int = 32) -> None:
-    """``out [W*T_max, H]``: every rank's token rows (all-gather)."""
-    _gather_tokens_kernel[_grid(num_ctas)](table, tokens, out, tokens.numel(), t_max, out.shape[1],
-                                           BLOCK_H=_block(out.shape[1]))
+def gather_tokens(table, tokens, out, t_max: int, *, skip: int = -1, num_ctas: int = 32, rows=None,
+                  num_warps: int = DEFAULT_NUM_WARPS, stages: int = DEFAULT_STAGES) -> None:
+    """``out [W*T_max, H]``: every rank's token rows (all-gather), but rank ``skip``'s."""
+    H = out.shape[1]
+    ROWS = tile_rows(rows, H)
+    _gather_tokens_kernel[_grid(num_ctas)](table, tokens, out, tokens.numel(), t_max, H, skip, ROWS=ROWS,
+                                           BLOCK_H=row_block(H), ALIGN=_row_align(out),
+                                           STAGES=_stages(stages, ROWS, H, out.element_size()), num_warps=num_warps)
 
 
-def local_reduce(y, red, tokens, out, t_max: int, *, num_ctas: int = 32) -> None:
+def local_reduce(y, red, tokens, out, t_max: int, *, num_ctas: int = 32, rows=None,
+                 num_warps: int = DEFAULT_NUM_WARPS, stages: int = DEFAULT_STAGES) -> None:
     """``out [W*T_max, H]``: per source token, the sum of its rows held here."""
-    _local_reduce_kernel[_grid(num_ctas)](y, red, tokens, out, tokens.numel(), t_max, out.shape[1],
-                                          K=red.shape[-1], BLOCK_H=_block(out.shape[1]))
+    H, K = out.shape[1], red.shape[-1]
+    ROWS = tile_rows(rows, H, K)
+    _local_reduce_kernel[_grid(num_ctas)](y, red, tokens, out, tokens.numel(), t_max, H, K=K, ROWS=ROWS,
+                                          BLOCK_H=row_block(H), STAGES=_stages(stages, ROWS, H, y.element_size(), K),
+                                          num_warps=num_warps)
 
 
 def push_meta(pair_row, pair_rank, map_table, red_table, world: int, me: int, t_max: int, topk: int, *,
-              num_ctas: int = 32) -> None:
-    """Tells every peer which of its rows came from which of this rank's tokens."""
+              num_ctas: int = 32, rows=None, num_warps: int = DEFAULT_NUM_WARPS, stages: int = DEFAULT_STAGES) -> None:
+    """Tells every peer which of its rows came from which of this rank's tokens (``rows``
+    and ``stages`` are ignored: ``_PAIR_BLOCK`` pairs per iteration)."""
     if pair_row.numel():
         _push_meta_kernel[_grid(num_ctas)](pair_row, pair_rank, map_table, red_table, pair_row.numel(), world, me,
-                                           t_max, K=topk, BLOCK=256)
+                                           t_max, K=topk, BLOCK=_PAIR_BLOCK, num_warps=num_warps)
 
 
-def zero_tail(out, tokens_per_expert, totals, *, num_ctas: int = 32) -> None:
+def zero_tail(out, tokens_per_expert, totals, **launch) -> None:
     """Zeroes rows ``[sum(tokens_per_expert), totals[0])`` of ``out`` (rows below are kept);
-    ``totals`` as in ``select_rows``."""
-    select_rows(out, None, out, tokens_per_expert, totals, identity=True, zero_only=True, num_ctas=num_ctas)
+    ``totals`` as in ``select_rows``; ``launch``: num_ctas / rows / num_warps / stages."""
+    select_rows(out, None, out, tokens_per_expert, totals, identity=True, zero_only=True, **launch)
 
 
 def table_of(tensors: list[torch.Tensor], device) -> torch.Tensor:

@@ -20,7 +20,7 @@ def _first_of_rank(pair_row, pair_rank, topk):
     return first
 
 
-def push_rows_ref(x, w, pair_row, pair_rank, x_bufs, w_bufs, *, mode, me=0, t_max=0):
+def push_rows_ref(x, w, pair_row, pair_rank, x_bufs, w_bufs, *, mode, me=0, t_max=0, skip_local=False):
     tokens = x.shape[0]
     topk = pair_row.numel() // tokens if tokens else 1
     first = _first_of_rank(pair_row, pair_rank, topk).reshape(-1) if tokens else None
@@ -32,7 +32,7 @@ def push_rows_ref(x, w, pair_row, pair_rank, x_bufs, w_bufs, *, mode, me=0, t_ma
             w_bufs[d][row] = w.reshape(-1)[p]
         if mode == 1:
             x_bufs[d][row] = x[t]
-        elif mode == 2 and first[p]:
+        elif mode == 2 and first[p] and not (skip_local and d == me):
             x_bufs[d][me * t_max + t] = x[t]
 
 
@@ -59,16 +59,21 @@ def pull_pairs_ref(srcs, pair_row, pair_rank, out):
         out[p] = srcs[int(pair_rank[p])][row] if row >= 0 else 0
 
 
-def select_rows_ref(src, src_map, out, tokens_per_expert, totals):
+def select_rows_ref(src, src_map, out, tokens_per_expert, totals, local=None, local_first=0):
     total, prev = int(tokens_per_expert.sum()), int(totals[0])
     if src_map is not None:
         out[:total] = src[src_map[:total]]
+        if local is not None:
+            own = (src_map[:total] >= local_first) & (src_map[:total] < local_first + local.shape[0])
+            out[:total][own] = local[src_map[:total][own] - local_first]
     out[total:max(total, prev)] = 0
     totals[0] = total
 
 
-def gather_tokens_ref(srcs, tokens, out, t_max):
+def gather_tokens_ref(srcs, tokens, out, t_max, skip=-1):
     for s, src in enumerate(srcs):
+        if s == skip:
+            continue
         n = int(tokens[s])
         out[s * t_max: s * t_max + n] = src[:n]
 

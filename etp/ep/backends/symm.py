@@ -25,7 +25,8 @@ zero) lives on device in a tensor allocated with the buffer (``alloc_rows``) and
 by stream-ordered kernels; the barriers are device-side signal exchanges on the buffers'
 signal pads. ``tests/test_ep.py`` checks the invariant on CPU (launch arguments identical
 step to step, no tensor allocated by a move). The copy kernels are persistent and take
-``EPConfig.num_ctas`` thread blocks. See ``etp.kernels.ep_move`` for the kernels.
+``EPConfig.num_ctas`` thread blocks, each moving ``[tile_rows, H]`` tiles (see [Note: row
+tiles] in ``etp.kernels.ep_move``, where the kernels are).
 
 Algorithms (all share the layout of [Note: receive layout] and produce the same rows):
 
@@ -36,12 +37,14 @@ Algorithms (all share the layout of [Note: receive layout] and produce the same 
   bit-identical to ``reference``).
 * ``symm_dedup``: a token crosses to a rank once however many of its experts live there:
   dispatch pushes it into the receiver's per-token slot and the receiver expands it into
-  its rows locally; combine first sums each source token's rows locally, so one partial sum
-  per (token, rank) crosses back (summation order differs from ``reference``: per rank
-  first, then over ranks; bf16 partial sums).
+  its rows locally (its own tokens straight from ``x``: they skip the slot); combine first
+  sums each source token's rows locally, so one partial sum per (token, rank) crosses back
+  (summation order differs from ``reference``: per rank first, then over ranks; bf16
+  partial sums).
 * ``symm_allgather``: every rank pulls every peer's tokens (all-gather), then selects its
-  rows locally; combine as ``symm_dedup``. Moves tokens routed nowhere here too, and wins
-  where nearly every token has an expert on every rank (large K, few ranks).
+  rows locally (its own from ``x``); combine as ``symm_dedup``. Moves tokens routed nowhere
+  here too, and wins where nearly every token has an expert on every rank (large K, few
+  ranks).
 """
 from __future__ import annotations
 
@@ -74,7 +77,9 @@ class _SymmBackend(Backend):
         # data_ptr -> (tensor, handle, pointer table, valid-row totals [2] on device)
         self._buffers: dict[int, tuple] = {}
         cfg = ctx.cfg
-        self._ctas = cfg.num_ctas
+        # Launch parameters of every kernel (the same on every call: see [Note: graph-safe moves]).
+        self._launch = dict(num_ctas=cfg.num_ctas, rows=cfg.tile_rows, num_warps=cfg.num_warps,
+                            stages=cfg.num_stages)
         self._stage = self.alloc_rows(ctx.capacity, cfg.hidden_size)
         self._stage_w = self.alloc_rows(ctx.capacity, None, cfg.weight_dtype)
 
@@ -89,6 +94,13 @@ class _SymmBackend(Backend):
         self._buffers[t.data_ptr()] = (t, handle, table, totals)
         return t
 
+    def tune(self, *, num_ctas=None, tile_rows=None, num_warps=None, num_stages=None) -> None:
+        """Changes the copy kernels' launch parameters (``EPConfig``'s fields of those names;
+        None keeps one) from the next move on, e.g. to sweep them in a benchmark without
+        reallocating the buffers. A CUDA graph captured before keeps the old ones."""
+        new = dict(num_ctas=num_ctas, rows=tile_rows, num_warps=num_warps, stages=num_stages)
+        self._launch.update({key: value for key, value in new.items() if value is not None})
+
     def _table(self, t):
         entry = self._buffers.get(t.data_ptr())
         return entry[2] if entry is not None and t.is_contiguous() and t.numel() == entry[0].numel() else None
@@ -97,13 +109,15 @@ class _SymmBackend(Backend):
         with record_function("etp::ep_symm_barrier"):
             self._buffers[self._stage.data_ptr()][1].barrier(channel=0)
 
-    def _select(self, src, src_map, out, tokens_per_expert, *, identity=False, zero_only=False):
-        """Valid rows from ``src`` (unless zero_only), zeros over the previous step's rest."""
+    def _select(self, src, src_map, out, tokens_per_expert, *, identity=False, zero_only=False, local=None):
+        """Valid rows from ``src`` (unless zero_only; this rank's own slot from ``local``),
+        zeros over the previous step's rest."""
         out2 = out if out.dim() == 2 else out.view(-1, 1)
         src2 = src if src.dim() == 2 else src.view(-1, 1)
         totals = self._buffers[out.data_ptr()][3]  # out is always one of alloc_rows' buffers
+        local_first = self.ctx.rank * self.ctx.cfg.max_tokens_per_rank
         km.select_rows(src2, src_map, out2, tokens_per_expert, totals, identity=identity, zero_only=zero_only,
-                       num_ctas=self._ctas)
+                       local=local, local_first=local_first, **self._launch)
 
     def _staged(self, y, stage, tokens_per_expert):
         """A symmetric buffer holding ``y``'s valid rows (``y`` itself when it is one)."""
@@ -120,14 +134,14 @@ class _SymmBackend(Backend):
         table = self._staged(y, self._stage, lay.tokens_per_expert)
         self._barrier()
         with record_function("etp::ep_symm_pull_reduce"):
-            km.pull_reduce(table, lay.pair_row, lay.pair_rank, out, num_ctas=self._ctas)
+            km.pull_reduce(table, lay.pair_row, lay.pair_rank, out, **self._launch)
 
     def combine_pairs(self, v, handle, out):
         lay = handle.layout
         self._barrier()
         table = self._staged(v, self._stage_w, lay.tokens_per_expert)
         self._barrier()
-        km.pull_pairs(table, lay.pair_row, lay.pair_rank, out.view(-1), num_ctas=self._ctas)
+        km.pull_pairs(table, lay.pair_row, lay.pair_rank, out.view(-1), **self._launch)
 
 
 class SymmPushBackend(_SymmBackend):
@@ -139,7 +153,7 @@ class SymmPushBackend(_SymmBackend):
         with record_function("etp::ep_symm_push"):
             km.push_rows(x.contiguous(), None if w is None else w.contiguous().to(out_w.dtype), lay.pair_row,
                          lay.pair_rank, self._table(out_x), None if w is None else self._table(out_w),
-                         mode=km.X_ROWS, num_ctas=self._ctas)
+                         mode=km.X_ROWS, **self._launch)
         self._barrier()
         self._select(out_x, None, out_x, lay.tokens_per_expert, identity=True, zero_only=True)
         if w is not None:
@@ -150,6 +164,9 @@ class SymmDedupBackend(_SymmBackend):
     name = "symm_dedup"
 
     def __init__(self, ctx):
+        if ctx.world_size > 64:  # the kernels track a token's ranks in one int64 bitmask
+            raise ValueError(f"EP backend {self.name!r} takes at most 64 ranks, the group has {ctx.world_size}: "
+                             "use symm_push")
         super().__init__(ctx)
         cfg, world = ctx.cfg, ctx.world_size
         self._t_max = cfg.max_tokens_per_rank
@@ -164,23 +181,25 @@ class SymmDedupBackend(_SymmBackend):
         self._barrier()
         with record_function("etp::ep_symm_push_meta"):
             km.push_meta(lay.pair_row, lay.pair_rank, self._table(self._map), self._table(self._red),
-                         ctx.world_size, ctx.rank, self._t_max, ctx.cfg.topk, num_ctas=self._ctas)
+                         ctx.world_size, ctx.rank, self._t_max, ctx.cfg.topk, **self._launch)
         self._barrier()
 
     def _send_tokens(self, x, w, handle, out_w):
         lay = handle.layout
         with record_function("etp::ep_symm_push_dedup"):
-            km.push_rows(x.contiguous(), None if w is None else w.contiguous().to(out_w.dtype), lay.pair_row,
+            km.push_rows(x, None if w is None else w.contiguous().to(out_w.dtype), lay.pair_row,
                          lay.pair_rank, self._table(self._tokens), None if w is None else self._table(out_w),
-                         mode=km.X_DEDUP, me=self.ctx.rank, t_max=self._t_max, num_ctas=self._ctas)
+                         mode=km.X_DEDUP, me=self.ctx.rank, t_max=self._t_max, skip_local=True, **self._launch)
 
     def dispatch(self, x, w, handle, out_x, out_w):
         lay = handle.layout
+        x = x.contiguous()
         self._barrier()
         self._send_tokens(x, w, handle, out_w)
         self._barrier()
         with record_function("etp::ep_symm_expand"):
-            self._select(self._tokens, self._map, out_x, lay.tokens_per_expert)
+            # This rank's own tokens skipped their slot (skip_local): the expansion reads x.
+            self._select(self._tokens, self._map, out_x, lay.tokens_per_expert, local=x)
         if w is not None:
             self._select(out_w, None, out_w, lay.tokens_per_expert, identity=True, zero_only=True)
 
@@ -189,11 +208,11 @@ class SymmDedupBackend(_SymmBackend):
         self._barrier()
         with record_function("etp::ep_symm_local_reduce"):
             km.local_reduce(y.contiguous(), self._red.view(-1, self.ctx.cfg.topk), lay.tokens, self._tokens,
-                            self._t_max, num_ctas=self._ctas)
+                            self._t_max, **self._launch)
         self._barrier()
         with record_function("etp::ep_symm_pull_reduce"):
             km.pull_reduce(self._table(self._tokens), lay.pair_row, lay.pair_rank, out, dedup=True,
-                           me=self.ctx.rank, t_max=self._t_max, num_ctas=self._ctas)
+                           me=self.ctx.rank, t_max=self._t_max, **self._launch)
 
 
 class SymmAllGatherBackend(SymmDedupBackend):
@@ -208,17 +227,19 @@ class SymmAllGatherBackend(SymmDedupBackend):
         self._x_stage[: x.shape[0]].copy_(x)
         if w is not None:
             km.push_rows(x, w.contiguous().to(out_w.dtype), lay.pair_row, lay.pair_rank, None, self._table(out_w),
-                         mode=km.X_NONE, num_ctas=self._ctas)
+                         mode=km.X_NONE, **self._launch)
 
     def dispatch(self, x, w, handle, out_x, out_w):
         lay = handle.layout
+        x = x.contiguous()
         self._barrier()
         self._send_tokens(x, w, handle, out_w)
         self._barrier()
         with record_function("etp::ep_symm_all_gather"):
-            km.gather_tokens(self._table(self._x_stage), lay.tokens, self._tokens, self._t_max, num_ctas=self._ctas)
+            km.gather_tokens(self._table(self._x_stage), lay.tokens, self._tokens, self._t_max, skip=self.ctx.rank,
+                             **self._launch)
         with record_function("etp::ep_symm_expand"):
-            self._select(self._tokens, self._map, out_x, lay.tokens_per_expert)
+            self._select(self._tokens, self._map, out_x, lay.tokens_per_expert, local=x)
         if w is not None:
             self._select(out_w, None, out_w, lay.tokens_per_expert, identity=True, zero_only=True)
 
