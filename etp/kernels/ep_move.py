@@ -92,20 +92,24 @@ def _first_of_rank(send, d, seen):
 
 
 @triton.jit
+def _token_tile(it, n_h, T, H, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Loop iteration ``it`` of a [ROWS tokens, BLOCK_H columns] tiling with ``n_h`` column
+    blocks per row: the tokens (int64), the columns, and which of each are in range."""
+    t = (it // n_h) * ROWS + tl.arange(0, ROWS)
+    h = (it % n_h) * BLOCK_H + tl.arange(0, BLOCK_H)
+    return t.to(tl.int64), h, t < T, h < H
+
+
+@triton.jit
 def _push_kernel(x_ptr, w_ptr, row_ptr, rank_ptr, x_table, w_table, T, H, me, T_max,
                  K: tl.constexpr, X_MODE: tl.constexpr, HAS_W: tl.constexpr, SKIP_LOCAL: tl.constexpr,
                  ROWS: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr, STAGES: tl.constexpr):
     """X_ROWS: ``x_table[d][pair_row[p]] = x[t]``; X_DEDUP: ``x_table[d][me*T_max + t] = x[t]``
     once per destination d of token t (SKIP_LOCAL: not for d = me); HAS_W:
     ``w_table[d][pair_row[p]] = w[p]``. A tile of ROWS tokens is read once and stored K times."""
-    cols = tl.arange(0, BLOCK_H)
     n_h = tl.cdiv(H, BLOCK_H) if X_MODE != 0 else 1
     for it in tl.range(tl.program_id(0), tl.cdiv(T, ROWS) * n_h, tl.num_programs(0), num_stages=STAGES):
-        t = (it // n_h) * ROWS + tl.arange(0, ROWS)
-        h = (it % n_h) * BLOCK_H + cols
-        live = t < T
-        hmask = h < H
-        t64 = t.to(tl.int64)
+        t64, h, live, hmask = _token_tile(it, n_h, T, H, ROWS, BLOCK_H)
         pair0 = t64 * K
         if HAS_W:
             if it % n_h == 0:  # a tile's weights go with its first column block (uniform branch)
@@ -140,14 +144,9 @@ def _pull_reduce_kernel(table, row_ptr, rank_ptr, out_ptr, T, H, me, T_max,
     K loads of a tile are issued together; the adds stay in k order: bit-identical to
     ``sum_pairs``). DEDUP: ``src_d[me*T_max + t]`` once per destination rank d (its partial
     sum), in the order of each rank's first pair."""
-    cols = tl.arange(0, BLOCK_H)
     n_h = tl.cdiv(H, BLOCK_H)
     for it in tl.range(tl.program_id(0), tl.cdiv(T, ROWS) * n_h, tl.num_programs(0), num_stages=STAGES):
-        t = (it // n_h) * ROWS + tl.arange(0, ROWS)
-        h = (it % n_h) * BLOCK_H + cols
-        live = t < T
-        hmask = h < H
-        t64 = t.to(tl.int64)
+        t64, h, live, hmask = _token_tile(it, n_h, T, H, ROWS, BLOCK_H)
         pair0 = t64 * K
         acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
         seen = tl.zeros([ROWS], tl.int64)
@@ -223,19 +222,26 @@ def _select_kernel(src_ptr, map_ptr, local_ptr, out_ptr, tpe_ptr, totals_ptr, H,
 
 
 @triton.jit
+def _slot_tile(it, n_h, W, T_max, tokens_ptr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Loop iteration ``it`` over the W * T_max per-token slots (``n_h`` column blocks per
+    slot): the slots, the columns, each slot's source rank and token, and whether that token
+    exists (``t < tokens[s]``)."""
+    q = (it // n_h) * ROWS + tl.arange(0, ROWS)
+    h = (it % n_h) * BLOCK_H + tl.arange(0, BLOCK_H)
+    inside = q < W * T_max
+    s = q // T_max
+    t = q % T_max
+    return q, h, s, t, inside & (t < tl.load(tokens_ptr + s, mask=inside, other=0))
+
+
+@triton.jit
 def _gather_tokens_kernel(table, tokens_ptr, out_ptr, W, T_max, H, skip, ROWS: tl.constexpr,
                           BLOCK_H: tl.constexpr, ALIGN: tl.constexpr, STAGES: tl.constexpr):
     """``out[s*T_max + t] = src_s[t]`` for every rank s != skip and t < tokens[s]."""
-    cols = tl.arange(0, BLOCK_H)
-    slots = W * T_max
     n_h = tl.cdiv(H, BLOCK_H)
-    for it in tl.range(tl.program_id(0), tl.cdiv(slots, ROWS) * n_h, tl.num_programs(0), num_stages=STAGES):
-        q = (it // n_h) * ROWS + tl.arange(0, ROWS)
-        h = (it % n_h) * BLOCK_H + cols
-        inside = q < slots
-        s = q // T_max
-        t = q % T_max
-        live = inside & (t < tl.load(tokens_ptr + s, mask=inside, other=0)) & (s != skip)
+    for it in tl.range(tl.program_id(0), tl.cdiv(W * T_max, ROWS) * n_h, tl.num_programs(0), num_stages=STAGES):
+        q, h, s, t, live = _slot_tile(it, n_h, W, T_max, tokens_ptr, ROWS, BLOCK_H)
+        live = live & (s != skip)
         src = tl.load(table + tl.where(live, s, 0)).to(tl.pointer_type(out_ptr.dtype.element_ty))
         src = tl.multiple_of(src + tl.where(live, t, 0).to(tl.int64) * H, ALIGN)
         mask = live[:, None] & (h < H)[None, :]
@@ -249,17 +255,10 @@ def _local_reduce_kernel(y_ptr, red_ptr, tokens_ptr, out_ptr, W, T_max, H, K: tl
     """``out[q] = sum_k y[red[q, k]]`` (red >= 0, k order, fp32; the K loads of a tile issued
     together) for slots q = s*T_max + t, t < tokens[s], that have at least one row here;
     other slots are left as they are."""
-    cols = tl.arange(0, BLOCK_H)
-    slots = W * T_max
     n_h = tl.cdiv(H, BLOCK_H)
-    for it in tl.range(tl.program_id(0), tl.cdiv(slots, ROWS) * n_h, tl.num_programs(0), num_stages=STAGES):
-        q = (it // n_h) * ROWS + tl.arange(0, ROWS)
-        h = (it % n_h) * BLOCK_H + cols
+    for it in tl.range(tl.program_id(0), tl.cdiv(W * T_max, ROWS) * n_h, tl.num_programs(0), num_stages=STAGES):
+        q, h, s, t, live = _slot_tile(it, n_h, W, T_max, tokens_ptr, ROWS, BLOCK_H)
         hmask = h < H
-        inside = q < slots
-        s = q // T_max
-        t = q % T_max
-        live = inside & (t < tl.load(tokens_ptr + s, mask=inside, other=0))
         q64 = q.to(tl.int64)
         acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
         found = q < 0  # no row yet
