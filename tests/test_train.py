@@ -1,5 +1,6 @@
 """The etp-train driver on the CPU recipe, and the global gradient norm (every logical
 element once: shards summed over their group, padding never, replicated params once)."""
+import copy
 import os
 import sys
 from pathlib import Path
@@ -99,7 +100,7 @@ def test_cpu_recipe_profile_and_report(profiled_run):
     assert data["flops_per_iter_per_rank"] == training_flops(r, 4 * 64)  # one microbatch of 4 x 64 tokens
     assert data["peak_tflops"] == 1.0 and data["mfu"] == data["tflops_per_rank"]
     assert data["attention_backend"] == "sdpa" and data["profile"]["iterations"] == 2
-    assert data["predicted_peak_gib"] > 0
+    assert data["predicted_peak_gib"] > 0 and isinstance(data["param_bits_sum"], int)
     # 6 iterations, logged in pairs: wait 2, warm-up 1 (iteration 3), active 2 (iterations 4, 5).
     assert [r["profiled"] for r in data["log"]] == [False, True, True]
     audit = json.loads((tmp_path / "audit.json").read_text())
@@ -139,3 +140,18 @@ def test_enable_determinism_switches_torch(monkeypatch):
     finally:
         torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[2], saved[3]
+
+
+def test_param_bits_sum_sees_a_one_ulp_change():
+    from etp.megatron.train import param_bits_sum
+
+    torch.manual_seed(0)
+    a = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2).to(torch.bfloat16))
+    b = copy.deepcopy(a)
+    assert param_bits_sum(a) == param_bits_sum(b)
+    with torch.no_grad():
+        b[1].weight[0, 0] = torch.nextafter(b[1].weight[0, 0].float(), torch.tensor(9.0)).to(torch.bfloat16)
+        if torch.equal(b[1].weight, a[1].weight):  # the fp32 step rounded back: take the next bf16 up
+            b[1].weight.view(torch.int16)[0, 0] += 1
+    assert not torch.equal(a[1].weight, b[1].weight)
+    assert param_bits_sum(a) != param_bits_sum(b)

@@ -409,7 +409,7 @@ def train(rank: int, world: int, recipe, port: int | None = None, json_path: str
                  "attention_backend": recipe.model.attention_backend, "profile": breakdown,
                  # etp-audit's, to compare (with the gather transport this run chose)
                  "predicted_peak_gib": predict_peak(recipe, world, transport=gather_transport_of(trainer.model))["peak"]
-                 / 2**30}
+                 / 2**30, "param_bits_sum": param_bits_sum(trainer.model)}
         _write_report(json_path, recipe, world, backend, summary, losses, records, device, extra)
     if audit is not None:
         write_audit(audit_path, audit, recipe, world, rank, gather_transport_of(trainer.model))
@@ -475,6 +475,18 @@ def _labelled(phase):
             yield
 
     return labelled
+
+
+def param_bits_sum(model) -> int:
+    """Rank 0's parameters as one integer: the sum of every element's bit pattern (int64,
+    exact and order-free), so two runs whose parameters are equal bit for bit report the same
+    number and nearly any difference changes it (tests compare captured with eager runs)."""
+    total = torch.zeros((), dtype=torch.int64)
+    views = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    for p in model.parameters():
+        bits = p.detach().contiguous().view(views[p.element_size()])
+        total += bits.to(torch.int64).sum().cpu()
+    return int(total)
 
 
 def _write_report(path, recipe, world, backend, summary, losses, records, device, extra) -> None:
