@@ -43,7 +43,8 @@ class EtpTokenDispatcher(MoETokenDispatcher):
             ``MoEAlltoAllTokenDispatcher``.
         max_tokens_per_rank: the most tokens one rank routes per call (sequence length x
             micro-batch, divided by TP with sequence parallelism); sizes every buffer.
-        backend, capacity_factor, num_ctas, weight_dtype: see :class:`etp.ep.EPConfig`
+        backend, capacity_factor, num_ctas, weight_dtype: see :class:`etp.ep.EPConfig` (``num_ctas``
+            None: its default)
             (a ``capacity_factor`` drops the rows past each expert's capacity).
         trim: give the experts only the valid rows (see the module docstring).
 
@@ -55,7 +56,7 @@ class EtpTokenDispatcher(MoETokenDispatcher):
 
     def __init__(self, num_local_experts: int, local_expert_indices: list[int], config, pg_collection=None, *,
                  max_tokens_per_rank: int, backend: str = "auto", capacity_factor: Optional[float] = None,
-                 num_ctas: int = 32, trim: bool = True, weight_dtype: torch.dtype = torch.float32,
+                 num_ctas: Optional[int] = None, trim: bool = True, weight_dtype: torch.dtype = torch.float32,
                  device: Optional[torch.device] = None):
         super().__init__(config=config, pg_collection=pg_collection)
         if self.tp_size > 1:
@@ -71,7 +72,7 @@ class EtpTokenDispatcher(MoETokenDispatcher):
             num_experts=config.num_moe_experts, topk=self.topk, hidden_size=config.hidden_size,
             max_tokens_per_rank=max_tokens_per_rank, dtype=torch.bfloat16 if config.bf16 else params_dtype,
             backend=backend, capacity_factor=capacity_factor, drop_tokens=capacity_factor is not None,
-            weight_dtype=weight_dtype, num_ctas=num_ctas)
+            weight_dtype=weight_dtype, **({} if num_ctas is None else {"num_ctas": num_ctas}))
         self.dispatcher = ep.ExpertDispatcher(self.ep_config, self.ep_group, name="moe", device=device)
         if self.dispatcher.ctx.experts_per_rank != num_local_experts:
             raise ValueError(f"EtpTokenDispatcher: {num_local_experts} local experts, the EP group of "
