@@ -9,6 +9,8 @@
 # (b) bench_ep at the new defaults (132 CTAs): both workloads, forward and backward moves
 # (c) the deterministic captured-vs-eager recipe test (bf16 and FP8 gathers; passed at 6 iterations)
 # (d) expert stack: bf16 etp_async_ce_capped with --reduce-ctas 16 --gemm-sm-carveout 17 beside replicated
+# (e) issue 16's second target: etp's dispatcher against megatron-core's alltoall end to end
+#     (tools/bench_ep_megatron.py, new; only its CPU smoke ran)
 # Each step has its own timeout; the whole script stays under BUDGET seconds (default 560).
 # ONLY (tools/gpu_lib.sh) runs a subset, e.g. ONLY='^(a_|b_)'.
 source tools/gpu_lib.sh
@@ -33,5 +35,9 @@ TAIL=8 step c_graph_det 420 python3 -m pytest -q -rs -p no:warnings tests/test_g
 TAIL=12 step d_expert_stack 90 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py \
   --variants replicated,etp_async_ce,etp_async_ce_capped --reduce-ctas 16 --gemm-sm-carveout 17 \
   --out "$OUT/bench_expert_stack.json"
+
+# (e)
+TAIL=12 step e_ep_megatron 120 torchrun --standalone --nproc-per-node 2 tools/bench_ep_megatron.py \
+  --workloads sonicmoe,deepseek_v3 --etp-backends symm_dedup,symm_push --out "$OUT/bench_ep_megatron.json"
 
 budget_end
