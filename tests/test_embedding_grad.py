@@ -37,6 +37,21 @@ def test_ordered_sums_bit_for_bit_and_float64_close(shape, rows, hidden, span):
         assert torch.all(got[~hit] == 0)
 
 
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+def test_half_precision_gradients_sum_in_float32(grad_dtype, ids_dtype):
+    # What training hands it: bf16 output gradients; each row is widened, then added in fp32.
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 13, (3, 21), generator=g).to(ids_dtype).to(DEVICE)
+    grad = torch.randn(3, 21, 37, generator=g).to(grad_dtype).to(DEVICE)
+    got = embedding_backward(ids, grad, 13, impl="triton")
+    assert got.dtype == torch.float32
+    assert torch.equal(got, embedding_backward_reference(ids, grad, 13))
+    weight = torch.zeros(13, 37, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    (F.embedding(ids.long(), weight) * grad.double()).sum().backward()
+    torch.testing.assert_close(got.double(), weight.grad, rtol=1e-5, atol=1e-5)
+
+
 def test_float64_gradients_accumulate_in_float64():
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 5, (4, 7), generator=g).to(DEVICE)

@@ -60,11 +60,16 @@ class _CaptureSafeEmbedding(torch.autograd.Function):
     def backward(ctx, grad):
         (ids,) = ctx.saved_tensors
         if torch.are_deterministic_algorithms_enabled():
-            # Ordered sums, no atomics (index_add_'s CUDA path would be refused here anyway).
+            # Ordered sums, no atomics. (index_add_ turns into a sorted index_put_ in this mode:
+            # deterministic too, but whether it syncs with the host is torch's internals.)
             summed = embedding_backward(ids, grad, ctx.weight_shape[0])
             return None, summed.to(ctx.weight_dtype)
+        # Outside deterministic mode index_add_ stays: one parallel pass with no sort, whereas
+        # the ordered kernel sums each id's tokens in one program, so an id that fills much of
+        # the batch (padding, end-of-document) becomes one long serial loop. Both write the
+        # whole [vocab, H] fp32 buffer, so on spread-out ids they should cost about the same
+        # (an estimate: the two have not been timed against each other on a GPU).
         # At least fp32 for the sums (bf16 weights), never less than the weight's own precision.
-        # index_add_ (atomics) outside deterministic mode: one pass, ~no sort.
         dtype = torch.promote_types(ctx.weight_dtype, torch.float32)
         accumulated = torch.zeros(ctx.weight_shape, dtype=dtype, device=grad.device)
         accumulated.index_add_(0, ids.reshape(-1), grad.reshape(-1, grad.shape[-1]).to(dtype))

@@ -78,7 +78,9 @@ Training (``recipe.train``, :class:`TrainSpec`):
         recipe's directory and the directory holding the etp package, see
         :meth:`Recipe.resolve_data_path`).
     deterministic: false (true: torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG,
-        megatron-core deterministic_mode, deterministic SDPA kernels; bitwise-equal reruns).
+        megatron-core deterministic_mode, deterministic SDPA kernels; bitwise-equal reruns;
+        with cuda_graph step the embedding's backward is etp.kernels.embedding_backward in
+        captured and eager runs alike, so the two train bit for bit alike).
     cuda_graph: none (etp's own | step: etp-train captures one micro-batch's forward + backward in
         a CUDA graph with etp.GraphedStep after three eager warm-ups and replays it for every
         micro-batch; needs CUDA, moe_token_dispatcher_type local for MoE models (megatron's

@@ -280,7 +280,8 @@ class TrainSpec:
     load: str | None = _key(None, _STR, "checkpoint directory to load from")
     data: str = _key(SYNTHETIC, _STR, "'synthetic' or a text corpus path")
     deterministic: bool = _key(
-        False, _BOOL, "bitwise-reproducible runs: torch deterministic algorithms, megatron deterministic_mode"
+        False, _BOOL, "bitwise-reproducible runs: torch deterministic algorithms, megatron deterministic_mode; "
+        "with cuda_graph=step, captured runs train bit for bit like eager ones",
     )
     cuda_graph: str = _key(
         "none", _STR, "none | step: capture each micro-batch's forward + backward in one CUDA graph "
