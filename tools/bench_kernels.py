@@ -119,19 +119,16 @@ COLWISE_SWEEP = [  # (tokens per tile, columns per program, num_warps, tiles per
 PER_EXPERT_SWEEP = [  # (padded positions per tile, columns, num_warps)
     (128, 128, 4), (64, 128, 4), (128, 64, 4), (64, 64, 4), (256, 128, 8), (128, 256, 8), (256, 64, 4),
 ]
-AMAX_SWEEP = [  # (BLOCK, ITERS, num_warps, eviction policy, persistent programs per SM); first = default
-    (amax_mod._FLAT_BLOCK, amax_mod._FLAT_ITERS, amax_mod._FLAT_WARPS, amax_mod._FLAT_EVICT,
-     amax_mod._FLAT_PERSISTENT),
-    (4096, 4, 8, "", 0),
-    (2048, 8, 4, "evict_first", 0),
-    (8192, 4, 8, "evict_first", 0),
-    (2048, 4, 4, "evict_first", 0),
-    (4096, 4, 8, "evict_first", 2),
-    (4096, 4, 8, "evict_first", 4),
-    (2048, 4, 4, "evict_first", 4),
-    (2048, 4, 4, "evict_first", 8),
-    (4096, 2, 8, "evict_first", 4),
-    (8192, 2, 8, "evict_first", 2),
+AMAX_SWEEP = [  # (BLOCK, ITERS, num_warps, eviction policy); the first entry is the default
+    (amax_mod._FLAT_BLOCK, amax_mod._FLAT_ITERS, amax_mod._FLAT_WARPS, amax_mod._FLAT_EVICT),
+    (4096, 4, 8, ""),
+    (2048, 8, 4, "evict_first"),
+    (4096, 8, 8, "evict_first"),
+    (8192, 4, 8, "evict_first"),
+    (2048, 4, 4, "evict_first"),
+    (1024, 16, 4, "evict_first"),
+    (8192, 8, 16, "evict_first"),
+    (4096, 16, 8, "evict_first"),
 ]
 CAST_FLAT_SWEEP = [  # (BLOCK, ITERS, num_warps, eviction policy) of the plain cast; first = default
     (cast_mod._FLAT_BLOCK, cast_mod._FLAT_ITERS, cast_mod._FLAT_WARPS, amax_mod._FLAT_EVICT),
@@ -330,13 +327,12 @@ def main(argv: List[str]) -> int:
     if fused_impl == "triton" and not args.no_sweep:
         sweep = []
         out = torch.zeros(n_t, dtype=torch.float32, device=device)
-        for block, iters, warps, evict, persistent in AMAX_SWEEP:
-            def run(b=block, i=iters, w=warps, ev=evict, per=persistent):
+        for block, iters, warps, evict in AMAX_SWEEP:
+            def run(b=block, i=iters, w=warps, ev=evict):
                 out.zero_()
-                amax_mod._launch_multi_tensor_amax(shards, out, block=b, iters=i, num_warps=w, evict=ev,
-                                                   persistent=per)
+                amax_mod._launch_multi_tensor_amax(shards, out, block=b, iters=i, num_warps=w, evict=ev)
             t = timer(run)
-            sweep.append({"block": block, "iters": iters, "num_warps": warps, "evict": evict, "persistent": persistent,
+            sweep.append({"block": block, "iters": iters, "num_warps": warps, "evict": evict,
                           "median_ms": t["median_ms"], "fraction_of_copy_bw": amax_floor / t["median_ms"]})
         amax_res["sweep"] = sweep
     result["amax"] = amax_res

@@ -178,7 +178,6 @@ def predict_memory(recipe, world_size: int, etp: ETPConfig | None = None,
     param_bytes = 2 if mixed else 4
     optimizer_bytes = 12 if mixed else 8
     distributed = recipe.parallel.use_distributed_optimizer if distributed_optimizer is None else distributed_optimizer
-    sizes = {False: etp.etp_size, True: etp.expert_etp_size}
     replicas = {False: recipe.data_parallel_size(world_size) // etp.etp_size,
                 True: recipe.expert_data_parallel_size(world_size) // etp.expert_etp_size}
     gather_bytes = _dtype_bytes(etp.gather_dtype, param_bytes)
@@ -191,12 +190,8 @@ def predict_memory(recipe, world_size: int, etp: ETPConfig | None = None,
     buffers: dict[tuple, int] = {}  # (chain, role, padded shape, parity) -> elements
     pool_order: list[tuple] = []  # padded shapes of the ETP weights, forward order
     positions: dict[str, int] = {}
-    for weight in weight_inventory(recipe):
-        size = sizes[weight.expert]
-        sharded = weight.chain is not None and size > 1
-        if sharded:
-            layout = ShardLayout(weight.shape, size, 0, etp.pad_for_alignment)
-            numel = layout.shard_rows * layout.cols
+    for weight, layout, numel in _per_rank(recipe, etp):
+        if layout is not None:
             position = positions.get(weight.chain, 0)
             positions[weight.chain] = position + 1
             for role in roles:
@@ -204,8 +199,6 @@ def predict_memory(recipe, world_size: int, etp: ETPConfig | None = None,
             pool_order.append(layout.padded_shape)
             if fp8:
                 result["fp8_shards"] += numel
-        else:
-            numel = weight.numel
         result["params"] += numel * param_bytes
         result["main_grad"] += numel * 4
         divisor = replicas[weight.expert] if distributed else 1
@@ -227,21 +220,26 @@ def _recomputes_weights(train) -> bool:
     return False
 
 
-def _stepped_elements(recipe, world_size: int, etp: ETPConfig, distributed: bool) -> int:
-    """Main-param elements the optimizer steps on one rank (ETP shards, replicated params)."""
+def _per_rank(recipe, etp: ETPConfig):
+    """Yields ``(weight, layout, elements on this rank)`` for every weight of the recipe:
+    ``layout`` is the ETP ``ShardLayout`` of a sharded weight (its shard's elements), None for
+    a replicated one (all its elements)."""
     sizes = {False: etp.etp_size, True: etp.expert_etp_size}
-    replicas = {False: recipe.data_parallel_size(world_size) // etp.etp_size,
-                True: recipe.expert_data_parallel_size(world_size) // etp.expert_etp_size}
-    total = 0
     for weight in weight_inventory(recipe):
         size = sizes[weight.expert]
         if weight.chain is not None and size > 1:
             layout = ShardLayout(weight.shape, size, 0, etp.pad_for_alignment)
-            numel = layout.shard_rows * layout.cols
+            yield weight, layout, layout.shard_rows * layout.cols
         else:
-            numel = weight.numel
-        total += -(-numel // max(1, replicas[weight.expert])) if distributed else numel
-    return total
+            yield weight, None, weight.numel
+
+
+def _stepped_elements(recipe, world_size: int, etp: ETPConfig, distributed: bool) -> int:
+    """Main-param elements the optimizer steps on one rank (ETP shards, replicated params)."""
+    replicas = {False: recipe.data_parallel_size(world_size) // etp.etp_size,
+                True: recipe.expert_data_parallel_size(world_size) // etp.expert_etp_size}
+    return sum(-(-numel // max(1, replicas[weight.expert])) if distributed else numel
+               for weight, _, numel in _per_rank(recipe, etp))
 
 
 def gather_transport(etp: ETPConfig, transport: str | None = None) -> str:
@@ -264,17 +262,10 @@ def gather_transport(etp: ETPConfig, transport: str | None = None) -> str:
 def _sharded_param_bytes(recipe, etp: ETPConfig) -> int:
     """Bytes of the ETP shards themselves (the recipe's parameter dtype)."""
     param_bytes = 2 if (recipe.train.bf16 or recipe.train.fp16) else 4
-    sizes = {False: etp.etp_size, True: etp.expert_etp_size}
-    total = 0
-    for weight in weight_inventory(recipe):
-        size = sizes[weight.expert]
-        if weight.chain is not None and size > 1:
-            layout = ShardLayout(weight.shape, size, 0, etp.pad_for_alignment)
-            total += layout.shard_rows * layout.cols * param_bytes
-    return total
+    return sum(numel for _, layout, numel in _per_rank(recipe, etp) if layout is not None) * param_bytes
 
 
-def _outside_allocator(recipe, etp: ETPConfig, categories: dict[str, int], transport: str | None,
+def _outside_allocator(recipe, etp: ETPConfig, categories: dict[str, int], gathers: str,
                        distributed: bool) -> tuple[int, int]:
     """(bytes in torch symmetric memory, the part of them the categories count) per rank.
 
@@ -290,7 +281,7 @@ def _outside_allocator(recipe, etp: ETPConfig, categories: dict[str, int], trans
     if etp.etp_size == 1 and etp.expert_etp_size == 1:
         return 0, 0
     outside = counted = 0
-    if gather_transport(etp, transport) == "copy_engine":
+    if gathers == "copy_engine":
         if etp.gather_dtype.startswith("fp8"):
             outside += categories["fp8_shards"]
             counted += categories["fp8_shards"]
@@ -325,7 +316,8 @@ def predict_peak(recipe, world_size: int, etp: ETPConfig | None = None, distribu
     etp = etp or recipe.etp
     distributed = recipe.parallel.use_distributed_optimizer if distributed_optimizer is None else distributed_optimizer
     categories = predict_memory(recipe, world_size, etp, distributed, micro_batch_size)
-    outside, counted = _outside_allocator(recipe, etp, categories, transport, distributed)
+    gathers = gather_transport(etp, transport)
+    outside, counted = _outside_allocator(recipe, etp, categories, gathers, distributed)
     steady = sum(categories[c] for c in CATEGORIES) - counted
     m = recipe.model
     b = micro_batch_size or recipe.train.micro_batch_size
@@ -345,7 +337,7 @@ def predict_peak(recipe, world_size: int, etp: ETPConfig | None = None, distribu
             "optimizer_step": optimizer_step, "peak": peak,
             "peak_phase": "forward_backward" if forward_backward >= optimizer_step else "optimizer_step",
             "outside_allocator": outside, "device_peak": peak + outside,
-            "gather_transport": gather_transport(etp, transport)}
+            "gather_transport": gathers}
 
 
 def fits(peak_bytes: int, gpu_bytes: int, outside_bytes: int = 0) -> bool:

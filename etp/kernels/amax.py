@@ -47,8 +47,6 @@ _FLAT_WARPS = 8
 # Eviction policy of the streaming loads: every input byte is read exactly once,
 # so marking the lines evict-first keeps L2 for the small table / outputs.
 _FLAT_EVICT = "evict_first"
-# Programs per SM of the persistent amax grid; 0: one program per chunk.
-_FLAT_PERSISTENT = 0
 
 # Launch options of every kernel here: no FMA contraction, so each float op
 # rounds exactly like the torch reference (explicit, also because Triton 3.9
@@ -256,33 +254,16 @@ def _multi_tensor_amax_kernel(
     BLOCK: tl.constexpr,
     ITERS: tl.constexpr,
     EVICT: tl.constexpr,  # eviction policy of the streaming loads ("" or "evict_first")
-    TOTAL,  # chunks over all tensors (the persistent loop's bound)
-    PERSISTENT: tl.constexpr,
 ):
     """out[k] = max over i of |x_t[i]| for the tensor t with output index k.
 
-    Chunk ``c`` of tensor t is its elements ``[c*CHUNK, (c+1)*CHUNK)``, ``CHUNK = BLOCK *
-    ITERS``, numbered ``first_block[t] + c`` over all tensors; it is reduced to
-    ``m = max(bits(|x|))`` and ``atomic_max(out_bits[k], m)`` follows.  The integer max on
-    |x| bits equals the float max and makes NaN win (see ``_abs_bits``), so the float32
-    result is NaN iff the tensor has a NaN.  One program per chunk, or (PERSISTENT) a few
-    programs per SM, each looping over chunks ``pid, pid + grid, ...`` (no block launch per
-    32 KiB chunk).
+    Program ``pid`` owns elements ``[c*CHUNK, (c+1)*CHUNK)`` of tensor t where
+    ``c = pid - first_block[t]`` and ``CHUNK = BLOCK * ITERS``; it reduces them
+    to ``m = max(bits(|x|))`` and does ``atomic_max(out_bits[k], m)``.  The
+    integer max on |x| bits equals the float max and makes NaN win (see
+    ``_abs_bits``), so the float32 result is NaN iff the tensor has a NaN.
     """
-    if PERSISTENT:
-        for chunk in range(tl.program_id(0), TOTAL, tl.num_programs(0)):
-            _amax_chunk(table_ptr, out_bits_ptr, T, chunk, IN_TY, DTYPE, SOFT, ALIGNED, LINEAR_SEARCH, T_POW2,
-                        BLOCK, ITERS, EVICT)
-    else:
-        _amax_chunk(table_ptr, out_bits_ptr, T, tl.program_id(0), IN_TY, DTYPE, SOFT, ALIGNED, LINEAR_SEARCH,
-                    T_POW2, BLOCK, ITERS, EVICT)
-
-
-@triton.jit
-def _amax_chunk(table_ptr, out_bits_ptr, T, pid, IN_TY: tl.constexpr, DTYPE: tl.constexpr, SOFT: tl.constexpr,
-                ALIGNED: tl.constexpr, LINEAR_SEARCH: tl.constexpr, T_POW2: tl.constexpr, BLOCK: tl.constexpr,
-                ITERS: tl.constexpr, EVICT: tl.constexpr):
-    """Chunk ``pid`` (over all tensors) of ``_multi_tensor_amax_kernel``."""
+    pid = tl.program_id(0)
     tid = _find_tensor(table_ptr + 3 * T, pid, T, LINEAR_SEARCH, T_POW2)
     addr = tl.load(table_ptr + tid)
     numel = tl.load(table_ptr + T + tid)
@@ -328,10 +309,8 @@ def _launch_multi_tensor_amax(
     num_warps: int = _FLAT_WARPS,
     linear_search_max: int = _LINEAR_SEARCH_MAX_TENSORS,
     evict: str = _FLAT_EVICT,
-    persistent: int = _FLAT_PERSISTENT,
 ) -> torch.Tensor:
-    """Launch the amax kernel once per input dtype (``persistent``: programs per SM of a
-    persistent grid; 0: one program per chunk).
+    """Launch the amax kernel once per input dtype.
 
     ``out`` (float32 [len(tensors)]) must be zero-filled if given; by default
     it is carved out of the zeroed tail of the table upload, so a call costs
@@ -355,8 +334,7 @@ def _launch_multi_tensor_amax(
         out = tail.view(torch.float32)[:n_out]
     out_bits = out.view(torch.int32)
     for table, (dtype, n_t, total, aligned) in zip(dev_tables, launches):
-        grid = min(total, persistent * _sm_count(device)) if persistent else total
-        _multi_tensor_amax_kernel[(grid,)](
+        _multi_tensor_amax_kernel[(total,)](
             table,
             out_bits,
             n_t,
@@ -369,18 +347,10 @@ def _launch_multi_tensor_amax(
             BLOCK=block,
             ITERS=iters,
             EVICT=evict,
-            TOTAL=total,
-            PERSISTENT=bool(persistent),
             num_warps=num_warps,
             **EXACT_FP,
         )
     return out
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 2  # the interpreter: a few programs, each looping over several chunks
 
 
 # --------------------------------------------------------------------------
