@@ -227,6 +227,43 @@ def test_amax_one_launch_per_dtype(monkeypatch):
     assert torch.equal(out.cpu().double(), torch.tensor([_amax_f64(t) for t in mixed], dtype=torch.float64))
 
 
+@needs_triton
+@ignore_fp_warnings
+@pytest.mark.parametrize("narrow", [True, False], ids=["int16_bits", "float32_bits"])
+def test_amax_every_16_bit_pattern_both_reductions(narrow):
+    # Every bf16 and fp16 pattern (NaN included) through both reductions of 16-bit inputs:
+    # int16 bits and widened float32 bits; each chunk against float64.
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    for dtype in (torch.bfloat16, torch.float16):
+        chunks = list(bits.view(dtype).to(DEVICE).split(4099))
+        out = torch.zeros(len(chunks), dtype=torch.float32, device=DEVICE)
+        amax_mod._launch_multi_tensor_amax(chunks, out, narrow=narrow)
+        out = out.cpu()
+        for chunk, got in zip(chunks, out):
+            c = chunk.cpu().double()
+            if c.isnan().any():
+                assert got.isnan(), dtype
+            else:
+                assert got.item() == c.abs().max().item(), dtype
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or amax_mod.interpreter_active(), reason="needs CUDA")
+def test_amax_cached_tables_follow_new_tensors_at_old_addresses():
+    # The device-table cache is keyed by addresses: new data at the same addresses (freed and
+    # re-allocated by the caching allocator) must give the new amax, and a table evicted from
+    # the cache must not change any result.
+    gen = _gen(4)
+    for scale in (1.0, 8.0, 0.25):
+        tensors = [(torch.randn(n, generator=gen) * scale).to(torch.bfloat16).cuda() for n in (5000, 70000, 3)]
+        out = K.multi_tensor_amax(tensors, impl="triton")
+        assert torch.equal(out.cpu().double(), torch.tensor([_amax_f64(t) for t in tensors], dtype=torch.float64))
+        del tensors  # the next round's tensors (same sizes) land at these addresses
+        torch.cuda.synchronize()
+    for n in range(amax_mod._TABLE_CACHE.capacity + 3):  # evicts the oldest tables
+        x = (torch.randn(n + 1, generator=gen) * (n + 1)).to(torch.float32).cuda()
+        assert K.multi_tensor_amax([x], impl="triton").item() == x.abs().max().item()
+
+
 def test_amax_empty_list_and_reference_on_cpu():
     assert K.multi_tensor_amax([], impl="torch").shape == (0,)
     x = torch.tensor([[-2.5, 1.0]], dtype=torch.bfloat16)

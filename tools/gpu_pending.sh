@@ -11,6 +11,9 @@
 # (d) expert stack: bf16 etp_async_ce_capped with --reduce-ctas 16 --gemm-sm-carveout 17 beside replicated
 # (e) issue 16's second target: etp's dispatcher against megatron-core's alltoall end to end
 #     (tools/bench_ep_megatron.py, new; only its CPU smoke ran)
+# Session 8 (2026-11-24) added:
+# (f) the amax kernel's int16 reduction and cached launch tables: the kernel tests compiled, and
+#     bench_kernels' amax sweep (issue 13's 0.80 of the copy's byte rate)
 # Each step has its own timeout; the whole script stays under BUDGET seconds (default 560).
 # ONLY (tools/gpu_lib.sh) runs a subset, e.g. ONLY='^(a_|b_)'.
 source tools/gpu_lib.sh
@@ -39,5 +42,9 @@ TAIL=12 step d_expert_stack 90 torchrun --standalone --nproc-per-node 2 tools/be
 # (e)
 TAIL=12 step e_ep_megatron 120 torchrun --standalone --nproc-per-node 2 tools/bench_ep_megatron.py \
   --workloads sonicmoe,deepseek_v3 --etp-backends symm_dedup,symm_push --out "$OUT/bench_ep_megatron.json"
+
+# (f)
+TAIL=8 step f_kernel_tests 150 python3 -m pytest -q -rs -p no:warnings tests/test_kernels.py tests/test_kernel_shapes.py
+TAIL=40 step f_bench_kernels 150 python3 tools/bench_kernels.py --out "$OUT/bench_kernels.json"
 
 budget_end

@@ -17,6 +17,7 @@ round-to-nearest-even (``cvt.rn.satfinite.e4m3x2.f32``, ``cvt.rn.bf16.f32``).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -241,6 +242,29 @@ def load_ty(dtype: torch.dtype, soft: bool):
 
 
 @triton.jit
+def _abs_bits_of(raw, DTYPE: tl.constexpr, NARROW: tl.constexpr, SOFT: tl.constexpr):
+    """|x| as integer bits.  NARROW (16-bit inputs loaded as int16): int16 bits
+    ``raw & 0x7FFF`` (sign-magnitude formats, so the integer order of the non-negative
+    patterns is the float order, NaN above inf); otherwise int32 bits of the float32 value."""
+    if NARROW:
+        bits = (raw & 0x7FFF).to(tl.int16)
+    else:
+        bits = _abs_bits(_to_f32(raw, DTYPE, SOFT))
+    return bits
+
+
+@triton.jit
+def _widen_abs_bits16(bits, DTYPE: tl.constexpr):
+    """|x| bits of a bf16 (DTYPE 0) or fp16 (1) value (non-negative, below 2**15; the int16
+    reduction may hand them over widened) -> int32 bits of the same float32."""
+    if DTYPE == 0:  # bf16 bits are the top half of the float32 bits
+        wide = bits.to(tl.int32) << 16
+    else:  # fp16 -> float32 is exact (the interpreter converts fp16 correctly)
+        wide = _abs_bits(bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32))
+    return wide
+
+
+@triton.jit
 def _multi_tensor_amax_kernel(
     table_ptr,  # int64 [4, T]: address, numel, output index, first block
     out_bits_ptr,  # int32 view of the float32 output (zero-initialised)
@@ -254,6 +278,7 @@ def _multi_tensor_amax_kernel(
     BLOCK: tl.constexpr,
     ITERS: tl.constexpr,
     EVICT: tl.constexpr,  # eviction policy of the streaming loads ("" or "evict_first")
+    NARROW: tl.constexpr,  # 16-bit input loaded as int16 and reduced as int16 bits
 ):
     """out[k] = max over i of |x_t[i]| for the tensor t with output index k.
 
@@ -262,6 +287,11 @@ def _multi_tensor_amax_kernel(
     to ``m = max(bits(|x|))`` and does ``atomic_max(out_bits[k], m)``.  The
     integer max on |x| bits equals the float max and makes NaN win (see
     ``_abs_bits``), so the float32 result is NaN iff the tensor has a NaN.
+
+    With NARROW, 16-bit inputs (bf16, fp16) are loaded as int16 and reduced as int16 bits
+    (``bits & 0x7FFF``: the same order argument, in the input's own format), so the loop
+    does one AND and one max per element and no conversion; only the program's single
+    result is widened to float32.  That is exact and needs no interpreter workaround.
     """
     pid = tl.program_id(0)
     tid = _find_tensor(table_ptr + 3 * T, pid, T, LINEAR_SEARCH, T_POW2)
@@ -276,7 +306,10 @@ def _multi_tensor_amax_kernel(
         base = tl.multiple_of(base, 16)
     start = (pid - first) * (BLOCK * ITERS)
     offs = tl.arange(0, BLOCK)
-    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    if NARROW:
+        acc = tl.zeros([BLOCK], dtype=tl.int16)
+    else:
+        acc = tl.zeros([BLOCK], dtype=tl.int32)
     # static_range unrolls, so the ITERS loads are independent instructions the
     # compiler can issue back to back (more bytes in flight per SM); a plain
     # range() is a loop whose next load waits for the previous iteration.
@@ -284,20 +317,60 @@ def _multi_tensor_amax_kernel(
         # Full chunk: unmasked loads vectorise to 16-byte accesses.
         for i in tl.static_range(ITERS):
             raw = tl.load(base + (start + i * BLOCK) + offs, eviction_policy=EVICT)
-            acc = tl.maximum(acc, _abs_bits(_to_f32(raw, DTYPE, SOFT)))
+            acc = tl.maximum(acc, _abs_bits_of(raw, DTYPE, NARROW, SOFT))
     else:
         for i in tl.static_range(ITERS):
             o = start + i * BLOCK + offs
             raw = tl.load(base + o, mask=o < numel, other=0, eviction_policy=EVICT)
-            acc = tl.maximum(acc, _abs_bits(_to_f32(raw, DTYPE, SOFT)))
+            acc = tl.maximum(acc, _abs_bits_of(raw, DTYPE, NARROW, SOFT))
+    top = tl.max(acc, axis=0)
+    if NARROW:
+        top = _widen_abs_bits16(top, DTYPE)
     # relaxed: the value is only read after the kernel completes, so no
     # ordering with other memory operations is needed.
-    tl.atomic_max(out_bits_ptr + out_idx, tl.max(acc, axis=0), sem="relaxed")
+    tl.atomic_max(out_bits_ptr + out_idx, top, sem="relaxed")
 
 
 # Decided once, when the kernels are decorated (that is when Triton reads
 # TRITON_INTERPRET).
 _INTERPRETED = _is_interpreter(_multi_tensor_amax_kernel)
+
+
+class _DeviceTableCache:
+    """The amax launch tables already on the device, per (stream, table contents).
+
+    A table holds only (address, numel, output index, first block), so a hit is valid even
+    when the tensors behind it were re-allocated at the same addresses.  Keyed by stream as
+    well: a table is uploaded (non-blocking) and read on one stream only, so no other stream
+    can read it before it lands, and when it is evicted the allocator's stream ordering
+    covers every kernel that read it.  Not used while a CUDA graph is being captured: an
+    evicted table would leave the graph reading freed memory.
+    """
+
+    def __init__(self, capacity: int = 32) -> None:
+        self.capacity = capacity
+        self._tables: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+
+    def get(self, tables: Sequence[Sequence[Sequence[int]]], device: torch.device) -> List[torch.Tensor]:
+        stream = torch.cuda.current_stream(device).cuda_stream
+        key = (stream, tuple(tuple(tuple(col) for col in cols) for cols in tables))
+        hit = self._tables.get(key)
+        if hit is None:
+            hit, _ = upload_tables(tables, device)
+            self._tables[key] = hit
+            if len(self._tables) > self.capacity:
+                self._tables.popitem(last=False)
+        else:
+            self._tables.move_to_end(key)
+        return hit
+
+
+_TABLE_CACHE = _DeviceTableCache()
+# Cached tables + one fill kernel for the output, rather than one upload per call (table and
+# zeroed output together): the upload is a host-to-device copy that the kernel waits behind.
+_CACHE_TABLES = True
+# 16-bit inputs reduced as int16 bits (see the kernel) rather than widened to float32.
+_NARROW = True
 
 
 def _launch_multi_tensor_amax(
@@ -309,11 +382,14 @@ def _launch_multi_tensor_amax(
     num_warps: int = _FLAT_WARPS,
     linear_search_max: int = _LINEAR_SEARCH_MAX_TENSORS,
     evict: str = _FLAT_EVICT,
+    cache_tables: bool = _CACHE_TABLES,
+    narrow: bool = _NARROW,
 ) -> torch.Tensor:
     """Launch the amax kernel once per input dtype.
 
-    ``out`` (float32 [len(tensors)]) must be zero-filled if given; by default
-    it is carved out of the zeroed tail of the table upload, so a call costs
+    ``out`` (float32 [len(tensors)]) must be zero-filled if given.  By default (CUDA, not
+    capturing) the launch tables come from ``_TABLE_CACHE`` and ``out`` is one fill kernel;
+    otherwise ``out`` is carved out of the zeroed tail of the tables' upload, so a call costs
     one host-to-device copy plus one kernel per dtype.
     """
     soft = interpreter_active()
@@ -328,17 +404,22 @@ def _launch_multi_tensor_amax(
         tables.append([addrs, numels, idxs, starts])
         launches.append((dtype, len(ts), total, all(a % 16 == 0 for a in addrs)))
     n_out = len(tensors)
-    dev_tables, tail = upload_tables(tables, device, zero_words=0 if out is not None else -(-n_out // 2))
-    if out is None:
-        # Two float32 results per zeroed int64 word.
-        out = tail.view(torch.float32)[:n_out]
+    if cache_tables and device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+        dev_tables = _TABLE_CACHE.get(tables, device)
+        if out is None:
+            out = torch.zeros(n_out, dtype=torch.float32, device=device)
+    else:
+        dev_tables, tail = upload_tables(tables, device, zero_words=0 if out is not None else -(-n_out // 2))
+        if out is None:
+            # Two float32 results per zeroed int64 word.
+            out = tail.view(torch.float32)[:n_out]
     out_bits = out.view(torch.int32)
     for table, (dtype, n_t, total, aligned) in zip(dev_tables, launches):
         _multi_tensor_amax_kernel[(total,)](
             table,
             out_bits,
             n_t,
-            IN_TY=load_ty(dtype, soft),
+            IN_TY=tl.int16 if narrow and dtype != torch.float32 else load_ty(dtype, soft),
             DTYPE=_DTYPE_CODE[dtype],
             SOFT=soft,
             ALIGNED=aligned,
@@ -347,6 +428,7 @@ def _launch_multi_tensor_amax(
             BLOCK=block,
             ITERS=iters,
             EVICT=evict,
+            NARROW=narrow and dtype != torch.float32,
             num_warps=num_warps,
             **EXACT_FP,
         )
