@@ -34,6 +34,7 @@ REDUCTIONS = ("mean", "sum")
 #: How gathered weight bytes move; see [Note: ETP transports] in etp/transport/base.py.
 TRANSPORTS = ("auto", "nccl", "copy_engine")
 FP8_WEIGHT_SCALINGS = ("current", "delayed")
+GATHER_REUSE = ("chain", "pass", "step")
 #: How weight-gradient reduce-scatters run; see [Note: ETP transports].
 REDUCE_TRANSPORTS = ("auto", "nccl", "nccl_capped", "symm_triton", "copy_engine")
 
@@ -78,6 +79,16 @@ class ETPConfig:
             scale, decided on the device, so nothing ever saturates). Delayed (the default)
             saves one read of every FP8 weight per step; a weight's first quantization (no
             previous amax) is current.
+        gather_reuse: how long a gathered weight is kept (memory for fewer gathers):
+            "chain" (two buffers per shape and role, re-gathered in backward: the least
+            memory), "pass" (every forward gather kept for its backward and recompute, as
+            FSDP's ``reshard_after_forward=False``: no backward gathers, the full weights
+            held through each micro-batch) or "step" (kept across the micro-batches of a
+            step as well: one gather per weight per optimizer step; ``drain()`` /
+            ``etp.finalize_grads``, which must run before every optimizer step, ends it).
+            "pass" and "step" hold every ETP weight unsharded in the gather dtype: the
+            memory of replicated 16-bit (or FP8) weights, with optimizer states and
+            gradients still sharded. See [Note: gather reuse] in etp/runtime.py.
         prefetch: gather the next weight of the chain while the current GEMM runs.
         prefetch_recompute: with ``prefetch``, also prefetch the weights of forwards that
             activation recompute re-runs inside backward, along their own chain (off: each
@@ -121,6 +132,7 @@ class ETPConfig:
     fp8_fast_accum: bool = True
     fp8_wgrad: bool = True
     fp8_weight_scaling: str = "delayed"
+    gather_reuse: str = "chain"
     prefetch: bool = True
     prefetch_recompute: bool = True
     async_reduce: bool = True
@@ -161,7 +173,7 @@ class ETPConfig:
                 "'fp8_blockwise' needs shards of whole 128-row blocks: use a multiple of 128"
             )
         for key, allowed in (("transport", TRANSPORTS), ("reduce_transport", REDUCE_TRANSPORTS),
-                             ("fp8_weight_scaling", FP8_WEIGHT_SCALINGS)):
+                             ("fp8_weight_scaling", FP8_WEIGHT_SCALINGS), ("gather_reuse", GATHER_REUSE)):
             if getattr(self, key) not in allowed:
                 raise ValueError(
                     f"ETPConfig.{key}={getattr(self, key)!r}: allowed values are {list(allowed)}"

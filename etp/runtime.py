@@ -39,6 +39,18 @@ never overwrites a weight the backward chain is reading. The chain head is issue
 forward consume of the chain's last forward weight, so it arrives long before backward
 reaches it. ``ETPConfig.prefetch_recompute=False`` gathers recomputed weights on demand.
 
+[Note: gather reuse]
+``ETPConfig.gather_reuse`` trades memory for gathers. "chain" keys forward buffers by chain
+parity (two per shape), so backward gathers every weight again. "pass" and "step" give each
+weight its own forward buffer (``_ParamState.slot`` in the key), so a forward gather stays
+resident: backward and recompute consumes find it (``_resident``) and gather nothing, and
+their prefetches skip it. "pass" forgets residency at every pass start (each micro-batch
+gathers once); "step" keeps it across passes until ``drain()`` or ``prefetch_after_step()``
+(the optimizer step may change the shards between them), so a step of M micro-batches
+gathers each weight once instead of 2M times. A resident buffer also records the weight's
+``_version`` at its gather, so an in-place update of the shard outside that protocol (a
+plain optimizer step without ``drain()``) is never served stale.
+
 Gradient counting (when the grad-ready hooks fire): a consume expects a gradient only when
 autograd records it (grad mode on and the weight requires grad). A recompute consume
 counts only in place of a forward consume that did not (megatron's and torch's reentrant
@@ -80,6 +92,7 @@ class _ParamState:
     param: torch.Tensor
     name: str
     chain: Chain
+    slot: int  # registration index: the forward buffer key under gather_reuse "pass" / "step"
     gather: dict = field(default_factory=lambda: {r: GatherState.IDLE for r in Role})
     in_flight: dict = field(default_factory=dict)
     reduce: ReduceState = ReduceState.IDLE
@@ -134,9 +147,10 @@ class ETPRuntime(GradientReductions):
         self._phase = Role.BWD  # so that the first forward consume starts a pass
         self._consumed: dict[Role, set[int]] = {role: set() for role in Role}
         self._expected: dict[tuple[ChainKey, Role], torch.Tensor | None] = {}
-        # id(ticket buffer) -> id(param) whose gather it holds, valid within one pass only
-        # (the optimizer may update shards between passes without bumping any version).
-        self._holder: dict[int, int] = {}
+        # id(ticket buffer) -> (id(param), param._version) whose gather it holds: valid within
+        # one pass (one step with gather_reuse "step"; the optimizer may update shards without
+        # bumping any version). See [Note: gather reuse].
+        self._holder: dict[int, tuple[int, int]] = {}
         self.transports: dict[tuple[int, ...], Transports] = {}  # by group ranks
         self._reduce_pools: dict[tuple[int, ...], WgradPool] = {}  # transports that allocate
         self._staging_logged = False
@@ -154,7 +168,7 @@ class ETPRuntime(GradientReductions):
         chain = self._chains.get(key)
         if chain is None:
             chain = self._chains[key] = Chain(key, tuple(Role))
-        self._states[id(param)] = _ParamState(param, name, chain)
+        self._states[id(param)] = _ParamState(param, name, chain, slot=len(self._states))
         param.etp_runtime = self
 
     def state(self, param: torch.Tensor) -> _ParamState:
@@ -219,7 +233,8 @@ class ETPRuntime(GradientReductions):
                 if chain.orders[role].params:
                     chain.orders[role].freeze()
         self._consumed = {role: set() for role in Role}
-        self._holder.clear()
+        if self.config.gather_reuse != "step":
+            self._holder.clear()
         self._pass_index += 1
         for st in self._states.values():
             st.fwd_uses = st.untracked_uses = st.recompute_uses = st.grads_done = 0
@@ -249,12 +264,14 @@ class ETPRuntime(GradientReductions):
     def _buffer(self, st: _ParamState, role: Role) -> torch.Tensor:
         param = st.param
         order = st.chain.orders[role]
+        keep = role is Role.FWD and self.config.gather_reuse != "chain"
         key = BufferKey(
             shape=param.etp_layout.padded_shape,
             dtype=self._wire_dtype(param),
             role=role,
             expert_index=int(getattr(param, "etp_expert_index", -1)),
-            parity=order.parity(param),
+            # A buffer of its own (negative: never a chain parity) keeps the gather resident.
+            parity=-1 - st.slot if keep else order.parity(param),
             device=param.device,
             chain=st.chain.key,
         )
@@ -308,7 +325,7 @@ class ETPRuntime(GradientReductions):
         CommStreams.wait(streams.ag, current_stream_event(param.device))
         with streams.use(streams.ag):
             handle = self._transports(param).gather.gather(source, param.etp_group, buffer, async_op=True)
-        self._holder[id(buffer)] = id(param)
+        self._holder[id(buffer)] = (id(param), param._version)
         st.in_flight[role] = _InFlight(buffer, handle, source)
         self.stats.gathers_prefetched += 1
 
@@ -328,7 +345,7 @@ class ETPRuntime(GradientReductions):
         buffer = self._transports(param).gather.gather(self._source(param), param.etp_group, out,
                                                        async_op=False).wait()
         if into_ticket:
-            self._holder[id(buffer)] = id(st.param)
+            self._holder[id(buffer)] = (id(param), param._version)
         self.stats.gathers_on_demand += 1
         return buffer
 
@@ -339,7 +356,7 @@ class ETPRuntime(GradientReductions):
             buffer = self.cache.existing(id(st.param), role)
             if (
                 buffer is not None
-                and self._holder.get(id(buffer)) == id(st.param)
+                and self._holder.get(id(buffer)) == (id(st.param), st.param._version)
                 and st.gather[role] is GatherState.IDLE
             ):
                 return buffer
@@ -450,6 +467,7 @@ class ETPRuntime(GradientReductions):
             for order in chain.orders.values():
                 if order.params:
                     order.freeze()
+        self._holder.clear()  # the optimizer step may change the shards: nothing stays resident
         self._phase = Role.BWD  # the next forward consume starts a pass
 
     def prefetch_after_step(self) -> int:

@@ -47,6 +47,21 @@ def test_arithmetic_against_hand_counts():
     assert dist_opt["optimizer"] < got["optimizer"]  # divided over the replicate group of 2
 
 
+def test_gather_reuse_holds_one_forward_buffer_per_weight():
+    # Three layers: "chain" keeps two buffers per (chain, role, shape); "pass" / "step" one
+    # forward buffer for every ETP weight and nothing for backward ([Note: gather reuse]).
+    recipe = Recipe.from_dict({**SMALL, "num_layers": 3})
+    layer = 2 * (192 * 64 + 64 * 64 + 256 * 64 + 256 * 32)  # qkv, proj, fc1, fc2 (bf16)
+    output = 2 * 256 * 64
+    chain = predict_memory(recipe, 2)
+    # Dense chain: qkv at positions 0/2/4 (one buffer), proj at 1/3/5 (one), output; experts:
+    # fc1 x 3 and fc2 x 3 on chains of their own, two parities each.
+    assert chain["gather_fwd"] == chain["gather_bwd"] == 2 * (192 * 64 + 64 * 64 + 2 * 256 * 64 + 2 * 256 * 32) + output
+    for reuse in ("pass", "step"):
+        got = predict_memory(recipe, 2, recipe.etp.replace(gather_reuse=reuse))
+        assert got["gather_fwd"] == 3 * layer + output and got["gather_bwd"] == 0, reuse
+
+
 def _built_shapes(ctx, grouped, moe):
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps

@@ -83,18 +83,22 @@ def reference_layer(ranks, expert_w, grads, keep=None):
     return results, expert_w.grad
 
 
-def run_layer(disp, idx, weights, x, local_w, grad):
-    """This rank's layer through ``disp``: returns out, grad x, grad weights, grad local experts."""
+def run_layer(disp, idx, weights, x, local_w, grad, trim=False):
+    """This rank's layer through ``disp``: returns out, grad x, grad weights, grad local experts.
+    ``trim``: the experts see (and return) only the valid rows."""
     x = x.clone().requires_grad_(True)
     w = weights.clone().requires_grad_(True)
     local_w = local_w.clone().requires_grad_(True)
     handle = disp.prepare(idx)
-    recv_x, recv_w, tokens_per_expert = disp.dispatch(x, w, handle)
+    recv_x, recv_w, tokens_per_expert = disp.dispatch(x, w, handle, trim=trim)
     rows, start = [], 0
     for le, n in enumerate(tokens_per_expert.tolist()):
         rows.append(recv_x[start:start + n] @ local_w[le] * recv_w[start:start + n, None])
         start += n
-    rows.append(torch.zeros(disp.capacity - start, x.shape[1], dtype=x.dtype))
+    if trim:
+        assert tokens_per_expert.device.type == "cpu" and recv_x.shape[0] == start == recv_w.shape[0]
+    else:
+        rows.append(torch.zeros(disp.capacity - start, x.shape[1], dtype=x.dtype))
     expert_out = torch.cat(rows)
     out = disp.combine(expert_out, handle)
     (out * grad).sum().backward()
@@ -141,6 +145,7 @@ def _layer_vs_model(ctx, backends, cases, cfg_kw):
             disp = ep.ExpertDispatcher(replace(cfg, backend=name), name=f"{case}:{name}")
             for _ in range(2):  # twice: the second step reuses every buffer
                 outputs[name] = run_layer(disp, idx, weights, x, expert_w[mine], grads[ctx.rank])
+            outputs[f"{name} trim"] = run_layer(disp, idx, weights, x, expert_w[mine], grads[ctx.rank], trim=True)
         want = (*model[ctx.rank], model_w_grad[mine])
         for name, got in outputs.items():
             for label, a, b in zip(("out", "grad_x", "grad_w", "grad_experts"), got, want):

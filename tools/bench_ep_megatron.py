@@ -78,6 +78,20 @@ def _time(fn, iters, warmup, cuda):
     return float(t)
 
 
+def _profile(fn, title, rows=18):
+    """One more round trip under the torch profiler; rank 0 prints its kernels by CUDA time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    if dist.get_rank() == 0:
+        print(f"--- profile: {title}", flush=True)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows), flush=True)
+
+
 def bench(name, spec, args, device):
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
@@ -104,13 +118,18 @@ def bench(name, spec, args, device):
         return run
 
     # megatron's alltoall dispatcher makes a CUDA stream at construction: GPU only.
-    megatron_s = (_time(runner(MoEAlltoAllTokenDispatcher(local, local_ids, config, pgs)), args.iters, args.warmup,
-                        cuda) if cuda else None)
+    megatron_d = MoEAlltoAllTokenDispatcher(local, local_ids, config, pgs) if cuda else None
+    megatron_s = _time(runner(megatron_d), args.iters, args.warmup, cuda) if cuda else None
+    if cuda and args.profile:
+        _profile(runner(megatron_d), f"{name} megatron alltoall")
+    del megatron_d
     rows = [dict(workload=name, dispatcher="megatron alltoall", round_trip_s=megatron_s)]
     for backend in args.etp_backends.split(","):
         d = EtpTokenDispatcher(local, local_ids, config, pgs, max_tokens_per_rank=spec["tokens"], backend=backend,
                                trim=True, device=device)
         t = _time(runner(d), args.iters, args.warmup, cuda)
+        if cuda and args.profile:
+            _profile(runner(d), f"{name} etp {d.dispatcher.backend}")
         rows.append(dict(workload=name, dispatcher=f"etp {d.dispatcher.backend}", round_trip_s=t,
                          speedup_vs_megatron=megatron_s / t if megatron_s else None))
         del d
@@ -127,6 +146,8 @@ def main():
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default=None)
+    p.add_argument("--profile", action="store_true",
+                   help="after timing, one profiled round trip per dispatcher: rank 0 prints its top kernels")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="gloo on CPU, the tiny 'smoke' workload, reference backend (megatron's dispatcher needs CUDA)")
     args = p.parse_args()

@@ -14,6 +14,10 @@
 # Session 8 (2026-11-24) added:
 # (f) the amax kernel's int16 reduction and cached launch tables: the kernel tests compiled, and
 #     bench_kernels' amax sweep (issue 13's 0.80 of the copy's byte rate)
+# (g) EP: the trimmed dispatch (valid rows only, no padding back to the capacity) on every
+#     backend, and the megatron-dispatcher comparison again with a profile of each round trip
+# (h) issue 15, ETP on vs off at micro-batch 2: ETPConfig.gather_reuse chain / pass / step
+#     beside ETP off, one call (the flagship recipe at world 2, global batch 8)
 # Each step has its own timeout; the whole script stays under BUDGET seconds (default 560).
 # ONLY (tools/gpu_lib.sh) runs a subset, e.g. ONLY='^(a_|b_)'.
 source tools/gpu_lib.sh
@@ -46,5 +50,19 @@ TAIL=12 step e_ep_megatron 120 torchrun --standalone --nproc-per-node 2 tools/be
 # (f)
 TAIL=8 step f_kernel_tests 150 python3 -m pytest -q -rs -p no:warnings tests/test_kernels.py tests/test_kernel_shapes.py
 TAIL=40 step f_bench_kernels 150 python3 tools/bench_kernels.py --out "$OUT/bench_kernels.json"
+
+# (g)
+TAIL=8 step g_ep_trim_tests 150 env ETP_TEST_BACKEND=nccl ETP_TEST_TIMEOUT=60 python3 -m pytest -q -rs -p no:warnings \
+  tests/test_ep_gpu.py
+TAIL=120 step g_ep_megatron 150 torchrun --standalone --nproc-per-node 2 tools/bench_ep_megatron.py \
+  --workloads sonicmoe,deepseek_v3 --etp-backends symm_dedup --profile --out "$OUT/bench_ep_megatron.json"
+
+# (h)
+for reuse in chain step pass; do
+  TAIL=6 step h_mb2_etp2_$reuse 100 $TRAIN --recipe $FLAG $AT2 --set etp.gather_reuse=$reuse --train-iters 15 \
+    --log-interval 5 --json "$OUT/h_mb2_etp2_$reuse.json"
+done
+TAIL=6 step h_mb2_off 100 $TRAIN --recipe $FLAG --set world_size=2 --set global_batch_size=8 --set etp.etp_size=1 \
+  --set etp.expert_etp_size=1 --train-iters 15 --log-interval 5 --json "$OUT/h_mb2_off.json"
 
 budget_end

@@ -187,6 +187,11 @@ def predict_memory(recipe, world_size: int, etp: ETPConfig | None = None,
     # role ([Note: ETP recompute chain]); those of a prefetching chain are kept like the others.
     roles = ("fwd", "bwd", "recompute") if _recomputes_weights(t) and etp.prefetch and etp.prefetch_recompute \
         else ("fwd", "bwd")
+    # gather_reuse "pass" / "step": one forward buffer per weight, which backward and recompute
+    # read ([Note: gather reuse]); nothing of theirs is allocated.
+    keep = etp.gather_reuse != "chain"
+    if keep:
+        roles = ("fwd",)
     buffers: dict[tuple, int] = {}  # (chain, role, padded shape, parity) -> elements
     pool_order: list[tuple] = []  # padded shapes of the ETP weights, forward order
     positions: dict[str, int] = {}
@@ -195,7 +200,8 @@ def predict_memory(recipe, world_size: int, etp: ETPConfig | None = None,
             position = positions.get(weight.chain, 0)
             positions[weight.chain] = position + 1
             for role in roles:
-                buffers[(weight.chain, role, layout.padded_shape, position % 2)] = layout.padded_rows * layout.cols
+                slot = -1 - position if keep else position % 2
+                buffers[(weight.chain, role, layout.padded_shape, slot)] = layout.padded_rows * layout.cols
             pool_order.append(layout.padded_shape)
             if fp8:
                 result["fp8_shards"] += numel

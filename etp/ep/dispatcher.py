@@ -8,6 +8,10 @@ Every tensor a step returns is a view of a buffer allocated at construction:
   expert has, starting at row 0. Rows past ``tokens_per_expert.sum()`` are zero. Nothing
   on the host knows the valid length: consume it with device-side counts (a grouped GEMM
   reading ``tokens_per_expert``), or run the experts over all ``capacity`` rows.
+  ``dispatch(..., trim=True)`` instead reads the counts on the host (one sync) and returns
+  ``recv_x[:rows]`` / ``recv_w[:rows]``; ``combine`` then takes ``[rows, H]`` and the
+  gradients flow as ``[rows, ...]`` too (no padding back to the capacity, no zero-filled
+  ``[capacity, H]`` gradient from slicing outside autograd).
 * ``combine`` returns ``[T, H]``; backward returns views of gradient buffers.
 
 They stay valid until the same call of the next step overwrites them (``dispatch``
@@ -137,21 +141,26 @@ class ExpertDispatcher:
             backend.on_prepare(handle)
         return handle
 
-    def dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor, handle: EPHandle):
+    def dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor, handle: EPHandle, *, trim: bool = False):
         """Sends every token row to its K experts' ranks. Differentiable in x and weights.
 
         Args:
             x: [T, H] token rows of ``cfg.dtype``, T as in ``prepare``.
             topk_weights: [T, K] routing weights (floating).
             handle: from this dispatcher's latest ``prepare``.
+            trim: return only the valid rows, ``rows = tokens_per_expert.sum()`` of them, and
+                ``tokens_per_expert`` on the host (one host sync; not capturable). ``combine``
+                then takes ``[rows, H]``. For experts that need host counts (megatron's).
 
         Returns:
             ``(recv_x [capacity, H], recv_w [capacity], tokens_per_expert [E_local])``; see
-            [Note: static outputs] for the valid rows.
+            [Note: static outputs] for the valid rows. With ``trim``: ``[rows, H]``,
+            ``[rows]`` and host counts.
 
         Example::
 
             recv_x, recv_w, tokens_per_expert = disp.dispatch(x, topk_weights, handle)
+            recv_x, recv_w, counts = disp.dispatch(x, topk_weights, handle, trim=True)
         """
         self._check_handle(handle, "dispatch")
         T, K, H = handle.tokens, handle.topk, self.cfg.hidden_size
@@ -159,7 +168,14 @@ class ExpertDispatcher:
         _check_tensor("topk_weights", topk_weights, (T, K), None, self.device)
         handle._to(HandleState.PREPARED, HandleState.DISPATCHED, HandleState.COMBINED,
                    new=HandleState.DISPATCHED, op="dispatch")
+        if trim:
+            counts = handle.layout.tokens_per_expert.cpu()  # the one host sync of trim
+            handle.rows, handle.host_tokens_per_expert = int(counts.sum()), counts
+        else:
+            handle.rows = handle.host_tokens_per_expert = None
         recv_x, recv_w = DispatchFunction.apply(x, topk_weights, self, handle)
+        if trim:
+            return recv_x, recv_w, handle.host_tokens_per_expert
         return recv_x, recv_w, handle.layout.tokens_per_expert
 
     def combine(self, expert_out: torch.Tensor, handle: EPHandle) -> torch.Tensor:
@@ -168,6 +184,7 @@ class ExpertDispatcher:
         Args:
             expert_out: [capacity, H] rows in ``recv_x``'s order (routing weights already
                 applied by the experts if wanted); rows past the valid ones are ignored.
+                After ``dispatch(..., trim=True)``: [rows, H], the valid rows only.
             handle: the handle ``dispatch`` used.
 
         Returns:
@@ -178,7 +195,8 @@ class ExpertDispatcher:
             out = disp.combine(expert_out, handle)
         """
         self._check_handle(handle, "combine")
-        _check_tensor("expert_out", expert_out, (self.capacity, self.cfg.hidden_size), self.cfg.dtype, self.device)
+        rows = self.capacity if handle.rows is None else handle.rows
+        _check_tensor("expert_out", expert_out, (rows, self.cfg.hidden_size), self.cfg.dtype, self.device)
         handle._to(HandleState.DISPATCHED, HandleState.COMBINED, new=HandleState.COMBINED, op="combine")
         return CombineFunction.apply(expert_out, self, handle)
 
@@ -225,11 +243,14 @@ class ExpertDispatcher:
         with record_function("etp::ep_dispatch_backward" if backward else "etp::ep_dispatch"):
             self.dispatch_backend.dispatch(x, w, handle, out_x, out_w)
         _bump(out_x, out_w)
+        # trim: every backend reads and writes only the valid rows, so the trimmed views
+        # carry all of them (combine's inputs and the gradients included).
+        rows = out_x.shape[0] if handle.rows is None else handle.rows
         if backward:
-            view = out_x.view_as(out_x)
+            view = out_x[:rows]
             self._grad_views = (view,)
             return view, None
-        return out_x.view_as(out_x), out_w.view_as(out_w)
+        return out_x[:rows], out_w[:rows]
 
     def _move_combine(self, y, handle, *, backward: bool):
         out = (self._grad_x if backward else self._out)[: handle.tokens]

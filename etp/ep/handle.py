@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -30,6 +31,9 @@ class EPHandle:
         topk_idx: the [T, K] expert indices given to ``prepare``.
         layout: device tensors, see :class:`etp.ep.layout.Layout`.
         generation: which ``prepare`` of its dispatcher made it.
+        rows: set by ``dispatch(..., trim=True)``: the valid receive rows (host int), the
+            length of ``recv_x`` / ``recv_w`` and of the ``expert_out`` ``combine`` takes.
+        host_tokens_per_expert: ``tokens_per_expert`` on the host, set with ``rows``.
     """
 
     topk_idx: torch.Tensor
@@ -37,6 +41,8 @@ class EPHandle:
     generation: int
     state: HandleState = HandleState.PREPARED
     backend_state: dict = field(default_factory=dict)
+    rows: Optional[int] = None
+    host_tokens_per_expert: Optional[torch.Tensor] = None
 
     @property
     def tokens(self) -> int:

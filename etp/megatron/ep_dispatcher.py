@@ -12,10 +12,10 @@ Here ``dispatch_preprocess`` turns the routing map into ``[T, K]`` expert indice
 weights and runs ``ExpertDispatcher.prepare`` (its small count all-gather); the moves are
 ``ExpertDispatcher.dispatch`` / ``combine``. Two modes for the experts' input:
 
-* ``trim=True`` (default, what megatron's expert MLPs expect): ``dispatch_postprocess``
-  returns the valid rows only (``tokens_per_expert.sum()`` of them, one host sync) and
-  ``tokens_per_expert`` on the host; ``combine_preprocess`` pads the expert output back to
-  the receive capacity.
+* ``trim=True`` (default, what megatron's expert MLPs expect): ``ExpertDispatcher.dispatch``
+  with ``trim=True`` returns the valid rows only (``tokens_per_expert.sum()`` of them, one
+  host sync) and ``tokens_per_expert`` on the host; ``combine`` takes the experts' valid
+  rows as they are (nothing is padded back to the receive capacity, in either direction).
 * ``trim=False``: the static ``[capacity, H]`` buffers and device ``tokens_per_expert``
   (rows past the valid ones are zero with zero probability): no host sync, capturable in
   a CUDA graph with a ``symm_*`` backend, for experts that take padded input.
@@ -79,7 +79,6 @@ class EtpTokenDispatcher(MoETokenDispatcher):
                              f"{self.ep_size} gives {self.dispatcher.ctx.experts_per_rank}")
         self._handle = None
         self._tokens_per_expert = None
-        self._valid = None
         self.hidden_shape = None
 
     # ---------------------------------------------------------------- dispatch
@@ -99,27 +98,19 @@ class EtpTokenDispatcher(MoETokenDispatcher):
         return tokens.to(self.ep_config.dtype), weights
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        recv_x, recv_w, tokens_per_expert = self.dispatcher.dispatch(hidden_states, probs, self._handle)
+        recv_x, recv_w, tokens_per_expert = self.dispatcher.dispatch(hidden_states, probs, self._handle,
+                                                                     trim=self.trim)
         self._tokens_per_expert = tokens_per_expert
         return recv_x, recv_w
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        """(expert input, tokens_per_expert, probs) for megatron's experts."""
-        tokens_per_expert = self._tokens_per_expert
-        if not self.trim:
-            return hidden_states, tokens_per_expert, probs
-        counts = tokens_per_expert.cpu()  # the one host sync of trim mode
-        self._valid = int(counts.sum())
-        return hidden_states[: self._valid], counts, probs[: self._valid]
+        """(expert input, tokens_per_expert, probs) for megatron's experts (host counts with
+        ``trim``, device counts without)."""
+        return hidden_states, self._tokens_per_expert, probs
 
     # ---------------------------------------------------------------- combine
     def combine_preprocess(self, hidden_states: torch.Tensor):
-        """Pads the trimmed expert output back to the receive buffer's rows."""
-        hidden_states = hidden_states.to(self.ep_config.dtype)
-        if self.trim:
-            pad = self.dispatcher.capacity - hidden_states.shape[0]
-            hidden_states = torch.nn.functional.pad(hidden_states, (0, 0, 0, pad))
-        return hidden_states
+        return hidden_states.to(self.ep_config.dtype)
 
     def token_combine(self, hidden_states: torch.Tensor):
         return self.dispatcher.combine(hidden_states, self._handle)

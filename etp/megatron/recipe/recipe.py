@@ -87,6 +87,9 @@ class Recipe(RecipeQuantities):
                       "must be unset with cuda_graph=step (not captured yet)")
             if tp != 1:
                 _fail("tensor_model_parallel_size", tp, "must be 1 with cuda_graph=step (capture-safe embedding)")
+            if e.gather_reuse != "chain":
+                _fail("etp.gather_reuse", e.gather_reuse, "must be chain with cuda_graph=step (resident gathers "
+                      "are not tested inside a captured step)")
         if m.num_attention_heads % tp:
             _fail(
                 "num_attention_heads",
