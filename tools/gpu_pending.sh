@@ -18,6 +18,9 @@
 #     backend, and the megatron-dispatcher comparison again with a profile of each round trip
 # (h) issue 15, ETP on vs off at micro-batch 2: ETPConfig.gather_reuse chain / pass / step
 #     beside ETP off, one call (the flagship recipe at world 2, global batch 8)
+# (i) micro-batch 2 with gather_reuse=step and the 16-bit-wire reductions (copy_engine,
+#     symm_triton) and with FP8 gathers: what is left of ETP's gap to ETP off there is the
+#     per-micro-batch fp32 reduce-scatter
 # Each step has its own timeout; the whole script stays under BUDGET seconds (default 560).
 # ONLY (tools/gpu_lib.sh) runs a subset, e.g. ONLY='^(a_|b_)'.
 source tools/gpu_lib.sh
@@ -64,5 +67,13 @@ for reuse in chain step pass; do
 done
 TAIL=6 step h_mb2_off 100 $TRAIN --recipe $FLAG --set world_size=2 --set global_batch_size=8 --set etp.etp_size=1 \
   --set etp.expert_etp_size=1 --train-iters 15 --log-interval 5 --json "$OUT/h_mb2_off.json"
+
+# (i)
+for rt in copy_engine symm_triton; do
+  TAIL=6 step i_mb2_step_$rt 100 $TRAIN --recipe $FLAG $AT2 --set etp.gather_reuse=step --set etp.reduce_transport=$rt \
+    --set etp.reduce_ctas=16 --train-iters 15 --log-interval 5 --json "$OUT/i_mb2_step_$rt.json"
+done
+TAIL=6 step i_mb2_step_fp8 100 $TRAIN --recipe $FLAG $AT2 --set etp.gather_reuse=step --set etp.gather_dtype=fp8_tensorwise \
+  --train-iters 15 --log-interval 5 --json "$OUT/i_mb2_step_fp8.json"
 
 budget_end
