@@ -21,6 +21,9 @@
 # (i) micro-batch 2 with gather_reuse=step and the 16-bit-wire reductions (copy_engine,
 #     symm_triton) and with FP8 gathers: what is left of ETP's gap to ETP off there is the
 #     per-micro-batch fp32 reduce-scatter
+# (j) one call, same machine: micro-batch 2 ETP off vs ETP 2 (chain, the default) vs ETP 2 with
+#     gather_reuse=step + reduce_transport=copy_engine, 25 iterations each (loss compared
+#     after); the wide recipe with FP8 gathers, default vs step + copy_engine
 # Each step has its own timeout; the whole script stays under BUDGET seconds (default 560).
 # ONLY (tools/gpu_lib.sh) runs a subset, e.g. ONLY='^(a_|b_)'.
 source tools/gpu_lib.sh
@@ -75,5 +78,17 @@ for rt in copy_engine symm_triton; do
 done
 TAIL=6 step i_mb2_step_fp8 100 $TRAIN --recipe $FLAG $AT2 --set etp.gather_reuse=step --set etp.gather_dtype=fp8_tensorwise \
   --train-iters 15 --log-interval 5 --json "$OUT/i_mb2_step_fp8.json"
+
+# (j)
+STEP_CE="--set etp.gather_reuse=step --set etp.reduce_transport=copy_engine"
+TAIL=4 step j_mb2_off 100 $TRAIN --recipe $FLAG --set world_size=2 --set global_batch_size=8 --set etp.etp_size=1 \
+  --set etp.expert_etp_size=1 --train-iters 25 --log-interval 5 --json "$OUT/j_mb2_off.json"
+TAIL=4 step j_mb2_etp2 100 $TRAIN --recipe $FLAG $AT2 --train-iters 25 --log-interval 5 --json "$OUT/j_mb2_etp2.json"
+TAIL=4 step j_mb2_etp2_step_ce 100 $TRAIN --recipe $FLAG $AT2 $STEP_CE --train-iters 25 --log-interval 5 \
+  --json "$OUT/j_mb2_etp2_step_ce.json"
+TAIL=4 step j_wide_fp8 100 $TRAIN --recipe $WIDE --set micro_batch_size=16 --set global_batch_size=32 \
+  --set etp.gather_dtype=fp8_tensorwise --train-iters 10 --log-interval 1 --json "$OUT/j_wide_fp8.json"
+TAIL=4 step j_wide_fp8_step_ce 100 $TRAIN --recipe $WIDE --set micro_batch_size=16 --set global_batch_size=32 \
+  --set etp.gather_dtype=fp8_tensorwise $STEP_CE --train-iters 10 --log-interval 1 --json "$OUT/j_wide_fp8_step_ce.json"
 
 budget_end
