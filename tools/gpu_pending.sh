@@ -24,6 +24,8 @@
 # (j) one call, same machine: micro-batch 2 ETP off vs ETP 2 (chain, the default) vs ETP 2 with
 #     gather_reuse=step + reduce_transport=copy_engine, 25 iterations each (loss compared
 #     after); the wide recipe with FP8 gathers, default vs step + copy_engine
+# (k) micro-batch 2 again, alternating: ETP off / step + copy_engine reduce (plain, with a
+#     2-SM GEMM carve-out for the reduction's one-CTA barrier kernels, with FP8 gathers)
 # Each step has its own timeout; the whole script stays under BUDGET seconds (default 560).
 # ONLY (tools/gpu_lib.sh) runs a subset, e.g. ONLY='^(a_|b_)'.
 source tools/gpu_lib.sh
@@ -90,5 +92,16 @@ TAIL=4 step j_wide_fp8 100 $TRAIN --recipe $WIDE --set micro_batch_size=16 --set
   --set etp.gather_dtype=fp8_tensorwise --train-iters 10 --log-interval 1 --json "$OUT/j_wide_fp8.json"
 TAIL=4 step j_wide_fp8_step_ce 100 $TRAIN --recipe $WIDE --set micro_batch_size=16 --set global_batch_size=32 \
   --set etp.gather_dtype=fp8_tensorwise $STEP_CE --train-iters 10 --log-interval 1 --json "$OUT/j_wide_fp8_step_ce.json"
+
+# (k)
+for v in off ce ce_carve2 ce_fp8 off2 ce2; do
+  case $v in
+    off*) set_="--set etp.etp_size=1 --set etp.expert_etp_size=1" ;;
+    ce|ce2) set_="$STEP_CE" ;;
+    ce_carve2) set_="$STEP_CE --set etp.gemm_sm_carveout=2" ;;
+    ce_fp8) set_="$STEP_CE --set etp.gather_dtype=fp8_tensorwise" ;;
+  esac
+  TAIL=3 step k_mb2_$v 100 $TRAIN --recipe $FLAG $AT2 $set_ --train-iters 25 --log-interval 5 --json "$OUT/k_mb2_$v.json"
+done
 
 budget_end
