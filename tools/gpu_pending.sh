@@ -11,7 +11,8 @@
 # (d) expert stack: bf16 etp_async_ce_capped with --reduce-ctas 16 --gemm-sm-carveout 17 beside replicated
 # (e) issue 16's second target: etp's dispatcher against megatron-core's alltoall end to end
 #     (tools/bench_ep_megatron.py, new; only its CPU smoke ran)
-# Session 8 (2026-11-24) added:
+# Session 8 (2026-11-24) ran (a)-(k) (BENCHMARKS.md "2xH200, session 8"); nothing is pending.
+# Kept as the record of those calls' exact command lines. Session 8 added:
 # (f) the amax kernel's int16 reduction and cached launch tables: the kernel tests compiled, and
 #     bench_kernels' amax sweep (issue 13's 0.80 of the copy's byte rate)
 # (g) EP: the trimmed dispatch (valid rows only, no padding back to the capacity) on every
