@@ -27,6 +27,8 @@
 #     after); the wide recipe with FP8 gathers, default vs step + copy_engine
 # (k) micro-batch 2 again, alternating: ETP off / step + copy_engine reduce (plain, with a
 #     2-SM GEMM carve-out for the reduction's one-CTA barrier kernels, with FP8 gathers)
+# (l) the EP 2 recipe through the trimmed etp dispatcher (adapter rewritten in session 8) beside
+#     megatron's alltoall dispatcher, 25 iterations each, deterministic; the EP GPU tests again
 # Each step has its own timeout; the whole script stays under BUDGET seconds (default 560).
 # ONLY (tools/gpu_lib.sh) runs a subset, e.g. ONLY='^(a_|b_)'.
 source tools/gpu_lib.sh
@@ -103,6 +105,16 @@ for v in off ce ce_carve2 ce_fp8 off2 ce2; do
     ce_fp8) set_="$STEP_CE --set etp.gather_dtype=fp8_tensorwise" ;;
   esac
   TAIL=3 step k_mb2_$v 100 $TRAIN --recipe $FLAG $AT2 $set_ --train-iters 25 --log-interval 5 --json "$OUT/k_mb2_$v.json"
+done
+
+# (l)
+TAIL=4 step l_ep_gpu_tests 150 env ETP_TEST_BACKEND=nccl ETP_TEST_TIMEOUT=60 python3 -m pytest -q -p no:warnings \
+  tests/test_ep_gpu.py tests/test_ep_megatron.py
+for disp in etp alltoall; do
+  TAIL=3 step l_ep2_$disp 120 $TRAIN --recipe $FLAG --set world_size=2 --set global_batch_size=8 \
+    --set expert_model_parallel_size=2 --set etp.etp_size=2 --set etp.expert_etp_size=1 \
+    --set moe_token_dispatcher_type=$disp --set deterministic=true --train-iters 25 --log-interval 5 \
+    --json "$OUT/l_ep2_$disp.json"
 done
 
 budget_end

@@ -168,15 +168,12 @@ class ExpertDispatcher:
         _check_tensor("topk_weights", topk_weights, (T, K), None, self.device)
         handle._to(HandleState.PREPARED, HandleState.DISPATCHED, HandleState.COMBINED,
                    new=HandleState.DISPATCHED, op="dispatch")
+        counts = handle.layout.tokens_per_expert
         if trim:
-            counts = handle.layout.tokens_per_expert.cpu()  # the one host sync of trim
-            handle.rows, handle.host_tokens_per_expert = int(counts.sum()), counts
-        else:
-            handle.rows = handle.host_tokens_per_expert = None
+            counts = counts.cpu()  # the one host sync of trim
+        handle.rows = int(counts.sum()) if trim else None
         recv_x, recv_w = DispatchFunction.apply(x, topk_weights, self, handle)
-        if trim:
-            return recv_x, recv_w, handle.host_tokens_per_expert
-        return recv_x, recv_w, handle.layout.tokens_per_expert
+        return recv_x, recv_w, counts
 
     def combine(self, expert_out: torch.Tensor, handle: EPHandle) -> torch.Tensor:
         """Sums each token's K expert rows back on its rank. Differentiable in expert_out.

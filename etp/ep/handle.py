@@ -33,7 +33,6 @@ class EPHandle:
         generation: which ``prepare`` of its dispatcher made it.
         rows: set by ``dispatch(..., trim=True)``: the valid receive rows (host int), the
             length of ``recv_x`` / ``recv_w`` and of the ``expert_out`` ``combine`` takes.
-        host_tokens_per_expert: ``tokens_per_expert`` on the host, set with ``rows``.
     """
 
     topk_idx: torch.Tensor
@@ -42,7 +41,6 @@ class EPHandle:
     state: HandleState = HandleState.PREPARED
     backend_state: dict = field(default_factory=dict)
     rows: Optional[int] = None
-    host_tokens_per_expert: Optional[torch.Tensor] = None
 
     @property
     def tokens(self) -> int:
