@@ -1,4 +1,5 @@
-"""``etp.megatron.ep_dispatcher.EtpTokenDispatcher`` on gloo (2 ranks, reference backend):
+"""``etp.megatron.ep_dispatcher.EtpTokenDispatcher`` on gloo (2 ranks, reference backend; on
+2 GPUs with ``ETP_TEST_BACKEND=nccl``):
 megatron's dispatcher call sequence with per-expert linear experts, against the float64
 single-process MoE layer of test_ep.py, forward and backward, trimmed and padded input."""
 from __future__ import annotations
@@ -25,11 +26,13 @@ def _megatron_layer(ctx, trim):
     local = E // ctx.world_size
     d = EtpTokenDispatcher(local, list(range(ctx.rank * local, (ctx.rank + 1) * local)), config, pgs,
                            max_tokens_per_rank=T, backend="reference", trim=trim,
-                           weight_dtype=torch.float64)
+                           weight_dtype=torch.float64, device=ctx.device)
     ranks, expert_w, grads = make_case("uniform", ctx.world_size, E, K, H, T, seed=4)
-    idx, weights, x = ranks[ctx.rank]
-    routing_map = torch.zeros(idx.shape[0], E, dtype=torch.bool).scatter_(1, idx, True)
-    probs = torch.zeros(idx.shape[0], E, dtype=torch.float64).scatter(1, idx, weights).requires_grad_(True)
+    idx, weights, x = (t.to(ctx.device) for t in ranks[ctx.rank])
+    expert_w, grad = expert_w.to(ctx.device), grads[ctx.rank].to(ctx.device)
+    routing_map = torch.zeros(idx.shape[0], E, dtype=torch.bool, device=ctx.device).scatter_(1, idx, True)
+    probs = torch.zeros(idx.shape[0], E, dtype=torch.float64, device=ctx.device).scatter(1, idx, weights)
+    probs.requires_grad_(True)
     x = x.clone().requires_grad_(True)
     tokens, p = d.dispatch_preprocess(x, routing_map, probs)
     tokens, p = d.token_dispatch(tokens, p)
@@ -41,7 +44,7 @@ def _megatron_layer(ctx, trim):
         start += n
     rows.append(h[start:] * 0)
     out = d.combine_postprocess(d.token_combine(d.combine_preprocess(torch.cat(rows))))
-    out.backward(grads[ctx.rank])
+    out.backward(grad)
     return [t.tolist() for t in (out.detach(), x.grad, probs.grad.gather(1, idx))]  # lists: plain pickles
 
 
