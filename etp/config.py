@@ -36,7 +36,7 @@ TRANSPORTS = ("auto", "nccl", "copy_engine")
 FP8_WEIGHT_SCALINGS = ("current", "delayed")
 GATHER_REUSE = ("chain", "pass", "step")
 #: How weight-gradient reduce-scatters run; see [Note: ETP transports].
-REDUCE_TRANSPORTS = ("auto", "nccl", "nccl_capped", "symm_triton", "copy_engine")
+REDUCE_TRANSPORTS = ("auto", "nccl", "nccl_capped", "symm_triton", "copy_engine", "copy_engine_push")
 
 
 def _is_power_of_two(value: int) -> bool:
@@ -107,7 +107,11 @@ class ETPConfig:
             ``reduce_ctas`` CTAs: 16-bit wire bytes, fp32 sums added straight into
             ``main_grad``), "copy_engine" (the peers' 16-bit slices of this rank's rows
             pulled over symmetric memory by the copy engines, then added in fp32 into
-            ``main_grad`` locally: SMs only for that memory-bound add) or "auto" (nccl: the
+            ``main_grad`` locally: SMs only for that memory-bound add, and two barrier kernels
+            per reduction), "copy_engine_push" (each rank pushes the peers' rows to them by
+            copy engine, fenced by stream flag operations: nothing on an SM beside the GEMMs;
+            the fp32 sum into ``main_grad`` runs on the compute stream when the reduction is
+            finalized; refuses CUDA-graph capture; see [Note: push reduce-scatter]) or "auto" (nccl: the
             SM-light reductions measured so far were slower than the SMs they free, see
             BENCHMARKS.md "SM-free communication"; copy_engine is not measured yet).
         reduce_ctas: CTAs (thread blocks) of the "nccl_capped" and "symm_triton" reductions.

@@ -187,7 +187,7 @@ class ETPRuntime(GradientReductions):
         """Chooses the transports of every shard group with registered params (once per
         group) and gives new params their symmetric-memory homes. A collective over the
         groups: every rank calls it after registering the same params (wrap does)."""
-        new = []
+        new, reducers = [], {}
         for st in self._states.values():
             group = st.param.etp_group
             if group.ranks not in self.transports:
@@ -199,12 +199,18 @@ class ETPRuntime(GradientReductions):
                     # then holds at most the peak number in use at once.
                     self._reduce_pools[group.ranks] = WgradPool(max_free_per_key=1 << 30, allocator=allocate,
                                                                 debug=self.config.debug_checks)
+            reduce = self.transports[group.ranks].reduce
+            if hasattr(reduce, "reserve"):  # staging sized for the largest shard it reduces
+                reduce.reserve(st.param, self._grad_wire_dtype(st.param))
+                reducers[id(reduce)] = reduce
             gather = self.transports[group.ranks].gather
             if hasattr(gather, "register") and gather.home(st.param) is None:
                 gather.register(st.param, self._wire_dtype(st.param))
                 new.append((st, gather))
         for gather in {id(g): g for _, g in new}.values():
             gather.materialize()
+        for reduce in reducers.values():
+            reduce.materialize()
         with torch.no_grad():
             for st, gather in new:
                 home = gather.home(st.param)

@@ -130,16 +130,25 @@ def test_enable_determinism_switches_torch(monkeypatch):
 
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     monkeypatch.delenv("ETP_DETERMINISTIC_WARN_ONLY", raising=False)
+    monkeypatch.delenv("ETP_DETERMINISTIC_FILL", raising=False)
+    import torch.utils.deterministic as torch_deterministic
+
     saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+             torch_deterministic.fill_uninitialized_memory)
     assert saved[0] is False
     try:
         state = enable_determinism()
         assert state["use_deterministic_algorithms"] is True and torch.are_deterministic_algorithms_enabled()
         assert state["CUBLAS_WORKSPACE_CONFIG"] == os.environ["CUBLAS_WORKSPACE_CONFIG"] and not state["warn_only"]
+        # No NaN fill of every new allocation (etp writes what it reads) unless asked for.
+        assert state["fill_uninitialized_memory"] is False and not torch_deterministic.fill_uninitialized_memory
+        monkeypatch.setenv("ETP_DETERMINISTIC_FILL", "1")
+        assert enable_determinism()["fill_uninitialized_memory"] and torch_deterministic.fill_uninitialized_memory
     finally:
         torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[2], saved[3]
+        torch_deterministic.fill_uninitialized_memory = saved[4]
 
 
 def test_param_bits_sum_sees_a_one_ulp_change():

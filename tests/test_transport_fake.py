@@ -17,6 +17,7 @@ from test_async import _async_equals_sync, _setup, _step
 
 import etp.transport as transport
 import etp.transport.copy_engine as copy_engine
+import etp.transport.push_reduce as push_reduce
 import etp.transport.symm_reduce as symm_reduce
 from etp import ETPConfig, ETPShardedParam, runtime_of
 from etp.kernels.symm_reduce import symm_reduce_scatter_reference
@@ -75,6 +76,20 @@ def _fake_kernel(table, wire, rank, out, divisor=1.0, accumulate=False, num_ctas
     return symm_reduce_scatter_reference(peers, rank, out, divisor, accumulate)
 
 
+def _fake_push_materialize(self):
+    self._flags, self._shard_bytes = ("emulated", None), self._reserved
+
+
+def _fake_receive(self, full, rows, seq):
+    # What the peers pushed for this sequence: their rows of this rank, by distance (the
+    # staging's order); a gloo all-gather at the consumer's wait stands in for the pushes.
+    everyone = [torch.empty_like(full) for _ in range(self.world)]
+    dist.all_gather(everyone, full.contiguous(), group=self.process_group)
+    _fake_receive.calls.append(seq)
+    return torch.stack([everyone[(self.rank - k - 1) % self.world][self.rank * rows : (self.rank + 1) * rows]
+                        for k in range(self.world - 1)])
+
+
 def _install_fakes():
     transport.symmetric_memory_status = lambda group, device: (True, "emulated on gloo")
     copy_engine.SymmetricPool = _FakePool
@@ -84,6 +99,11 @@ def _install_fakes():
     symm_reduce.CopyEngineReduce._peer_rows = _fake_peer_rows
     symm_reduce.symm_reduce_scatter = _fake_kernel
     _fake_kernel.group = dist.group.WORLD
+    push_reduce.CopyEnginePushReduce.materialize = _fake_push_materialize
+    push_reduce.CopyEnginePushReduce._push = lambda self, full, rows, seq: None
+    push_reduce.CopyEnginePushReduce._receive = _fake_receive
+    push_reduce.CopyEnginePushReduce._release = lambda self, seq: None
+    _fake_receive.calls = []
 
 
 def _train(ctx, overrides):
@@ -99,7 +119,8 @@ def _train_each(ctx, all_overrides):
 
 def test_training_parity_through_emulated_symmetric_transports():
     configs = (CE, dict(CE, reduction="sum"), dict(transport="copy_engine", reduce_transport="nccl"),
-               dict(transport="copy_engine", reduce_transport="copy_engine"))
+               dict(transport="copy_engine", reduce_transport="copy_engine"),
+               dict(transport="copy_engine", reduce_transport="copy_engine_push"))
     for per_rank in run_distributed(_train_each, 2, configs):
         for overrides, result in zip(configs, per_rank):
             assert result["last_loss"] < result["first_loss"], overrides
@@ -119,6 +140,7 @@ def _bit_for_bit(ctx, overrides, dtype):
 @pytest.mark.slow  # ran on 2 GPUs with the real transports: tests/test_transport_gpu.py
 def test_async_equals_sync_bf16_and_fp8_through_emulated_transports():
     for overrides, dtype in ((CE, torch.bfloat16), (dict(CE, gather_dtype="fp8_tensorwise"), torch.float32),
+                             (dict(CE, reduce_transport="copy_engine_push"), torch.bfloat16),
                              (dict(CE, gather_dtype="fp8_blockwise", pad_for_alignment=128), torch.float32)):
         assert all(n > 0 for n in run_distributed(_bit_for_bit, 2, overrides, dtype))
 
@@ -198,3 +220,34 @@ def test_copy_engine_reduce_sums_in_fp32_against_float64():
     for mean_error, plain_dtype, plain_error, scale in run_distributed(_copy_engine_reduce, 2):
         assert mean_error < 1e-6 * scale  # fp32 accumulation into main_grad
         assert plain_dtype == torch.bfloat16 and plain_error <= 2 ** -8 * scale  # one rounding to bf16
+
+
+def _push_reduce(ctx):
+    from types import SimpleNamespace
+
+    _install_fakes()
+    reduce = push_reduce.CopyEnginePushReduce(dist.group.WORLD, ctx.device)
+    group = SimpleNamespace(rank=ctx.rank, size=ctx.world_size)
+    full = torch.empty((6 * ctx.world_size, 5), dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(ctx.rank)
+    full.copy_(torch.randn(full.shape, generator=g).to(torch.bfloat16))
+    main_grad = torch.randn(6, 5, generator=torch.Generator().manual_seed(7 + ctx.rank))
+    start = main_grad.clone()
+    pending = reduce.reduce_scatter(full, group, main_grad, True, async_op=True)
+    pending.wait()
+    plain = reduce.reduce_scatter(full, group, None, False, async_op=False).wait()  # no main_grad: wire dtype
+    everyone = [torch.empty_like(full) for _ in range(ctx.world_size)]
+    dist.all_gather(everyone, full)
+    rows = slice(6 * ctx.rank, 6 * (ctx.rank + 1))
+    exact = sum(t[rows].double() for t in everyone)
+    return ((main_grad.double() - start.double() - exact / ctx.world_size).abs().max().item(), plain.dtype,
+            (plain.double() - exact).abs().max().item(), exact.abs().max().item(), list(_fake_receive.calls))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_push_reduce_sums_in_fp32_against_float64(world):
+    for mean_error, plain_dtype, plain_error, scale, sequences in run_distributed(_push_reduce, world):
+        assert mean_error < 1e-6 * scale  # fp32 accumulation into main_grad
+        assert plain_dtype == torch.bfloat16 and plain_error <= 2 ** -8 * scale  # one rounding to bf16
+        assert sequences == [0, 1]  # one sequence number per reduction, in issue order
+

@@ -25,7 +25,8 @@ CE = dict(transport="copy_engine", reduce_transport="symm_triton")
 # has a time budget.
 MODULE_CONFIGS = [CE, dict(transport="copy_engine", reduce_transport="nccl"),
                   dict(transport="nccl", reduce_transport="nccl_capped"),
-                  dict(transport="copy_engine", reduce_transport="copy_engine")]
+                  dict(transport="copy_engine", reduce_transport="copy_engine"),
+                  dict(transport="copy_engine", reduce_transport="copy_engine_push")]
 
 
 def _cases(ctx):
@@ -44,7 +45,7 @@ def test_module_parity():
 def _train(ctx):
     results = []
     for reduction in ("mean", "sum"):
-        for reduce in ("symm_triton", "copy_engine"):
+        for reduce in ("symm_triton", "copy_engine", "copy_engine_push"):
             config = ETPConfig(etp_size=ctx.world_size, expert_etp_size=ctx.world_size, reduction=reduction,
                                **dict(CE, reduce_transport=reduce))
             results.append(train_parity(ctx, config))
@@ -57,8 +58,10 @@ def test_training_parity_copy_engine():
 
 
 def _bit_for_bit(ctx):
-    return [_async_equals_sync(ctx, dict(CE, gather_dtype=gather_dtype), torch.bfloat16, after_step)
-            for gather_dtype in ("param", "fp8_tensorwise") for after_step in (False, True)]
+    return [_async_equals_sync(ctx, dict(CE, gather_dtype=gather_dtype, reduce_transport=reduce), torch.bfloat16,
+                               after_step)
+            for gather_dtype in ("param", "fp8_tensorwise") for after_step in (False, True)
+            for reduce in ("symm_triton", "copy_engine_push")]
 
 
 def test_async_equals_sync_bit_for_bit_bf16_and_fp8():
@@ -88,3 +91,23 @@ def test_auto_picks_copy_engine_and_gathers_without_nccl_kernels():
         assert homes
         assert nccl_gathers == 0
         assert peer_copies > 0
+
+
+def _push_uses_no_kernel_beside_the_gemms(ctx):
+    config = ETPConfig(etp_size=ctx.world_size, expert_etp_size=ctx.world_size, transport="copy_engine",
+                       reduce_transport="copy_engine_push")
+    model, groups = _setup(config, ctx.device, torch.bfloat16)
+    _step(model, config, groups, seed=0)  # warm-up: kernels compiled, staging in use
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        _step(model, config, groups, seed=1)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    return (sum("nccl" in n.lower() and "reduce" in n.lower() for n in names),
+            sum("_sum_received_kernel" in n for n in names), sum("memcpy" in n.lower() for n in names))
+
+
+def test_push_reduce_runs_no_nccl_kernel_and_one_sum_per_weight():
+    for nccl_reductions, sums, copies in run_distributed(_push_uses_no_kernel_beside_the_gemms, 2):
+        assert nccl_reductions == 0
+        assert sums > 0 and copies > 0

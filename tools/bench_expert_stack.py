@@ -165,6 +165,8 @@ TRANSPORT_VARIANTS = {
     "etp_async_capped": ("nccl", "nccl_capped"),
     "etp_async_ce_capped": ("copy_engine", "nccl_capped"),
     "etp_async_ce_fp8_wgrad": ("copy_engine", "nccl"),
+    "etp_async_ce_push": ("copy_engine", "copy_engine_push"),
+    "etp_async_ce_push_fp8_wgrad": ("copy_engine", "copy_engine_push"),
 }
 VARIANTS = ("replicated", "replicated_fp8", "ddp", "fsdp2", "etp_sync", "etp_async", "etp_async_fp8",
             "etp_async_fp8_blockwise", *TRANSPORT_VARIANTS, "etp_async_graphed", "etp_async_fp8_graphed",
@@ -179,13 +181,14 @@ FP8_VARIANTS = {
     "etp_async_ce_fp8_pull": ("fp8_tensorwise", None),
     "etp_async_fp8_wgrad": ("fp8_tensorwise", None),
     "etp_async_ce_fp8_wgrad": ("fp8_tensorwise", None),
+    "etp_async_ce_push_fp8_wgrad": ("fp8_tensorwise", None),
 }
 # Variants whose GEMMs run in FP8 (their check differs from replicated by FP8 rounding).
 FP8_COMPUTE = ("replicated_fp8", "replicated_fp8_wgrad", *FP8_VARIANTS)
 PROFILED = ("replicated", "replicated_fp8", "replicated_fp8_wgrad", "etp_async", "etp_async_fp8", "etp_async_ce",
             "etp_async_ce_capped",
             "etp_async_ce_fp8_symm", "etp_async_ce_pull", "etp_async_ce_fp8",
-            "etp_async_ce_fp8_wgrad")  # traced under --trace
+            "etp_async_ce_fp8_wgrad", "etp_async_ce_push", "etp_async_ce_push_fp8_wgrad")  # traced under --trace
 GPU_DEFAULTS = dict(layers=8, experts=16, tokens_per_expert=2048, hidden=4096, ffn=1536, warmup=5, steps=20)
 SMOKE_DEFAULTS = dict(layers=2, experts=4, tokens_per_expert=8, hidden=32, ffn=16, warmup=2, steps=2)
 # Measured separately on 2026-11-21 (shared/anchors.md), same workload and machine kind.

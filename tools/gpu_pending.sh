@@ -29,6 +29,14 @@
 #     2-SM GEMM carve-out for the reduction's one-CTA barrier kernels, with FP8 gathers)
 # (l) the EP 2 recipe through the trimmed etp dispatcher (adapter rewritten in session 8) beside
 #     megatron's alltoall dispatcher, 25 iterations each, deterministic; the EP GPU tests again
+# Session 9 (2026-11-24) adds:
+# (m) issue 14: the push reduce-scatter (reduce_transport=copy_engine_push: copy-engine pushes
+#     fenced by stream flag operations, the fp32 sum on the compute stream between GEMMs): the
+#     transport GPU tests, then the expert stack beside replicated, without and with a 1-SM
+#     carve-out (the copy-engine gather's barrier kernel), traced
+# (n) issue 13: the flagship recipe deterministic (no NaN fill of new allocations now) with bf16,
+#     fp8_tensorwise and fp8_blockwise gathers and ETP off, compared after; deterministic FP8 with
+#     torch's NaN fill back on (ETP_DETERMINISTIC_FILL=1) for the before / after figure
 # Each step has its own timeout; the whole script stays under BUDGET seconds (default 560).
 # ONLY (tools/gpu_lib.sh) runs a subset, e.g. ONLY='^(a_|b_)'.
 source tools/gpu_lib.sh
@@ -115,6 +123,30 @@ for disp in etp alltoall; do
     --set expert_model_parallel_size=2 --set etp.etp_size=2 --set etp.expert_etp_size=1 \
     --set moe_token_dispatcher_type=$disp --set deterministic=true --train-iters 25 --log-interval 5 \
     --json "$OUT/l_ep2_$disp.json"
+done
+
+# (m)
+TAIL=6 step m_transport_gpu_tests 200 env ETP_TEST_BACKEND=nccl ETP_TEST_TIMEOUT=90 python3 -m pytest -q -p no:warnings \
+  tests/test_transport_gpu.py
+TAIL=14 step m_stack_push 120 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py \
+  --variants replicated,etp_async_ce_capped,etp_async_ce_push,etp_async_ce_fp8_wgrad,etp_async_ce_push_fp8_wgrad \
+  --reduce-ctas 16 --out "$OUT/m_stack_push.json"
+TAIL=14 step m_stack_push_carve1 120 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py \
+  --variants replicated,etp_async_ce_push --gemm-sm-carveout 1 --trace "$OUT/m_trace" --out "$OUT/m_stack_push_carve1.json"
+
+# (n)
+DET="--set deterministic=true --train-iters 25 --log-interval 5"
+for gd in param fp8_tensorwise fp8_blockwise; do
+  extra=""; [[ $gd == fp8_blockwise ]] && extra="--set etp.pad_for_alignment=128"
+  TAIL=3 step n_det_$gd 110 $TRAIN --recipe $FLAG $AT2 --set etp.gather_dtype=$gd $extra $DET --json "$OUT/n_det_$gd.json"
+done
+TAIL=3 step n_det_off 110 $TRAIN --recipe $FLAG --set world_size=2 --set global_batch_size=8 --set etp.etp_size=1 \
+  --set etp.expert_etp_size=1 $DET --json "$OUT/n_det_off.json"
+TAIL=3 step n_det_fp8_fill 110 env ETP_DETERMINISTIC_FILL=1 $TRAIN --recipe $FLAG $AT2 --set etp.gather_dtype=fp8_tensorwise \
+  $DET --json "$OUT/n_det_fp8_fill.json"
+for gd in fp8_tensorwise fp8_blockwise off; do
+  [[ -f "$OUT/n_det_$gd.json" && -f "$OUT/n_det_param.json" ]] && python3 tools/compare_recipe_runs.py \
+    --etp "$OUT/n_det_$gd.json" --baseline "$OUT/n_det_param.json" --tolerance 0.03 | tail -4
 done
 
 budget_end

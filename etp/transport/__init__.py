@@ -78,7 +78,7 @@ def _refuse(key: str, value: str, why: str) -> ValueError:
 
 def choose_transports(config: ETPConfig, group: ShardGroup, device: torch.device) -> Transports:
     """The transports of ``group`` for ``config`` (a collective over the group on CUDA)."""
-    symm_reductions = ("symm_triton", "copy_engine")
+    symm_reductions = ("symm_triton", "copy_engine", "copy_engine_push")
     maybe_symm = config.transport in ("auto", "copy_engine") or config.reduce_transport in symm_reductions
     ok, why = symmetric_memory_status(group, device) if maybe_symm else (False, "not asked for")
     if config.transport == "copy_engine" and not ok:
@@ -100,11 +100,15 @@ def choose_transports(config: ETPConfig, group: ShardGroup, device: torch.device
         # BENCHMARKS.md "SM-free communication"): symm_triton 5.8 ms at 8 CTAs for an fc1
         # gradient NCCL reduces in 1.05 ms, and 137 ms per iteration of the flagship recipe.
         reduce_name = "nccl"
-    if reduce_name in symm_reductions:
+    if reduce_name == "copy_engine_push":
+        from .push_reduce import CopyEnginePushReduce
+
+        reduce: ReduceTransport = CopyEnginePushReduce(group.rs_group, device)
+    elif reduce_name in symm_reductions:
         from .symm_reduce import CopyEngineReduce, SymmTritonReduce
 
         cls = SymmTritonReduce if reduce_name == "symm_triton" else CopyEngineReduce
-        reduce: ReduceTransport = cls(group.rs_group, device, config.reduce_ctas)
+        reduce = cls(group.rs_group, device, config.reduce_ctas)
     elif reduce_name == "nccl_capped":
         if device.type != "cuda":
             raise ValueError(

@@ -1,0 +1,194 @@
+"""The push reduce-scatter (``reduce_transport="copy_engine_push"``): no SMs while it overlaps.
+
+[Note: push reduce-scatter]
+A weight-gradient reduce-scatter beside the backward GEMMs costs the GEMMs SMs: NCCL's
+kernels hold 16-24 SMs for the whole reduction, and a persistent GEMM that starts beside them
+runs part of its tiles late (BENCHMARKS.md "Where bf16 ETP loses its 20%"). The pull variant
+(``copy_engine``) moves the bytes on copy engines but fences each reduction with two
+symmetric-memory barrier kernels that spin on an SM each. Here nothing that overlaps a GEMM
+runs on an SM:
+
+* on the RS side stream, right after the wgrad GEMM: for every peer ``p``, a copy-engine copy
+  of the full gradient's rows of ``p`` into ``p``'s staging slot (a symmetric-memory buffer),
+  then a fenced flag write into ``p``'s flag pad ("sequence ``n`` is in slot ``s``"). Before
+  the copy the stream waits on this rank's own flag pad until ``p`` has freed the slot.
+  Waits and writes are stream memory operations (``etp.transport.stream_ops``): the stream's
+  front end, no kernel.
+* when the runtime finalizes the reduction (one weight later, on the compute stream): wait
+  for the peers' flags of sequence ``n``, then one memory-bound kernel
+  (``etp.kernels.symm_reduce.sum_received``) sums this rank's own rows and the received ones
+  in fp32 and adds them into ``main_grad``, then fenced writes tell the peers the slot is
+  free again. This kernel does take the SMs, but between GEMMs, not beside them: a pass
+  over 6-12 bytes per shard element.
+
+Sequences count the reductions issued through this transport; every rank issues the same
+reductions in the same order (the backward is the same program everywhere), so sequence
+``n`` means the same weight on every rank. ``SLOTS`` staging slots per peer let a producer
+run one reduction ahead of its slowest consumer. The staging holds ``SLOTS * (world - 1)``
+shards of the largest weight (reserved at wrap time); the wgrad buffers themselves are plain
+memory, since no peer reads them.
+
+Flag values are baked into a CUDA graph at capture, so this transport refuses capture.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.autograd.profiler import record_function
+
+from ..kernels.symm_reduce import sum_received
+from .base import Handle, ReduceTransport, record_event
+from .symm_pool import symm_mem_module
+
+__all__ = ["CopyEnginePushReduce"]
+
+_WIRE_16 = (torch.bfloat16, torch.float16)
+_READY, _FREE = 0, 1
+
+
+class _PushHandle(Handle):
+    """One pushed reduction, finished on the consumer's stream by ``wait``."""
+
+    def __init__(self, transport, full, seq, target, divisor, event) -> None:
+        self.transport, self.full, self.seq = transport, full, seq
+        self.target, self.divisor, self.event = target, divisor, event
+        self.result: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor | None:
+        if self.result is not None:
+            return self.result
+        if self.event is not None:  # our pushes read ``full``: done before it goes back to the pool
+            torch.cuda.current_stream().wait_event(self.event)
+        t = self.transport
+        rows = self.full.shape[0] // t.world
+        own = self.full[t.rank * rows : (t.rank + 1) * rows]
+        with record_function("etp::reduce_scatter_push_sum"):
+            received = t._receive(self.full, rows, self.seq)
+            out = self.target
+            if out is None:  # no main_grad: the fp32 sum is rounded once, into the wire dtype
+                out = torch.empty(own.shape, dtype=own.dtype, device=own.device)
+            sum_received(own, received, out, divisor=self.divisor, accumulate=self.target is not None)
+            t._release(self.seq)
+        self.result, self.full, self.event = out, None, None
+        return out
+
+
+class CopyEnginePushReduce(ReduceTransport):
+    """Reduce-scatter by copy-engine pushes into the peers' staging and a local fp32 sum."""
+
+    name = "copy_engine_push"
+    label = "etp::reduce_scatter_push"
+    SLOTS = 2
+
+    def __init__(self, process_group, device: torch.device, num_ctas: int = 0) -> None:
+        del num_ctas  # no reduction kernel beside the GEMMs: nothing to cap
+        self.process_group, self.device = process_group, device
+        self.rank = dist.get_rank(process_group)
+        self.world = dist.get_world_size(process_group)
+        self._reserved = 0  # bytes of the largest shard any registered weight reduces
+        self._shard_bytes = 0  # ... that the staging was made for
+        self._staging = None  # (local uint8 buffer, its peers' views by rank)
+        self._flags = None  # (local int32 pad, the pads' addresses by rank)
+        self._issued = 0
+
+    def wire_dtype(self, param_dtype, grad_dtype):
+        return param_dtype if param_dtype in _WIRE_16 else grad_dtype
+
+    # ------------------------------------------------------------------ set-up (collective)
+    def reserve(self, param: torch.Tensor, wire_dtype: torch.dtype) -> None:
+        """Makes room in the staging for ``param``'s shard in ``wire_dtype``."""
+        numel = torch.Size(param.etp_layout.shard_shape).numel()
+        self._reserved = max(self._reserved, numel * torch.empty((), dtype=wire_dtype).element_size())
+
+    def materialize(self) -> None:
+        """Allocates and rendezvouses the flag pads and a staging big enough for every
+        reserved shard (a collective over the group; again only when a wrap grew it)."""
+        if self._reserved <= self._shard_bytes and self._flags is not None:
+            return
+        symm_mem = symm_mem_module(self.process_group)
+        if self._flags is None:
+            flags = symm_mem.empty(2 * self.world * self.SLOTS, dtype=torch.int32, device=self.device)
+            flags.zero_()
+            handle = symm_mem.rendezvous(flags, self.process_group)
+            offset = flags.data_ptr() - handle.buffer_ptrs[handle.rank]
+            self._flags = (flags, [ptr + offset for ptr in handle.buffer_ptrs])
+        if self._reserved > self._shard_bytes:
+            shard_bytes = -(-self._reserved // 256) * 256
+            nbytes = max(1, self.SLOTS * (self.world - 1) * shard_bytes)
+            buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
+            handle = symm_mem.rendezvous(buffer, self.process_group)
+            offset = buffer.data_ptr() - handle.buffer_ptrs[handle.rank]
+            peers = [buffer if r == self.rank else handle.get_buffer(r, (nbytes,), torch.uint8, offset)
+                     for r in range(self.world)]
+            self._staging, self._shard_bytes = (buffer, peers), shard_bytes
+        torch.cuda.synchronize(self.device)  # every flag zeroed before any peer may write one
+        dist.barrier(group=self.process_group)
+
+    # ------------------------------------------------------------------ the three steps
+    def _flag(self, owner: int, kind: int, other: int, slot: int) -> int:
+        """Address of ``owner``'s flag ``kind`` about rank ``other`` and ``slot``: READY is
+        written by the producer ``other``, FREE by the consumer ``other``."""
+        return self._flags[1][owner] + 4 * ((kind * self.world + other) * self.SLOTS + slot)
+
+    def _slot_view(self, owner: int, seq: int, full: torch.Tensor, rows: int) -> torch.Tensor:
+        """``owner``'s staging of sequence ``seq``: ``[world - 1, rows, ...]`` of ``full``'s
+        dtype; index ``k`` holds the rows sent by the rank ``k + 1`` before ``owner``."""
+        start = (seq % self.SLOTS) * (self.world - 1) * self._shard_bytes
+        count = (self.world - 1) * rows * full[0].numel()
+        nbytes = count * full.element_size()
+        region = self._staging[1][owner][start : start + nbytes]
+        return region.view(full.dtype).view(self.world - 1, rows, *full.shape[1:])
+
+    def _push(self, full: torch.Tensor, rows: int, seq: int) -> None:
+        from .stream_ops import wait_value_geq, write_value
+
+        slot = seq % self.SLOTS
+        for step in range(1, self.world):
+            peer = (self.rank + step) % self.world
+            if seq >= self.SLOTS:  # the peer has summed what we put in this slot last time
+                wait_value_geq(self._flag(self.rank, _FREE, peer, slot), seq - self.SLOTS + 1)
+            self._slot_view(peer, seq, full, rows)[step - 1].copy_(full[peer * rows : (peer + 1) * rows])
+            write_value(self._flag(peer, _READY, self.rank, slot), seq + 1)
+
+    def _receive(self, full: torch.Tensor, rows: int, seq: int) -> torch.Tensor:
+        from .stream_ops import wait_value_geq
+
+        slot = seq % self.SLOTS
+        for k in range(self.world - 1):
+            source = (self.rank - k - 1) % self.world
+            wait_value_geq(self._flag(self.rank, _READY, source, slot), seq + 1)
+        return self._slot_view(self.rank, seq, full, rows)
+
+    def _release(self, seq: int) -> None:
+        from .stream_ops import write_value
+
+        slot = seq % self.SLOTS
+        for k in range(self.world - 1):
+            source = (self.rank - k - 1) % self.world
+            write_value(self._flag(source, _FREE, self.rank, slot), seq + 1)
+
+    def reduce_scatter(self, full, group, target, mean, async_op) -> Handle:
+        if full.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "etp reduce_transport='copy_engine_push' cannot be captured in a CUDA graph (its flag "
+                "values would replay unchanged): use reduce_transport='nccl' or 'copy_engine' with cuda_graph"
+            )
+        rows = full.shape[0] // self.world
+        nbytes = rows * full[0].numel() * full.element_size()
+        if self._staging is not None and nbytes > self._shard_bytes:
+            raise RuntimeError(f"etp push reduce: a {nbytes}-byte shard exceeds the {self._shard_bytes}-byte "
+                               "staging reserved at wrap time (an etp bug)")
+        seq = self._issued
+        self._issued += 1
+        with record_function(self.label):
+            self._push(full, rows, seq)
+        event = record_event(full.device) if async_op else None
+        handle = _PushHandle(self, full, seq, target, float(self.world) if mean else 1.0, event)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def nbytes(self) -> int:
+        """The staging and flag pads (symmetric memory, outside torch's allocator)."""
+        staging = 0 if self._staging is None else self._staging[0].numel()
+        return staging + (0 if self._flags is None else self._flags[0].numel() * 4)
