@@ -970,6 +970,8 @@ def kernel_overlap(trace_path: str, steps: int) -> dict:
         "nccl_kernel_ms_per_step": nccl_ms / steps,
         "nccl_kernel_sum_ms_per_step": length(spans["nccl"]) / 1e3 / steps,
         "gemm_kernel_ms_per_step": length(gemm) / 1e3 / steps,
+        # Some kernel of any stream running: the step's time minus this is the device idle.
+        "busy_kernel_ms_per_step": length(merge([iv for ivs in spans.values() for iv in ivs])) / 1e3 / steps,
         "nccl_overlapped_by_gemm_ms_per_step": overlap_ms / steps,
         "nccl_overlap_fraction": overlap_ms / nccl_ms if nccl_ms else None,
         "top_kernels": [

@@ -149,4 +149,11 @@ for gd in fp8_tensorwise fp8_blockwise off; do
     --etp "$OUT/n_det_$gd.json" --baseline "$OUT/n_det_param.json" --tolerance 0.03 | tail -4
 done
 
+# (o) one GPU (when no 2-GPU machine is lent): the stream flag operations and the push
+#     reduction's sum kernel compiled; issue 13's FP8 compute on the expert stack, traced
+TAIL=6 step o_gpu1_tests 150 python3 -m pytest -q -p no:warnings tests/test_stream_ops_gpu.py tests/test_transport.py \
+  -k "stream or sum_received or symm_reduce"
+TAIL=14 step o_gpu1_stack_fp8 150 torchrun --standalone --nproc-per-node 1 tools/bench_expert_stack.py \
+  --variants replicated,replicated_fp8,replicated_fp8_wgrad --trace "$OUT/o_trace" --out "$OUT/o_gpu1_stack_fp8.json"
+
 budget_end
