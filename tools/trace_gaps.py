@@ -1,0 +1,95 @@
+"""Where a GPU step waits on the host: idle gaps of a torch.profiler chrome trace.
+
+Prints (and with ``--json`` writes) for one trace:
+
+* the device's busy time (union of every kernel and copy) and its idle gaps longer than
+  ``--min-gap-us``, each with the host operations open when the gap began (the innermost
+  ``cpu_op`` / ``user_annotation`` spans: what the host was doing instead of launching);
+* the CUDA runtime calls by total host time: a ``cudaStreamSynchronize`` or a device-to-host
+  ``cudaMemcpyAsync`` there is a host sync inside the step.
+
+Example::
+
+    python3 tools/trace_gaps.py $OUT/trace/replicated_fp8_wgrad_trace.json --top 15
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+
+def load(path: str) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f).get("traceEvents", [])
+
+
+def device_spans(events: list[dict]) -> list[tuple[float, float]]:
+    spans = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
+             if e.get("ph") == "X" and str(e.get("cat", "")).lower() in ("kernel", "gpu_memcpy", "gpu_memset")]
+    merged: list[list[float]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def host_ops_at(events: list[dict], t: float) -> list[str]:
+    """Host spans open at time ``t``, outermost first (ProfilerStep, labels, aten ops)."""
+    open_ = [e for e in events if e.get("ph") == "X" and str(e.get("cat", "")) in ("cpu_op", "user_annotation")
+             and float(e["ts"]) <= t <= float(e["ts"]) + float(e.get("dur", 0.0))]
+    return [e["name"] for e in sorted(open_, key=lambda e: (float(e["ts"]), -float(e.get("dur", 0.0))))]
+
+
+def analyse(path: str, min_gap_us: float, top: int) -> dict:
+    events = load(path)
+    spans = device_spans(events)
+    gaps = [(spans[i][1], spans[i + 1][0] - spans[i][1]) for i in range(len(spans) - 1)
+            if spans[i + 1][0] - spans[i][1] >= min_gap_us]
+    runtime: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in events:
+        if e.get("ph") == "X" and str(e.get("cat", "")) == "cuda_runtime":
+            runtime[e["name"]][0] += float(e.get("dur", 0.0))
+            runtime[e["name"]][1] += 1
+    busy = sum(b - a for a, b in spans)
+    window = (spans[-1][1] - spans[0][0]) if spans else 0.0
+    return {
+        "trace": path,
+        "device_window_us": window,
+        "device_busy_us": busy,
+        "idle_us": window - busy,
+        "idle_in_gaps_over_min_us": sum(g for _, g in gaps),
+        "gaps": [{"at_us": at - spans[0][0], "gap_us": g, "host": host_ops_at(events, at)[-4:]}
+                 for at, g in sorted(gaps, key=lambda x: -x[1])[:top]],
+        "runtime_calls": [{"name": n, "total_us": t, "count": c}
+                          for n, (t, c) in sorted(runtime.items(), key=lambda kv: -kv[1][0])[:top]],
+    }
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("traces", nargs="+")
+    p.add_argument("--min-gap-us", type=float, default=20.0)
+    p.add_argument("--top", type=int, default=12)
+    p.add_argument("--json", default=None, help="write every analysis here")
+    args = p.parse_args(argv)
+    results = []
+    for path in args.traces:
+        r = analyse(path, args.min_gap_us, args.top)
+        results.append(r)
+        print(f"{path}: device window {r['device_window_us'] / 1e3:.2f} ms, busy {r['device_busy_us'] / 1e3:.2f} ms, "
+              f"idle {r['idle_us'] / 1e3:.2f} ms ({r['idle_in_gaps_over_min_us'] / 1e3:.2f} ms in gaps "
+              f">= {args.min_gap_us:.0f} us)")
+        for g in r["gaps"]:
+            print(f"  gap {g['gap_us']:8.1f} us at {g['at_us'] / 1e3:8.2f} ms  host: {' > '.join(g['host'])[:160]}")
+        for c in r["runtime_calls"]:
+            print(f"  runtime {c['name'][:40]:40s} {c['total_us'] / 1e3:8.2f} ms  x{c['count']}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
