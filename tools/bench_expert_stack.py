@@ -211,6 +211,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ffn", type=int, default=None, help="expert ffn width (1536)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per variant (5)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per variant (20)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="etp-train's deterministic mode (etp.megatron.reproducible.enable_determinism; "
+                        "ETP_DETERMINISTIC_FILL=1 in the environment keeps torch's NaN fill of new memory)")
+    p.add_argument("--rounds", type=int, default=1, metavar="N",
+                   help="run the variant list N times, interleaved (A B C A B C ...), and report each "
+                        "variant's median over all its steps: clock and power drift then reaches every "
+                        "variant alike (traces: first round only)")
     p.add_argument("--variants", type=str, default=",".join(DEFAULT_VARIANTS),
                    help=f"comma-separated subset of {','.join(VARIANTS)} (run in that order; "
                         f"default {','.join(DEFAULT_VARIANTS)})")
@@ -1329,6 +1336,26 @@ def append_benchmarks_md(path: str, report: dict, table: str) -> None:
 
 
 # ----------------------------------------------------------------------------- main
+def merge_round(results: dict, name: str, result: dict, env: Env) -> None:
+    """Adds one round's result of ``name`` (``--rounds``): the steps of every ok round pooled,
+    their median the step time; each round's own median kept in ``round_step_ms``."""
+    first = results.get(name)
+    if first is None:
+        results[name] = result
+        if result.get("status") == "ok":
+            result["round_step_ms"] = [result["step_ms"]]
+        return
+    if first.get("status") != "ok" or result.get("status") != "ok":
+        first.setdefault("later_rounds", []).append(result.get("status"))
+        return
+    first["step_ms_all"] = first["step_ms_all"] + result["step_ms_all"]
+    first["round_step_ms"].append(result["step_ms"])
+    first["step_ms"] = statistics.median(first["step_ms_all"])
+    medians = [None] * env.world
+    dist.all_gather_object(medians, first["step_ms"])
+    first["step_ms_per_rank"], first["step_ms_max_over_ranks"] = medians, max(medians)
+
+
 def run_variant(name: str, args, env: Env, work: Workload, groups_cache: dict) -> dict:
     try:
         return measure(name, args, env, work, groups_cache)
@@ -1351,12 +1378,21 @@ def run_variant(name: str, args, env: Env, work: Workload, groups_cache: dict) -
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    determinism = None
+    if args.deterministic:  # before the first cuBLAS handle (its workspace setting)
+        from etp.megatron.reproducible import enable_determinism
+
+        determinism = enable_determinism()
     env = init_distributed(args.cpu_smoke, args.nccl_max_ctas)
     work = make_workload(args, env)
     groups_cache: dict = {}
     results = {}
-    for name in args.variants:
-        results[name] = run_variant(name, args, env, work, groups_cache)
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds={args.rounds}: give 1 or more")
+    for round_index in range(args.rounds):
+        round_args = args if round_index == 0 else argparse.Namespace(**{**vars(args), "trace": None})
+        for name in args.variants:
+            merge_round(results, name, run_variant(name, round_args, env, work, groups_cache), env)
     add_derived(results, work.flops)
     gathers = gather_bandwidth(args, env, groups_cache)
     report = {
@@ -1372,6 +1408,8 @@ def main(argv: list[str]) -> int:
             "tokens_per_rank": work.x.shape[0],
             "flops_per_step_per_gpu": work.flops,
             "etp": {"etp_size": env.world, "expert_etp_size": env.world},
+            "rounds": args.rounds,
+            "determinism": determinism,
         },
         "anchors_ms_2026_11_21": ANCHOR_MS,
         "results": results,

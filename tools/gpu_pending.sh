@@ -150,10 +150,19 @@ for gd in fp8_tensorwise fp8_blockwise off; do
 done
 
 # (o) one GPU (when no 2-GPU machine is lent): the stream flag operations and the push
-#     reduction's sum kernel compiled; issue 13's FP8 compute on the expert stack, traced
-TAIL=6 step o_gpu1_tests 150 python3 -m pytest -q -p no:warnings tests/test_stream_ops_gpu.py tests/test_transport.py \
-  -k "stream or sum_received or symm_reduce"
-TAIL=14 step o_gpu1_stack_fp8 150 torchrun --standalone --nproc-per-node 1 tools/bench_expert_stack.py \
-  --variants replicated,replicated_fp8,replicated_fp8_wgrad --trace "$OUT/o_trace" --out "$OUT/o_gpu1_stack_fp8.json"
+#     reduction's sum kernel compiled; issue 13's FP8 compute on the expert stack in three
+#     interleaved rounds (clock drift reaches every variant alike), traced; the same under
+#     etp-train's deterministic mode, with and without torch's NaN fill of new memory
+TAIL=6 step o_gpu1_tests 150 python3 -m pytest -q -p no:warnings -o faulthandler_timeout=100 \
+  tests/test_stream_ops_gpu.py tests/test_transport.py -k "stream or sum_received or symm_reduce_kernel"
+TAIL=14 step o_gpu1_stack_fp8 200 torchrun --standalone --nproc-per-node 1 tools/bench_expert_stack.py \
+  --variants replicated,replicated_fp8,replicated_fp8_wgrad --rounds 3 --trace "$OUT/o_trace" --out "$OUT/o_gpu1_stack_fp8.json"
+for fill in 0 1; do
+  TAIL=8 step o_gpu1_stack_det_fill$fill 120 env ETP_DETERMINISTIC_FILL=$fill torchrun --standalone --nproc-per-node 1 \
+    tools/bench_expert_stack.py --variants replicated,replicated_fp8_wgrad --deterministic \
+    --out "$OUT/o_gpu1_stack_det_fill$fill.json"
+done
+[[ -d "$OUT/o_trace" ]] && python3 tools/trace_gaps.py "$OUT"/o_trace/*_trace.json --top 8 --json "$OUT/o_trace_gaps.json" \
+  && rm -rf "$OUT/o_trace"
 
 budget_end
