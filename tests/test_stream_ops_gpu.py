@@ -13,6 +13,12 @@ def test_wait_holds_back_the_stream_until_the_write_lands():
     flag = torch.zeros(4, dtype=torch.int32, device="cuda")
     x = torch.zeros(1 << 20, device="cuda")
     producer, consumer = torch.cuda.Stream(), torch.cuda.Stream()
+    # Load the kernels first: with lazy module loading a kernel's first launch blocks the host
+    # while a stream is parked on a flag, and the producer below would never be enqueued.
+    torch.cuda._sleep(1)
+    x.fill_(1.0)
+    x.mul_(2.0)
+    x.zero_()
     torch.cuda.synchronize()
     with torch.cuda.stream(consumer):
         wait_value_geq(flag.data_ptr() + 4, 7)  # not yet: the producer writes 7 after ~50 ms

@@ -29,6 +29,13 @@ shards of the largest weight (reserved at wrap time); the wgrad buffers themselv
 memory, since no peer reads them.
 
 Flag values are baked into a CUDA graph at capture, so this transport refuses capture.
+
+A hazard of waiting on a flag (found on an H200): with CUDA's lazy module loading (the default),
+the first launch of a kernel loads its module, and that blocks the host until the device can
+take it, which a stream parked on an unsatisfied flag may delay. If what satisfies the flag is
+enqueued by this same host later, that is a deadlock. So no kernel is launched for the first
+time behind a wait: each specialization of the sum kernel is launched once on one element
+before the first wait that precedes it (``_load_sum_kernel``).
 """
 from __future__ import annotations
 
@@ -63,10 +70,11 @@ class _PushHandle(Handle):
         rows = self.full.shape[0] // t.world
         own = self.full[t.rank * rows : (t.rank + 1) * rows]
         with record_function("etp::reduce_scatter_push_sum"):
-            received = t._receive(self.full, rows, self.seq)
             out = self.target
             if out is None:  # no main_grad: the fp32 sum is rounded once, into the wire dtype
                 out = torch.empty(own.shape, dtype=own.dtype, device=own.device)
+            t._load_sum_kernel(own.dtype, out.dtype, self.target is not None)
+            received = t._receive(self.full, rows, self.seq)
             sum_received(own, received, out, divisor=self.divisor, accumulate=self.target is not None)
             t._release(self.seq)
         self.result, self.full, self.event = out, None, None
@@ -90,6 +98,7 @@ class CopyEnginePushReduce(ReduceTransport):
         self._staging = None  # (local uint8 buffer, its peers' views by rank)
         self._flags = None  # (local int32 pad, the pads' addresses by rank)
         self._issued = 0
+        self._loaded: set[tuple] = set()  # sum-kernel specializations launched once already
 
     def wire_dtype(self, param_dtype, grad_dtype):
         return param_dtype if param_dtype in _WIRE_16 else grad_dtype
@@ -149,6 +158,16 @@ class CopyEnginePushReduce(ReduceTransport):
                 wait_value_geq(self._flag(self.rank, _FREE, peer, slot), seq - self.SLOTS + 1)
             self._slot_view(peer, seq, full, rows)[step - 1].copy_(full[peer * rows : (peer + 1) * rows])
             write_value(self._flag(peer, _READY, self.rank, slot), seq + 1)
+
+    def _load_sum_kernel(self, wire: torch.dtype, out: torch.dtype, accumulate: bool) -> None:
+        """Launches the sum kernel's specialization once on one element (see the module doc)."""
+        key = (wire, out, accumulate)
+        if key in self._loaded:
+            return
+        self._loaded.add(key)
+        one = torch.zeros(1, dtype=wire, device=self.device)
+        sum_received(one, torch.zeros((self.world - 1, 1), dtype=wire, device=self.device),
+                     torch.zeros(1, dtype=out, device=self.device), accumulate=accumulate)
 
     def _receive(self, full: torch.Tensor, rows: int, seq: int) -> torch.Tensor:
         from .stream_ops import wait_value_geq
