@@ -127,7 +127,7 @@ done
 
 # (m)
 TAIL=6 step m_transport_gpu_tests 200 env ETP_TEST_BACKEND=nccl ETP_TEST_TIMEOUT=90 python3 -m pytest -q -p no:warnings \
-  tests/test_transport_gpu.py
+  -o faulthandler_timeout=150 tests/test_stream_ops_gpu.py tests/test_transport_gpu.py
 TAIL=14 step m_stack_push 120 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py \
   --variants replicated,etp_async_ce_capped,etp_async_ce_push,etp_async_ce_fp8_wgrad,etp_async_ce_push_fp8_wgrad \
   --reduce-ctas 16 --out "$OUT/m_stack_push.json"
