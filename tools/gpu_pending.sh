@@ -29,7 +29,7 @@
 #     2-SM GEMM carve-out for the reduction's one-CTA barrier kernels, with FP8 gathers)
 # (l) the EP 2 recipe through the trimmed etp dispatcher (adapter rewritten in session 8) beside
 #     megatron's alltoall dispatcher, 25 iterations each, deterministic; the EP GPU tests again
-# Session 9 (2026-11-24) adds:
+# Session 9 (2026-11-24) ran (m), (n), (o) (BENCHMARKS.md "2xH200 and 1xH200, session 9"); it added:
 # (m) issue 14: the push reduce-scatter (reduce_transport=copy_engine_push: copy-engine pushes
 #     fenced by stream flag operations, the fp32 sum on the compute stream between GEMMs): the
 #     transport GPU tests, then the expert stack beside replicated, without and with a 1-SM
