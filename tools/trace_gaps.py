@@ -16,7 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout
+
+from etp.megatron.profile import _union  # noqa: E402 - the one interval union
 
 
 def load(path: str) -> list[dict]:
@@ -25,15 +31,8 @@ def load(path: str) -> list[dict]:
 
 
 def device_spans(events: list[dict]) -> list[tuple[float, float]]:
-    spans = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
-             if e.get("ph") == "X" and str(e.get("cat", "")).lower() in ("kernel", "gpu_memcpy", "gpu_memset")]
-    merged: list[list[float]] = []
-    for start, end in sorted(spans):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(a, b) for a, b in merged]
+    return _union([(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
+                   if e.get("ph") == "X" and str(e.get("cat", "")).lower() in ("kernel", "gpu_memcpy", "gpu_memset")])
 
 
 def host_ops_at(events: list[dict], t: float) -> list[str]:
