@@ -113,7 +113,8 @@ class ETPConfig:
             the fp32 sum into ``main_grad`` runs on the compute stream when the reduction is
             finalized; refuses CUDA-graph capture; see [Note: push reduce-scatter]) or "auto" (nccl: the
             SM-light reductions measured so far were slower than the SMs they free, see
-            BENCHMARKS.md "SM-free communication"; copy_engine is not measured yet).
+            BENCHMARKS.md "SM-free communication" and "session 9": copy_engine_push is the
+            fastest on the expert stack but not yet run on a recipe).
         reduce_ctas: CTAs (thread blocks) of the "nccl_capped" and "symm_triton" reductions.
         gemm_sm_carveout: SMs the GEMMs leave free for the side streams' kernels from the
             first weight-gradient reduce-scatter of a backward pass to its last (torch's SM

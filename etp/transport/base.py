@@ -30,7 +30,7 @@ import torch
 
 from ..groups import ShardGroup
 
-__all__ = ["GatherTransport", "ReduceTransport", "Handle", "DoneHandle", "EventHandle"]
+__all__ = ["GatherTransport", "ReduceTransport", "SixteenBitWireReduce", "Handle", "DoneHandle", "EventHandle"]
 
 
 class Handle(ABC):
@@ -112,3 +112,13 @@ class ReduceTransport(ABC):
 
     def nbytes(self) -> int:
         return 0
+
+
+class SixteenBitWireReduce(ReduceTransport):
+    """A reduction whose wire is the 16-bit parameter dtype (bf16 / fp16) with fp32 sums at the
+    receiver; fp32 / fp64 parameters send their gradient dtype."""
+
+    WIRE_16 = (torch.bfloat16, torch.float16)
+
+    def wire_dtype(self, param_dtype: torch.dtype, grad_dtype: torch.dtype) -> torch.dtype:
+        return param_dtype if param_dtype in self.WIRE_16 else grad_dtype

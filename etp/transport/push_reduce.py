@@ -44,12 +44,11 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 from ..kernels.symm_reduce import sum_received
-from .base import Handle, ReduceTransport, record_event
-from .symm_pool import symm_mem_module
+from .base import Handle, SixteenBitWireReduce, record_event
+from .symm_pool import rendezvous_offset, symm_mem_module
 
 __all__ = ["CopyEnginePushReduce"]
 
-_WIRE_16 = (torch.bfloat16, torch.float16)
 _READY, _FREE = 0, 1
 
 
@@ -81,7 +80,7 @@ class _PushHandle(Handle):
         return out
 
 
-class CopyEnginePushReduce(ReduceTransport):
+class CopyEnginePushReduce(SixteenBitWireReduce):
     """Reduce-scatter by copy-engine pushes into the peers' staging and a local fp32 sum."""
 
     name = "copy_engine_push"
@@ -100,9 +99,6 @@ class CopyEnginePushReduce(ReduceTransport):
         self._issued = 0
         self._loaded: set[tuple] = set()  # sum-kernel specializations launched once already
 
-    def wire_dtype(self, param_dtype, grad_dtype):
-        return param_dtype if param_dtype in _WIRE_16 else grad_dtype
-
     # ------------------------------------------------------------------ set-up (collective)
     def reserve(self, param: torch.Tensor, wire_dtype: torch.dtype) -> None:
         """Makes room in the staging for ``param``'s shard in ``wire_dtype``."""
@@ -118,15 +114,13 @@ class CopyEnginePushReduce(ReduceTransport):
         if self._flags is None:
             flags = symm_mem.empty(2 * self.world * self.SLOTS, dtype=torch.int32, device=self.device)
             flags.zero_()
-            handle = symm_mem.rendezvous(flags, self.process_group)
-            offset = flags.data_ptr() - handle.buffer_ptrs[handle.rank]
+            handle, offset = rendezvous_offset(flags, self.process_group)
             self._flags = (flags, [ptr + offset for ptr in handle.buffer_ptrs])
         if self._reserved > self._shard_bytes:
             shard_bytes = -(-self._reserved // 256) * 256
             nbytes = max(1, self.SLOTS * (self.world - 1) * shard_bytes)
             buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
-            handle = symm_mem.rendezvous(buffer, self.process_group)
-            offset = buffer.data_ptr() - handle.buffer_ptrs[handle.rank]
+            handle, offset = rendezvous_offset(buffer, self.process_group)
             peers = [buffer if r == self.rank else handle.get_buffer(r, (nbytes,), torch.uint8, offset)
                      for r in range(self.world)]
             self._staging, self._shard_bytes = (buffer, peers), shard_bytes

@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-__all__ = ["SymmetricPool", "symm_mem_module"]
+__all__ = ["SymmetricPool", "rendezvous_offset", "symm_mem_module"]
 
 log = logging.getLogger("etp.transport")
 
@@ -34,6 +34,15 @@ def symm_mem_module(process_group=None):
         except Exception:  # noqa: BLE001 - already enabled / deprecated: both fine
             pass
     return symm_mem
+
+
+def rendezvous_offset(tensor: torch.Tensor, process_group) -> tuple:
+    """Rendezvouses the symmetric ``tensor`` over ``process_group``; returns the handle and the
+    byte offset of ``tensor`` inside its symmetric allocation. The offset is the same on every
+    rank (same allocations in the same order), so rank ``r``'s copy of ``tensor`` starts at
+    ``handle.buffer_ptrs[r] + offset``."""
+    handle = symm_mem_module(process_group).rendezvous(tensor, process_group)
+    return handle, tensor.data_ptr() - handle.buffer_ptrs[handle.rank]
 
 
 class SymmetricPool:
@@ -73,10 +82,9 @@ class SymmetricPool:
         symm_mem = symm_mem_module(self.process_group)
         self.buffer = symm_mem.empty(self._size, dtype=torch.uint8, device=self.device)
         self.buffer.zero_()
-        self.handle = symm_mem.rendezvous(self.buffer, self.process_group)
         # buffer_ptrs are the bases of the peers' allocations; this buffer may start inside
         # its allocation (a mem pool), at the same offset on every rank (same allocations).
-        self._base = self.buffer.data_ptr() - self.handle.buffer_ptrs[self.handle.rank]
+        self.handle, self._base = rendezvous_offset(self.buffer, self.process_group)
         log.info("etp transport: symmetric pool of %d slots, %d bytes", len(self._slots), self._size)
 
     def __contains__(self, key) -> bool:

@@ -24,15 +24,12 @@ import torch
 from torch.autograd.profiler import record_function
 
 from ..kernels.symm_reduce import symm_reduce_scatter
-from .base import EventHandle, Handle, ReduceTransport, record_event
-from .symm_pool import symm_mem_module
+from .base import EventHandle, Handle, SixteenBitWireReduce, record_event
+from .symm_pool import rendezvous_offset, symm_mem_module
 
 __all__ = ["CopyEngineReduce", "SymmTritonReduce"]
 
-_WIRE_16 = (torch.bfloat16, torch.float16)
-
-
-class _SymmetricWgradReduce(ReduceTransport):
+class _SymmetricWgradReduce(SixteenBitWireReduce):
     """Symmetric wgrad buffers, the barriers around a reduction, and its handle; subclasses
     give the middle step (``_reduce_rows``)."""
 
@@ -48,17 +45,13 @@ class _SymmetricWgradReduce(ReduceTransport):
         signal = self._symm_mem.empty(16, dtype=torch.int32, device=device)
         self._signal = (signal, self._symm_mem.rendezvous(signal, process_group))
 
-    def wire_dtype(self, param_dtype, grad_dtype):
-        return param_dtype if param_dtype in _WIRE_16 else grad_dtype
-
     def allocator(self):
         return self._allocate
 
     def _allocate(self, shape, dtype, device) -> torch.Tensor:
         buffer = self._symm_mem.empty(tuple(shape), dtype=dtype, device=device)
-        handle = self._symm_mem.rendezvous(buffer, self.process_group)
         # The buffer may start inside a larger symmetric block: offset every peer alike.
-        offset = buffer.data_ptr() - handle.buffer_ptrs[handle.rank]
+        handle, offset = rendezvous_offset(buffer, self.process_group)
         table = torch.tensor([p + offset for p in handle.buffer_ptrs], dtype=torch.int64, device=device)
         self._buffers[buffer.data_ptr()] = (buffer, table, handle, offset)
         return buffer
