@@ -82,15 +82,52 @@ def _chosen(ctx):
     names = [e.name for e in prof.events()]
     return ([(t.gather.name, t.reduce.name) for t in runtime.transports.values()], homes,
             sum("nccl" in n.lower() and "allgather" in n.lower().replace("_", "") for n in names),
-            sum("memcpy" in n.lower() for n in names))  # "Memcpy PtoP" / "DtoD": copy engines
+            sum("memcpy" in n.lower() for n in names),  # "Memcpy PtoP" / "DtoD": copy engines
+            sum("barrier" in n.lower() for n in names))  # fenced by flags, not barrier kernels
 
 
 def test_auto_picks_copy_engine_and_gathers_without_nccl_kernels():
-    for chosen, homes, nccl_gathers, peer_copies in run_distributed(_chosen, 2):
+    for chosen, homes, nccl_gathers, peer_copies, barrier_kernels in run_distributed(_chosen, 2):
         assert chosen == [("copy_engine", "nccl")]  # reductions: see choose_transports
         assert homes
         assert nccl_gathers == 0
         assert peer_copies > 0
+        assert barrier_kernels == 0
+
+
+def _flag_barrier_orders(ctx):
+    from etp.transport.flag_barrier import FlagBarrier
+    from etp.transport.symm_pool import rendezvous_offset, symm_mem_module
+
+    group = torch.distributed.group.WORLD
+    barrier = FlagBarrier(group, ctx.device)
+    barrier.materialize()
+    data = symm_mem_module(group).empty(1 << 20, dtype=torch.float32, device=ctx.device)
+    data.zero_()
+    handle, offset = rendezvous_offset(data, group)
+    peer = 1 - ctx.rank
+    peer_data = handle.get_buffer(peer, (4 << 20,), torch.uint8, offset).view(torch.float32)
+    torch.cuda._sleep(1)  # kernels loaded before any stream parks on a flag
+    got = torch.zeros(1 << 20, device=ctx.device)
+    got.copy_(peer_data)
+    torch.cuda.synchronize()
+    torch.distributed.barrier()
+    seen = []
+    for round_ in range(1, 4):
+        if ctx.rank == 0:
+            torch.cuda._sleep(30_000_000)  # rank 1 arrives first and must wait for this write
+        data.fill_(float(round_ * 10 + ctx.rank))
+        barrier(channel=3)  # every peer's fill is visible after this
+        got.copy_(peer_data)  # copy engine: a peer read
+        barrier(channel=3)  # nobody refills before every peer read
+        seen.append(got[:: 1 << 16].unique().tolist())
+    torch.cuda.synchronize()
+    return seen, [float(r * 10 + peer) for r in range(1, 4)]
+
+
+def test_flag_barrier_orders_peer_writes_and_reads():
+    for seen, expected in run_distributed(_flag_barrier_orders, 2):
+        assert seen == [[value] for value in expected]
 
 
 def _push_uses_no_kernel_beside_the_gemms(ctx):
@@ -105,10 +142,12 @@ def _push_uses_no_kernel_beside_the_gemms(ctx):
     names = [e.name for e in prof.events()]
     # (an NCCL all-reduce of the test's loss may run; a reduce-scatter must not)
     return (sum("nccl" in n.lower() and "reducescatter" in n.lower().replace("_", "") for n in names),
-            sum("_sum_received_kernel" in n for n in names), sum("memcpy" in n.lower() for n in names))
+            sum("_sum_received_kernel" in n for n in names), sum("memcpy" in n.lower() for n in names),
+            sum("barrier" in n.lower() for n in names))
 
 
 def test_push_reduce_runs_no_nccl_kernel_and_one_sum_per_weight():
-    for nccl_reductions, sums, copies in run_distributed(_push_uses_no_kernel_beside_the_gemms, 2):
+    for nccl_reductions, sums, copies, barriers in run_distributed(_push_uses_no_kernel_beside_the_gemms, 2):
         assert nccl_reductions == 0
         assert sums > 0 and copies > 0
+        assert barriers == 0  # gathers and reductions fenced by stream flag operations only

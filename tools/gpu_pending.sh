@@ -37,6 +37,13 @@
 # (n) issue 13: the flagship recipe deterministic (no NaN fill of new allocations now) with bf16,
 #     fp8_tensorwise and fp8_blockwise gathers and ETP off, compared after; deterministic FP8 with
 #     torch's NaN fill back on (ETP_DETERMINISTIC_FILL=1) for the before / after figure
+# Session 11 (2026-11-26) added:
+# (p) issue 14: the copy-engine gather fenced by stream flag operations (FlagBarrier) instead of
+#     two barrier kernels per gather: the transport GPU tests (a FlagBarrier ordering test, no
+#     barrier kernel in a profiled step), then the expert stack in two interleaved rounds beside
+#     replicated and the kernel-fenced gather (etp_async_ce_push_kfence), traced
+# (q) the flagship recipe (world 2, ETP 2/2) with the push reduce-scatter beside the default
+#     reductions and ETP off, bf16 and FP8 gathers, loss compared after
 # Each step has its own timeout; the whole script stays under BUDGET seconds (default 560).
 # ONLY (tools/gpu_lib.sh) runs a subset, e.g. ONLY='^(a_|b_)'.
 source tools/gpu_lib.sh
@@ -164,5 +171,14 @@ for fill in 0 1; do
 done
 [[ -d "$OUT/o_trace" ]] && python3 tools/trace_gaps.py "$OUT"/o_trace/*_trace.json --top 8 --json "$OUT/o_trace_gaps.json" \
   && rm -rf "$OUT/o_trace"
+
+# (p)
+TAIL=6 step p_transport_gpu_tests 200 env ETP_TEST_BACKEND=nccl ETP_TEST_TIMEOUT=90 python3 -m pytest -q -p no:warnings \
+  -o faulthandler_timeout=150 tests/test_stream_ops_gpu.py tests/test_transport_gpu.py
+TAIL=16 step p_stack_flags 300 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py \
+  --variants replicated,etp_async_ce_push,etp_async_ce_push_kfence,etp_async_ce_push_fp8_wgrad --rounds 2 \
+  --trace "$OUT/p_trace" --out "$OUT/p_stack_flags.json"
+[[ -d "$OUT/p_trace" ]] && python3 tools/trace_gaps.py "$OUT"/p_trace/*_trace.json --top 8 --json "$OUT/p_trace_gaps.json" \
+  > "$OUT/p_trace_gaps.log" 2>&1; rm -rf "$OUT/p_trace"
 
 budget_end
