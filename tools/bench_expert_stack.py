@@ -57,7 +57,7 @@ earlier runs. The transport variants (opt-in through ``--variants``) change only
   communicator capped at ``--reduce-ctas`` CTAs (per communicator, not NCCL_MAX_CTAS);
 * ``etp_async_ce_push`` / ``etp_async_ce_push_fp8_wgrad``: copy-engine gathers and the push
   reduce-scatter (copy-engine pushes, flag fences, the fp32 sum between GEMMs);
-  ``etp_async_ce_push_kfence``: the same with the gathers fenced by symmetric-memory barrier
+  ``etp_async_ce_push_kfence`` / ``etp_async_ce_push_fp8_wgrad_kfence``: the same with the gathers fenced by symmetric-memory barrier
   kernels instead of stream flag operations (``CopyEngineGather.fence = "kernel"``).
 
 Every ETP variant issues the next pass's chain-head gathers at the end of the step
@@ -173,6 +173,7 @@ TRANSPORT_VARIANTS = {
     "etp_async_ce_push_fp8_wgrad": ("copy_engine", "copy_engine_push"),
     # the copy-engine gather fenced by symmetric-memory barrier kernels (session 9's), not flags
     "etp_async_ce_push_kfence": ("copy_engine", "copy_engine_push"),
+    "etp_async_ce_push_fp8_wgrad_kfence": ("copy_engine", "copy_engine_push"),
 }
 VARIANTS = ("replicated", "replicated_fp8", "ddp", "fsdp2", "etp_sync", "etp_async", "etp_async_fp8",
             "etp_async_fp8_blockwise", *TRANSPORT_VARIANTS, "etp_async_graphed", "etp_async_fp8_graphed",
@@ -188,6 +189,7 @@ FP8_VARIANTS = {
     "etp_async_fp8_wgrad": ("fp8_tensorwise", None),
     "etp_async_ce_fp8_wgrad": ("fp8_tensorwise", None),
     "etp_async_ce_push_fp8_wgrad": ("fp8_tensorwise", None),
+    "etp_async_ce_push_fp8_wgrad_kfence": ("fp8_tensorwise", None),
 }
 # Variants whose GEMMs run in FP8 (their check differs from replicated by FP8 rounding).
 FP8_COMPUTE = ("replicated_fp8", "replicated_fp8_wgrad", *FP8_VARIANTS)
@@ -195,7 +197,7 @@ PROFILED = ("replicated", "replicated_fp8", "replicated_fp8_wgrad", "etp_async",
             "etp_async_ce_capped",
             "etp_async_ce_fp8_symm", "etp_async_ce_pull", "etp_async_ce_fp8",
             "etp_async_ce_fp8_wgrad", "etp_async_ce_push", "etp_async_ce_push_fp8_wgrad",
-            "etp_async_ce_push_kfence")  # traced under --trace
+            "etp_async_ce_push_kfence", "etp_async_ce_push_fp8_wgrad_kfence")  # traced under --trace
 GPU_DEFAULTS = dict(layers=8, experts=16, tokens_per_expert=2048, hidden=4096, ffn=1536, warmup=5, steps=20)
 SMOKE_DEFAULTS = dict(layers=2, experts=4, tokens_per_expert=8, hidden=32, ffn=16, warmup=2, steps=2)
 # Measured separately on 2026-11-21 (shared/anchors.md), same workload and machine kind.
@@ -724,7 +726,7 @@ def _transport_variant(name: str):
     def prepare(args, env, groups_cache) -> Prepared:
         dtype, pad = FP8_VARIANTS.get(name, ("param", None))
         prep = _prepare_etp(args, env, groups_cache, prefetch=True, gather_dtype=dtype, pad_for_alignment=pad,
-                            transports=TRANSPORT_VARIANTS[name], fp8_wgrad=name.endswith("_fp8_wgrad"))
+                            transports=TRANSPORT_VARIANTS[name], fp8_wgrad="_fp8_wgrad" in name)
         if name.endswith("_kfence"):
             for chosen in etp.runtime_of(prep.model).transports.values():
                 chosen.gather.fence = "kernel"

@@ -181,4 +181,25 @@ TAIL=16 step p_stack_flags 300 torchrun --standalone --nproc-per-node 2 tools/be
 [[ -d "$OUT/p_trace" ]] && python3 tools/trace_gaps.py "$OUT"/p_trace/*_trace.json --top 8 --json "$OUT/p_trace_gaps.json" \
   > "$OUT/p_trace_gaps.log" 2>&1; rm -rf "$OUT/p_trace"
 
+# (q)
+TAIL=16 step q_stack_fences 200 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py \
+  --variants replicated,replicated_fp8_wgrad,etp_async_ce_push,etp_async_ce_push_kfence,etp_async_ce_push_fp8_wgrad,\
+etp_async_ce_push_fp8_wgrad_kfence --rounds 2 --trace "$OUT/q_trace" --out "$OUT/q_stack_fences.json"
+[[ -d "$OUT/q_trace" ]] && python3 tools/trace_gaps.py "$OUT"/q_trace/*_trace.json --top 8 --json "$OUT/q_trace_gaps.json" \
+  > "$OUT/q_trace_gaps.log" 2>&1 && gzip -c "$OUT/q_trace/etp_async_ce_push_fp8_wgrad_trace.json" > "$OUT/q_fp8_push_trace.json.gz"
+rm -rf "$OUT/q_trace"
+for v in nccl push off push_fp8; do
+  case $v in
+    nccl) set_="$AT2" ;;
+    push) set_="$AT2 --set etp.reduce_transport=copy_engine_push" ;;
+    off) set_="--set world_size=2 --set global_batch_size=8 --set etp.etp_size=1 --set etp.expert_etp_size=1" ;;
+    push_fp8) set_="$AT2 --set etp.reduce_transport=copy_engine_push --set etp.gather_dtype=fp8_tensorwise" ;;
+  esac
+  TAIL=3 step q_recipe_$v 110 $TRAIN --recipe $FLAG $set_ --train-iters 25 --log-interval 5 --json "$OUT/q_recipe_$v.json"
+done
+for v in push off; do
+  [[ -f "$OUT/q_recipe_$v.json" && -f "$OUT/q_recipe_nccl.json" ]] && python3 tools/compare_recipe_runs.py \
+    --etp "$OUT/q_recipe_$v.json" --baseline "$OUT/q_recipe_nccl.json" --tolerance 0.03 | tail -4
+done
+
 budget_end
