@@ -93,7 +93,7 @@ def _fake_receive(self, full, rows, seq):
 def _install_fakes():
     transport.symmetric_memory_status = lambda group, device: (True, "emulated on gloo")
     copy_engine.SymmetricPool = _FakePool
-    copy_engine.CopyEngineGather._channel = lambda self: 0
+    copy_engine.CopyEngineGather._channel = lambda self: (0, 0)
     symm_reduce._SymmetricWgradReduce.__init__ = _fake_symm_reduce_init
     symm_reduce._SymmetricWgradReduce._allocate = _fake_allocate
     symm_reduce.CopyEngineReduce._peer_rows = _fake_peer_rows
@@ -251,3 +251,29 @@ def test_push_reduce_sums_in_fp32_against_float64(world):
         assert plain_dtype == torch.bfloat16 and plain_error <= 2 ** -8 * scale  # one rounding to bf16
         assert sequences == [0, 1]  # one sequence number per reduction, in issue order
 
+
+
+def _auto_and_capture(ctx):
+    _install_fakes()
+    names = []
+    for reduce in ("auto", "copy_engine_push"):
+        config = ETPConfig(etp_size=ctx.world_size, expert_etp_size=ctx.world_size, reduce_transport=reduce)
+        model, groups = _setup(config, ctx.device)
+        runtime = runtime_of(model)
+        (chosen,) = runtime.transports.values()
+        before = chosen.reduce.name
+        try:
+            runtime.prepare_capture()
+            after = chosen.reduce.name
+        except ValueError as exc:
+            after = str(exc)
+        _step(model, config, groups, seed=0)  # trains on whatever was chosen
+        names.append((chosen.gather.name, before, after))
+    return names
+
+
+def test_auto_picks_the_push_reduce_and_capture_swaps_it_for_nccl():
+    for (auto, named) in run_distributed(_auto_and_capture, 2):
+        assert auto == ("copy_engine", "copy_engine_push", "nccl")  # symmetric memory (emulated) here
+        assert named[:2] == ("copy_engine", "copy_engine_push")
+        assert "reduce_transport='copy_engine_push' cannot be captured" in named[2] and "'auto'" in named[2]

@@ -86,9 +86,9 @@ def _chosen(ctx):
             sum("barrier" in n.lower() for n in names))  # fenced by flags, not barrier kernels
 
 
-def test_auto_picks_copy_engine_and_gathers_without_nccl_kernels():
+def test_auto_picks_copy_engine_and_push_and_gathers_without_nccl_kernels():
     for chosen, homes, nccl_gathers, peer_copies, barrier_kernels in run_distributed(_chosen, 2):
-        assert chosen == [("copy_engine", "nccl")]  # reductions: see choose_transports
+        assert chosen == [("copy_engine", "copy_engine_push")]  # both SM-free where symmetric memory is
         assert homes
         assert nccl_gathers == 0
         assert peer_copies > 0

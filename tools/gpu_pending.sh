@@ -44,6 +44,10 @@
 #     replicated and the kernel-fenced gather (etp_async_ce_push_kfence), traced
 # (q) the flagship recipe (world 2, ETP 2/2) with the push reduce-scatter beside the default
 #     reductions and ETP off, bf16 and FP8 gathers, loss compared after
+# (r) issue 13: does FP8 track bf16 once the loss has settled? The flagship recipe deterministic at
+#     its own 50 iterations with bf16 and fp8_tensorwise gathers; at 25 iterations FP8 without FP8
+#     weight gradients (which part of FP8 moves the trajectory) and bf16 with another seed (how far
+#     two bf16 runs differ in the same window)
 # Each step has its own timeout; the whole script stays under BUDGET seconds (default 560).
 # ONLY (tools/gpu_lib.sh) runs a subset, e.g. ONLY='^(a_|b_)'.
 source tools/gpu_lib.sh
@@ -200,6 +204,18 @@ done
 for v in push off; do
   [[ -f "$OUT/q_recipe_$v.json" && -f "$OUT/q_recipe_nccl.json" ]] && python3 tools/compare_recipe_runs.py \
     --etp "$OUT/q_recipe_$v.json" --baseline "$OUT/q_recipe_nccl.json" --tolerance 0.03 | tail -4
+done
+
+# (r)
+DET50="--set deterministic=true --log-interval 5"
+for v in bf16_50 fp8_50 fp8_nowgrad_25 bf16_seed_25; do
+  case $v in
+    bf16_50) set_="--train-iters 50" ;;
+    fp8_50) set_="--train-iters 50 --set etp.gather_dtype=fp8_tensorwise" ;;
+    fp8_nowgrad_25) set_="--train-iters 25 --set etp.gather_dtype=fp8_tensorwise --set etp.fp8_wgrad=false" ;;
+    bf16_seed_25) set_="--train-iters 25 --set seed=4321" ;;
+  esac
+  TAIL=2 step r_det_$v 120 $TRAIN --recipe $FLAG $AT2 $DET50 $set_ --json "$OUT/r_det_$v.json"
 done
 
 budget_end

@@ -79,7 +79,8 @@ def _refuse(key: str, value: str, why: str) -> ValueError:
 def choose_transports(config: ETPConfig, group: ShardGroup, device: torch.device) -> Transports:
     """The transports of ``group`` for ``config`` (a collective over the group on CUDA)."""
     symm_reductions = ("symm_triton", "copy_engine", "copy_engine_push")
-    maybe_symm = config.transport in ("auto", "copy_engine") or config.reduce_transport in symm_reductions
+    maybe_symm = (config.transport in ("auto", "copy_engine")
+                  or config.reduce_transport in (*symm_reductions, "auto"))
     ok, why = symmetric_memory_status(group, device) if maybe_symm else (False, "not asked for")
     if config.transport == "copy_engine" and not ok:
         raise _refuse("transport", config.transport, why)
@@ -96,10 +97,13 @@ def choose_transports(config: ETPConfig, group: ShardGroup, device: torch.device
         reasons.append("nccl: " + ("configured" if config.transport == "nccl" else why))
     reduce_name = config.reduce_transport
     if reduce_name == "auto":
-        # NCCL: the SM-light reductions measured slower than they save on 2xH200 (2026-11-23,
-        # BENCHMARKS.md "SM-free communication"): symm_triton 5.8 ms at 8 CTAs for an fc1
-        # gradient NCCL reduces in 1.05 ms, and 137 ms per iteration of the flagship recipe.
-        reduce_name = "nccl"
+        # The push reduce-scatter where symmetric memory is available (BENCHMARKS.md, session
+        # 11: the flagship recipe at world 2 9% faster than with NCCL, 2.8 GiB less peak
+        # memory; the expert stack 0.857x of no communication against NCCL's 0.79x), else NCCL.
+        # A CUDA graph cannot capture it: etp.GraphedStep swaps it for NCCL
+        # (ETPRuntime.prepare_capture).
+        reduce_name = "copy_engine_push" if ok else "nccl"
+        reasons.append(f"reduce {reduce_name}: " + (why if ok else f"no symmetric memory ({why})"))
     if reduce_name == "copy_engine_push":
         from .push_reduce import CopyEnginePushReduce
 

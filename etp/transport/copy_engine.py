@@ -73,15 +73,16 @@ class CopyEngineGather(GatherTransport):
         pool = self._pool_of.get(id(param))
         return None if pool is None or pool.buffer is None else pool.slot(id(param))
 
-    def _channel(self) -> int:
-        stream = torch.cuda.current_stream(self.device)
-        return self._channels.setdefault(stream.cuda_stream, len(self._channels))
+    def _channel(self) -> tuple[int, int]:
+        """The current stream's fence channel and its raw handle."""
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        return self._channels.setdefault(stream, len(self._channels)), stream
 
-    def _fence(self, pool: SymmetricPool, channel: int) -> None:
-        if self._flags is None or self.fence == "kernel" or torch.cuda.is_current_stream_capturing():
+    def _fence(self, pool: SymmetricPool, channel: int, stream: int, capturing: bool) -> None:
+        if self._flags is None or self.fence == "kernel" or capturing:
             pool.barrier(channel)
         else:
-            self._flags(channel)
+            self._flags(channel, stream)
 
     def gather(self, source, group, out, async_op) -> Handle:
         found = self._key_of_ptr.get(source.data_ptr())
@@ -92,14 +93,15 @@ class CopyEngineGather(GatherTransport):
             )
         key, pool = found
         rows = source.shape[0]
-        channel = self._channel()
+        channel, stream = self._channel()
+        capturing = out.is_cuda and torch.cuda.is_current_stream_capturing()
         with record_function("etp::all_gather_copy_engine"):
-            self._fence(pool, channel)
+            self._fence(pool, channel, stream, capturing)
             for step in range(group.size):
                 peer = (group.rank + step) % group.size
                 src = source if peer == group.rank else pool.peer(key, peer)
                 out[peer * rows : (peer + 1) * rows].copy_(src)
-            self._fence(pool, channel)
+            self._fence(pool, channel, stream, capturing)
         if not async_op:
             return DoneHandle(out)
         return EventHandle(out, record_event(out.device), keep=(source,))

@@ -63,10 +63,12 @@ class FlagBarrier:
     def _flag(self, owner: int, channel: int, arriving: int) -> int:
         return self._pads[owner] + 4 * (channel * self.world + arriving)
 
-    def __call__(self, channel: int) -> None:
-        """Barrier number ``n + 1`` of ``channel`` on the current stream."""
+    def __call__(self, channel: int, stream: torch.cuda.Stream | int | None = None) -> None:
+        """Barrier number ``n + 1`` of ``channel`` on ``stream`` (default: the current stream; or
+        its raw ``cuda_stream`` handle)."""
         from .stream_ops import wait_value_geq, write_value
 
+        stream = stream if isinstance(stream, int) else (stream or torch.cuda.current_stream()).cuda_stream
         if not 0 <= channel < self.channels:
             raise RuntimeError(
                 f"etp flag barrier: channel {channel} out of range: {self.channels} streams fence "
@@ -74,9 +76,9 @@ class FlagBarrier:
         self._count[channel] += 1
         value = self._count[channel]
         for step in range(1, self.world):
-            write_value(self._flag((self.rank + step) % self.world, channel, self.rank), value)
+            write_value(self._flag((self.rank + step) % self.world, channel, self.rank), value, stream)
         for step in range(1, self.world):
-            wait_value_geq(self._flag(self.rank, channel, (self.rank - step) % self.world), value)
+            wait_value_geq(self._flag(self.rank, channel, (self.rank - step) % self.world), value, stream)
 
     def nbytes(self) -> int:
         """The flag pad (symmetric memory, outside torch's allocator)."""

@@ -85,6 +85,7 @@ class CopyEnginePushReduce(SixteenBitWireReduce):
 
     name = "copy_engine_push"
     label = "etp::reduce_scatter_push"
+    capturable = False  # flag values would be baked into the graph
     SLOTS = 2
 
     def __init__(self, process_group, device: torch.device, num_ctas: int = 0) -> None:
@@ -184,7 +185,8 @@ class CopyEnginePushReduce(SixteenBitWireReduce):
         if full.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 "etp reduce_transport='copy_engine_push' cannot be captured in a CUDA graph (its flag "
-                "values would replay unchanged): use reduce_transport='nccl' or 'copy_engine' with cuda_graph"
+                "values would replay unchanged): capture through etp.GraphedStep (which swaps an 'auto' "
+                "choice for nccl), or set reduce_transport='nccl' or 'copy_engine' with cuda_graph"
             )
         rows = full.shape[0] // self.world
         nbytes = rows * full[0].numel() * full.element_size()
