@@ -48,6 +48,11 @@
 #     its own 50 iterations with bf16 and fp8_tensorwise gathers; at 25 iterations FP8 without FP8
 #     weight gradients (which part of FP8 moves the trajectory) and bf16 with another seed (how far
 #     two bf16 runs differ in the same window)
+# (s) after reduce_transport auto -> copy_engine_push and one stream lookup per fence: the expert
+#     stack (bf16 and FP8, flag vs kernel fences) and the flagship recipe, auto vs NCCL reductions,
+#     bf16 and FP8 gathers, and a captured run (cuda_graph=step: auto swaps to NCCL)
+# (t) the GPU tests the auto change touches: transports, stream ops, graphs, the captured recipe,
+#     the 2-layer FP8 recipe
 # Each step has its own timeout; the whole script stays under BUDGET seconds (default 560).
 # ONLY (tools/gpu_lib.sh) runs a subset, e.g. ONLY='^(a_|b_)'.
 source tools/gpu_lib.sh
@@ -217,5 +222,26 @@ for v in bf16_50 fp8_50 fp8_nowgrad_25 bf16_seed_25; do
   esac
   TAIL=2 step r_det_$v 120 $TRAIN --recipe $FLAG $AT2 $DET50 $set_ --json "$OUT/r_det_$v.json"
 done
+
+# (s)
+TAIL=12 step s_stack 150 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py \
+  --variants replicated,etp_async_ce_push,etp_async_ce_push_kfence,etp_async_ce_push_fp8_wgrad,\
+etp_async_ce_push_fp8_wgrad_kfence --rounds 2 --out "$OUT/s_stack.json"
+for v in bf16_auto bf16_nccl fp8_auto fp8_nccl; do
+  case $v in
+    bf16_auto) set_="$AT2" ;;
+    bf16_nccl) set_="$AT2 --set etp.reduce_transport=nccl" ;;
+    fp8_auto) set_="$AT2 --set etp.gather_dtype=fp8_tensorwise" ;;
+    fp8_nccl) set_="$AT2 --set etp.gather_dtype=fp8_tensorwise --set etp.reduce_transport=nccl" ;;
+  esac
+  TAIL=2 step s_recipe_$v 100 $TRAIN --recipe $FLAG $set_ --train-iters 25 --log-interval 5 --json "$OUT/s_recipe_$v.json"
+done
+TAIL=3 step s_recipe_graph_auto 100 $TRAIN --recipe $FLAG $AT2 --set cuda_graph=step --set overlap_grad_reduce=false \
+  --train-iters 25 --log-interval 5 --json "$OUT/s_recipe_graph_auto.json"
+
+# (t)
+TAIL=8 step t_gpu_tests 420 env ETP_TEST_BACKEND=nccl ETP_TEST_TIMEOUT=120 python3 -m pytest -q -p no:warnings -rs \
+  -o faulthandler_timeout=300 tests/test_stream_ops_gpu.py tests/test_transport_gpu.py tests/test_graphs_gpu.py \
+  tests/test_fp8_recipe_gpu.py tests/test_graph_step.py -k "not deterministic_captured"
 
 budget_end
