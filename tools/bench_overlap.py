@@ -11,13 +11,15 @@ Operations (each through ``etp.transport``, exactly as the runtime calls it):
 * ``gather/nccl`` and ``gather/nccl fp8``: ``all_gather_into_tensor`` of the bf16 / FP8
   (uint8 bytes) shard on etp's AG communicator;
 * ``gather/copy_engine`` and ``gather/copy_engine fp8``: peer copies out of a symmetric-memory
-  pool, between two symmetric-memory barriers;
+  pool, between two flag fences (stream memory operations, no kernel);
+  ``gather/copy_engine kernel-fenced``: the same between two symmetric-memory barrier kernels;
 * ``reduce/nccl fp32`` (the megatron path: fp32 wgrad, divide, add into fp32 ``main_grad``),
   ``reduce/nccl bf16`` (bf16 wgrad, as in bench_expert_stack), ``reduce/nccl_capped`` (its
   own communicator with ``max_ctas`` = each of ``--reduce-ctas``), ``reduce/symm_triton``
   (bf16 wire, fp32 sums added into ``main_grad`` on each of ``--reduce-ctas`` CTAs),
   ``reduce/copy_engine`` (bf16 peer slices pulled by the copy engines, fp32 adds into
-  ``main_grad`` on the side stream).
+  ``main_grad`` on the side stream), ``reduce/copy_engine_push`` (copy-engine pushes fenced by
+  flags, then the fp32 sum kernel, here on the side stream too).
 
 For each: *alone* is the median over ``--iters`` of the operation on its side stream (the
 device otherwise idle); *beside* runs ``K`` GEMMs back to back on the compute stream while the
@@ -197,6 +199,17 @@ def build_ops(args, device, group):
         ops["gather/copy_engine"] = (lambda: ce.gather(home_bf16, group, full_bf16, False).wait(),
                                      received(torch.bfloat16))
         ops["gather/copy_engine fp8"] = (lambda: ce.gather(home_fp8, group, full_fp8, False).wait(), received(FP8))
+        # The same gathers fenced by symmetric-memory barrier kernels (CopyEngineGather.fence =
+        # "kernel", what runs under CUDA-graph capture) instead of stream flag operations.
+        ce_kernel = CopyEngineGather(group.ag_group, device)
+        ce_kernel.fence = "kernel"
+        owner_k = SimpleNamespace(etp_layout=layout)
+        ce_kernel.register(owner_k, torch.bfloat16)
+        ce_kernel.materialize()
+        home_k = ce_kernel.home(owner_k)
+        home_k.copy_(shard_bf16)
+        ops["gather/copy_engine kernel-fenced"] = (lambda: ce_kernel.gather(home_k, group, full_bf16, False).wait(),
+                                                   received(torch.bfloat16))
 
     wgrad32 = torch.randn(full_shape, generator=gen).to(device)
     wgrad16 = wgrad32.to(torch.bfloat16)
@@ -214,6 +227,15 @@ def build_ops(args, device, group):
         pulled.copy_(wgrad16)
         ops["reduce/copy_engine"] = (lambda: pull.reduce_scatter(pulled, group, main_grad, True, False).wait(),
                                      received(torch.bfloat16))
+        from etp.transport.push_reduce import CopyEnginePushReduce
+
+        push = CopyEnginePushReduce(group.rs_group, device)
+        push.reserve(SimpleNamespace(etp_layout=layout), torch.bfloat16)
+        push.materialize()
+        # Pushes and flags on the side stream, then (as ``wait``) the fp32 sum on the same side
+        # stream: the worst case for the GEMM; in training the sum runs between GEMMs.
+        ops["reduce/copy_engine_push (sum beside too)"] = (
+            lambda: push.reduce_scatter(wgrad16, group, main_grad, True, False).wait(), received(torch.bfloat16))
 
         for ctas in args.reduce_ctas:
             capped = NCCLReduce(capped_nccl_group(group, ctas), name="nccl_capped")

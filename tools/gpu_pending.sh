@@ -52,7 +52,8 @@
 #     stack (bf16 and FP8, flag vs kernel fences) and the flagship recipe, auto vs NCCL reductions,
 #     bf16 and FP8 gathers, and a captured run (cuda_graph=step: auto swaps to NCCL)
 # (t) the GPU tests the auto change touches: transports, stream ops, graphs, the captured recipe,
-#     the 2-layer FP8 recipe
+#     the 2-layer FP8 recipe; then bench_overlap with the flag-fenced and kernel-fenced gathers and
+#     the push reduce-scatter beside a grouped GEMM
 # Each step has its own timeout; the whole script stays under BUDGET seconds (default 560).
 # ONLY (tools/gpu_lib.sh) runs a subset, e.g. ONLY='^(a_|b_)'.
 source tools/gpu_lib.sh
@@ -243,5 +244,7 @@ TAIL=3 step s_recipe_graph_auto 100 $TRAIN --recipe $FLAG $AT2 --set cuda_graph=
 TAIL=8 step t_gpu_tests 420 env ETP_TEST_BACKEND=nccl ETP_TEST_TIMEOUT=120 python3 -m pytest -q -p no:warnings -rs \
   -o faulthandler_timeout=300 tests/test_stream_ops_gpu.py tests/test_transport_gpu.py tests/test_graphs_gpu.py \
   tests/test_fp8_recipe_gpu.py tests/test_graph_step.py -k "not deterministic_captured"
+TAIL=24 step t_overlap 150 torchrun --standalone --nproc-per-node 2 tools/bench_overlap.py --reduce-ctas 8 \
+  --out "$OUT/t_overlap.json" --md "$OUT/t_overlap.md"
 
 budget_end
