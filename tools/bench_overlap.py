@@ -24,8 +24,9 @@ Operations (each through ``etp.transport``, exactly as the runtime calls it):
 For each: *alone* is the median over ``--iters`` of the operation on its side stream (the
 device otherwise idle); *beside* runs ``K`` GEMMs back to back on the compute stream while the
 side stream runs the operation ``M`` times, ``M`` chosen (same on every rank) so that the
-operations outlast the GEMMs; GEMM slowdown = (GEMM time beside / GEMM time alone) - 1, the
-collective time beside = side-stream time / M. Each row also says whether the operation
+operations outlast the GEMMs; GEMM slowdown = (GEMM time beside / GEMM time alone) - 1, with
+*GEMM time alone* from K GEMMs back to back right before, the median of ``--rounds`` such
+pairs (clocks drift over a run); the collective time beside = side-stream time / M. Each row also says whether the operation
 launched any kernel that occupies SMs (from a short profile: NCCL kernels, Triton kernels;
 the symmetric-memory barrier's one-CTA signal kernel is counted separately).
 
@@ -73,6 +74,8 @@ def parse_args(argv):
     p.add_argument("--reduce-ctas", type=str, default="4,8,16", help="CTA counts of the capped reductions")
     p.add_argument("--gemms", type=int, default=20, help="K: GEMMs per beside measurement")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=5,
+                   help="(GEMMs alone, GEMMs beside) pairs per operation; the median pair is reported")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--only", type=str, default=None, help="comma-separated substrings of operation names")
     p.add_argument("--out", type=str, default=None)
@@ -81,7 +84,7 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.cpu_smoke:
         args.experts, args.tokens_per_expert, args.hidden, args.out_features = 2, 8, 32, 16
-        args.gemms, args.iters, args.warmup = 2, 2, 1
+        args.gemms, args.iters, args.warmup, args.rounds = 2, 2, 1, 1
     args.reduce_ctas = [int(c) for c in args.reduce_ctas.split(",") if c]
     return args
 
@@ -130,6 +133,19 @@ class Timer:
             torch.cuda.synchronize()
             times.append(a.elapsed_time(b))
         return statistics.median(times)
+
+    def gemms_alone(self, gemm, k) -> float:
+        """ms per GEMM of ``k`` GEMMs back to back on the compute stream, nothing beside: the
+        same launch pattern as ``beside`` (one GEMM per synchronize, as ``alone`` times an
+        operation, would include the GPU's ramp-up after each idle gap)."""
+        self.sync()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(k):
+            gemm()
+        b.record()
+        torch.cuda.synchronize()
+        return a.elapsed_time(b) / k
 
     def beside(self, gemm, k, op, m) -> tuple[float, float]:
         """(ms per GEMM, ms per op) with k GEMMs on the compute stream and m ops beside."""
@@ -283,16 +299,22 @@ def main(argv):
             row["alone_ms"] = timer.alone(op, args.iters)
             row["alone_GBps"] = received / (row["alone_ms"] * 1e-3) / 1e9
             if device.type == "cuda":
-                # The GEMM alone again, right before it runs beside this op: one figure taken
-                # at the start read 1242 us on a colder GPU against 1171-1216 us beside every
-                # collective later (2xH200, session 6), which made every slowdown negative.
-                paired_alone = timer.alone(gemm, args.iters)
-                times = torch.tensor([row["alone_ms"], paired_alone], device=device)
-                dist.all_reduce(times, op=dist.ReduceOp.MAX)  # every rank runs the same M
-                m = max(1, math.ceil(1.2 * args.gemms * times[1].item() / times[0].item()))
-                gemm_ms, op_ms = timer.beside(gemm, args.gemms, op, m)
+                # Rounds of (K GEMMs alone, K GEMMs beside the op), back to back, and the median
+                # of each round's ratio: clocks drift over a run (a single GEMM-alone figure read
+                # 1224 us at the start and 1326-1651 us before later rows, 2xH100, session 11),
+                # and a pair taken moments apart shares the clock.
+                pairs = []
+                for _ in range(args.rounds):
+                    paired_alone = timer.gemms_alone(gemm, args.gemms)
+                    times = torch.tensor([row["alone_ms"], paired_alone], device=device)
+                    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # every rank runs the same M
+                    m = max(1, math.ceil(1.2 * args.gemms * times[1].item() / times[0].item()))
+                    gemm_ms, op_ms = timer.beside(gemm, args.gemms, op, m)
+                    pairs.append((gemm_ms / paired_alone, paired_alone, gemm_ms, op_ms, m))
+                ratio, paired_alone, gemm_ms, op_ms, m = sorted(pairs)[len(pairs) // 2]
                 row.update(gemm_alone_ms=paired_alone, beside_gemm_ms=gemm_ms, beside_op_ms=op_ms, ops_beside=m,
-                           gemm_slowdown_pct=100 * (gemm_ms / paired_alone - 1))
+                           gemm_slowdown_pct=100 * (ratio - 1),
+                           gemm_slowdown_pct_rounds=[round(100 * (r[0] - 1), 2) for r in pairs])
                 try:
                     row.update(sm_kernels(op, device))
                 except Exception as exc:  # noqa: BLE001 - the timings above still count

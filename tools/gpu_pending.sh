@@ -54,6 +54,9 @@
 # (t) the GPU tests the auto change touches: transports, stream ops, graphs, the captured recipe,
 #     the 2-layer FP8 recipe; then bench_overlap with the flag-fenced and kernel-fenced gathers and
 #     the push reduce-scatter beside a grouped GEMM
+# (u) bench_overlap with paired rounds (GEMMs alone right before GEMMs beside, median of 5): the
+#     gathers and the bf16 reductions; the expert stack traced, replicated vs push (both traces
+#     kept, gzipped: which GEMMs run slower beside the copy engines)
 # Each step has its own timeout; the whole script stays under BUDGET seconds (default 560).
 # ONLY (tools/gpu_lib.sh) runs a subset, e.g. ONLY='^(a_|b_)'.
 source tools/gpu_lib.sh
@@ -246,5 +249,15 @@ TAIL=8 step t_gpu_tests 420 env ETP_TEST_BACKEND=nccl ETP_TEST_TIMEOUT=120 pytho
   tests/test_fp8_recipe_gpu.py tests/test_graph_step.py -k "not deterministic_captured"
 TAIL=24 step t_overlap 150 torchrun --standalone --nproc-per-node 2 tools/bench_overlap.py --reduce-ctas 8 \
   --out "$OUT/t_overlap.json" --md "$OUT/t_overlap.md"
+
+# (u)
+TAIL=14 step u_overlap 150 torchrun --standalone --nproc-per-node 2 tools/bench_overlap.py --reduce-ctas 8 --rounds 5 \
+  --only "gather/,reduce/nccl bf16,reduce/copy_engine_push" --out "$OUT/u_overlap.json" --md "$OUT/u_overlap.md"
+TAIL=10 step u_stack_trace 120 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py \
+  --variants replicated,etp_async_ce_push --trace "$OUT/u_trace" --out "$OUT/u_stack_trace.json"
+for v in replicated etp_async_ce_push; do
+  [[ -f "$OUT/u_trace/${v}_trace.json" ]] && gzip -c "$OUT/u_trace/${v}_trace.json" > "$OUT/u_${v}_trace.json.gz"
+done
+rm -rf "$OUT/u_trace"
 
 budget_end
