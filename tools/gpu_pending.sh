@@ -57,6 +57,8 @@
 # (u) bench_overlap with paired rounds (GEMMs alone right before GEMMs beside, median of 5): the
 #     gathers and the bf16 reductions; the expert stack traced, replicated vs push (both traces
 #     kept, gzipped: which GEMMs run slower beside the copy engines)
+# (v) is the GEMMs' +5% beside ETP a clock effect? The expert stack, replicated and push each in
+#     its own run, with SM clocks, power and throttle reasons sampled (tools/gpu_clocks.sh)
 # Each step has its own timeout; the whole script stays under BUDGET seconds (default 560).
 # ONLY (tools/gpu_lib.sh) runs a subset, e.g. ONLY='^(a_|b_)'.
 source tools/gpu_lib.sh
@@ -259,5 +261,11 @@ for v in replicated etp_async_ce_push; do
   [[ -f "$OUT/u_trace/${v}_trace.json" ]] && gzip -c "$OUT/u_trace/${v}_trace.json" > "$OUT/u_${v}_trace.json.gz"
 done
 rm -rf "$OUT/u_trace"
+
+# (v)
+for v in replicated etp_async_ce_push; do
+  TAIL=8 step v_clocks_$v 90 bash tools/gpu_clocks.sh "$OUT/v_clocks_$v" torchrun --standalone --nproc-per-node 2 \
+    tools/bench_expert_stack.py --variants $v --steps 60 --out "$OUT/v_clocks_$v.json"
+done
 
 budget_end

@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 from collections import defaultdict
@@ -26,7 +27,9 @@ from etp.megatron.profile import _union  # noqa: E402 - the one interval union
 
 
 def load(path: str) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
+    """The events of a chrome trace (``.json`` or gzipped ``.json.gz``)."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
         return json.load(f).get("traceEvents", [])
 
 
