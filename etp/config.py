@@ -98,9 +98,10 @@ class ETPConfig:
             weight-cache and wgrad-pool activity on the ``etp.cache`` logger (allocations at
             INFO, every acquire / release at DEBUG); off, nothing is logged.
         transport: how weight all-gathers move bytes: "nccl" (the process group's
-            collective), "copy_engine" (peer copies out of torch symmetric memory: no SMs;
-            CUDA + NCCL groups on NVLink GPUs of one host only) or "auto" (copy_engine where
-            symmetric memory is available, else nccl). Chosen once at wrap time and logged.
+            collective), "copy_engine" (peer copies out of torch symmetric memory fenced by
+            stream flag operations: no SMs; CUDA + NCCL groups on NVLink GPUs of one host
+            only) or "auto" (copy_engine where symmetric memory is available, else nccl).
+            Chosen once at wrap time and logged.
         reduce_transport: how weight-gradient reduce-scatters run: "nccl" (the RS
             communicator, fp32 wire), "nccl_capped" (its own NCCL communicator limited to
             ``reduce_ctas`` CTAs), "symm_triton" (a Triton kernel over symmetric memory on
@@ -111,17 +112,19 @@ class ETPConfig:
             per reduction), "copy_engine_push" (each rank pushes the peers' rows to them by
             copy engine, fenced by stream flag operations: nothing on an SM beside the GEMMs;
             the fp32 sum into ``main_grad`` runs on the compute stream when the reduction is
-            finalized; refuses CUDA-graph capture; see [Note: push reduce-scatter]) or "auto" (nccl: the
-            SM-light reductions measured so far were slower than the SMs they free, see
-            BENCHMARKS.md "SM-free communication" and "session 9": copy_engine_push is the
-            fastest on the expert stack but not yet run on a recipe).
+            finalized; cannot be captured in a CUDA graph; see [Note: push reduce-scatter]) or
+            "auto" (copy_engine_push where symmetric memory is available, as for ``transport``,
+            else nccl; ``etp.GraphedStep`` swaps it for nccl before capturing. On the flagship
+            recipe at world 2 it ran 10% faster than nccl with 2.8 GiB less peak memory:
+            BENCHMARKS.md, session 11).
         reduce_ctas: CTAs (thread blocks) of the "nccl_capped" and "symm_triton" reductions.
         gemm_sm_carveout: SMs the GEMMs leave free for the side streams' kernels from the
             first weight-gradient reduce-scatter of a backward pass to its last (torch's SM
             carve-out; 0: off). A persistent GEMM that starts while a collective holds SMs
             otherwise runs part of its tiles late, up to twice its time alone: set it to the
-            reduction's CTAs (``reduce_ctas`` with "nccl_capped" / "symm_triton") plus one
-            for the copy-engine transport's barrier kernel. See [Note: GEMM SM carve-out].
+            reduction's CTAs (``reduce_ctas`` with "nccl_capped" / "symm_triton"; plus one for
+            the copy-engine gather's barrier kernel inside a CUDA graph, where its fences are
+            kernels). See [Note: GEMM SM carve-out].
 
     Example::
 

@@ -12,8 +12,11 @@
 #                                      of the saving run, e.g. the distributed optimizer)
 #   bash tools/gpu_checks.sh fp8recipe recipes/moe_h200x8.yaml at world NPROC (default 2), ETP=NPROC:
 #                                      bf16 gathers, fp8_tensorwise, fp8_blockwise, and ETP off, ITERS
-#                                      iterations each (default 25); each FP8 run vs the bf16-gather
-#                                      run (compare_recipe_runs.py), then the 2-layer FP8 GPU test
+#                                      iterations each (default 50, the recipe's own; deterministic
+#                                      unless DET=0); each FP8 run vs the bf16-gather run
+#                                      (compare_recipe_runs.py), then the 2-layer FP8 GPU test.
+#                                      Why 50: at 25 the last-10 window sits in the loss's fall, where
+#                                      two bf16 runs with different seeds differ by 12% (session 11)
 #   bash tools/gpu_checks.sh megatron  driver vs stock megatron-core on 2 GPUs (pytest), then
 #                                      recipes/moe_h200x8.yaml with and without ETP (NPROC GPUs)
 # NPROC=4 runs the benchmarks on 4 GPUs instead of 8.
@@ -75,7 +78,8 @@ megatron)
     --tolerance 0.03 --command "$CMD" --out "$OUT/moe_h200x8_compare.json"
   ;;
 fp8recipe)
-  N=${NPROC:-2}; ITERS=${ITERS:-25}; LOG="$OUT/fp8recipe.log"
+  N=${NPROC:-2}; ITERS=${ITERS:-50}; LOG="$OUT/fp8recipe.log"
+  [[ ${DET:-1} == 1 ]] && EXTRA="--set deterministic=true ${EXTRA:-}"
   echo "=== 2-layer FP8 GPU test (full log in $LOG)"
   ETP_TEST_BACKEND=nccl timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_recipe_gpu.py > "$OUT/pytest.tmp" 2>&1
   grep -v "frame #\|TCPStore\|sendBytes\|should dump" "$OUT/pytest.tmp" >> "$LOG"; rm -f "$OUT/pytest.tmp"
