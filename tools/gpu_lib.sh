@@ -47,3 +47,18 @@ step() {
   echo "\"$name\": {\"rc\": $rc, \"seconds\": $(( $(date +%s) - began ))}," >> "$OUT/summary.json.part"
 }
 
+
+# recipe_steps PREFIX TIMEOUT TAIL "NAME|ARGS" ... -- COMMON...: one step PREFIX_NAME per spec, each
+# "$TRAIN --recipe $FLAG ARGS COMMON --json $OUT/PREFIX_NAME.json" (TRAIN and FLAG from the caller)
+recipe_steps() {
+  local prefix=$1 limit=$2 tail=$3; shift 3
+  local specs=()
+  while [[ $# -gt 0 && $1 != "--" ]]; do specs+=("$1"); shift; done
+  [[ $# -gt 0 ]] && shift
+  local spec name
+  for spec in "${specs[@]}"; do
+    name=${spec%%|*}
+    # shellcheck disable=SC2086  # ARGS and TRAIN are word lists
+    TAIL=$tail step "${prefix}_$name" "$limit" $TRAIN --recipe $FLAG ${spec#*|} "$@" --json "$OUT/${prefix}_$name.json"
+  done
+}

@@ -203,45 +203,28 @@ etp_async_ce_push_fp8_wgrad_kfence --rounds 2 --trace "$OUT/q_trace" --out "$OUT
 [[ -d "$OUT/q_trace" ]] && python3 tools/trace_gaps.py "$OUT"/q_trace/*_trace.json --top 8 --json "$OUT/q_trace_gaps.json" \
   > "$OUT/q_trace_gaps.log" 2>&1 && gzip -c "$OUT/q_trace/etp_async_ce_push_fp8_wgrad_trace.json" > "$OUT/q_fp8_push_trace.json.gz"
 rm -rf "$OUT/q_trace"
-for v in nccl push off push_fp8; do
-  case $v in
-    nccl) set_="$AT2" ;;
-    push) set_="$AT2 --set etp.reduce_transport=copy_engine_push" ;;
-    off) set_="--set world_size=2 --set global_batch_size=8 --set etp.etp_size=1 --set etp.expert_etp_size=1" ;;
-    push_fp8) set_="$AT2 --set etp.reduce_transport=copy_engine_push --set etp.gather_dtype=fp8_tensorwise" ;;
-  esac
-  TAIL=3 step q_recipe_$v 110 $TRAIN --recipe $FLAG $set_ --train-iters 25 --log-interval 5 --json "$OUT/q_recipe_$v.json"
-done
+OFF2="--set world_size=2 --set global_batch_size=8 --set etp.etp_size=1 --set etp.expert_etp_size=1"
+PUSH="--set etp.reduce_transport=copy_engine_push"
+recipe_steps q_recipe 110 3 "nccl|$AT2" "push|$AT2 $PUSH" "off|$OFF2" \
+  "push_fp8|$AT2 $PUSH --set etp.gather_dtype=fp8_tensorwise" -- --train-iters 25 --log-interval 5
 for v in push off; do
   [[ -f "$OUT/q_recipe_$v.json" && -f "$OUT/q_recipe_nccl.json" ]] && python3 tools/compare_recipe_runs.py \
     --etp "$OUT/q_recipe_$v.json" --baseline "$OUT/q_recipe_nccl.json" --tolerance 0.03 | tail -4
 done
 
 # (r)
-DET50="--set deterministic=true --log-interval 5"
-for v in bf16_50 fp8_50 fp8_nowgrad_25 bf16_seed_25; do
-  case $v in
-    bf16_50) set_="--train-iters 50" ;;
-    fp8_50) set_="--train-iters 50 --set etp.gather_dtype=fp8_tensorwise" ;;
-    fp8_nowgrad_25) set_="--train-iters 25 --set etp.gather_dtype=fp8_tensorwise --set etp.fp8_wgrad=false" ;;
-    bf16_seed_25) set_="--train-iters 25 --set seed=4321" ;;
-  esac
-  TAIL=2 step r_det_$v 120 $TRAIN --recipe $FLAG $AT2 $DET50 $set_ --json "$OUT/r_det_$v.json"
-done
+DET50="$AT2 --set deterministic=true --log-interval 5"
+recipe_steps r_det 120 2 "bf16_50|$DET50 --train-iters 50" "fp8_50|$DET50 --train-iters 50 --set etp.gather_dtype=fp8_tensorwise" \
+  "fp8_nowgrad_25|$DET50 --train-iters 25 --set etp.gather_dtype=fp8_tensorwise --set etp.fp8_wgrad=false" \
+  "bf16_seed_25|$DET50 --train-iters 25 --set seed=4321" --
 
 # (s)
 TAIL=12 step s_stack 150 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py \
   --variants replicated,etp_async_ce_push,etp_async_ce_push_kfence,etp_async_ce_push_fp8_wgrad,\
 etp_async_ce_push_fp8_wgrad_kfence --rounds 2 --out "$OUT/s_stack.json"
-for v in bf16_auto bf16_nccl fp8_auto fp8_nccl; do
-  case $v in
-    bf16_auto) set_="$AT2" ;;
-    bf16_nccl) set_="$AT2 --set etp.reduce_transport=nccl" ;;
-    fp8_auto) set_="$AT2 --set etp.gather_dtype=fp8_tensorwise" ;;
-    fp8_nccl) set_="$AT2 --set etp.gather_dtype=fp8_tensorwise --set etp.reduce_transport=nccl" ;;
-  esac
-  TAIL=2 step s_recipe_$v 100 $TRAIN --recipe $FLAG $set_ --train-iters 25 --log-interval 5 --json "$OUT/s_recipe_$v.json"
-done
+FP8T="--set etp.gather_dtype=fp8_tensorwise"
+recipe_steps s_recipe 100 2 "bf16_auto|$AT2" "bf16_nccl|$AT2 --set etp.reduce_transport=nccl" "fp8_auto|$AT2 $FP8T" \
+  "fp8_nccl|$AT2 $FP8T --set etp.reduce_transport=nccl" -- --train-iters 25 --log-interval 5
 TAIL=3 step s_recipe_graph_auto 100 $TRAIN --recipe $FLAG $AT2 --set cuda_graph=step --set overlap_grad_reduce=false \
   --train-iters 25 --log-interval 5 --json "$OUT/s_recipe_graph_auto.json"
 
