@@ -151,3 +151,22 @@ def test_push_reduce_runs_no_nccl_kernel_and_one_sum_per_weight():
         assert nccl_reductions == 0
         assert sums > 0 and copies > 0
         assert barriers == 0  # gathers and reductions fenced by stream flag operations only
+
+
+def _own_copy_beside(ctx):
+    from etp.transport.copy_engine import CopyEngineGather
+
+    CopyEngineGather.own_copy_beside = True  # this worker process only
+    config = ETPConfig(etp_size=ctx.world_size, expert_etp_size=ctx.world_size, transport="copy_engine",
+                       reduce_transport="copy_engine_push")
+    cases = [check_case(ctx, case, config)["case"] for case in standard_cases()]
+    prefetched = [_async_equals_sync(ctx, dict(transport="copy_engine", reduce_transport="copy_engine_push",
+                                               gather_dtype=gather_dtype), torch.bfloat16, True)
+                  for gather_dtype in ("param", "fp8_tensorwise")]
+    return cases, prefetched
+
+
+def test_own_rows_copied_beside_the_peer_pull():
+    for cases, prefetched in run_distributed(_own_copy_beside, 2):
+        assert len(cases) == len(standard_cases())  # each against its unsharded reference
+        assert all(n > 0 for n in prefetched)  # async == sync bit for bit, bf16 and FP8

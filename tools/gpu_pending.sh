@@ -59,6 +59,10 @@
 #     kept, gzipped: which GEMMs run slower beside the copy engines)
 # (v) is the GEMMs' +5% beside ETP a clock effect? The expert stack, replicated and push each in
 #     its own run, with SM clocks, power and throttle reasons sampled (tools/gpu_clocks.sh)
+# (w) NOT RUN YET (session 11 ran out of device time): the own rows of a copy-engine gather copied
+#     on a companion stream beside the peer pull (CopyEngineGather.own_copy_beside, off by
+#     default): its GPU test (parity, async == sync bit for bit), then the expert stack against
+#     the default in 3 interleaved rounds, bf16 and FP8; make it the default if it pays
 # Each step has its own timeout; the whole script stays under BUDGET seconds (default 560).
 # ONLY (tools/gpu_lib.sh) runs a subset, e.g. ONLY='^(a_|b_)'.
 source tools/gpu_lib.sh
@@ -250,5 +254,12 @@ for v in replicated etp_async_ce_push; do
   TAIL=8 step v_clocks_$v 90 bash tools/gpu_clocks.sh "$OUT/v_clocks_$v" torchrun --standalone --nproc-per-node 2 \
     tools/bench_expert_stack.py --variants $v --steps 60 --out "$OUT/v_clocks_$v.json"
 done
+
+# (w)
+TAIL=6 step w_owncopy_test 200 env ETP_TEST_BACKEND=nccl ETP_TEST_TIMEOUT=120 python3 -m pytest -q -p no:warnings \
+  -o faulthandler_timeout=150 tests/test_transport_gpu.py -k own_rows
+TAIL=12 step w_stack_owncopy 200 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py \
+  --variants replicated,etp_async_ce_push,etp_async_ce_push_owncopy,etp_async_ce_push_fp8_wgrad,\
+etp_async_ce_push_fp8_wgrad_owncopy --rounds 3 --out "$OUT/w_stack_owncopy.json"
 
 budget_end
