@@ -24,3 +24,23 @@ def test_gaps_busy_time_and_host_ops(tmp_path):
     assert r["device_busy_us"] == 25 and r["device_window_us"] == 110 and r["idle_us"] == 85
     assert [(g["gap_us"], g["host"]) for g in r["gaps"]] == [(85, ["aten::slow"])]
     assert r["runtime_calls"] == [{"name": "cudaStreamSynchronize", "total_us": 84.0, "count": 2}]
+
+
+def test_compute_stream_waits_name_the_gather_a_gemm_waited_for():
+    k = lambda name, tid, ts, dur, cat="kernel": {"ph": "X", "cat": cat, "name": name, "tid": tid, "ts": ts,  # noqa: E731
+                                                  "dur": dur}
+    events = [
+        k("cutlass_gemm", 7, 0, 100), k("cutlass_gemm", 7, 150, 100),  # waits 50 us for the copy below
+        k("Memcpy PtoP", 18, 90, 60, "gpu_memcpy"),
+        k("sum_kernel", 7, 260, 20),  # 10 us gap: under min_gap_us
+        k("cutlass_gemm", 7, 300, 100),  # 20 us gap with nothing beside
+        k("elementwise", 22, 0, 5),  # a kernel elsewhere, not in any gap
+    ]
+    w = trace_gaps.compute_stream_waits(events, pattern="cutlass", min_gap_us=15, steps=2)
+    assert w["compute_stream"] == 7
+    assert w["busy_ms_per_step"] == (100 + 100 + 20 + 100) / 2 / 1e3
+    assert w["idle_ms_per_step"] == (400 - 320) / 2 / 1e3
+    assert w["waits"] == [
+        {"next": "gemm", "beside": "18:copy", "gaps": 1, "ms_per_step": 50 / 2 / 1e3},
+        {"next": "gemm", "beside": "nothing", "gaps": 1, "ms_per_step": 20 / 2 / 1e3},
+    ]

@@ -6,7 +6,9 @@ Prints (and with ``--json`` writes) for one trace:
   ``--min-gap-us``, each with the host operations open when the gap began (the innermost
   ``cpu_op`` / ``user_annotation`` spans: what the host was doing instead of launching);
 * the CUDA runtime calls by total host time: a ``cudaStreamSynchronize`` or a device-to-host
-  ``cudaMemcpyAsync`` there is a host sync inside the step.
+  ``cudaMemcpyAsync`` there is a host sync inside the step;
+* with ``--stream-waits``: where the GEMM stream waits while other streams work (a gather
+  the next GEMM waits for shows as a gap with a copy beside it and a GEMM next).
 
 Example::
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import re
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -70,12 +73,54 @@ def analyse(path: str, min_gap_us: float, top: int) -> dict:
     }
 
 
+def compute_stream_waits(events: list[dict], pattern: str = "gemm|cutlass|nvjet|sm90", min_gap_us: float = 5.0,
+                         steps: int = 1) -> dict:
+    """Where the compute stream (the one running the most kernels matching ``pattern``) waits
+    while the device is not idle: its gaps of at least ``min_gap_us``, by what runs next on it
+    ("gemm" for a matching kernel, else the kernel's name) and which other streams were busy
+    meanwhile ("copy" for a copy-engine copy on them, "kernel", or nothing). A compute-stream
+    gap with a copy on the gather stream and a GEMM next is a gather the GEMM waited for."""
+    rx = re.compile(pattern, re.IGNORECASE)
+    work = [e for e in events if e.get("ph") == "X" and str(e.get("cat", "")).lower() in ("kernel", "gpu_memcpy")]
+    counts: dict = defaultdict(int)
+    for e in work:
+        if rx.search(str(e.get("name", ""))):
+            counts[e.get("tid")] += 1
+    if not counts:
+        return {"compute_stream": None, "busy_ms_per_step": 0.0, "idle_ms_per_step": 0.0, "waits": []}
+    compute = max(counts, key=counts.get)
+    mine = sorted((e for e in work if e.get("tid") == compute), key=lambda e: float(e["ts"]))
+    spans = _union([(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in mine])
+    others = [e for e in work if e.get("tid") != compute]
+    waits: dict = defaultdict(lambda: [0, 0.0])
+    for end, nxt in ((a[1], b[0]) for a, b in zip(spans, spans[1:])):
+        if nxt - end < min_gap_us:
+            continue
+        after = next(e for e in mine if float(e["ts"]) >= nxt)
+        beside = [e for e in others if float(e["ts"]) < nxt and float(e["ts"]) + float(e.get("dur", 0.0)) > end]
+        next_kind = "gemm" if rx.search(str(after.get("name", ""))) else str(after.get("name", ""))[:40]
+        streams = sorted({f"{e.get('tid')}:{'copy' if str(e.get('cat')).lower() == 'gpu_memcpy' else 'kernel'}"
+                          for e in beside})
+        entry = waits[(next_kind, ", ".join(streams) or "nothing")]
+        entry[0] += 1
+        entry[1] += nxt - end
+    busy = sum(b - a for a, b in spans)
+    window = spans[-1][1] - spans[0][0]
+    return {"compute_stream": compute, "busy_ms_per_step": busy / steps / 1e3,
+            "idle_ms_per_step": (window - busy) / steps / 1e3,
+            "waits": [{"next": k[0], "beside": k[1], "gaps": n, "ms_per_step": t / steps / 1e3}
+                      for k, (n, t) in sorted(waits.items(), key=lambda kv: -kv[1][1])]}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("traces", nargs="+")
     p.add_argument("--min-gap-us", type=float, default=20.0)
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--json", default=None, help="write every analysis here")
+    p.add_argument("--stream-waits", action="store_true",
+                   help="also: where the GEMM stream waits while other streams work (compute_stream_waits)")
+    p.add_argument("--steps", type=int, default=1, help="steps in each trace (for per-step figures)")
     args = p.parse_args(argv)
     results = []
     for path in args.traces:
@@ -88,6 +133,13 @@ def main(argv=None) -> None:
             print(f"  gap {g['gap_us']:8.1f} us at {g['at_us'] / 1e3:8.2f} ms  host: {' > '.join(g['host'])[:160]}")
         for c in r["runtime_calls"]:
             print(f"  runtime {c['name'][:40]:40s} {c['total_us'] / 1e3:8.2f} ms  x{c['count']}")
+        if args.stream_waits:
+            w = r["stream_waits"] = compute_stream_waits(load(path), steps=args.steps)
+            print(f"  compute stream {w['compute_stream']}: busy {w['busy_ms_per_step']:.2f} ms/step, "
+                  f"idle {w['idle_ms_per_step']:.2f} ms/step")
+            for x in w["waits"][: args.top]:
+                print(f"    {x['ms_per_step']:6.2f} ms/step in {x['gaps']:4d} gaps before {x['next'][:30]:30s} "
+                      f"beside: {x['beside']}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=1)
