@@ -17,14 +17,15 @@ def _batch(step, micro, rank):
     return torch.randn(8, 8, generator=torch.Generator().manual_seed(1000 * step + 10 * micro + rank))
 
 
-def _train(ctx, reuse, mode=None, etp=True):
-    """Params after STEPS Adam steps of MICRO micro-batches, and the gathers of the last step."""
+def _train(ctx, reuse, mode=None, etp=True, **overrides):
+    """Params after STEPS Adam steps of MICRO micro-batches, and the gathers of the last step
+    (``overrides``: more ETPConfig fields, e.g. the transports)."""
     torch.manual_seed(0)
     model = Deep(mode)
     config = groups = None
     if etp:
         config = ETPConfig(etp_size=ctx.world_size, expert_etp_size=ctx.world_size, debug_checks=True,
-                           gather_reuse=reuse)
+                           gather_reuse=reuse, **overrides)
         groups = build_etp_groups(config)
         wrap_module_params_etp(model, config, groups)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)

@@ -277,3 +277,22 @@ def test_auto_picks_the_push_reduce_and_capture_swaps_it_for_nccl():
         assert auto == ("copy_engine", "copy_engine_push", "nccl")  # symmetric memory (emulated) here
         assert named[:2] == ("copy_engine", "copy_engine_push")
         assert "reduce_transport='copy_engine_push' cannot be captured" in named[2] and "'auto'" in named[2]
+
+
+def _push_with_micro_batches(ctx):
+    from test_gather_reuse import _train as train_micro
+
+    _install_fakes()
+    unsharded, _ = train_micro(ctx, "chain", etp=False)
+    results = {}
+    for reuse in ("chain", "step"):
+        params, _ = train_micro(ctx, reuse, transport="copy_engine", reduce_transport="copy_engine_push")
+        results[reuse] = max((a - b).abs().max().item() for a, b in zip(params, unsharded))
+    return results
+
+
+def test_push_reduce_over_micro_batches_and_step_reuse():
+    # Two micro-batches per step, the push reduction's sequence numbers and staging slots
+    # across them, with chain buffers and with gathers kept for the whole step.
+    for result in run_distributed(_push_with_micro_batches, 2):
+        assert all(diff < 1e-5 for diff in result.values()), result
