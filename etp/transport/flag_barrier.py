@@ -40,7 +40,9 @@ class FlagBarrier:
         barrier(channel=0)             # on the current stream: write to peers, wait for them
     """
 
-    def __init__(self, process_group, device: torch.device, channels: int = 16) -> None:
+    # Every stream that ever fences takes a channel for good (a GraphedStep's warm-up stream is
+    # new each capture), so the pad has room for many: 256 x world int32s.
+    def __init__(self, process_group, device: torch.device, channels: int = 256) -> None:
         self.process_group, self.device, self.channels = process_group, device, channels
         self.rank = dist.get_rank(process_group)
         self.world = dist.get_world_size(process_group)
@@ -72,7 +74,8 @@ class FlagBarrier:
         if not 0 <= channel < self.channels:
             raise RuntimeError(
                 f"etp flag barrier: channel {channel} out of range: {self.channels} streams fence "
-                "gathers at most (one channel per gathering stream); this is an etp bug")
+                "gathers at most (one channel per stream that ever gathered, e.g. one per GraphedStep "
+                "warm-up); use transport='nccl' for a process that gathers on that many streams")
         self._count[channel] += 1
         value = self._count[channel]
         for step in range(1, self.world):
