@@ -116,7 +116,8 @@ class CopyEngineGather(GatherTransport):
         channel, stream = self._channel()
         capturing = out.is_cuda and torch.cuda.is_current_stream_capturing()
         with record_function("etp::all_gather_copy_engine"):
-            own_done = self._copy_own_beside(source, out, group.rank, rows) if self.own_copy_beside else None
+            beside = self.own_copy_beside and out.is_cuda
+            own_done = self._copy_own_beside(source, out, group.rank, rows) if beside else None
             self._fence(pool, channel, stream, capturing)
             for step in range(group.size):
                 peer = (group.rank + step) % group.size
