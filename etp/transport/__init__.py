@@ -97,9 +97,10 @@ def choose_transports(config: ETPConfig, group: ShardGroup, device: torch.device
         reasons.append("nccl: " + ("configured" if config.transport == "nccl" else why))
     reduce_name = config.reduce_transport
     if reduce_name == "auto":
-        # The push reduce-scatter where symmetric memory is available (BENCHMARKS.md, session
-        # 11: the flagship recipe at world 2 9% faster than with NCCL, 2.8 GiB less peak
-        # memory; the expert stack 0.857x of no communication against NCCL's 0.79x), else NCCL.
+        # The push reduce-scatter where symmetric memory is available, else NCCL. BENCHMARKS.md:
+        # session 11 (2xH100), the flagship recipe at world 2 10% faster than with NCCL and 2.8
+        # GiB less peak memory; session 9 (2xH200), the expert stack at 0.855x of no
+        # communication against capped NCCL's 0.791x.
         # A CUDA graph cannot capture it: etp.GraphedStep swaps it for NCCL
         # (ETPRuntime.prepare_capture).
         reduce_name = "copy_engine_push" if ok else "nccl"
