@@ -8,8 +8,9 @@ list ``tests/test_audit.py`` checks against a CPU-built model — instead of bui
 model on the meta device: a TP- or EP-sharded megatron model can only be built inside a
 process group of its full size, which one CPU process cannot provide. Each ETP weight then
 takes the bytes of its padded shard (``ShardLayout``), and the runtime's buffers follow the
-runtime's own rules: one gather buffer per (chain, role, padded shape, parity), one fp32
-wgrad pool buffer per padded shape (two where weights of one shape reduce back to back),
+runtime's own rules: one gather buffer per (chain, role, padded shape, parity), one wgrad
+pool buffer per padded shape in the reduction's wire dtype (fp32 for NCCL's, the 16-bit
+parameter dtype for the symmetric-memory ones; two where weights of one shape reduce back to back),
 one FP8 copy of every shard for FP8 gathers.
 
 Categories (bytes per rank): ``params`` (recipe dtype), ``main_grad`` (fp32, megatron-core
@@ -55,6 +56,11 @@ flagship ETP 2 micro-batch 2 45.8 vs 46.9 (bf16 gathers), 47.9 vs 49.1 (FP8); ET
 82.4; wide recipe (micro-batch 16) ETP 2 69.5 vs 70.9, FP8 71.6 vs 73.1, ETP 2 + distributed
 optimizer 73.8 vs 75.2, DDP 105.8 vs 107.3, distributed optimizer 79.6 vs 81.1 (all within
 2.4 %, all slightly low).
+
+Session 11 (2 x H100, 2026-11-26): ``reduce_transport: auto`` became the push reduce-scatter,
+whose wgrad buffers are bf16 (its 16-bit wire) instead of fp32, and whose staging is symmetric
+memory (``outside_allocator``). Flagship ETP 2 micro-batch 2, predicted vs measured GiB: push
+44.6 vs 44.1 (bf16 gathers), 46.7 vs 46.3 (FP8); NCCL reductions 45.8 vs 46.9, 47.9 vs 49.1.
 
 ``fits`` adds what the prediction leaves out: allocator fragmentation (``FRAGMENTATION``; the
 peak reserved / peak allocated of the 4 x H200 audits was 1.07 with ETP and 1.10 without)
@@ -161,7 +167,8 @@ def _dtype_bytes(name: str, param_bytes: int) -> int:
 
 
 def predict_memory(recipe, world_size: int, etp: ETPConfig | None = None,
-                   distributed_optimizer: bool | None = None, micro_batch_size: int | None = None) -> dict[str, int]:
+                   distributed_optimizer: bool | None = None, micro_batch_size: int | None = None,
+                   transport: str | None = None) -> dict[str, int]:
     """Predicted bytes per rank of each category for ``recipe`` on ``world_size`` ranks with
     the ETP settings ``etp`` (the recipe's own when None; sizes 1 = without ETP).
 
@@ -171,6 +178,9 @@ def predict_memory(recipe, world_size: int, etp: ETPConfig | None = None,
         without = predict_memory(recipe, 8, recipe.etp.replace(etp_size=1, expert_etp_size=1))
 
     ``micro_batch_size`` replaces the recipe's for the activations (the what-if table).
+    ``transport``: the gather transport (``gather_transport``); with ``reduce_transport``
+    "auto" it decides the reduction too (``reduce_transport``), whose wire dtype sizes the
+    wgrad pool.
     """
     etp = etp or recipe.etp
     t = recipe.train
@@ -211,7 +221,9 @@ def predict_memory(recipe, world_size: int, etp: ETPConfig | None = None,
         result["optimizer"] += -(-numel * optimizer_bytes // max(1, divisor))
     for (_chain, role, _, _), elements in buffers.items():
         result["gather_" + role] += elements * gather_bytes
-    result["wgrad_pool"] = _wgrad_pool_bytes(pool_order)
+    reduce = reduce_transport(etp, gather_transport(etp, transport))
+    wire_bytes = param_bytes if reduce in SIXTEEN_BIT_WIRE_REDUCTIONS and param_bytes == 2 else 4
+    result["wgrad_pool"] = _wgrad_pool_bytes(pool_order, wire_bytes)
     result["activations"] = activation_bytes(recipe, micro_batch_size)
     return result
 
@@ -265,6 +277,40 @@ def gather_transport(etp: ETPConfig, transport: str | None = None) -> str:
     return "copy_engine" if name == "auto" else name
 
 
+#: Reductions whose wire (and so wgrad buffer) is the 16-bit parameter dtype, fp32 sums at the
+#: receiver (``etp.transport.base.SixteenBitWireReduce``); the NCCL ones reduce the fp32 main-grad dtype.
+SIXTEEN_BIT_WIRE_REDUCTIONS = ("symm_triton", "copy_engine", "copy_engine_push")
+
+
+def reduce_transport(etp: ETPConfig, gathers: str) -> str:
+    """The reduction the prediction assumes: ``etp.reduce_transport``, with "auto" taken as
+    ``choose_transports`` takes it: "copy_engine_push" where symmetric memory is available
+    (the gather transport is then ``copy_engine``), else "nccl".
+
+    Example::
+
+        reduce_transport(ETPConfig(etp_size=2), "copy_engine")   # "copy_engine_push"
+    """
+    if etp.reduce_transport != "auto":
+        return etp.reduce_transport
+    return "copy_engine_push" if gathers == "copy_engine" else "nccl"
+
+
+def _push_staging_bytes(recipe, etp: ETPConfig) -> int:
+    """The push reduce-scatter's symmetric staging: ``SLOTS x (group size - 1)`` 16-bit shards of
+    the largest weight each of its shard groups reduces (one transport per group of ranks:
+    dense and expert weights share one when their ETP sizes are equal)."""
+    from ..transport.push_reduce import CopyEnginePushReduce
+
+    largest: dict[int, int] = {}
+    sizes = {False: etp.etp_size, True: etp.expert_etp_size}
+    for weight, layout, numel in _per_rank(recipe, etp):
+        if layout is not None:
+            size = sizes[weight.expert]
+            largest[size] = max(largest.get(size, 0), numel * 2)
+    return sum(CopyEnginePushReduce.SLOTS * (size - 1) * -(-shard // 256) * 256 for size, shard in largest.items())
+
+
 def _sharded_param_bytes(recipe, etp: ETPConfig) -> int:
     """Bytes of the ETP shards themselves (the recipe's parameter dtype)."""
     param_bytes = 2 if (recipe.train.bf16 or recipe.train.fp16) else 4
@@ -279,7 +325,8 @@ def _outside_allocator(recipe, etp: ETPConfig, categories: dict[str, int], gathe
     memory. It holds the copy-engine transport's shard pool: the 16-bit shards themselves,
     which the optimizer then updates in place, or with FP8 gathers the FP8 shards, the 16-bit
     ones staying in the allocator (``ETPRuntime.setup_transports``); and the symmetric wgrad
-    pool of the ``symm_triton`` / ``copy_engine`` reductions. Under megatron's distributed
+    pool of the ``symm_triton`` / ``copy_engine`` reductions, or the ``copy_engine_push``
+    reduction's staging (its wgrad buffers are ordinary). Under megatron's distributed
     optimizer DDP moves every parameter into its contiguous parameter buffer (an allocator
     tensor) and etp stages the shard into its symmetric home once per pass
     (``ETPRuntime._source``): the 16-bit shards are then in both places.
@@ -295,9 +342,12 @@ def _outside_allocator(recipe, etp: ETPConfig, categories: dict[str, int], gathe
             shards = _sharded_param_bytes(recipe, etp)
             outside += shards
             counted += 0 if distributed else shards
-    if etp.reduce_transport in ("symm_triton", "copy_engine"):
+    reduce = reduce_transport(etp, gathers)
+    if reduce in ("symm_triton", "copy_engine"):
         outside += categories["wgrad_pool"]
         counted += categories["wgrad_pool"]
+    elif reduce == "copy_engine_push":  # plain wgrad buffers; the staging is symmetric
+        outside += _push_staging_bytes(recipe, etp)
     return outside, counted
 
 
@@ -321,7 +371,7 @@ def predict_peak(recipe, world_size: int, etp: ETPConfig | None = None, distribu
     """
     etp = etp or recipe.etp
     distributed = recipe.parallel.use_distributed_optimizer if distributed_optimizer is None else distributed_optimizer
-    categories = predict_memory(recipe, world_size, etp, distributed, micro_batch_size)
+    categories = predict_memory(recipe, world_size, etp, distributed, micro_batch_size, transport)
     gathers = gather_transport(etp, transport)
     outside, counted = _outside_allocator(recipe, etp, categories, gathers, distributed)
     steady = sum(categories[c] for c in CATEGORIES) - counted
@@ -367,16 +417,17 @@ def largest_micro_batch(recipe, world_size: int, gpu_bytes: int, etp: ETPConfig 
     return (max(good) if good else None), table
 
 
-def _wgrad_pool_bytes(shapes_in_forward_order: list[tuple]) -> int:
-    """The pool holds one fp32 (main-grad dtype) buffer per padded shape, two where two
-    weights of one shape reduce back to back: a weight's buffer returns to the pool when the
-    *next* reduce-scatter is issued, after that one took its own buffer."""
+def _wgrad_pool_bytes(shapes_in_forward_order: list[tuple], element_bytes: int = 4) -> int:
+    """The pool holds one buffer per padded shape, two where two weights of one shape reduce
+    back to back: a weight's buffer returns to the pool when the *next* reduce-scatter is
+    issued, after that one took its own buffer. ``element_bytes``: the reduction's wire dtype
+    (4: the fp32 main-grad dtype NCCL reduces; 2: a 16-bit wire)."""
     counts: dict[tuple, int] = {}
     previous = None
     for shape in reversed(shapes_in_forward_order):  # the backward (reduce-scatter) order
         counts[shape] = max(counts.get(shape, 1), 2 if shape == previous else 1)
         previous = shape
-    return sum(n * rows * cols * 4 for (rows, cols), n in counts.items())
+    return sum(n * rows * cols * element_bytes for (rows, cols), n in counts.items())
 
 
 def activation_bytes(recipe, micro_batch_size: int | None = None) -> int:
