@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import json
 import re
@@ -91,12 +92,13 @@ def compute_stream_waits(events: list[dict], pattern: str = "gemm|cutlass|nvjet|
     compute = max(counts, key=counts.get)
     mine = sorted((e for e in work if e.get("tid") == compute), key=lambda e: float(e["ts"]))
     spans = _union([(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in mine])
+    starts = [float(e["ts"]) for e in mine]
     others = [e for e in work if e.get("tid") != compute]
     waits: dict = defaultdict(lambda: [0, 0.0])
     for end, nxt in ((a[1], b[0]) for a, b in zip(spans, spans[1:])):
         if nxt - end < min_gap_us:
             continue
-        after = next(e for e in mine if float(e["ts"]) >= nxt)
+        after = mine[bisect.bisect_left(starts, nxt)]
         beside = [e for e in others if float(e["ts"]) < nxt and float(e["ts"]) + float(e.get("dur", 0.0)) > end]
         next_kind = "gemm" if rx.search(str(after.get("name", ""))) else str(after.get("name", ""))[:40]
         streams = sorted({f"{e.get('tid')}:{'copy' if str(e.get('cat')).lower() == 'gpu_memcpy' else 'kernel'}"

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .symm_pool import rendezvous_offset, symm_mem_module
+from .symm_pool import flag_pad
 
 __all__ = ["FlagBarrier"]
 
@@ -54,11 +54,7 @@ class FlagBarrier:
         """Allocates, zeroes and rendezvouses the flag pads (a collective over the group)."""
         if self._pads is not None:
             return
-        pad = symm_mem_module(self.process_group).empty(
-            self.channels * self.world, dtype=torch.int32, device=self.device)
-        pad.zero_()
-        handle, offset = rendezvous_offset(pad, self.process_group)
-        self._pad, self._pads = pad, [ptr + offset for ptr in handle.buffer_ptrs]
+        self._pad, self._pads = flag_pad(self.process_group, self.device, self.channels * self.world)
         torch.cuda.synchronize(self.device)  # every pad zeroed before any peer may write one
         dist.barrier(group=self.process_group)
 

@@ -45,7 +45,7 @@ from torch.autograd.profiler import record_function
 
 from ..kernels.symm_reduce import sum_received
 from .base import Handle, SixteenBitWireReduce, record_event
-from .symm_pool import rendezvous_offset, symm_mem_module
+from .symm_pool import flag_pad, rendezvous_offset, symm_mem_module
 
 __all__ = ["CopyEnginePushReduce"]
 
@@ -111,16 +111,12 @@ class CopyEnginePushReduce(SixteenBitWireReduce):
         reserved shard (a collective over the group; again only when a wrap grew it)."""
         if self._reserved <= self._shard_bytes and self._flags is not None:
             return
-        symm_mem = symm_mem_module(self.process_group)
         if self._flags is None:
-            flags = symm_mem.empty(2 * self.world * self.SLOTS, dtype=torch.int32, device=self.device)
-            flags.zero_()
-            handle, offset = rendezvous_offset(flags, self.process_group)
-            self._flags = (flags, [ptr + offset for ptr in handle.buffer_ptrs])
+            self._flags = flag_pad(self.process_group, self.device, 2 * self.world * self.SLOTS)
         if self._reserved > self._shard_bytes:
             shard_bytes = -(-self._reserved // 256) * 256
             nbytes = max(1, self.SLOTS * (self.world - 1) * shard_bytes)
-            buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
+            buffer = symm_mem_module(self.process_group).empty(nbytes, dtype=torch.uint8, device=self.device)
             handle, offset = rendezvous_offset(buffer, self.process_group)
             peers = [buffer if r == self.rank else handle.get_buffer(r, (nbytes,), torch.uint8, offset)
                      for r in range(self.world)]

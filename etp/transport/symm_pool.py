@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-__all__ = ["SymmetricPool", "rendezvous_offset", "symm_mem_module"]
+__all__ = ["SymmetricPool", "flag_pad", "rendezvous_offset", "symm_mem_module"]
 
 log = logging.getLogger("etp.transport")
 
@@ -43,6 +43,16 @@ def rendezvous_offset(tensor: torch.Tensor, process_group) -> tuple:
     ``handle.buffer_ptrs[r] + offset``."""
     handle = symm_mem_module(process_group).rendezvous(tensor, process_group)
     return handle, tensor.data_ptr() - handle.buffer_ptrs[handle.rank]
+
+
+def flag_pad(process_group, device: torch.device, words: int) -> tuple[torch.Tensor, list[int]]:
+    """A zeroed symmetric pad of ``words`` int32 flags over ``process_group`` and its address on
+    every rank (for ``etp.transport.stream_ops``). The caller synchronizes and barriers the
+    group once its pads are set up, before any peer may write a flag."""
+    pad = symm_mem_module(process_group).empty(words, dtype=torch.int32, device=device)
+    pad.zero_()
+    handle, offset = rendezvous_offset(pad, process_group)
+    return pad, [ptr + offset for ptr in handle.buffer_ptrs]
 
 
 class SymmetricPool:
