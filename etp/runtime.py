@@ -149,8 +149,10 @@ class ETPRuntime(GradientReductions):
         self._expected: dict[tuple[ChainKey, Role], torch.Tensor | None] = {}
         # id(ticket buffer) -> (id(param), param._version) whose gather it holds: valid within
         # one pass (one step with gather_reuse "step"; the optimizer may update shards without
-        # bumping any version). See [Note: gather reuse].
+        # bumping any version). See [Note: gather reuse]. An aliased buffer counts as its
+        # ticket's backing, which every weight of that ticket shares (_backing_of).
         self._holder: dict[int, tuple[int, int]] = {}
+        self._backing_of: dict[int, int] = {}  # id(aliased buffer) -> id(its backing)
         self.transports: dict[tuple[int, ...], Transports] = {}  # by group ranks
         self._reduce_pools: dict[tuple[int, ...], WgradPool] = {}  # transports that allocate
         self._staging_logged = False
@@ -303,7 +305,32 @@ class ETPRuntime(GradientReductions):
             device=param.device,
             chain=st.chain.key,
         )
-        return self.cache.ticket(id(param), role, key)
+        gather = self._transports(param).gather
+        allocate = gather.backing_allocator(param) if hasattr(gather, "backing_allocator") else None
+        backing = self.cache.ticket(id(param), role, key, allocate=allocate)
+        return self._gather_buffer(param, backing)
+
+    def _gather_buffer(self, param: torch.Tensor, backing: torch.Tensor) -> torch.Tensor:
+        """What a gather of ``param`` writes into on the ticket ``backing``: the backing itself,
+        or the transport's aliased buffer on it ([Note: aliased own rows])."""
+        gather = self._transports(param).gather
+        if not hasattr(gather, "alias"):
+            return backing
+        buffer = gather.alias(param, backing)
+        if buffer is not backing:
+            self._backing_of[id(buffer)] = id(backing)
+        return buffer
+
+    def _clear_gather_buffers(self) -> None:
+        """Drops every ticket buffer (and the transports' aliases of them)."""
+        self.cache.clear()
+        self._backing_of.clear()
+        for chosen in self.transports.values():
+            if hasattr(chosen.gather, "release_buffers"):
+                chosen.gather.release_buffers()
+
+    def _holder_key(self, buffer: torch.Tensor) -> int:
+        return self._backing_of.get(id(buffer), id(buffer))
 
     def _source(self, param: torch.Tensor) -> torch.Tensor:
         if self.fp8:
@@ -353,7 +380,7 @@ class ETPRuntime(GradientReductions):
         CommStreams.wait(streams.ag, current_stream_event(param.device))
         with streams.use(streams.ag):
             handle = self._transports(param).gather.gather(source, param.etp_group, buffer, async_op=True)
-        self._holder[id(buffer)] = (id(param), param._version)
+        self._holder[self._holder_key(buffer)] = (id(param), param._version)
         st.in_flight[role] = _InFlight(buffer, handle, source)
         self.stats.gathers_prefetched += 1
 
@@ -373,7 +400,7 @@ class ETPRuntime(GradientReductions):
         buffer = self._transports(param).gather.gather(self._source(param), param.etp_group, out,
                                                        async_op=False).wait()
         if into_ticket:
-            self._holder[id(buffer)] = (id(param), param._version)
+            self._holder[self._holder_key(buffer)] = (id(param), param._version)
         self.stats.gathers_on_demand += 1
         return buffer
 
@@ -381,13 +408,13 @@ class ETPRuntime(GradientReductions):
         """A ticket buffer that already holds this pass's complete gather of ``st``'s weight
         (the last forward weights of a chain are the first backward ones: no second gather)."""
         for role in Role:
-            buffer = self.cache.existing(id(st.param), role)
+            backing = self.cache.existing(id(st.param), role)
             if (
-                buffer is not None
-                and self._holder.get(id(buffer)) == (id(st.param), st.param._version)
+                backing is not None
+                and self._holder.get(id(backing)) == (id(st.param), st.param._version)
                 and st.gather[role] is GatherState.IDLE
             ):
-                return buffer
+                return self._gather_buffer(st.param, backing)
         return None
 
     def acquire(
@@ -535,7 +562,7 @@ class ETPRuntime(GradientReductions):
                         if any(st.chain is chain for st in self._states.values())}
         for chain in self._chains.values():
             chain.reset()
-        self.cache.clear()
+        self._clear_gather_buffers()
         self._expected.clear()
         self._holder.clear()
         return moved
@@ -555,7 +582,7 @@ class ETPRuntime(GradientReductions):
         self.drain()
         for chain in self._chains.values():
             chain.reset()
-        self.cache.clear()
+        self._clear_gather_buffers()
         self.pool.clear()
         self.quant_plans.clear()
         for pool in self._reduce_pools.values():

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CommStreams", "GemmSmCarveout", "StreamRegistry", "companion_stream", "current_stream_event",
+__all__ = ["CommStreams", "GemmSmCarveout", "StreamRegistry", "current_stream_event",
            "to_device_async", "warmup_stream"]
 
 
@@ -74,20 +74,6 @@ def to_device_async(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
-
-
-_COMPANIONS: dict[int, torch.cuda.Stream] = {}
-
-
-def companion_stream(stream: torch.cuda.Stream) -> torch.cuda.Stream:
-    """A second stream kept for ``stream`` (same device and priority), for work that should run
-    beside it and be joined back with an event: the copy-engine gather copies this rank's own
-    rows there while ``stream`` pulls the peers' (``CopyEngineGather.own_copy_beside``)."""
-    companion = _COMPANIONS.get(stream.cuda_stream)
-    if companion is None:
-        companion = torch.cuda.Stream(stream.device, priority=stream.priority)
-        _COMPANIONS[stream.cuda_stream] = companion
-    return companion
 
 
 def warmup_stream(device: torch.device) -> torch.cuda.Stream:

@@ -44,3 +44,19 @@ def test_compute_stream_waits_name_the_gather_a_gemm_waited_for():
         {"next": "gemm", "beside": "18:copy", "gaps": 1, "ms_per_step": 50 / 2 / 1e3},
         {"next": "gemm", "beside": "nothing", "gaps": 1, "ms_per_step": 20 / 2 / 1e3},
     ]
+    # the first gap ends exactly as the copy does; the 20 us gap ends with no copy ending
+    assert w["ended_by"] == [{"copy": "Memcpy PtoP", "stream": 18, "gaps": 1, "ms_per_step": 50 / 2 / 1e3}]
+
+
+def test_gaps_held_by_a_local_copy_are_counted_by_the_copy_that_ended_them():
+    k = lambda name, tid, ts, dur, cat="kernel": {"ph": "X", "cat": cat, "name": name, "tid": tid, "ts": ts,  # noqa: E731
+                                                  "dur": dur}
+    events = [
+        k("prepare_grouped_gemm", 7, 0, 2), k("cutlass_gemm", 7, 133, 500),  # held 131 us by the DtoD
+        k("Memcpy DtoD (Device -> Device)", 18, 2, 131, "gpu_memcpy"),
+        k("Memcpy PtoP (Device -> Device)", 18, 133, 500, "gpu_memcpy"),  # ends with no gap after it
+        k("cutlass_gemm", 7, 700, 100),  # a 67 us gap that ends 67 us after the PtoP: not held by it
+    ]
+    w = trace_gaps.compute_stream_waits(events, pattern="cutlass", min_gap_us=15, steps=1)
+    assert w["ended_by"] == [{"copy": "Memcpy DtoD (Device -> Device)", "stream": 18, "gaps": 1,
+                              "ms_per_step": 131 / 1e3}]

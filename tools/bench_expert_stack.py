@@ -59,8 +59,8 @@ earlier runs. The transport variants (opt-in through ``--variants``) change only
   reduce-scatter (copy-engine pushes, flag fences, the fp32 sum between GEMMs);
   ``etp_async_ce_push_kfence`` / ``etp_async_ce_push_fp8_wgrad_kfence``: the same with the gathers fenced by symmetric-memory barrier
   kernels instead of stream flag operations (``CopyEngineGather.fence = "kernel"``);
-  ``etp_async_ce_push_owncopy`` / ``etp_async_ce_push_fp8_wgrad_owncopy``: this rank's own rows
-  copied on a companion stream beside the peer pull (``CopyEngineGather.own_copy_beside``).
+  ``etp_async_ce_push_alias`` / ``etp_async_ce_push_fp8_wgrad_alias``: gathered into buffers whose
+  own rows are the shard itself, so no own-rows copy (``CopyEngineGather.alias_own_rows``).
 
 Every ETP variant issues the next pass's chain-head gathers at the end of the step
 (``etp.prefetch_after_step``, the post-optimizer hook), and the step's end event waits for
@@ -176,9 +176,9 @@ TRANSPORT_VARIANTS = {
     # the copy-engine gather fenced by symmetric-memory barrier kernels (session 9's), not flags
     "etp_async_ce_push_kfence": ("copy_engine", "copy_engine_push"),
     "etp_async_ce_push_fp8_wgrad_kfence": ("copy_engine", "copy_engine_push"),
-    # own rows copied on a companion stream beside the peer pull (CopyEngineGather.own_copy_beside)
-    "etp_async_ce_push_owncopy": ("copy_engine", "copy_engine_push"),
-    "etp_async_ce_push_fp8_wgrad_owncopy": ("copy_engine", "copy_engine_push"),
+    # own rows not copied: gathered into buffers aliased onto the shard (CopyEngineGather.alias_own_rows)
+    "etp_async_ce_push_alias": ("copy_engine", "copy_engine_push"),
+    "etp_async_ce_push_fp8_wgrad_alias": ("copy_engine", "copy_engine_push"),
 }
 VARIANTS = ("replicated", "replicated_fp8", "ddp", "fsdp2", "etp_sync", "etp_async", "etp_async_fp8",
             "etp_async_fp8_blockwise", *TRANSPORT_VARIANTS, "etp_async_graphed", "etp_async_fp8_graphed",
@@ -195,7 +195,7 @@ FP8_VARIANTS = {
     "etp_async_ce_fp8_wgrad": ("fp8_tensorwise", None),
     "etp_async_ce_push_fp8_wgrad": ("fp8_tensorwise", None),
     "etp_async_ce_push_fp8_wgrad_kfence": ("fp8_tensorwise", None),
-    "etp_async_ce_push_fp8_wgrad_owncopy": ("fp8_tensorwise", None),
+    "etp_async_ce_push_fp8_wgrad_alias": ("fp8_tensorwise", None),
 }
 # Variants whose GEMMs run in FP8 (their check differs from replicated by FP8 rounding).
 FP8_COMPUTE = ("replicated_fp8", "replicated_fp8_wgrad", *FP8_VARIANTS)
@@ -203,8 +203,8 @@ PROFILED = ("replicated", "replicated_fp8", "replicated_fp8_wgrad", "etp_async",
             "etp_async_ce_capped",
             "etp_async_ce_fp8_symm", "etp_async_ce_pull", "etp_async_ce_fp8",
             "etp_async_ce_fp8_wgrad", "etp_async_ce_push", "etp_async_ce_push_fp8_wgrad",
-            "etp_async_ce_push_kfence", "etp_async_ce_push_fp8_wgrad_kfence", "etp_async_ce_push_owncopy",
-            "etp_async_ce_push_fp8_wgrad_owncopy")  # traced under --trace
+            "etp_async_ce_push_kfence", "etp_async_ce_push_fp8_wgrad_kfence",
+            "etp_async_ce_push_alias", "etp_async_ce_push_fp8_wgrad_alias")  # traced under --trace
 GPU_DEFAULTS = dict(layers=8, experts=16, tokens_per_expert=2048, hidden=4096, ffn=1536, warmup=5, steps=20)
 SMOKE_DEFAULTS = dict(layers=2, experts=4, tokens_per_expert=8, hidden=32, ffn=16, warmup=2, steps=2)
 # Measured separately on 2026-11-21 (shared/anchors.md), same workload and machine kind.
@@ -731,17 +731,21 @@ def _graphed_variant(base):
 
 def _transport_variant(name: str):
     def prepare(args, env, groups_cache) -> Prepared:
+        from etp.transport.copy_engine import CopyEngineGather
+
         dtype, pad = FP8_VARIANTS.get(name, ("param", None))
-        prep = _prepare_etp(args, env, groups_cache, prefetch=True, gather_dtype=dtype, pad_for_alignment=pad,
-                            transports=TRANSPORT_VARIANTS[name], fp8_wgrad="_fp8_wgrad" in name)
+        CopyEngineGather.alias_own_rows = name.endswith("_alias")  # each transport keeps it from here
+        try:
+            prep = _prepare_etp(args, env, groups_cache, prefetch=True, gather_dtype=dtype, pad_for_alignment=pad,
+                                transports=TRANSPORT_VARIANTS[name], fp8_wgrad="_fp8_wgrad" in name)
+        finally:
+            CopyEngineGather.alias_own_rows = False
+        if name.endswith("_alias"):
+            prep.info["gather_aliased_own_rows"] = True
         if name.endswith("_kfence"):
             for chosen in etp.runtime_of(prep.model).transports.values():
                 chosen.gather.fence = "kernel"
             prep.info["gather_fence"] = "kernel"
-        if name.endswith("_owncopy"):
-            for chosen in etp.runtime_of(prep.model).transports.values():
-                chosen.gather.own_copy_beside = True
-            prep.info["gather_own_copy_beside"] = True
         return prep
     return prepare
 

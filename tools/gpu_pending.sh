@@ -59,14 +59,14 @@
 #     kept, gzipped: which GEMMs run slower beside the copy engines)
 # (v) is the GEMMs' +5% beside ETP a clock effect? The expert stack, replicated and push each in
 #     its own run, with SM clocks, power and throttle reasons sampled (tools/gpu_clocks.sh)
-# (w) NOT RUN YET (session 11 ran out of device time): the own rows of a copy-engine gather copied
-#     on a companion stream beside the peer pull (CopyEngineGather.own_copy_beside, off by
-#     default): its GPU test (parity, async == sync bit for bit), then the expert stack against
-#     the default in 3 interleaved rounds, bf16 and FP8; make it the default if it pays; then
-#     why FP8 gathers do not pay on the recipe on H100 (282.9 vs 258.1 ms, insensitive to the
-#     reduction): bf16 and FP8 recipe runs profiled, rank 0's traces through trace_gaps
-#     (host gaps, --stream-waits); the two deterministic captured-vs-eager recipe tests (their
-#     reduce transport now pinned to nccl; not run in session 11)
+# (w) RUN in session 12 (w_graph_det not yet): every transport GPU test (the flag_pad refactor);
+#     the own rows of a copy-engine gather copied on a companion stream beside the peer pull
+#     (session 11's own_copy_beside: no gain, removed; the variants below are gone) against the
+#     default; bf16 and FP8 recipe runs profiled, rank 0's traces through trace_gaps (host
+#     gaps, --stream-waits); the two deterministic captured-vs-eager recipe tests (their reduce
+#     transport pinned to nccl; not run in sessions 11 and 12)
+# (x) session 12: does a device-local copy block a grouped GEMM beside it (tools/probe_local_copy.py);
+#     the expert stack's push variant traced, its compute-stream gaps that end with an own-rows copy
 # Each step has its own timeout; the whole script stays under BUDGET seconds (default 560).
 # ONLY (tools/gpu_lib.sh) runs a subset, e.g. ONLY='^(a_|b_)'.
 source tools/gpu_lib.sh
@@ -260,11 +260,8 @@ for v in replicated etp_async_ce_push; do
 done
 
 # (w)
-TAIL=6 step w_owncopy_test 200 env ETP_TEST_BACKEND=nccl ETP_TEST_TIMEOUT=120 python3 -m pytest -q -p no:warnings \
-  -o faulthandler_timeout=150 tests/test_transport_gpu.py -k own_rows
-TAIL=12 step w_stack_owncopy 200 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py \
-  --variants replicated,etp_async_ce_push,etp_async_ce_push_owncopy,etp_async_ce_push_fp8_wgrad,\
-etp_async_ce_push_fp8_wgrad_owncopy --rounds 3 --out "$OUT/w_stack_owncopy.json"
+TAIL=6 step w_transport_tests 200 env ETP_TEST_BACKEND=nccl ETP_TEST_TIMEOUT=120 python3 -m pytest -q -p no:warnings \
+  -o faulthandler_timeout=150 tests/test_transport_gpu.py tests/test_stream_ops_gpu.py
 for gd in param fp8_tensorwise; do
   TAIL=4 step w_recipe_profile_$gd 150 $TRAIN --recipe $FLAG $AT2 --set etp.gather_dtype=$gd --train-iters 12 \
     --log-interval 4 --profile "$OUT/w_prof_$gd" --json "$OUT/w_recipe_profile_$gd.json"
@@ -274,5 +271,12 @@ for gd in param fp8_tensorwise; do
   rm -rf "$OUT/w_prof_$gd"
 done
 TAIL=6 step w_graph_det 420 python3 -m pytest -q -rs -p no:warnings tests/test_graph_step.py -k deterministic_captured
+
+# (x)
+TAIL=8 step x_probe_local_copy 90 python3 tools/probe_local_copy.py "$OUT/x_probe_local_copy.json"
+TAIL=9 step x_stack_trace 100 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py \
+  --variants etp_async_ce_push --trace "$OUT/x_trace" --out "$OUT/x_stack_trace.json"
+[[ -f "$OUT/x_trace/etp_async_ce_push_trace.json" ]] && python3 tools/trace_gaps.py \
+  "$OUT/x_trace/etp_async_ce_push_trace.json" --stream-waits --steps 3 > "$OUT/x_gaps.log" 2>&1
 
 budget_end

@@ -75,12 +75,17 @@ def analyse(path: str, min_gap_us: float, top: int) -> dict:
 
 
 def compute_stream_waits(events: list[dict], pattern: str = "gemm|cutlass|nvjet|sm90", min_gap_us: float = 5.0,
-                         steps: int = 1) -> dict:
+                         steps: int = 1, end_slack_us: float = 8.0) -> dict:
     """Where the compute stream (the one running the most kernels matching ``pattern``) waits
     while the device is not idle: its gaps of at least ``min_gap_us``, by what runs next on it
     ("gemm" for a matching kernel, else the kernel's name) and which other streams were busy
     meanwhile ("copy" for a copy-engine copy on them, "kernel", or nothing). A compute-stream
-    gap with a copy on the gather stream and a GEMM next is a gather the GEMM waited for."""
+    gap with a copy on the gather stream and a GEMM next is a gather the GEMM waited for.
+
+    ``ended_by`` sums the gaps that end within ``end_slack_us`` of a copy on another stream
+    ending, by that copy's name and stream: a compute stream that resumes the moment a
+    ``Memcpy DtoD`` elsewhere finishes was held by that copy (a device-local copy runs on the
+    SMs: [Note: the own-rows copy takes the SMs] in etp/transport/copy_engine.py)."""
     rx = re.compile(pattern, re.IGNORECASE)
     work = [e for e in events if e.get("ph") == "X" and str(e.get("cat", "")).lower() in ("kernel", "gpu_memcpy")]
     counts: dict = defaultdict(int)
@@ -88,13 +93,17 @@ def compute_stream_waits(events: list[dict], pattern: str = "gemm|cutlass|nvjet|
         if rx.search(str(e.get("name", ""))):
             counts[e.get("tid")] += 1
     if not counts:
-        return {"compute_stream": None, "busy_ms_per_step": 0.0, "idle_ms_per_step": 0.0, "waits": []}
+        return {"compute_stream": None, "busy_ms_per_step": 0.0, "idle_ms_per_step": 0.0, "waits": [], "ended_by": []}
     compute = max(counts, key=counts.get)
     mine = sorted((e for e in work if e.get("tid") == compute), key=lambda e: float(e["ts"]))
     spans = _union([(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in mine])
     starts = [float(e["ts"]) for e in mine]
     others = [e for e in work if e.get("tid") != compute]
+    copy_ends = sorted((float(e["ts"]) + float(e.get("dur", 0.0)), e) for e in others
+                       if str(e.get("cat")).lower() == "gpu_memcpy")
+    copy_end_times = [t for t, _ in copy_ends]
     waits: dict = defaultdict(lambda: [0, 0.0])
+    ended_by: dict = defaultdict(lambda: [0, 0.0])
     for end, nxt in ((a[1], b[0]) for a, b in zip(spans, spans[1:])):
         if nxt - end < min_gap_us:
             continue
@@ -106,12 +115,20 @@ def compute_stream_waits(events: list[dict], pattern: str = "gemm|cutlass|nvjet|
         entry = waits[(next_kind, ", ".join(streams) or "nothing")]
         entry[0] += 1
         entry[1] += nxt - end
+        i = bisect.bisect_left(copy_end_times, nxt - end_slack_us)
+        if i < len(copy_ends) and copy_end_times[i] <= nxt + end_slack_us:
+            copy = copy_ends[i][1]
+            held = ended_by[(str(copy.get("name", ""))[:40], copy.get("tid"))]
+            held[0] += 1
+            held[1] += nxt - end
     busy = sum(b - a for a, b in spans)
     window = spans[-1][1] - spans[0][0]
     return {"compute_stream": compute, "busy_ms_per_step": busy / steps / 1e3,
             "idle_ms_per_step": (window - busy) / steps / 1e3,
             "waits": [{"next": k[0], "beside": k[1], "gaps": n, "ms_per_step": t / steps / 1e3}
-                      for k, (n, t) in sorted(waits.items(), key=lambda kv: -kv[1][1])]}
+                      for k, (n, t) in sorted(waits.items(), key=lambda kv: -kv[1][1])],
+            "ended_by": [{"copy": k[0], "stream": k[1], "gaps": n, "ms_per_step": t / steps / 1e3}
+                         for k, (n, t) in sorted(ended_by.items(), key=lambda kv: -kv[1][1])]}
 
 
 def main(argv=None) -> None:
@@ -142,6 +159,9 @@ def main(argv=None) -> None:
             for x in w["waits"][: args.top]:
                 print(f"    {x['ms_per_step']:6.2f} ms/step in {x['gaps']:4d} gaps before {x['next'][:30]:30s} "
                       f"beside: {x['beside']}")
+            for x in w["ended_by"][: args.top]:
+                print(f"    {x['ms_per_step']:6.2f} ms/step in {x['gaps']:4d} gaps ending as {x['copy'][:30]} "
+                      f"on stream {x['stream']} ends")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=1)

@@ -67,12 +67,14 @@ class WeightCache:
         self._tickets: dict[tuple[int, Role], BufferKey] = {}
         self.debug = debug
 
-    def ticket(self, param_id: int, role: Role, key: BufferKey) -> torch.Tensor:
-        """The buffer of (param, role), allocated on first use."""
+    def ticket(self, param_id: int, role: Role, key: BufferKey, allocate=None) -> torch.Tensor:
+        """The buffer of (param, role), allocated on first use: by ``allocate(shape, dtype,
+        device)`` when given (a transport's backing for aliased buffers, which may be smaller
+        than ``key.shape``: [Note: aliased own rows]), else ``torch.empty``."""
         self._tickets[(param_id, role)] = key
         buffer = self._buffers.get(key)
         if buffer is None:
-            buffer = torch.empty(key.shape, dtype=key.dtype, device=key.device)
+            buffer = (allocate or torch.empty)(key.shape, dtype=key.dtype, device=key.device)
             self._buffers[key] = buffer
             if self.debug:
                 log.info("etp cache: allocated %s (%d bytes; %d buffers)", key,

@@ -18,6 +18,17 @@ symmetric-memory barrier kernels instead (one CTA each, spinning until the peers
 values would be baked into the graph. Each stream that gathers gets its own channel
 (assigned in first-use order, the same on every rank), so a synchronous gather on the
 compute stream never pairs with a prefetch's fence.
+
+[Note: the own-rows copy takes the SMs]
+Only the peers' rows move on copy engines. This rank's own rows are a device-local copy, and
+the driver runs a device-local ``cudaMemcpyAsync`` on the SMs (1.44 TB/s for 201 MB on an
+H100, which no copy engine reaches): a grouped GEMM issued beside it does not start until it
+ends (``tools/probe_local_copy.py``: GEMM + copy beside 1232.7 us, the two serialized
+1233.5). Neither another stream, ``cudaMemcpyPeerAsync`` within one device, nor
+``cuMemcpyBatchAsync``'s ``PREFER_OVERLAP_WITH_COMPUTE`` hint changes that (session 12). On the
+bf16 expert stack these copies are ~3 ms of the compute stream per step (131 us per fc1
+shard, 66 us per fc2, forward and backward); only not copying the own rows (the GEMM reading
+them from the shard itself) would remove them.
 """
 from __future__ import annotations
 
@@ -38,12 +49,10 @@ class CopyEngineGather(GatherTransport):
     #: "flags" (stream flag operations, no SM; kernel barriers while capturing) or "kernel"
     #: (symmetric-memory barrier kernels always: the session-9 behaviour, kept to measure against)
     fence = "flags"
-    #: Copy this rank's own rows on a companion stream while this stream pulls the peers' rows
-    #: (joined by an event before the closing fence). Off by default: not yet measured. Session
-    #: 11's trace of the bf16 expert stack had the compute stream waiting 3.9 ms per step on
-    #: gathers, each of which ran its own-rows copy (130 us for an fc1 shard on H100) before
-    #: its peer pull (510 us) on one stream.
-    own_copy_beside = False
+    #: Gather into aliased buffers whose own rows *are* the shard, so the own-rows copy (an SM
+    #: copy, see the Note above) is not made: [Note: aliased own rows] in etp/transport/vmm.py.
+    #: Off by default until measured; each transport keeps the value it was made with (wrap time).
+    alias_own_rows = False
 
     def __init__(self, process_group, device: torch.device) -> None:
         self.process_group, self.device = process_group, device
@@ -53,13 +62,22 @@ class CopyEngineGather(GatherTransport):
         self._key_of_ptr: dict[int, tuple[object, SymmetricPool]] = {}
         self._channels: dict[int, int] = {}
         self._flags: FlagBarrier | None = None
+        self.alias_own_rows = type(self).alias_own_rows
+        self._granularity = 0
+        self._backings: dict[int, object] = {}  # backing data_ptr -> its vmm.Mapping
+        self._aliases: dict[tuple[int, int], torch.Tensor] = {}  # (id(param), backing ptr) -> buffer
+        self._aliased_ptrs: set[int] = set()  # data_ptr of every aliased buffer: no own-rows copy
 
     def register(self, param: torch.Tensor, wire_dtype: torch.dtype) -> None:
         """Reserves ``param``'s home slot ``[shard_rows, cols]`` of ``wire_dtype``."""
         if id(param) in self._pool_of:
             return
         if not self.pools or self.pools[-1].buffer is not None:
-            self.pools.append(SymmetricPool(self.process_group, self.device))
+            if self.alias_own_rows and self.device.type == "cuda" and not self._granularity:
+                from .vmm import granularity
+
+                self._granularity = granularity(self.device)
+            self.pools.append(SymmetricPool(self.process_group, self.device, self._granularity))
         self.pools[-1].reserve(id(param), param.etp_layout.shard_shape, wire_dtype)
         self._pool_of[id(param)] = self.pools[-1]
 
@@ -79,6 +97,69 @@ class CopyEngineGather(GatherTransport):
         pool = self._pool_of.get(id(param))
         return None if pool is None or pool.buffer is None else pool.slot(id(param))
 
+    # ------------------------------------------------------------------ aliased buffers
+    def backing_allocator(self, param: torch.Tensor):
+        """For the weight cache: a function that makes a ticket's backing (physical memory for
+        the peers' rows only) when ``param``'s gathers can be aliased, else None."""
+        if not self.alias_own_rows or self._granularity == 0:
+            return None
+        pool = self._pool_of.get(id(param))
+        if pool is None or pool.buffer is None or pool.physical_offset(id(param)) is None:
+            return None
+        group = param.etp_group
+
+        def allocate(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            from .vmm import Mapping
+
+            rows = shape[0] // group.size
+            peers_shape = ((group.size - 1) * rows, *shape[1:])
+            nbytes = int(torch.Size(peers_shape).numel()) * torch.empty((), dtype=dtype).element_size()
+            mapping = Mapping(device, [(None, 0, nbytes)])
+            backing = mapping.tensor(dtype, peers_shape)
+            self._backings[backing.data_ptr()] = mapping
+            return backing
+
+        return allocate
+
+    def alias(self, param: torch.Tensor, backing: torch.Tensor) -> torch.Tensor:
+        """The gather buffer of ``param`` on ``backing``: ``backing`` itself when it is a plain
+        buffer, else (made once) the full padded weight whose own rows map onto ``param``'s
+        shard and whose peers' rows map onto ``backing``."""
+        mapping = self._backings.get(backing.data_ptr())
+        if mapping is None:
+            return backing
+        made = self._aliases.get((id(param), backing.data_ptr()))
+        if made is not None:
+            return made
+        from .vmm import Mapping, release
+
+        pool = self._pool_of[id(param)]
+        found = pool.physical(id(param))
+        if found is None:
+            raise RuntimeError(f"etp copy-engine gather: a weight of shape {tuple(param.etp_layout.padded_shape)} "
+                               "shares an aliased ticket but its shard cannot be mapped (an etp bug)")
+        shard_handle, shard_offset = found
+        group = param.etp_group
+        segment = mapping.nbytes // (group.size - 1) if group.size > 1 else 0
+        try:
+            pieces = [(shard_handle, shard_offset, segment) if peer == group.rank else
+                      (mapping.handles[0], (peer if peer < group.rank else peer - 1) * segment, segment)
+                      for peer in range(group.size)]
+            alias = Mapping(self.device, pieces)
+        finally:
+            release(shard_handle)  # the mapping holds its own reference
+        made = alias.tensor(backing.dtype, param.etp_layout.padded_shape)
+        self._aliases[(id(param), backing.data_ptr())] = made
+        self._aliased_ptrs.add(made.data_ptr())
+        return made
+
+    def release_buffers(self) -> None:
+        """Forgets the backings and aliases (the weight cache dropped its tickets); their
+        mappings are freed once no tensor refers to them."""
+        self._backings.clear()
+        self._aliases.clear()
+        self._aliased_ptrs.clear()
+
     def _channel(self) -> tuple[int, int]:
         """The current stream's fence channel and its raw handle."""
         stream = torch.cuda.current_stream(self.device).cuda_stream
@@ -89,20 +170,6 @@ class CopyEngineGather(GatherTransport):
             pool.barrier(channel)
         else:
             self._flags(channel, stream)
-
-    def _copy_own_beside(self, source, out, rank: int, rows: int):
-        """Copies this rank's rows into ``out`` on the current stream's companion stream (it needs
-        no peer, so it runs before the opening fence and beside the peer pulls); returns the
-        event the current stream waits on before its closing fence. ``out`` and ``source`` were
-        ready on the current stream (the runtime's events), hence the companion waits on it."""
-        from ..streams import companion_stream
-
-        current = torch.cuda.current_stream(self.device)
-        beside = companion_stream(current)
-        beside.wait_stream(current)
-        with torch.cuda.stream(beside):
-            out[rank * rows : (rank + 1) * rows].copy_(source)
-            return record_event(out.device)
 
     def gather(self, source, group, out, async_op) -> Handle:
         found = self._key_of_ptr.get(source.data_ptr())
@@ -116,22 +183,19 @@ class CopyEngineGather(GatherTransport):
         channel, stream = self._channel()
         capturing = out.is_cuda and torch.cuda.is_current_stream_capturing()
         with record_function("etp::all_gather_copy_engine"):
-            beside = self.own_copy_beside and out.is_cuda
-            own_done = self._copy_own_beside(source, out, group.rank, rows) if beside else None
             self._fence(pool, channel, stream, capturing)
-            for step in range(group.size):
+            aliased = out.data_ptr() in self._aliased_ptrs  # the own rows are the shard already
+            for step in range(1 if aliased else 0, group.size):
                 peer = (group.rank + step) % group.size
-                if peer == group.rank and own_done is not None:
-                    continue
                 src = source if peer == group.rank else pool.peer(key, peer)
                 out[peer * rows : (peer + 1) * rows].copy_(src)
-            if own_done is not None:
-                torch.cuda.current_stream(self.device).wait_event(own_done)
             self._fence(pool, channel, stream, capturing)
         if not async_op:
             return DoneHandle(out)
         return EventHandle(out, record_event(out.device), keep=(source,))
 
     def nbytes(self) -> int:
+        """Symmetric pools, flag pads and aliased tickets' backings (all outside torch's allocator)."""
         flags = 0 if self._flags is None else self._flags.nbytes()
-        return sum(pool.nbytes() for pool in self.pools) + flags
+        backings = sum(m.nbytes for m in self._backings.values())
+        return sum(pool.nbytes() for pool in self.pools) + flags + backings

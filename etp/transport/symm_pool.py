@@ -66,9 +66,12 @@ class SymmetricPool:
         local, peer1 = pool.slot("w"), pool.peer("w", 1)
     """
 
-    def __init__(self, process_group, device: torch.device) -> None:
+    def __init__(self, process_group, device: torch.device, granularity: int = 0) -> None:
         self.process_group = process_group
         self.device = device
+        # Slots whose size is a multiple of this start on a multiple of it inside the allocation,
+        # so they can be mapped elsewhere too ([Note: aliased own rows] in etp/transport/vmm.py).
+        self.granularity = granularity
         self._slots: dict[object, tuple[int, tuple[int, ...], torch.dtype]] = {}
         self._size = 0
         self.buffer: torch.Tensor | None = None
@@ -82,6 +85,8 @@ class SymmetricPool:
         if key in self._slots:
             return
         nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        if self.granularity and nbytes % self.granularity == 0:
+            self._size = -(-self._size // self.granularity) * self.granularity
         self._slots[key] = (self._size, tuple(shape), dtype)
         self._size += -(-nbytes // _ALIGN) * _ALIGN
 
@@ -121,6 +126,32 @@ class SymmetricPool:
             view = whole[offset : offset + nbytes].view(dtype).view(shape)
         self._views[(key, rank)] = view
         return view
+
+    def physical(self, key) -> tuple[int, int] | None:
+        """``(allocation handle, byte offset)`` of this rank's slot ``key`` when the slot can be
+        mapped a second time (its start and size multiples of ``granularity``), else None. The
+        handle is a reference the caller releases (``etp.transport.vmm.release``)."""
+        from .vmm import allocation_handle, release
+
+        at = self.physical_offset(key)  # from the allocation's start (buffer_ptrs[rank])
+        if at is None:
+            return None
+        base = self.handle.buffer_ptrs[self.handle.rank]
+        handle, check = allocation_handle(base), allocation_handle(base + at)
+        release(check)
+        if check != handle:  # the pool is not one allocation mapped from its start
+            release(handle)
+            return None
+        return handle, at
+
+    def physical_offset(self, key) -> int | None:
+        """The byte offset ``physical`` would return for ``key`` (no driver call), or None."""
+        offset, shape, dtype = self._slots[key]
+        nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        at = self._base + offset
+        if not self.granularity or at % self.granularity or nbytes % self.granularity:
+            return None
+        return at
 
     def barrier(self, channel: int) -> None:
         """Symmetric-memory barrier on the current stream (a one-CTA signal kernel)."""
