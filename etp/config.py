@@ -102,6 +102,14 @@ class ETPConfig:
             stream flag operations: no SMs; CUDA + NCCL groups on NVLink GPUs of one host
             only) or "auto" (copy_engine where symmetric memory is available, else nccl).
             Chosen once at wrap time and logged.
+        alias_own_rows: with "copy_engine" gathers, a weight whose shard is a whole multiple
+            of the 2 MiB mapping granularity is gathered into a buffer whose own rows *are* the
+            shard (virtual-memory aliasing, [Note: aliased own rows] in etp/transport/vmm.py),
+            so only the peers' rows are copied: a device-local copy runs on the SMs and
+            stalls the next GEMM. On 2xH100 the bf16 expert stack's step fell from 60.95 to
+            58.15 ms with it, and its ticket buffers to (size - 1) / size of their bytes
+            (BENCHMARKS.md "2xH100, session 12"). Off by default until the megatron recipe has
+            run with it on a GPU (tools/gpu_pending.sh step (y)).
         reduce_transport: how weight-gradient reduce-scatters run: "nccl" (the RS
             communicator, fp32 wire), "nccl_capped" (its own NCCL communicator limited to
             ``reduce_ctas`` CTAs), "symm_triton" (a Triton kernel over symmetric memory on
@@ -146,6 +154,7 @@ class ETPConfig:
     async_reduce: bool = True
     debug_checks: bool = False
     transport: str = "auto"
+    alias_own_rows: bool = False
     reduce_transport: str = "auto"
     reduce_ctas: int = 8
     gemm_sm_carveout: int = 0
@@ -186,7 +195,8 @@ class ETPConfig:
                 raise ValueError(
                     f"ETPConfig.{key}={getattr(self, key)!r}: allowed values are {list(allowed)}"
                 )
-        for key in ("fp8_fast_accum", "fp8_wgrad", "prefetch", "prefetch_recompute", "async_reduce", "debug_checks"):
+        for key in ("fp8_fast_accum", "fp8_wgrad", "prefetch", "prefetch_recompute", "async_reduce", "debug_checks",
+                    "alias_own_rows"):
             value = getattr(self, key)
             if not isinstance(value, bool):
                 raise ValueError(f"ETPConfig.{key}={value!r}: expected true or false")

@@ -66,9 +66,10 @@ from typing import Callable
 
 import torch
 
-from .cache import BufferKey, Role, WeightCache, WgradPool
+from .cache import Role, WeightCache, WgradPool
 from .chain import Chain, ChainKey
 from .config import ETPConfig
+from .gather_buffers import GatherBuffers
 from .quant import FP8Weight, QuantizedShard, quantize_shards
 from .reductions import GradientReductions, PendingReduce
 from .state import ETPStateError, GatherState, ReduceState, transition
@@ -118,7 +119,7 @@ class RuntimeStats:
     reduce_scatters: int = 0
 
 
-class ETPRuntime(GradientReductions):
+class ETPRuntime(GatherBuffers, GradientReductions):
     """The per-model engine behind ETP weights. Created by ``wrap_module_params_etp``.
 
     Args:
@@ -147,12 +148,10 @@ class ETPRuntime(GradientReductions):
         self._phase = Role.BWD  # so that the first forward consume starts a pass
         self._consumed: dict[Role, set[int]] = {role: set() for role in Role}
         self._expected: dict[tuple[ChainKey, Role], torch.Tensor | None] = {}
-        # id(ticket buffer) -> (id(param), param._version) whose gather it holds: valid within
-        # one pass (one step with gather_reuse "step"; the optimizer may update shards without
-        # bumping any version). See [Note: gather reuse]. An aliased buffer counts as its
-        # ticket's backing, which every weight of that ticket shares (_backing_of).
+        # cache.holder_key(ticket buffer) -> (id(param), param._version) whose gather it holds:
+        # valid within one pass (one step with gather_reuse "step"; the optimizer may update
+        # shards without bumping any version). See [Note: gather reuse].
         self._holder: dict[int, tuple[int, int]] = {}
-        self._backing_of: dict[int, int] = {}  # id(aliased buffer) -> id(its backing)
         self.transports: dict[tuple[int, ...], Transports] = {}  # by group ranks
         self._reduce_pools: dict[tuple[int, ...], WgradPool] = {}  # transports that allocate
         self._staging_logged = False
@@ -291,47 +290,6 @@ class ETPRuntime(GradientReductions):
     def _wire_dtype(self, param: torch.Tensor) -> torch.dtype:
         return self.config.gather_torch_dtype or param.dtype
 
-    def _buffer(self, st: _ParamState, role: Role) -> torch.Tensor:
-        param = st.param
-        order = st.chain.orders[role]
-        keep = role is Role.FWD and self.config.gather_reuse != "chain"
-        key = BufferKey(
-            shape=param.etp_layout.padded_shape,
-            dtype=self._wire_dtype(param),
-            role=role,
-            expert_index=int(getattr(param, "etp_expert_index", -1)),
-            # A buffer of its own (negative: never a chain parity) keeps the gather resident.
-            parity=-1 - st.slot if keep else order.parity(param),
-            device=param.device,
-            chain=st.chain.key,
-        )
-        gather = self._transports(param).gather
-        allocate = gather.backing_allocator(param) if hasattr(gather, "backing_allocator") else None
-        backing = self.cache.ticket(id(param), role, key, allocate=allocate)
-        return self._gather_buffer(param, backing)
-
-    def _gather_buffer(self, param: torch.Tensor, backing: torch.Tensor) -> torch.Tensor:
-        """What a gather of ``param`` writes into on the ticket ``backing``: the backing itself,
-        or the transport's aliased buffer on it ([Note: aliased own rows])."""
-        gather = self._transports(param).gather
-        if not hasattr(gather, "alias"):
-            return backing
-        buffer = gather.alias(param, backing)
-        if buffer is not backing:
-            self._backing_of[id(buffer)] = id(backing)
-        return buffer
-
-    def _clear_gather_buffers(self) -> None:
-        """Drops every ticket buffer (and the transports' aliases of them)."""
-        self.cache.clear()
-        self._backing_of.clear()
-        for chosen in self.transports.values():
-            if hasattr(chosen.gather, "release_buffers"):
-                chosen.gather.release_buffers()
-
-    def _holder_key(self, buffer: torch.Tensor) -> int:
-        return self._backing_of.get(id(buffer), id(buffer))
-
     def _source(self, param: torch.Tensor) -> torch.Tensor:
         if self.fp8:
             quant = self.state(param).quant
@@ -380,7 +338,7 @@ class ETPRuntime(GradientReductions):
         CommStreams.wait(streams.ag, current_stream_event(param.device))
         with streams.use(streams.ag):
             handle = self._transports(param).gather.gather(source, param.etp_group, buffer, async_op=True)
-        self._holder[self._holder_key(buffer)] = (id(param), param._version)
+        self._holder[self.cache.holder_key(buffer)] = (id(param), param._version)
         st.in_flight[role] = _InFlight(buffer, handle, source)
         self.stats.gathers_prefetched += 1
 
@@ -400,22 +358,9 @@ class ETPRuntime(GradientReductions):
         buffer = self._transports(param).gather.gather(self._source(param), param.etp_group, out,
                                                        async_op=False).wait()
         if into_ticket:
-            self._holder[self._holder_key(buffer)] = (id(param), param._version)
+            self._holder[self.cache.holder_key(buffer)] = (id(param), param._version)
         self.stats.gathers_on_demand += 1
         return buffer
-
-    def _resident(self, st: _ParamState) -> torch.Tensor | None:
-        """A ticket buffer that already holds this pass's complete gather of ``st``'s weight
-        (the last forward weights of a chain are the first backward ones: no second gather)."""
-        for role in Role:
-            backing = self.cache.existing(id(st.param), role)
-            if (
-                backing is not None
-                and self._holder.get(id(backing)) == (id(st.param), st.param._version)
-                and st.gather[role] is GatherState.IDLE
-            ):
-                return self._gather_buffer(st.param, backing)
-        return None
 
     def acquire(
         self, param: torch.Tensor, role: Role, compute_dtype: torch.dtype, records_grad: bool = True
@@ -591,7 +536,9 @@ class ETPRuntime(GradientReductions):
         self._phase = Role.BWD
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes held by the gather cache (per role), the wgrad pool and the transports."""
+        """Bytes held by the gather cache (per role), the wgrad pool and the transports. The
+        backings of aliased gather buffers ([Note: aliased own rows]) count as gather bytes and
+        are outside torch's caching allocator, like the transports' bytes."""
         return {
             "gather_fwd": self.cache.nbytes(Role.FWD),
             "gather_bwd": self.cache.nbytes(Role.BWD),

@@ -248,10 +248,13 @@ def test_symmetric_memory_is_outside_the_allocator_peak_but_inside_the_fit():
     from etp.audit import fits, largest_micro_batch, predict_memory, predict_peak
     from etp.audit.predict import FRAGMENTATION, RESERVED_OUTSIDE, weight_inventory
 
-    # The reduction pinned to NCCL: this test is about the gathers' pool (the push reduction's
-    # share is test_push_reduction_halves_the_wgrad_pool_and_stages_outside_the_allocator).
+    # The reduction pinned to NCCL and plain gather buffers: this test is about the gathers'
+    # pool (the push reduction's share is
+    # test_push_reduction_halves_the_wgrad_pool_and_stages_outside_the_allocator, aliased
+    # buffers' test_aliased_gather_buffers_keep_the_peers_rows_outside_the_allocator).
     recipe = Recipe.from_yaml(ROOT / "recipes/moe_h200x8.yaml", world_size=2, global_batch_size=8,
-                              etp={"etp_size": 2, "expert_etp_size": 2, "reduce_transport": "nccl"})
+                              etp={"etp_size": 2, "expert_etp_size": 2, "reduce_transport": "nccl",
+                                   "alias_own_rows": False})
     nccl, ce = predict_peak(recipe, 2, transport="nccl"), predict_peak(recipe, 2, transport="copy_engine")
     assert predict_peak(recipe, 2)["gather_transport"] == "copy_engine"  # auto: NVLink GPUs of one host
     # The copy-engine pool holds the bf16 shards themselves: 4.70 B parameters, the 33 ETP
@@ -262,7 +265,7 @@ def test_symmetric_memory_is_outside_the_allocator_peak_but_inside_the_fit():
     # FP8 gathers: the FP8 shards (1 byte each) are in symmetric memory, the bf16 ones are not.
     fp8 = Recipe.from_yaml(ROOT / "recipes/moe_h200x8.yaml", world_size=2, global_batch_size=8,
                            etp={"etp_size": 2, "expert_etp_size": 2, "gather_dtype": "fp8_tensorwise",
-                                "reduce_transport": "nccl"})
+                                "reduce_transport": "nccl", "alias_own_rows": False})
     fp8_ce = predict_peak(fp8, 2, transport="copy_engine")
     assert fp8_ce["outside_allocator"] == predict_memory(fp8, 2)["fp8_shards"] == ce["outside_allocator"] // 2
     # Under the distributed optimizer DDP's parameter buffer holds the shards too: on the
@@ -276,6 +279,39 @@ def test_symmetric_memory_is_outside_the_allocator_peak_but_inside_the_fit():
     assert fits(ce["peak"], gpu) and not fits(ce["peak"], gpu, ce["outside_allocator"])
     best, _ = largest_micro_batch(recipe, 2, gpu, transport="copy_engine", candidates=(1, 2))
     assert best == 1
+
+
+def test_aliased_gather_buffers_keep_the_peers_rows_outside_the_allocator():
+    from etp.audit import predict_memory, predict_peak
+    from etp.audit.predict import MAPPING_GRANULARITY, gather_buffer_bytes, weight_inventory
+
+    def recipe(**etp):
+        return Recipe.from_yaml(ROOT / "recipes/moe_h200x8.yaml", world_size=2, global_batch_size=8,
+                                etp={"etp_size": 2, "expert_etp_size": 2, "reduce_transport": "nccl", **etp})
+
+    # Every ETP weight of the flagship but the output layer (16000 x 2048 rows a shard) has whole
+    # 2 MiB pieces per shard at ETP 2, bf16 and FP8: the expert fc1's bf16 halves are 176 of them.
+    sharded = [w for w in weight_inventory(recipe()) if w.chain is not None]
+    whole = [w.numel // 2 * nbytes % MAPPING_GRANULARITY == 0 for w in sharded for nbytes in (2, 1)]
+    assert whole.count(False) == 2 and "output_layer" in [w for w in sharded if w.numel // 2 % MAPPING_GRANULARITY][0].name
+    for gather_dtype in ("param", "fp8_tensorwise"):
+        plain = recipe(gather_dtype=gather_dtype)  # alias_own_rows off: the default
+        aliased = recipe(gather_dtype=gather_dtype, alias_own_rows=True)
+        parts = gather_buffer_bytes(aliased, aliased.etp, "copy_engine")
+        outside = sum(part for _, part in parts.values())
+        total = sum(nbytes for nbytes, _ in parts.values())
+        plain_total = sum(nbytes for nbytes, _ in gather_buffer_bytes(plain, plain.etp, "copy_engine").values())
+        # an aliased ticket keeps the peer's rows only (half its bytes at ETP 2), outside the
+        # allocator; the output layer's tickets stay whole, in it
+        assert 0 < outside < total == plain_total - outside
+        m_alias = predict_memory(aliased, 2, transport="copy_engine")
+        assert m_alias["gather_fwd"] + m_alias["gather_bwd"] == total
+        p_plain, p_alias = predict_peak(plain, 2, transport="copy_engine"), predict_peak(aliased, 2, transport="copy_engine")
+        assert p_alias["outside_allocator"] == p_plain["outside_allocator"] + outside
+        assert p_alias["peak"] == p_plain["peak"] - 2 * outside
+        assert p_alias["device_peak"] == p_plain["device_peak"] - outside
+        # NCCL gathers have nothing to alias
+        assert predict_memory(aliased, 2, transport="nccl") == predict_memory(plain, 2, transport="nccl")
 
 
 def test_recompute_shrinks_activations_and_adds_its_gather_buffers():
@@ -307,7 +343,8 @@ def test_push_reduction_halves_the_wgrad_pool_and_stages_outside_the_allocator()
     from etp.audit.predict import weight_inventory
 
     recipe = Recipe.from_yaml(ROOT / "recipes/moe_h200x8.yaml", world_size=2, global_batch_size=8,
-                              etp={"etp_size": 2, "expert_etp_size": 2})  # reduce_transport: auto
+                              etp={"etp_size": 2, "expert_etp_size": 2,  # reduce_transport: auto
+                                   "alias_own_rows": False})  # as measured in session 11
     push = predict_peak(recipe, 2, transport="copy_engine")  # auto -> copy_engine_push
     nccl = predict_peak(recipe, 2, recipe.etp.replace(reduce_transport="nccl"), transport="copy_engine")
     # The wgrad pool in bf16 instead of fp32: half of it leaves the allocator's peak.

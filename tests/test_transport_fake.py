@@ -296,3 +296,55 @@ def test_push_reduce_over_micro_batches_and_step_reuse():
     # across them, with chain buffers and with gathers kept for the whole step.
     for result in run_distributed(_push_with_micro_batches, 2):
         assert all(diff < 1e-5 for diff in result.values()), result
+
+
+def _fake_backing_allocator(self, param):
+    # A full-size backing (CPU memory cannot be mapped twice): every weight of a ticket then
+    # shares *all* its rows, a stricter sharing than the real backing's peers' rows.
+    def allocate(shape, dtype, device):
+        backing = torch.empty(tuple(shape), dtype=dtype, device=device)
+        self._backings[backing.data_ptr()] = backing
+        return backing
+    return allocate
+
+
+def _fake_alias(self, param, backing):
+    key = (id(param), backing.data_ptr())
+    if key not in self._aliases:  # another tensor object on the backing's memory, as an alias is
+        self._aliases[key] = backing.view(backing.shape)
+    return self._aliases[key]
+
+
+def _aliased(ctx, overrides):
+    from test_async import COUNTS
+
+    from etp import finalize_grads
+
+    _install_fakes()
+    copy_engine.CopyEngineGather.backing_allocator = _fake_backing_allocator
+    copy_engine.CopyEngineGather.alias = _fake_alias
+    base = dict(etp_size=ctx.world_size, expert_etp_size=ctx.world_size, **overrides)
+    runs = []
+    for config in (ETPConfig(prefetch=False, async_reduce=False, **base), ETPConfig(**base)):
+        model, groups = _setup(config, ctx.device)
+        got = []
+        for step in range(3):
+            model.zero_grad()
+            x = torch.randn(8, 8, generator=torch.Generator().manual_seed(step + 10 * ctx.rank)).requires_grad_()
+            model(x, COUNTS).square().mean().backward()  # l0's weight is consumed in backward too
+            finalize_grads(model, config, groups)
+            got += [x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+        runs.append(got)
+    aliases = len(next(iter(runtime_of(model).transports.values())).gather._aliases)
+    return all(torch.equal(a, b) for a, b in zip(*runs)), aliases
+
+
+def test_aliased_buffers_hold_a_gather_per_backing_not_per_alias():
+    """Weights of one ticket key gather into distinct alias tensors on one backing: which gather
+    a buffer holds must be tracked per backing ([Note: aliased own rows]). The Stack's l0 and
+    l2 share one, and backward needs l0 after forward gathered l2 there: a stale alias would
+    give the input gradient l2's rows. Against the same steps without prefetching (no reuse)."""
+    for same, aliases in run_distributed(_aliased, 2, dict(transport="copy_engine", reduce_transport="copy_engine_push",
+                                                           alias_own_rows=True)):
+        assert aliases > 0
+        assert same

@@ -60,7 +60,7 @@ earlier runs. The transport variants (opt-in through ``--variants``) change only
   ``etp_async_ce_push_kfence`` / ``etp_async_ce_push_fp8_wgrad_kfence``: the same with the gathers fenced by symmetric-memory barrier
   kernels instead of stream flag operations (``CopyEngineGather.fence = "kernel"``);
   ``etp_async_ce_push_alias`` / ``etp_async_ce_push_fp8_wgrad_alias``: gathered into buffers whose
-  own rows are the shard itself, so no own-rows copy (``CopyEngineGather.alias_own_rows``).
+  own rows are the shard itself, so no own-rows copy (``ETPConfig.alias_own_rows``).
 
 Every ETP variant issues the next pass's chain-head gathers at the end of the step
 (``etp.prefetch_after_step``, the post-optimizer hook), and the step's end event waits for
@@ -176,7 +176,7 @@ TRANSPORT_VARIANTS = {
     # the copy-engine gather fenced by symmetric-memory barrier kernels (session 9's), not flags
     "etp_async_ce_push_kfence": ("copy_engine", "copy_engine_push"),
     "etp_async_ce_push_fp8_wgrad_kfence": ("copy_engine", "copy_engine_push"),
-    # own rows not copied: gathered into buffers aliased onto the shard (CopyEngineGather.alias_own_rows)
+    # own rows not copied: gathered into buffers aliased onto the shard (ETPConfig.alias_own_rows)
     "etp_async_ce_push_alias": ("copy_engine", "copy_engine_push"),
     "etp_async_ce_push_fp8_wgrad_alias": ("copy_engine", "copy_engine_push"),
 }
@@ -621,8 +621,9 @@ def _gather_elem_bytes(cfg, param: torch.Tensor) -> int:
 
 def _prepare_etp(args, env, groups_cache: dict, prefetch: bool, gather_dtype: str = "param",
                  pad_for_alignment: int | None = None, transports=("nccl", "nccl"),
-                 fp8_wgrad: bool = False) -> Prepared:
+                 fp8_wgrad: bool = False, alias_own_rows: bool = False) -> Prepared:
     cfg = _etp_config(env, prefetch, gather_dtype, pad_for_alignment, transports, args.reduce_ctas)
+    cfg = dataclasses.replace(cfg, alias_own_rows=alias_own_rows)
     # Pinned either way (ETPConfig's default is on): "_fp8" variants keep bf16 weight-gradient
     # GEMMs, "_fp8_wgrad" ones run them in FP8, so each name means one thing across runs.
     cfg = dataclasses.replace(cfg, fp8_wgrad=fp8_wgrad, gemm_sm_carveout=args.gemm_sm_carveout)
@@ -660,7 +661,7 @@ def _prepare_etp(args, env, groups_cache: dict, prefetch: bool, gather_dtype: st
                              "transport": cfg.transport, "reduce_transport": cfg.reduce_transport,
                              "reduce_ctas": cfg.reduce_ctas, "fp8_fast_accum": cfg.fp8_fast_accum,
                              "fp8_wgrad": cfg.fp8_wgrad, "fp8_weight_scaling": cfg.fp8_weight_scaling,
-                             "gemm_sm_carveout": cfg.gemm_sm_carveout},
+                             "gemm_sm_carveout": cfg.gemm_sm_carveout, "alias_own_rows": cfg.alias_own_rows},
               "transports": {str(k): (t.gather.name, t.reduce.name)
                              for k, t in etp.runtime_of(model).transports.items()},
               "wire_bytes_breakdown": wire},
@@ -731,17 +732,10 @@ def _graphed_variant(base):
 
 def _transport_variant(name: str):
     def prepare(args, env, groups_cache) -> Prepared:
-        from etp.transport.copy_engine import CopyEngineGather
-
         dtype, pad = FP8_VARIANTS.get(name, ("param", None))
-        CopyEngineGather.alias_own_rows = name.endswith("_alias")  # each transport keeps it from here
-        try:
-            prep = _prepare_etp(args, env, groups_cache, prefetch=True, gather_dtype=dtype, pad_for_alignment=pad,
-                                transports=TRANSPORT_VARIANTS[name], fp8_wgrad="_fp8_wgrad" in name)
-        finally:
-            CopyEngineGather.alias_own_rows = False
-        if name.endswith("_alias"):
-            prep.info["gather_aliased_own_rows"] = True
+        prep = _prepare_etp(args, env, groups_cache, prefetch=True, gather_dtype=dtype, pad_for_alignment=pad,
+                            transports=TRANSPORT_VARIANTS[name], fp8_wgrad="_fp8_wgrad" in name,
+                            alias_own_rows=name.endswith("_alias"))
         if name.endswith("_kfence"):
             for chosen in etp.runtime_of(prep.model).transports.values():
                 chosen.gather.fence = "kernel"

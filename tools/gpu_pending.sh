@@ -67,6 +67,12 @@
 #     transport pinned to nccl; not run in sessions 11 and 12)
 # (x) session 12: does a device-local copy block a grouped GEMM beside it (tools/probe_local_copy.py);
 #     the expert stack's push variant traced, its compute-stream gaps that end with an own-rows copy
+# (y) NOT RUN YET (session 12 ran out of device time): ETPConfig.alias_own_rows on the real recipe
+#     and everywhere else. Its GPU test and the expert stack ran (58.15 vs 60.95 ms); then: every
+#     transport GPU test, the graph tests, the flagship recipe bf16 and FP8 with it on and off
+#     (25 iterations each, the pairs interleaved), and the audit's prediction against the measured
+#     peak with it on. Make it the default (ETPConfig, configs/etp.yaml, README, docs) when the
+#     recipe trains with it (loss within compare_recipe_runs' 3%) and is not slower.
 # Each step has its own timeout; the whole script stays under BUDGET seconds (default 560).
 # ONLY (tools/gpu_lib.sh) runs a subset, e.g. ONLY='^(a_|b_)'.
 source tools/gpu_lib.sh
@@ -278,5 +284,15 @@ TAIL=9 step x_stack_trace 100 torchrun --standalone --nproc-per-node 2 tools/ben
   --variants etp_async_ce_push --trace "$OUT/x_trace" --out "$OUT/x_stack_trace.json"
 [[ -f "$OUT/x_trace/etp_async_ce_push_trace.json" ]] && python3 tools/trace_gaps.py \
   "$OUT/x_trace/etp_async_ce_push_trace.json" --stream-waits --steps 3 > "$OUT/x_gaps.log" 2>&1
+
+# (y)
+TAIL=8 step y_transport_tests 240 env ETP_TEST_BACKEND=nccl ETP_TEST_TIMEOUT=120 python3 -m pytest -q -p no:warnings \
+  -o faulthandler_timeout=150 tests/test_transport_gpu.py tests/test_stream_ops_gpu.py tests/test_graphs_gpu.py
+TAIL=12 step y_stack_alias 150 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py --variants \
+  replicated,etp_async_ce_push,etp_async_ce_push_alias,etp_async_ce_push_fp8_wgrad,etp_async_ce_push_fp8_wgrad_alias \
+  --rounds 3 --out "$OUT/y_stack_alias.json"
+recipe_steps y_recipe 100 4 "bf16_alias|--set etp.alias_own_rows=true" "bf16|" \
+  "fp8_alias|--set etp.alias_own_rows=true --set etp.gather_dtype=fp8_tensorwise" "fp8|--set etp.gather_dtype=fp8_tensorwise" \
+  -- $AT2 --train-iters 25 --log-interval 5
 
 budget_end

@@ -190,9 +190,41 @@ def predict_memory(recipe, world_size: int, etp: ETPConfig | None = None,
     distributed = recipe.parallel.use_distributed_optimizer if distributed_optimizer is None else distributed_optimizer
     replicas = {False: recipe.data_parallel_size(world_size) // etp.etp_size,
                 True: recipe.expert_data_parallel_size(world_size) // etp.expert_etp_size}
-    gather_bytes = _dtype_bytes(etp.gather_dtype, param_bytes)
     fp8 = etp.gather_dtype.startswith("fp8")
     result = dict.fromkeys(CATEGORIES, 0)
+    pool_order: list[tuple] = []  # padded shapes of the ETP weights, forward order
+    for weight, layout, numel in _per_rank(recipe, etp):
+        if layout is not None:
+            pool_order.append(layout.padded_shape)
+            if fp8:
+                result["fp8_shards"] += numel
+        result["params"] += numel * param_bytes
+        result["main_grad"] += numel * 4
+        divisor = replicas[weight.expert] if distributed else 1
+        result["optimizer"] += -(-numel * optimizer_bytes // max(1, divisor))
+    gathers = gather_transport(etp, transport)
+    for role, (nbytes, _outside) in gather_buffer_bytes(recipe, etp, gathers).items():
+        result["gather_" + role] += nbytes
+    reduce = reduce_transport(etp, gathers)
+    wire_bytes = param_bytes if reduce in SIXTEEN_BIT_WIRE_REDUCTIONS and param_bytes == 2 else 4
+    result["wgrad_pool"] = _wgrad_pool_bytes(pool_order, wire_bytes)
+    result["activations"] = activation_bytes(recipe, micro_batch_size)
+    return result
+
+
+#: The driver's mapping granularity (H100 / H200): shards of whole multiples of it get aliased
+#: gather buffers ([Note: aliased own rows] in etp/transport/vmm.py).
+MAPPING_GRANULARITY = 2 << 20
+
+
+def gather_buffer_bytes(recipe, etp: ETPConfig, gathers: str) -> dict[str, tuple[int, int]]:
+    """Per role ("fwd", "bwd", "recompute"), the bytes of the weight cache's gather buffers on
+    one rank and the part of them outside torch's allocator: one buffer per (chain, role, padded
+    shape, parity) ([Note: ETP buffer keys]); with copy-engine gathers and
+    ``alias_own_rows``, a weight whose shard is a whole multiple of ``MAPPING_GRANULARITY``
+    has a backing of its ``size - 1`` peers' rows only, mapped outside the allocator."""
+    t = recipe.train
+    gather_bytes = _dtype_bytes(etp.gather_dtype, 2 if (t.bf16 or t.fp16) else 4)
     # A recomputed forward that consumes ETP weights gathers them into buffers of its own
     # role ([Note: ETP recompute chain]); those of a prefetching chain are kept like the others.
     roles = ("fwd", "bwd", "recompute") if _recomputes_weights(t) and etp.prefetch and etp.prefetch_recompute \
@@ -202,29 +234,24 @@ def predict_memory(recipe, world_size: int, etp: ETPConfig | None = None,
     keep = etp.gather_reuse != "chain"
     if keep:
         roles = ("fwd",)
-    buffers: dict[tuple, int] = {}  # (chain, role, padded shape, parity) -> elements
-    pool_order: list[tuple] = []  # padded shapes of the ETP weights, forward order
+    aliased = gathers == "copy_engine" and etp.alias_own_rows
+    buffers: dict[tuple, tuple[int, int]] = {}  # (chain, role, padded shape, parity) -> (bytes, outside)
     positions: dict[str, int] = {}
-    for weight, layout, numel in _per_rank(recipe, etp):
-        if layout is not None:
-            position = positions.get(weight.chain, 0)
-            positions[weight.chain] = position + 1
-            for role in roles:
-                slot = -1 - position if keep else position % 2
-                buffers[(weight.chain, role, layout.padded_shape, slot)] = layout.padded_rows * layout.cols
-            pool_order.append(layout.padded_shape)
-            if fp8:
-                result["fp8_shards"] += numel
-        result["params"] += numel * param_bytes
-        result["main_grad"] += numel * 4
-        divisor = replicas[weight.expert] if distributed else 1
-        result["optimizer"] += -(-numel * optimizer_bytes // max(1, divisor))
-    for (_chain, role, _, _), elements in buffers.items():
-        result["gather_" + role] += elements * gather_bytes
-    reduce = reduce_transport(etp, gather_transport(etp, transport))
-    wire_bytes = param_bytes if reduce in SIXTEEN_BIT_WIRE_REDUCTIONS and param_bytes == 2 else 4
-    result["wgrad_pool"] = _wgrad_pool_bytes(pool_order, wire_bytes)
-    result["activations"] = activation_bytes(recipe, micro_batch_size)
+    for weight, layout, _numel in _per_rank(recipe, etp):
+        if layout is None:
+            continue
+        position = positions.get(weight.chain, 0)
+        positions[weight.chain] = position + 1
+        size = layout.padded_rows // layout.shard_rows
+        full = layout.padded_rows * layout.cols * gather_bytes
+        shard = full // size
+        nbytes, outside = (shard * (size - 1),) * 2 if aliased and shard % MAPPING_GRANULARITY == 0 else (full, 0)
+        for role in roles:
+            slot = -1 - position if keep else position % 2
+            buffers[(weight.chain, role, layout.padded_shape, slot)] = (nbytes, outside)
+    result = {role: (0, 0) for role in roles}
+    for (_chain, role, _, _), (nbytes, outside) in buffers.items():
+        result[role] = (result[role][0] + nbytes, result[role][1] + outside)
     return result
 
 
@@ -335,6 +362,9 @@ def _outside_allocator(recipe, etp: ETPConfig, categories: dict[str, int], gathe
         return 0, 0
     outside = counted = 0
     if gathers == "copy_engine":
+        aliased = sum(part for _, part in gather_buffer_bytes(recipe, etp, gathers).values())
+        outside += aliased  # aliased tickets' backings, mapped outside the allocator
+        counted += aliased
         if etp.gather_dtype.startswith("fp8"):
             outside += categories["fp8_shards"]
             counted += categories["fp8_shards"]

@@ -65,12 +65,15 @@ class WeightCache:
     def __init__(self, debug: bool = False) -> None:
         self._buffers: dict[BufferKey, torch.Tensor] = {}
         self._tickets: dict[tuple[int, Role], BufferKey] = {}
+        self._backing_of: dict[int, int] = {}  # id(aliased buffer) -> id(its backing)
         self.debug = debug
 
-    def ticket(self, param_id: int, role: Role, key: BufferKey, allocate=None) -> torch.Tensor:
+    def ticket(self, param_id: int, role: Role, key: BufferKey, allocate=None, alias=None) -> torch.Tensor:
         """The buffer of (param, role), allocated on first use: by ``allocate(shape, dtype,
         device)`` when given (a transport's backing for aliased buffers, which may be smaller
-        than ``key.shape``: [Note: aliased own rows]), else ``torch.empty``."""
+        than ``key.shape``), else ``torch.empty``. With ``alias``, what ``alias(backing)``
+        returns: this param's own view of the backing ([Note: aliased own rows] in
+        etp/transport/vmm.py)."""
         self._tickets[(param_id, role)] = key
         buffer = self._buffers.get(key)
         if buffer is None:
@@ -81,12 +84,26 @@ class WeightCache:
                          buffer.numel() * buffer.element_size(), len(self._buffers))
         elif self.debug:
             log.debug("etp cache: ticket (param %#x, %s) -> %s", param_id, role.value, key)
-        return buffer
+        return self._aliased(buffer, alias)
 
-    def existing(self, param_id: int, role: Role) -> torch.Tensor | None:
+    def existing(self, param_id: int, role: Role, alias=None) -> torch.Tensor | None:
         """The buffer of (param, role) if that ticket was ever issued, else None."""
         key = self._tickets.get((param_id, role))
-        return None if key is None else self._buffers.get(key)
+        buffer = None if key is None else self._buffers.get(key)
+        return None if buffer is None else self._aliased(buffer, alias)
+
+    def _aliased(self, backing: torch.Tensor, alias) -> torch.Tensor:
+        if alias is None:
+            return backing
+        buffer = alias(backing)
+        if buffer is not backing:
+            self._backing_of[id(buffer)] = id(backing)
+        return buffer
+
+    def holder_key(self, buffer: torch.Tensor) -> int:
+        """Which gather ``buffer`` holds is tracked under this key: its backing's, since every
+        weight of an aliased ticket writes its peers' rows into the same backing."""
+        return self._backing_of.get(id(buffer), id(buffer))
 
     @property
     def num_buffers(self) -> int:
@@ -109,3 +126,4 @@ class WeightCache:
             log.info("etp cache: cleared %d buffers (%d bytes)", len(self._buffers), self.nbytes())
         self._buffers.clear()
         self._tickets.clear()
+        self._backing_of.clear()

@@ -90,7 +90,7 @@ def choose_transports(config: ETPConfig, group: ShardGroup, device: torch.device
     if config.transport == "copy_engine" or (config.transport == "auto" and ok):
         from .copy_engine import CopyEngineGather
 
-        gather: GatherTransport = CopyEngineGather(group.ag_group, device)
+        gather: GatherTransport = CopyEngineGather(group.ag_group, device, alias_own_rows=config.alias_own_rows)
         reasons.append(f"copy_engine: {why}")
     else:
         gather = NCCLGather()

@@ -27,8 +27,8 @@ ends (``tools/probe_local_copy.py``: GEMM + copy beside 1232.7 us, the two seria
 1233.5). Neither another stream, ``cudaMemcpyPeerAsync`` within one device, nor
 ``cuMemcpyBatchAsync``'s ``PREFER_OVERLAP_WITH_COMPUTE`` hint changes that (session 12). On the
 bf16 expert stack these copies are ~3 ms of the compute stream per step (131 us per fc1
-shard, 66 us per fc2, forward and backward); only not copying the own rows (the GEMM reading
-them from the shard itself) would remove them.
+shard, 66 us per fc2, forward and backward). ``alias_own_rows`` removes them: the gather
+buffer's own rows are the shard itself ([Note: aliased own rows] in etp/transport/vmm.py).
 """
 from __future__ import annotations
 
@@ -49,12 +49,10 @@ class CopyEngineGather(GatherTransport):
     #: "flags" (stream flag operations, no SM; kernel barriers while capturing) or "kernel"
     #: (symmetric-memory barrier kernels always: the session-9 behaviour, kept to measure against)
     fence = "flags"
-    #: Gather into aliased buffers whose own rows *are* the shard, so the own-rows copy (an SM
-    #: copy, see the Note above) is not made: [Note: aliased own rows] in etp/transport/vmm.py.
-    #: Off by default until measured; each transport keeps the value it was made with (wrap time).
-    alias_own_rows = False
-
-    def __init__(self, process_group, device: torch.device) -> None:
+    def __init__(self, process_group, device: torch.device, alias_own_rows: bool = False) -> None:
+        """``alias_own_rows`` (``ETPConfig.alias_own_rows``): gather into aliased buffers whose own
+        rows *are* the shard, so the own-rows copy (an SM copy, see the Note above) is not made
+        ([Note: aliased own rows] in etp/transport/vmm.py)."""
         self.process_group, self.device = process_group, device
         # One pool per wrap call (normally one): slots are reserved, then materialized once.
         self.pools: list[SymmetricPool] = []
@@ -62,11 +60,12 @@ class CopyEngineGather(GatherTransport):
         self._key_of_ptr: dict[int, tuple[object, SymmetricPool]] = {}
         self._channels: dict[int, int] = {}
         self._flags: FlagBarrier | None = None
-        self.alias_own_rows = type(self).alias_own_rows
+        self.alias_own_rows = alias_own_rows and device.type == "cuda"
         self._granularity = 0
         self._backings: dict[int, object] = {}  # backing data_ptr -> its vmm.Mapping
         self._aliases: dict[tuple[int, int], torch.Tensor] = {}  # (id(param), backing ptr) -> buffer
         self._aliased_ptrs: set[int] = set()  # data_ptr of every aliased buffer: no own-rows copy
+        self._alias_mappings: list = []
 
     def register(self, param: torch.Tensor, wire_dtype: torch.dtype) -> None:
         """Reserves ``param``'s home slot ``[shard_rows, cols]`` of ``wire_dtype``."""
@@ -99,12 +98,11 @@ class CopyEngineGather(GatherTransport):
 
     # ------------------------------------------------------------------ aliased buffers
     def backing_allocator(self, param: torch.Tensor):
-        """For the weight cache: a function that makes a ticket's backing (physical memory for
-        the peers' rows only) when ``param``'s gathers can be aliased, else None."""
-        if not self.alias_own_rows or self._granularity == 0:
-            return None
+        """For the weight cache: a function that makes a ticket's backing (``world - 1``
+        allocations of one shard each, for the peers' rows) when ``param``'s gathers can be
+        aliased (its shard is an allocation of its own), else None."""
         pool = self._pool_of.get(id(param))
-        if pool is None or pool.buffer is None or pool.physical_offset(id(param)) is None:
+        if not self.alias_own_rows or pool is None or pool.buffer is None or pool.owned(id(param)) is None:
             return None
         group = param.etp_group
 
@@ -112,10 +110,9 @@ class CopyEngineGather(GatherTransport):
             from .vmm import Mapping
 
             rows = shape[0] // group.size
-            peers_shape = ((group.size - 1) * rows, *shape[1:])
-            nbytes = int(torch.Size(peers_shape).numel()) * torch.empty((), dtype=dtype).element_size()
-            mapping = Mapping(device, [(None, 0, nbytes)])
-            backing = mapping.tensor(dtype, peers_shape)
+            segment = rows * int(torch.Size(shape[1:]).numel()) * torch.empty((), dtype=dtype).element_size()
+            mapping = Mapping(device, [(None, 0, segment)] * (group.size - 1))
+            backing = mapping.tensor(dtype, ((group.size - 1) * rows, *shape[1:]))
             self._backings[backing.data_ptr()] = mapping
             return backing
 
@@ -131,23 +128,19 @@ class CopyEngineGather(GatherTransport):
         made = self._aliases.get((id(param), backing.data_ptr()))
         if made is not None:
             return made
-        from .vmm import Mapping, release
+        from .vmm import Mapping
 
-        pool = self._pool_of[id(param)]
-        found = pool.physical(id(param))
-        if found is None:
+        shard = self._pool_of[id(param)].owned(id(param))
+        if shard is None:
             raise RuntimeError(f"etp copy-engine gather: a weight of shape {tuple(param.etp_layout.padded_shape)} "
-                               "shares an aliased ticket but its shard cannot be mapped (an etp bug)")
-        shard_handle, shard_offset = found
+                               "shares an aliased ticket but has no shard allocation of its own (an etp bug)")
         group = param.etp_group
-        segment = mapping.nbytes // (group.size - 1) if group.size > 1 else 0
-        try:
-            pieces = [(shard_handle, shard_offset, segment) if peer == group.rank else
-                      (mapping.handles[0], (peer if peer < group.rank else peer - 1) * segment, segment)
-                      for peer in range(group.size)]
-            alias = Mapping(self.device, pieces)
-        finally:
-            release(shard_handle)  # the mapping holds its own reference
+        segment = mapping.nbytes // (group.size - 1)
+        pieces = [(shard, 0, segment) if peer == group.rank else
+                  (mapping.handles[peer if peer < group.rank else peer - 1], 0, segment)
+                  for peer in range(group.size)]
+        alias = Mapping(self.device, pieces)
+        self._alias_mappings.append(alias)  # kept with the tensor (torch may not keep the interface)
         made = alias.tensor(backing.dtype, param.etp_layout.padded_shape)
         self._aliases[(id(param), backing.data_ptr())] = made
         self._aliased_ptrs.add(made.data_ptr())
@@ -159,6 +152,7 @@ class CopyEngineGather(GatherTransport):
         self._backings.clear()
         self._aliases.clear()
         self._aliased_ptrs.clear()
+        self._alias_mappings.clear()
 
     def _channel(self) -> tuple[int, int]:
         """The current stream's fence channel and its raw handle."""
@@ -195,7 +189,7 @@ class CopyEngineGather(GatherTransport):
         return EventHandle(out, record_event(out.device), keep=(source,))
 
     def nbytes(self) -> int:
-        """Symmetric pools, flag pads and aliased tickets' backings (all outside torch's allocator)."""
+        """Shard pools and flag pads (outside torch's allocator). Aliased tickets' backings are
+        outside it too, but the weight cache counts them (``ETPRuntime.nbytes``' gather bytes)."""
         flags = 0 if self._flags is None else self._flags.nbytes()
-        backings = sum(m.nbytes for m in self._backings.values())
-        return sum(pool.nbytes() for pool in self.pools) + flags + backings
+        return sum(pool.nbytes() for pool in self.pools) + flags

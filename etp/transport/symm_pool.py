@@ -56,7 +56,10 @@ def flag_pad(process_group, device: torch.device, words: int) -> tuple[torch.Ten
 
 
 class SymmetricPool:
-    """Slots of one symmetric allocation over ``process_group`` on ``device``.
+    """Slots of one symmetric allocation over ``process_group`` on ``device``; with
+    ``granularity``, slots whose size is a multiple of it get an exported allocation of their
+    own instead, which an aliased gather buffer can map ([Note: aliased own rows] in
+    etp/transport/vmm.py; ``owned``).
 
     Example::
 
@@ -69,10 +72,10 @@ class SymmetricPool:
     def __init__(self, process_group, device: torch.device, granularity: int = 0) -> None:
         self.process_group = process_group
         self.device = device
-        # Slots whose size is a multiple of this start on a multiple of it inside the allocation,
-        # so they can be mapped elsewhere too ([Note: aliased own rows] in etp/transport/vmm.py).
         self.granularity = granularity
         self._slots: dict[object, tuple[int, tuple[int, ...], torch.dtype]] = {}
+        self._owned: dict[object, tuple[tuple[int, ...], torch.dtype, int]] = {}  # key -> shape, dtype, bytes
+        self._mappings: dict[tuple, object] = {}  # (key, rank or None) -> vmm.Mapping
         self._size = 0
         self.buffer: torch.Tensor | None = None
         self.handle = None
@@ -82,31 +85,58 @@ class SymmetricPool:
     def reserve(self, key, shape, dtype: torch.dtype) -> None:
         if self.buffer is not None:
             raise RuntimeError("SymmetricPool.reserve after materialize: reserve every slot first")
-        if key in self._slots:
+        if key in self._slots or key in self._owned:
             return
         nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
         if self.granularity and nbytes % self.granularity == 0:
-            self._size = -(-self._size // self.granularity) * self.granularity
+            self._owned[key] = (tuple(shape), dtype, nbytes)
+            return
         self._slots[key] = (self._size, tuple(shape), dtype)
         self._size += -(-nbytes // _ALIGN) * _ALIGN
 
     def materialize(self) -> None:
         """Allocates, zeroes and rendezvouses the pool (a collective over the group)."""
-        if self.buffer is not None or not self._slots:
+        if self.buffer is not None or not (self._slots or self._owned):
             return
         symm_mem = symm_mem_module(self.process_group)
-        self.buffer = symm_mem.empty(self._size, dtype=torch.uint8, device=self.device)
+        # At least one aligned unit, so that the pool has a handle for barrier kernels.
+        self.buffer = symm_mem.empty(max(self._size, _ALIGN), dtype=torch.uint8, device=self.device)
         self.buffer.zero_()
         # buffer_ptrs are the bases of the peers' allocations; this buffer may start inside
         # its allocation (a mem pool), at the same offset on every rank (same allocations).
         self.handle, self._base = rendezvous_offset(self.buffer, self.process_group)
-        log.info("etp transport: symmetric pool of %d slots, %d bytes", len(self._slots), self._size)
+        if self._owned:
+            self._materialize_owned()
+        log.info("etp transport: symmetric pool of %d slots, %d bytes; %d shards in allocations of their own",
+                 len(self._slots), self._size, len(self._owned))
+
+    def _materialize_owned(self) -> None:
+        import torch.distributed as dist
+
+        from .vmm import Mapping, exchange, release
+
+        keys = list(self._owned)
+        for key in keys:
+            mapping = Mapping(self.device, [(None, 0, self._owned[key][2])], exportable=True)
+            mapping.tensor(torch.uint8, (mapping.nbytes,)).zero_()  # padding rows are structural zeros
+            self._mappings[(key, None)] = mapping
+        everyone = exchange(self.process_group, [self._mappings[(k, None)].handles[0] for k in keys], self.device)
+        me = dist.get_rank(self.process_group)
+        for rank, handles in enumerate(everyone):
+            if rank == me:
+                continue
+            for key, handle in zip(keys, handles):
+                try:
+                    self._mappings[(key, rank)] = Mapping(self.device, [(handle, 0, self._owned[key][2])])
+                finally:
+                    release(handle)  # the mapping keeps the peer's memory
+        torch.cuda.synchronize(self.device)  # zeroed before any peer reads
 
     def __contains__(self, key) -> bool:
-        return key in self._slots
+        return key in self._slots or key in self._owned
 
     def keys(self) -> list:
-        return list(self._slots)
+        return [*self._slots, *self._owned]
 
     def slot(self, key) -> torch.Tensor:
         """This rank's slot ``key`` (a view of the pool)."""
@@ -117,45 +147,31 @@ class SymmetricPool:
         cached = self._views.get((key, rank))
         if cached is not None:
             return cached
-        offset, shape, dtype = self._slots[key]
-        nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
-        if rank is None:
-            view = self.buffer[offset : offset + nbytes].view(dtype).view(shape)
+        if key in self._owned:
+            shape, dtype, _ = self._owned[key]
+            view = self._mappings[(key, None if rank == self.handle.rank else rank)].tensor(dtype, shape)
         else:
-            whole = self.handle.get_buffer(rank, (self._size,), torch.uint8, self._base)
-            view = whole[offset : offset + nbytes].view(dtype).view(shape)
+            offset, shape, dtype = self._slots[key]
+            nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+            if rank is None:
+                view = self.buffer[offset : offset + nbytes].view(dtype).view(shape)
+            else:
+                whole = self.handle.get_buffer(rank, (self._size,), torch.uint8, self._base)
+                view = whole[offset : offset + nbytes].view(dtype).view(shape)
         self._views[(key, rank)] = view
         return view
 
-    def physical(self, key) -> tuple[int, int] | None:
-        """``(allocation handle, byte offset)`` of this rank's slot ``key`` when the slot can be
-        mapped a second time (its start and size multiples of ``granularity``), else None. The
-        handle is a reference the caller releases (``etp.transport.vmm.release``)."""
-        from .vmm import allocation_handle, release
-
-        at = self.physical_offset(key)  # from the allocation's start (buffer_ptrs[rank])
-        if at is None:
-            return None
-        base = self.handle.buffer_ptrs[self.handle.rank]
-        handle, check = allocation_handle(base), allocation_handle(base + at)
-        release(check)
-        if check != handle:  # the pool is not one allocation mapped from its start
-            release(handle)
-            return None
-        return handle, at
-
-    def physical_offset(self, key) -> int | None:
-        """The byte offset ``physical`` would return for ``key`` (no driver call), or None."""
-        offset, shape, dtype = self._slots[key]
-        nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
-        at = self._base + offset
-        if not self.granularity or at % self.granularity or nbytes % self.granularity:
-            return None
-        return at
+    def owned(self, key) -> int | None:
+        """The allocation handle of this rank's slot ``key`` when it is an allocation of its own
+        (mappable whole by an aliased buffer; the pool keeps it), else None."""
+        mapping = self._mappings.get((key, None))
+        return None if mapping is None else mapping.handles[0]
 
     def barrier(self, channel: int) -> None:
         """Symmetric-memory barrier on the current stream (a one-CTA signal kernel)."""
         self.handle.barrier(channel=channel)
 
     def nbytes(self) -> int:
-        return 0 if self.buffer is None else self._size
+        if self.buffer is None:
+            return 0
+        return self._size + sum(m.nbytes for (k, r), m in self._mappings.items() if r is None)

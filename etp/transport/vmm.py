@@ -8,18 +8,22 @@ etp/transport/copy_engine.py). An aliased gather buffer does not copy them at al
 (weight, ticket) pair it is one virtual address range of the full padded weight, mapped piece
 by piece onto physical memory:
 
-* this rank's rows onto the weight's own shard, the slot of the symmetric pool the optimizer
-  (or ``etp.quantize_shards``) writes: the GEMM reads the shard where it lives;
-* every peer's rows onto the ticket's *backing*, physical memory of ``world - 1`` shards
+* this rank's rows onto the weight's own shard (the memory the optimizer, or
+  ``etp.quantize_shards``, writes): the GEMM reads the shard where it lives;
+* every peer's rows onto the ticket's *backing*, ``world - 1`` allocations of one shard each,
   shared by every weight with the same ticket key (the cache's sharing rules are unchanged:
   [Note: ETP buffer keys]); the gather's peer copies land there.
 
-Mappings are made once per (weight, ticket) and kept (stable addresses, CUDA graphs). A
-ticket's backing holds ``(world - 1) / world`` of a plain ticket buffer's bytes. The pieces
-must start on the allocation granularity (2 MiB on H100): shard bytes a multiple of it, and
-slots aligned to it inside the symmetric allocation (``SymmetricPool(granularity=...)``);
-other weights keep plain buffers and the own-rows copy. Nothing may write into an aliased
-buffer: its own rows are the live shard (gathered buffers are only ever read by GEMMs).
+The driver maps only whole allocations (a piece of one, or one at an offset, is refused with
+CUDA_ERROR_NOT_SUPPORTED on H100, driver 580: session 12), so such a shard cannot be a slot of
+torch's symmetric pool. It is an allocation of its own, exported to the peers as a file
+descriptor (taken from this process with ``pidfd_getfd``, as torch's symmetric memory does)
+and mapped there for their pulls (``SymmetricPool`` with ``granularity``: shards whose size is
+a multiple of the 2 MiB mapping granularity; other weights keep pool slots, plain buffers and
+the own-rows copy). Mappings are made once per (weight, ticket) and kept (stable addresses,
+CUDA graphs). A backing holds ``(world - 1) / world`` of a plain ticket buffer's bytes.
+Nothing may write into an aliased buffer: its own rows are the live shard (gathered buffers
+are only ever read by GEMMs).
 
 Called through ``ctypes`` on the driver library, as ``etp.transport.stream_ops`` is.
 """
@@ -30,12 +34,14 @@ import functools
 
 import torch
 
-__all__ = ["Mapping", "allocation_handle", "granularity"]
+__all__ = ["Mapping", "exchange", "granularity"]
 
 _PINNED = 0x1  # CU_MEM_ALLOCATION_TYPE_PINNED
 _LOCATION_DEVICE = 0x1  # CU_MEM_LOCATION_TYPE_DEVICE
 _READ_WRITE = 0x3  # CU_MEM_ACCESS_FLAGS_PROT_READWRITE
 _GRANULARITY_MINIMUM = 0x0
+_POSIX_FD = 0x1  # CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+_SYS_PIDFD_OPEN, _SYS_PIDFD_GETFD = 434, 438  # x86_64 / aarch64 Linux syscall numbers
 
 
 class _MemLocation(ctypes.Structure):
@@ -69,7 +75,8 @@ def _driver():
         "cuMemMap": [u64, size, size, u64, u64],
         "cuMemUnmap": [u64, size],
         "cuMemSetAccess": [u64, size, P(_AccessDesc), size],
-        "cuMemRetainAllocationHandle": [P(u64), ctypes.c_void_p],
+        "cuMemExportToShareableHandle": [ctypes.c_void_p, u64, ctypes.c_int, u64],
+        "cuMemImportFromShareableHandle": [P(u64), ctypes.c_void_p, ctypes.c_int],
     }
     ops = {}
     for name, argtypes in signatures.items():
@@ -84,9 +91,10 @@ def _check(result: int, what: str) -> None:
         raise RuntimeError(f"etp: {what} failed with CUDA driver error {result} (CUresult)")
 
 
-def _prop(device: torch.device) -> _AllocProp:
+def _prop(device: torch.device, exportable: bool = False) -> _AllocProp:
     prop = _AllocProp()
     prop.type = _PINNED
+    prop.requestedHandleTypes = _POSIX_FD if exportable else 0
     prop.location = _MemLocation(_LOCATION_DEVICE, device.index or 0)
     return prop
 
@@ -101,17 +109,63 @@ def granularity(device: torch.device) -> int:
     return value.value
 
 
-def allocation_handle(address: int) -> int:
-    """The allocation handle behind a mapped ``address`` (a reference the caller releases with
-    ``release``): two addresses in one allocation give the same handle value."""
-    handle = ctypes.c_uint64()
-    _check(_driver()["cuMemRetainAllocationHandle"](ctypes.byref(handle), ctypes.c_void_p(address)),
-           "cuMemRetainAllocationHandle")
-    return handle.value
-
-
 def release(handle: int) -> None:
     _check(_driver()["cuMemRelease"](handle), "cuMemRelease")
+
+
+def exchange(process_group, handles: list[int], device: torch.device) -> list[list[int]]:
+    """Every rank's ``handles`` (exportable allocations, see ``Mapping(exportable=True)``), as
+    handles this process can map: ``result[rank][i]``; this rank's own entry is ``handles``
+    itself, the others are imports the caller releases once mapped. A collective over
+    ``process_group`` (ranks of one host: file descriptors are taken with ``pidfd_getfd``)."""
+    import os
+
+    import torch.distributed as dist
+
+    d = _driver()
+    fds = []
+    for handle in handles:
+        fd = ctypes.c_int(-1)
+        _check(d["cuMemExportToShareableHandle"](ctypes.byref(fd), handle, _POSIX_FD, 0),
+               "cuMemExportToShareableHandle")
+        fds.append(fd.value)
+    everyone: list = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(everyone, (os.getpid(), fds), group=process_group)
+    libc = ctypes.CDLL(None, use_errno=True)
+    me = dist.get_rank(process_group)
+    result = []
+    for rank, (pid, their_fds) in enumerate(everyone):
+        if rank == me:
+            result.append(list(handles))
+            continue
+        pidfd = libc.syscall(_SYS_PIDFD_OPEN, pid, 0)
+        if pidfd < 0:
+            raise RuntimeError(f"etp: pidfd_open({pid}) failed (errno {ctypes.get_errno()}): aliased gather "
+                               "buffers need the ranks' processes on one Linux >= 5.6 host; set "
+                               "ETPConfig.alias_own_rows=False (recipe: etp.alias_own_rows: false)")
+        imported = []
+        try:
+            for fd in their_fds:
+                mine = libc.syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0)
+                if mine < 0:
+                    raise RuntimeError(f"etp: pidfd_getfd(pid {pid}, fd {fd}) failed (errno {ctypes.get_errno()}: "
+                                       "ptrace permission between the ranks' processes?); set "
+                                       "ETPConfig.alias_own_rows=False (recipe: etp.alias_own_rows: false)")
+                handle = ctypes.c_uint64()
+                try:
+                    with torch.cuda.device(device):
+                        _check(d["cuMemImportFromShareableHandle"](ctypes.byref(handle), ctypes.c_void_p(mine),
+                                                                   _POSIX_FD), "cuMemImportFromShareableHandle")
+                finally:
+                    os.close(mine)
+                imported.append(handle.value)
+        finally:
+            os.close(pidfd)
+        result.append(imported)
+    dist.barrier(group=process_group)  # every peer has its copies of our descriptors
+    for fd in fds:
+        os.close(fd)
+    return result
 
 
 class _ArrayInterface:
@@ -125,20 +179,22 @@ class _ArrayInterface:
 
 
 class Mapping:
-    """One reserved virtual range of ``nbytes``, mapped piece by piece: ``pieces`` is a list of
-    ``(handle, offset, nbytes)`` (physical allocation, byte offset into it), laid out in order.
-    A piece with handle None gets fresh physical memory of its own (``Mapping.create``).
+    """One reserved virtual range, mapped piece by piece: ``pieces`` is a list of ``(handle,
+    offset, nbytes)`` laid out in order, each a whole allocation (offset 0, its full size: the
+    driver maps nothing less). A piece with handle None gets a fresh allocation of its own
+    (``handles``, released with the mapping; ``exportable`` ones can go to ``exchange``).
 
     Example (a 4 MiB buffer whose first half is a new allocation and whose second half is
     ``other``'s first 2 MiB)::
 
         g = granularity(device)
-        fresh = Mapping(device, [(None, 0, 2 * g)])
-        both = Mapping(device, [(fresh.handles[0], 0, g), (other_handle, 0, g)])
-        t = both.tensor(torch.bfloat16, (2 * g // 2,))
+        a, b = Mapping(device, [(None, 0, g)]), Mapping(device, [(None, 0, g)])
+        both = Mapping(device, [(a.handles[0], 0, g), (b.handles[0], 0, g)])
+        t = both.tensor(torch.bfloat16, (g,))  # its halves are a's and b's memory
     """
 
-    def __init__(self, device: torch.device, pieces: list[tuple[int | None, int, int]]) -> None:
+    def __init__(self, device: torch.device, pieces: list[tuple[int | None, int, int]],
+                 exportable: bool = False) -> None:
         self.device, self.nbytes, self.address, self.handles = device, 0, 0, []
         gran = granularity(device)
         for _, offset, nbytes in pieces:
@@ -156,7 +212,8 @@ class Mapping:
                 for handle, offset, nbytes in pieces:
                     if handle is None:
                         made = ctypes.c_uint64()
-                        _check(d["cuMemCreate"](ctypes.byref(made), nbytes, ctypes.byref(_prop(device)), 0),
+                        _check(d["cuMemCreate"](ctypes.byref(made), nbytes,
+                                                ctypes.byref(_prop(device, exportable)), 0),
                                f"cuMemCreate({nbytes} bytes)")
                         handle = made.value
                         self.handles.append(handle)  # ours: released when unmapped

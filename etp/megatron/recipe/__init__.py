@@ -107,7 +107,7 @@ Training (``recipe.train``, :class:`TrainSpec`):
 ETP (``recipe.etp``, :class:`etp.ETPConfig`): etp_size, expert_etp_size, pad_for_alignment,
     reduction, gather_dtype, fp8_fast_accum, fp8_wgrad, fp8_weight_scaling, gather_reuse, prefetch,
     prefetch_recompute,
-    async_reduce, debug_checks, transport, reduce_transport, reduce_ctas, gemm_sm_carveout (defaults in
+    async_reduce, debug_checks, transport, alias_own_rows, reduce_transport, reduce_ctas, gemm_sm_carveout (defaults in
     configs/etp.yaml;
     ``tests/test_recipe.py`` checks this list against the dataclass).
 
