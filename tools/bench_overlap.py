@@ -103,6 +103,18 @@ def init():
     return device
 
 
+
+def back_to_back_ms(fn, k: int) -> float:
+    """Device ms per call of ``fn`` over ``k`` calls back to back (one event pair around the
+    loop; the caller synchronizes before)."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(k):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / k
+
 class Timer:
     """Side-stream timing with CUDA events (host clock on CPU)."""
 
@@ -139,13 +151,7 @@ class Timer:
         same launch pattern as ``beside`` (one GEMM per synchronize, as ``alone`` times an
         operation, would include the GPU's ramp-up after each idle gap)."""
         self.sync()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(k):
-            gemm()
-        b.record()
-        torch.cuda.synchronize()
-        return a.elapsed_time(b) / k
+        return back_to_back_ms(gemm, k)
 
     def beside(self, gemm, k, op, m) -> tuple[float, float]:
         """(ms per GEMM, ms per op) with k GEMMs on the compute stream and m ops beside."""

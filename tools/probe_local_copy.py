@@ -30,6 +30,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # runnable from a checkout
+from bench_overlap import back_to_back_ms  # noqa: E402 - one timing loop for both tools
+
 MB_201 = 201 * 2**20
 SRC_ORDER_STREAM, LOCATION_DEVICE, PREFER_OVERLAP_WITH_COMPUTE = 0x1, 0x1, 0x1
 
@@ -97,13 +100,7 @@ def _timed(fn, reps: int = 20) -> float:
     """Mean microseconds of ``fn`` over ``reps`` back-to-back calls (one warm-up)."""
     fn()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps * 1e3
+    return back_to_back_ms(fn, reps) * 1e3
 
 
 def main() -> None:
