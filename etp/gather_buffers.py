@@ -35,28 +35,20 @@ class GatherBuffers:
             device=param.device,
             chain=st.chain.key,
         )
-        allocate, alias = self._aliasing(param)
-        return self.cache.ticket(id(param), role, key, allocate=allocate, alias=alias)
-
-    def _aliasing(self, param: torch.Tensor) -> tuple:
-        """The gather transport's backing allocator and aliasing for ``param`` (None, None for
-        plain ticket buffers): [Note: aliased own rows] in etp/transport/vmm.py."""
         gather = self._transports(param).gather
-        if not hasattr(gather, "alias"):
-            return None, None
-        return gather.backing_allocator(param), functools.partial(gather.alias, param)
+        return self.cache.ticket(id(param), role, key, allocate=functools.partial(gather.allocate_backing, param),
+                                 alias=functools.partial(gather.alias, param))
 
     def _clear_gather_buffers(self) -> None:
         """Drops every ticket buffer (and the transports' aliases of them)."""
         self.cache.clear()
         for chosen in self.transports.values():
-            if hasattr(chosen.gather, "release_buffers"):
-                chosen.gather.release_buffers()
+            chosen.gather.release_buffers()
 
     def _resident(self, st) -> torch.Tensor | None:
         """A ticket buffer that already holds this pass's complete gather of ``st``'s weight
         (the last forward weights of a chain are the first backward ones: no second gather)."""
-        alias = self._aliasing(st.param)[1]
+        alias = functools.partial(self._transports(st.param).gather.alias, st.param)
         for role in Role:
             buffer = self.cache.existing(id(st.param), role, alias)
             if (

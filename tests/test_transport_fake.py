@@ -298,21 +298,19 @@ def test_push_reduce_over_micro_batches_and_step_reuse():
         assert all(diff < 1e-5 for diff in result.values()), result
 
 
-def _fake_backing_allocator(self, param):
+def _fake_allocate_backing(self, param, shape, dtype, device):
     # A full-size backing (CPU memory cannot be mapped twice): every weight of a ticket then
     # shares *all* its rows, a stricter sharing than the real backing's peers' rows.
-    def allocate(shape, dtype, device):
-        backing = torch.empty(tuple(shape), dtype=dtype, device=device)
-        self._backings[backing.data_ptr()] = backing
-        return backing
-    return allocate
+    backing = torch.empty(tuple(shape), dtype=dtype, device=device)
+    self._backings[backing.data_ptr()] = backing
+    return backing
 
 
 def _fake_alias(self, param, backing):
     key = (id(param), backing.data_ptr())
     if key not in self._aliases:  # another tensor object on the backing's memory, as an alias is
-        self._aliases[key] = backing.view(backing.shape)
-    return self._aliases[key]
+        self._aliases[key] = (backing.view(backing.shape), None)
+    return self._aliases[key][0]
 
 
 def _aliased(ctx, overrides):
@@ -321,7 +319,7 @@ def _aliased(ctx, overrides):
     from etp import finalize_grads
 
     _install_fakes()
-    copy_engine.CopyEngineGather.backing_allocator = _fake_backing_allocator
+    copy_engine.CopyEngineGather.allocate_backing = _fake_allocate_backing
     copy_engine.CopyEngineGather.alias = _fake_alias
     base = dict(etp_size=ctx.world_size, expert_etp_size=ctx.world_size, **overrides)
     runs = []

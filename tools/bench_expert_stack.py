@@ -623,10 +623,10 @@ def _prepare_etp(args, env, groups_cache: dict, prefetch: bool, gather_dtype: st
                  pad_for_alignment: int | None = None, transports=("nccl", "nccl"),
                  fp8_wgrad: bool = False, alias_own_rows: bool = False) -> Prepared:
     cfg = _etp_config(env, prefetch, gather_dtype, pad_for_alignment, transports, args.reduce_ctas)
-    cfg = dataclasses.replace(cfg, alias_own_rows=alias_own_rows)
     # Pinned either way (ETPConfig's default is on): "_fp8" variants keep bf16 weight-gradient
     # GEMMs, "_fp8_wgrad" ones run them in FP8, so each name means one thing across runs.
-    cfg = dataclasses.replace(cfg, fp8_wgrad=fp8_wgrad, gemm_sm_carveout=args.gemm_sm_carveout)
+    cfg = dataclasses.replace(cfg, fp8_wgrad=fp8_wgrad, gemm_sm_carveout=args.gemm_sm_carveout,
+                              alias_own_rows=alias_own_rows)
     if args.fp8_weight_scaling and cfg.gather_dtype == "fp8_tensorwise":
         cfg = dataclasses.replace(cfg, fp8_weight_scaling=args.fp8_weight_scaling)
     groups = _etp_groups(cfg, groups_cache)

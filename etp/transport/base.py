@@ -90,6 +90,20 @@ class GatherTransport(ABC):
         """Bytes this transport holds beyond the parameters (reported to the audit)."""
         return 0
 
+    # The weight cache's ticket buffers; a transport that aliases them overrides all three
+    # ([Note: aliased own rows] in etp/transport/vmm.py).
+    def allocate_backing(self, param: torch.Tensor, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A new ticket buffer for gathers of ``param`` (and of every weight sharing its key)."""
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    def alias(self, param: torch.Tensor, backing: torch.Tensor) -> torch.Tensor:
+        """What a gather of ``param`` writes into on the ticket buffer ``backing``."""
+        return backing
+
+    def release_buffers(self) -> None:
+        """The weight cache dropped its ticket buffers."""
+        return None
+
 
 class ReduceTransport(ABC):
     """Sums a full ``[size * rows, cols]`` gradient over a group into this rank's rows."""

@@ -63,16 +63,15 @@ class CopyEngineGather(GatherTransport):
         self.alias_own_rows = alias_own_rows and device.type == "cuda"
         self._granularity = 0
         self._backings: dict[int, object] = {}  # backing data_ptr -> its vmm.Mapping
-        self._aliases: dict[tuple[int, int], torch.Tensor] = {}  # (id(param), backing ptr) -> buffer
+        self._aliases: dict[tuple[int, int], tuple] = {}  # (id(param), backing ptr) -> (buffer, mapping)
         self._aliased_ptrs: set[int] = set()  # data_ptr of every aliased buffer: no own-rows copy
-        self._alias_mappings: list = []
 
     def register(self, param: torch.Tensor, wire_dtype: torch.dtype) -> None:
         """Reserves ``param``'s home slot ``[shard_rows, cols]`` of ``wire_dtype``."""
         if id(param) in self._pool_of:
             return
         if not self.pools or self.pools[-1].buffer is not None:
-            if self.alias_own_rows and self.device.type == "cuda" and not self._granularity:
+            if self.alias_own_rows and not self._granularity:
                 from .vmm import granularity
 
                 self._granularity = granularity(self.device)
@@ -97,54 +96,50 @@ class CopyEngineGather(GatherTransport):
         return None if pool is None or pool.buffer is None else pool.slot(id(param))
 
     # ------------------------------------------------------------------ aliased buffers
-    def backing_allocator(self, param: torch.Tensor):
-        """For the weight cache: a function that makes a ticket's backing (``world - 1``
-        allocations of one shard each, for the peers' rows) when ``param``'s gathers can be
-        aliased (its shard is an allocation of its own), else None."""
+    def _aliased(self, param: torch.Tensor) -> bool:
         pool = self._pool_of.get(id(param))
-        if not self.alias_own_rows or pool is None or pool.buffer is None or pool.owned(id(param)) is None:
-            return None
-        group = param.etp_group
+        return self.alias_own_rows and pool is not None and pool.owned(id(param)) is not None
 
-        def allocate(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-            from .vmm import Mapping
+    def allocate_backing(self, param: torch.Tensor, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A ticket's backing: for a weight whose gathers can be aliased (its shard is an
+        allocation of its own), ``world - 1`` allocations of one shard each, for the peers'
+        rows; else a plain full buffer."""
+        if not self._aliased(param):
+            return super().allocate_backing(param, shape, dtype, device)
+        from .vmm import Mapping
 
-            rows = shape[0] // group.size
-            segment = rows * int(torch.Size(shape[1:]).numel()) * torch.empty((), dtype=dtype).element_size()
-            mapping = Mapping(device, [(None, 0, segment)] * (group.size - 1))
-            backing = mapping.tensor(dtype, ((group.size - 1) * rows, *shape[1:]))
-            self._backings[backing.data_ptr()] = mapping
-            return backing
-
-        return allocate
+        size = param.etp_group.size
+        rows = shape[0] // size
+        segment = rows * int(torch.Size(shape[1:]).numel()) * torch.empty((), dtype=dtype).element_size()
+        mapping = Mapping(device, [(None, segment)] * (size - 1))
+        backing = mapping.tensor(dtype, ((size - 1) * rows, *shape[1:]))
+        self._backings[backing.data_ptr()] = mapping
+        return backing
 
     def alias(self, param: torch.Tensor, backing: torch.Tensor) -> torch.Tensor:
-        """The gather buffer of ``param`` on ``backing``: ``backing`` itself when it is a plain
-        buffer, else (made once) the full padded weight whose own rows map onto ``param``'s
-        shard and whose peers' rows map onto ``backing``."""
+        """``backing`` itself when it is a plain buffer, else (made once) the full padded weight
+        whose own rows map onto ``param``'s shard and whose peers' rows map onto ``backing``."""
         mapping = self._backings.get(backing.data_ptr())
         if mapping is None:
             return backing
         made = self._aliases.get((id(param), backing.data_ptr()))
         if made is not None:
-            return made
-        from .vmm import Mapping
-
-        shard = self._pool_of[id(param)].owned(id(param))
-        if shard is None:
+            return made[0]
+        if not self._aliased(param):
             raise RuntimeError(f"etp copy-engine gather: a weight of shape {tuple(param.etp_layout.padded_shape)} "
                                "shares an aliased ticket but has no shard allocation of its own (an etp bug)")
+        from .vmm import Mapping
+
         group = param.etp_group
         segment = mapping.nbytes // (group.size - 1)
-        pieces = [(shard, 0, segment) if peer == group.rank else
-                  (mapping.handles[peer if peer < group.rank else peer - 1], 0, segment)
-                  for peer in range(group.size)]
-        alias = Mapping(self.device, pieces)
-        self._alias_mappings.append(alias)  # kept with the tensor (torch may not keep the interface)
-        made = alias.tensor(backing.dtype, param.etp_layout.padded_shape)
-        self._aliases[(id(param), backing.data_ptr())] = made
-        self._aliased_ptrs.add(made.data_ptr())
-        return made
+        shard = self._pool_of[id(param)].owned(id(param))
+        alias = Mapping(self.device, [(shard, segment) if peer == group.rank else
+                                      (mapping.handles[peer if peer < group.rank else peer - 1], segment)
+                                      for peer in range(group.size)])
+        buffer = alias.tensor(backing.dtype, param.etp_layout.padded_shape)
+        self._aliases[(id(param), backing.data_ptr())] = (buffer, alias)  # the mapping kept with its tensor
+        self._aliased_ptrs.add(buffer.data_ptr())
+        return buffer
 
     def release_buffers(self) -> None:
         """Forgets the backings and aliases (the weight cache dropped its tickets); their
@@ -152,7 +147,6 @@ class CopyEngineGather(GatherTransport):
         self._backings.clear()
         self._aliases.clear()
         self._aliased_ptrs.clear()
-        self._alias_mappings.clear()
 
     def _channel(self) -> tuple[int, int]:
         """The current stream's fence channel and its raw handle."""

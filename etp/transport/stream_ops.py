@@ -18,6 +18,9 @@ import functools
 
 import torch
 
+from .driver import bind
+from .driver import check as _check
+
 __all__ = ["wait_value_geq", "write_value"]
 
 _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0, wrap-safe
@@ -26,22 +29,9 @@ _WRITE_DEFAULT = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: a memory fence precedes t
 
 @functools.lru_cache(maxsize=1)
 def _driver():
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError as exc:  # pragma: no cover - only without an NVIDIA driver
-        raise RuntimeError(f"etp stream memory operations need the CUDA driver library: {exc}") from exc
-    ops = {}
-    for name in ("cuStreamWaitValue32", "cuStreamWriteValue32"):
-        fn = getattr(lib, name + "_v2", None) or getattr(lib, name)  # _v2: CUDA >= 11.7 drivers
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-        fn.restype = ctypes.c_int
-        ops[name] = fn
-    return ops
-
-
-def _check(result: int, what: str) -> None:
-    if result != 0:
-        raise RuntimeError(f"etp: {what} failed with CUDA driver error {result} (CUresult)")
+    signature = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+    # _v2: CUDA >= 11.7 drivers
+    return bind({"cuStreamWaitValue32": signature, "cuStreamWriteValue32": signature}, prefer_v2=True)
 
 
 def _handle(stream: torch.cuda.Stream | int | None) -> int:

@@ -117,7 +117,7 @@ class SymmetricPool:
 
         keys = list(self._owned)
         for key in keys:
-            mapping = Mapping(self.device, [(None, 0, self._owned[key][2])], exportable=True)
+            mapping = Mapping(self.device, [(None, self._owned[key][2])], exportable=True)
             mapping.tensor(torch.uint8, (mapping.nbytes,)).zero_()  # padding rows are structural zeros
             self._mappings[(key, None)] = mapping
         everyone = exchange(self.process_group, [self._mappings[(k, None)].handles[0] for k in keys], self.device)
@@ -127,7 +127,7 @@ class SymmetricPool:
                 continue
             for key, handle in zip(keys, handles):
                 try:
-                    self._mappings[(key, rank)] = Mapping(self.device, [(handle, 0, self._owned[key][2])])
+                    self._mappings[(key, rank)] = Mapping(self.device, [(handle, self._owned[key][2])])
                 finally:
                     release(handle)  # the mapping keeps the peer's memory
         torch.cuda.synchronize(self.device)  # zeroed before any peer reads

@@ -34,7 +34,10 @@ import functools
 
 import torch
 
-__all__ = ["Mapping", "exchange", "granularity"]
+from .driver import bind
+from .driver import check as _check
+
+__all__ = ["Mapping", "exchange", "granularity", "release"]
 
 _PINNED = 0x1  # CU_MEM_ALLOCATION_TYPE_PINNED
 _LOCATION_DEVICE = 0x1  # CU_MEM_LOCATION_TYPE_DEVICE
@@ -64,9 +67,8 @@ class _AccessDesc(ctypes.Structure):
 
 @functools.lru_cache(maxsize=1)
 def _driver():
-    lib = ctypes.CDLL("libcuda.so.1")
     u64, size, P = ctypes.c_uint64, ctypes.c_size_t, ctypes.POINTER
-    signatures = {
+    return bind({
         "cuMemGetAllocationGranularity": [P(size), P(_AllocProp), ctypes.c_int],
         "cuMemCreate": [P(u64), size, P(_AllocProp), u64],
         "cuMemRelease": [u64],
@@ -77,18 +79,7 @@ def _driver():
         "cuMemSetAccess": [u64, size, P(_AccessDesc), size],
         "cuMemExportToShareableHandle": [ctypes.c_void_p, u64, ctypes.c_int, u64],
         "cuMemImportFromShareableHandle": [P(u64), ctypes.c_void_p, ctypes.c_int],
-    }
-    ops = {}
-    for name, argtypes in signatures.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, ctypes.c_int
-        ops[name] = fn
-    return ops
-
-
-def _check(result: int, what: str) -> None:
-    if result != 0:
-        raise RuntimeError(f"etp: {what} failed with CUDA driver error {result} (CUresult)")
+    })
 
 
 def _prop(device: torch.device, exportable: bool = False) -> _AllocProp:
@@ -180,36 +171,33 @@ class _ArrayInterface:
 
 class Mapping:
     """One reserved virtual range, mapped piece by piece: ``pieces`` is a list of ``(handle,
-    offset, nbytes)`` laid out in order, each a whole allocation (offset 0, its full size: the
-    driver maps nothing less). A piece with handle None gets a fresh allocation of its own
+    nbytes)`` laid out in order, each a whole allocation of ``nbytes`` (the driver maps nothing
+    less: [Note: aliased own rows]). A piece with handle None gets a fresh allocation of its own
     (``handles``, released with the mapping; ``exportable`` ones can go to ``exchange``).
 
-    Example (a 4 MiB buffer whose first half is a new allocation and whose second half is
-    ``other``'s first 2 MiB)::
+    Example (a 4 MiB view of two 2 MiB allocations)::
 
         g = granularity(device)
-        a, b = Mapping(device, [(None, 0, g)]), Mapping(device, [(None, 0, g)])
-        both = Mapping(device, [(a.handles[0], 0, g), (b.handles[0], 0, g)])
+        a, b = Mapping(device, [(None, g)]), Mapping(device, [(None, g)])
+        both = Mapping(device, [(a.handles[0], g), (b.handles[0], g)])
         t = both.tensor(torch.bfloat16, (g,))  # its halves are a's and b's memory
     """
 
-    def __init__(self, device: torch.device, pieces: list[tuple[int | None, int, int]],
-                 exportable: bool = False) -> None:
+    def __init__(self, device: torch.device, pieces: list[tuple[int | None, int]], exportable: bool = False) -> None:
         self.device, self.nbytes, self.address, self.handles = device, 0, 0, []
         gran = granularity(device)
-        for _, offset, nbytes in pieces:
-            if offset % gran or nbytes % gran or nbytes <= 0:
-                raise ValueError(f"etp vmm: piece offset {offset} / size {nbytes} not a positive multiple "
-                                 f"of the {gran}-byte granularity")
+        if any(nbytes % gran or nbytes <= 0 for _, nbytes in pieces):
+            raise ValueError(f"etp vmm: piece sizes {[n for _, n in pieces]} are not positive multiples of the "
+                             f"{gran}-byte mapping granularity")
         d = _driver()
-        total = sum(n for _, _, n in pieces)
+        total = sum(n for _, n in pieces)
         with torch.cuda.device(device):
             address = ctypes.c_uint64()
             _check(d["cuMemAddressReserve"](ctypes.byref(address), total, gran, 0, 0), "cuMemAddressReserve")
             self.address, self.nbytes = address.value, total
             try:
                 at = self.address
-                for handle, offset, nbytes in pieces:
+                for handle, nbytes in pieces:
                     if handle is None:
                         made = ctypes.c_uint64()
                         _check(d["cuMemCreate"](ctypes.byref(made), nbytes,
@@ -217,7 +205,7 @@ class Mapping:
                                f"cuMemCreate({nbytes} bytes)")
                         handle = made.value
                         self.handles.append(handle)  # ours: released when unmapped
-                    _check(d["cuMemMap"](at, nbytes, offset, handle, 0), "cuMemMap")
+                    _check(d["cuMemMap"](at, nbytes, 0, handle, 0), "cuMemMap")
                     at += nbytes
                 access = _AccessDesc(_MemLocation(_LOCATION_DEVICE, device.index or 0), _READ_WRITE)
                 _check(d["cuMemSetAccess"](self.address, total, ctypes.byref(access), 1), "cuMemSetAccess")
