@@ -162,9 +162,9 @@ def _recompute_under_deterministic_fill(ctx):
 
     original = weight_cache.WeightCache.ticket
 
-    def busy_ticket(self, param_id, role, key):
+    def busy_ticket(self, *args, **kwargs):
         torch.cuda._sleep(2_000_000)
-        return original(self, param_id, role, key)
+        return original(self, *args, **kwargs)
 
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = True

@@ -48,3 +48,16 @@ def test_etp_training_matches_megatron_without_etp(overrides, rtol):
     assert plain_losses[-1] < plain_losses[0]  # it learns
     for step, (a, b) in enumerate(zip(etp_losses, plain_losses)):
         assert abs(a - b) <= rtol * abs(b), f"step {step}: ETP {a:.5f} vs megatron {b:.5f}"
+
+
+def _fast_and_stock(ctx):
+    return [_losses(ctx, dict(bf16=False, megatron_fallbacks=mode), (2,))[0] for mode in ("fast", "stock")]
+
+
+def test_sync_free_step_matches_megatrons_own_step():
+    """``megatron_fallbacks: fast`` steps with etp's sync-free step ([Note: sync-free step]:
+    the norm and the clip on the device, the clip folded into fused Adam); ``stock`` with
+    megatron-core's own (its norm read on the host). fp32, ETP 2, every step clipping."""
+    fast, stock = run_distributed(_fast_and_stock, 2)[0]
+    for step, (a, b) in enumerate(zip(fast, stock)):
+        assert abs(a - b) <= 1e-4 * abs(b), f"step {step}: sync-free {a:.6f} vs megatron's step {b:.6f}"

@@ -73,6 +73,10 @@
 #     (25 iterations each, the pairs interleaved), and the audit's prediction against the measured
 #     peak with it on. Make it the default (ETPConfig, configs/etp.yaml, README, docs) when the
 #     recipe trains with it (loss within compare_recipe_runs' 3%) and is not slower.
+# (z) session 13: the sync-free optimizer step (no host read of the grad norm or the loss per
+#     iteration) against the code before it (tools/scratch/old: `git archive <commit> etp`, carried),
+#     bf16 and FP8, and alias_own_rows on top; interleaved, 30 iterations, medians of the 5-iteration
+#     windows compared after. The GPU tests: sync-free vs megatron's own step, the fixed graph test.
 # Each step has its own timeout; the whole script stays under BUDGET seconds (default 560).
 # ONLY (tools/gpu_lib.sh) runs a subset, e.g. ONLY='^(a_|b_)'.
 source tools/gpu_lib.sh
@@ -294,5 +298,21 @@ TAIL=12 step y_stack_alias 150 torchrun --standalone --nproc-per-node 2 tools/be
 recipe_steps y_recipe 100 4 "bf16_alias|--set etp.alias_own_rows=true" "bf16|" \
   "fp8_alias|--set etp.alias_own_rows=true --set etp.gather_dtype=fp8_tensorwise" "fp8|--set etp.gather_dtype=fp8_tensorwise" \
   -- $AT2 --train-iters 25 --log-interval 5
+
+# (z)
+TAIL=6 step z_tests 200 env ETP_TEST_BACKEND=nccl ETP_TEST_TIMEOUT=150 python3 -m pytest -q -p no:warnings \
+  tests/test_megatron_train_gpu.py -k "sync_free or fp32" tests/test_graphs_gpu.py::test_recompute_prefetches_survive_deterministic_fill
+OLD="env -C $PWD/tools/scratch/old PYTHONPATH=$PWD/tools/scratch/old:${PYTHONPATH:-}"
+Z="$AT2 --train-iters 30 --log-interval 5"
+FP8="--set etp.gather_dtype=fp8_tensorwise"
+ALIAS="--set etp.alias_own_rows=true"
+TAIL=3 step z_old_bf16 90 $OLD $TRAIN --recipe $PWD/$FLAG $Z --json "$OUT/z_old_bf16.json"
+TAIL=3 step z_new_bf16 90 $TRAIN --recipe $FLAG $Z --json "$OUT/z_new_bf16.json"
+TAIL=3 step z_new_bf16_alias 90 $TRAIN --recipe $FLAG $Z $ALIAS --json "$OUT/z_new_bf16_alias.json"
+TAIL=3 step z_old_fp8 90 $OLD $TRAIN --recipe $PWD/$FLAG $Z $FP8 --json "$OUT/z_old_fp8.json"
+TAIL=3 step z_new_fp8 90 $TRAIN --recipe $FLAG $Z $FP8 --json "$OUT/z_new_fp8.json"
+TAIL=3 step z_new_fp8_alias 90 $TRAIN --recipe $FLAG $Z $FP8 $ALIAS --json "$OUT/z_new_fp8_alias.json"
+TAIL=3 step z_new_bf16_b 90 $TRAIN --recipe $FLAG $Z --json "$OUT/z_new_bf16_b.json"
+TAIL=3 step z_old_bf16_b 90 $OLD $TRAIN --recipe $PWD/$FLAG $Z --json "$OUT/z_old_bf16_b.json"
 
 budget_end

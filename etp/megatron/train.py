@@ -180,7 +180,7 @@ class _TorchStep:
         self.optimizer.zero_grad(set_to_none=True)
         return [contextlib.nullcontext()] * count
 
-    def step(self, lr: float, phase) -> float:
+    def step(self, lr: float, phase):
         import etp
 
         with phase("finalize"):
@@ -193,7 +193,7 @@ class _TorchStep:
             # The next step's first gathers start now, behind the host work between steps
             # (the megatron path's optimizer builder does this inside its step()).
             etp.prefetch_after_step(self.model)
-        return norm.item()
+        return norm
 
 
 class _MegatronStep:
@@ -210,7 +210,7 @@ class _MegatronStep:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         from ..wrap import _runtime_of
-        from . import fast_fallbacks
+        from . import fast_fallbacks, sync_free_step
         from .ddp import ETPDistributedDataParallel
         from .finalize import finalize_model_grads as etp_finalize_model_grads
         from .optimizer import get_etp_megatron_optimizer
@@ -239,6 +239,7 @@ class _MegatronStep:
             self.optimizer = get_megatron_optimizer(opt_config, [self.model], use_gloo_process_groups=False)
             if fast:
                 fast_fallbacks.fuse_adam(self.optimizer)
+                sync_free_step.install(self.optimizer)
             self.finalize = finalize_model_grads
 
     def microbatches(self, count: int):
@@ -247,7 +248,7 @@ class _MegatronStep:
         # Gradient reduction waits for the last microbatch, as in megatron's schedules.
         return [self.model.no_sync() for _ in range(count - 1)] + [contextlib.nullcontext()]
 
-    def step(self, lr: float, phase) -> float:
+    def step(self, lr: float, phase):
         with phase("finalize"):
             self.finalize([self.model])
         for group in self.optimizer.param_groups:
@@ -256,7 +257,18 @@ class _MegatronStep:
             ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise FloatingPointError("megatron-core's optimizer skipped the step (inf / nan gradients)")
-        return float(grad_norm)
+        return grad_norm  # a device tensor with the sync-free step: read at log time only
+
+
+def _host_norm(norm) -> float | None:
+    """The step's grad norm (a device tensor from the sync-free step, a float or None from
+    megatron's own) as a float; raises on inf / nan, which megatron's bf16 step lets through."""
+    if norm is None:
+        return None
+    value = float(norm.reshape(()).item()) if isinstance(norm, torch.Tensor) else float(norm)
+    if not math.isfinite(value):
+        raise FloatingPointError(f"the gradient norm is {value}: the step diverged (lower lr or clip_grad)")
+    return value
 
 
 def train(rank: int, world: int, recipe, port: int | None = None, json_path: str | None = None,
@@ -333,7 +345,7 @@ def train(rank: int, world: int, recipe, port: int | None = None, json_path: str
               f"peak {peak or 'unknown'} TFLOP/s" + ("; deterministic" if determinism else ""), flush=True)
     start = _resume(recipe, trainer, rank, None if resume is True else resume) if resume else 0
     stop = min(recipe.train.train_iters, exit_after or recipe.train.train_iters)
-    losses, records, window = [], [], time.perf_counter()
+    losses, pending, records, window = [], [], [], time.perf_counter()
     profiler, window_profiled = None, False
     if profile_dir:
         from .profile import TrainingProfiler
@@ -364,7 +376,9 @@ def train(rank: int, world: int, recipe, port: int | None = None, json_path: str
         if audit is not None:
             audit.step_done()
         dist.all_reduce(total, group=ps.get_data_parallel_group())
-        losses.append(total.item() / ps.get_data_parallel_world_size())
+        # Read on the host at log intervals only: a read per iteration would empty the device's
+        # queue before every forward ([Note: sync-free step]).
+        pending.append(total / ps.get_data_parallel_world_size())
         if profiler is not None:
             window_profiled |= profiler.covers(iteration - start)
             profiler.step()
@@ -375,6 +389,9 @@ def train(rank: int, world: int, recipe, port: int | None = None, json_path: str
             _save(recipe, trainer, iteration + 1, world, rank)
             window += time.perf_counter() - began  # keep the save out of the step time
         if (iteration + 1) % recipe.train.log_interval == 0 or last:
+            losses += torch.stack(pending).flatten().tolist()
+            pending.clear()
+            norm = _host_norm(norm)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             elapsed = (time.perf_counter() - window) / ((iteration % recipe.train.log_interval) + 1)
@@ -388,7 +405,7 @@ def train(rank: int, world: int, recipe, port: int | None = None, json_path: str
             window_profiled = False
             if rank == 0:
                 print(f"iter {iteration + 1:5d}/{recipe.train.train_iters} | loss {losses[-1]:.4f} | "
-                      f"grad norm {norm:.3f} | {elapsed * 1e3:8.1f} ms/iter | {tflops:7.3f} TFLOP/s/rank | "
+                      f"grad norm {'n/a' if norm is None else f'{norm:.3f}'} | {elapsed * 1e3:8.1f} ms/iter | {tflops:7.3f} TFLOP/s/rank | "
                       f"MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | peak {memory}", flush=True)
     breakdown = None
     if profiler is not None:
