@@ -65,12 +65,13 @@ def _build(recipe):
     import etp.megatron.train as driver
     from etp.megatron.groups import build_megatron_etp_groups
     from etp.megatron.model import apply_etp
+    from etp.megatron.steppers import TorchStep
 
     ps.initialize_model_parallel(tensor_model_parallel_size=recipe.parallel.tensor_model_parallel_size)
     groups = build_megatron_etp_groups(recipe.etp)
     model, loss_fn, _ = driver._build(recipe, torch.device("cpu"))
     apply_etp(model, recipe.etp, groups)
-    trainer = driver._TorchStep(recipe, model, groups, ps.get_tensor_model_parallel_group())
+    trainer = TorchStep(recipe, model, groups, ps.get_tensor_model_parallel_group())
     return model, loss_fn, trainer
 
 

@@ -77,6 +77,9 @@
 #     iteration) against the code before it (tools/scratch/old: `git archive <commit> etp`, carried),
 #     bf16 and FP8, and alias_own_rows on top; interleaved, 30 iterations, medians of the 5-iteration
 #     windows compared after. The GPU tests: sync-free vs megatron's own step, the fixed graph test.
+# (ab) session 13, after alias_own_rows became the default and the sync-free step: the flagship
+#     recipe with --timeline (host issue vs device, unprofiled), bf16 / FP8 / bf16 / FP8 / ETP off;
+#     every transport and graph GPU test (now aliased by default); the megatron training tests.
 # Each step has its own timeout; the whole script stays under BUDGET seconds (default 560).
 # ONLY (tools/gpu_lib.sh) runs a subset, e.g. ONLY='^(a_|b_)'.
 source tools/gpu_lib.sh
@@ -314,5 +317,18 @@ TAIL=3 step z_new_fp8 90 $TRAIN --recipe $FLAG $Z $FP8 --json "$OUT/z_new_fp8.js
 TAIL=3 step z_new_fp8_alias 90 $TRAIN --recipe $FLAG $Z $FP8 $ALIAS --json "$OUT/z_new_fp8_alias.json"
 TAIL=3 step z_new_bf16_b 90 $TRAIN --recipe $FLAG $Z --json "$OUT/z_new_bf16_b.json"
 TAIL=3 step z_old_bf16_b 90 $OLD $TRAIN --recipe $PWD/$FLAG $Z --json "$OUT/z_old_bf16_b.json"
+
+# (ab)
+AB="$AT2 --train-iters 30 --log-interval 5 --timeline"
+TAIL=12 step ab_bf16 90 $TRAIN --recipe $FLAG $AB --json "$OUT/ab_bf16.json"
+TAIL=12 step ab_fp8 90 $TRAIN --recipe $FLAG $AB --set etp.gather_dtype=fp8_tensorwise --json "$OUT/ab_fp8.json"
+TAIL=3 step ab_bf16_b 90 $TRAIN --recipe $FLAG $AB --json "$OUT/ab_bf16_b.json"
+TAIL=3 step ab_fp8_b 90 $TRAIN --recipe $FLAG $AB --set etp.gather_dtype=fp8_tensorwise --json "$OUT/ab_fp8_b.json"
+TAIL=12 step ab_off 90 $TRAIN --recipe $FLAG --set world_size=2 --set global_batch_size=8 --set etp.etp_size=1 \
+  --set etp.expert_etp_size=1 --train-iters 30 --log-interval 5 --timeline --json "$OUT/ab_off.json"
+TAIL=8 step ab_transport_tests 240 env ETP_TEST_BACKEND=nccl ETP_TEST_TIMEOUT=120 python3 -m pytest -q -p no:warnings \
+  -o faulthandler_timeout=150 tests/test_transport_gpu.py tests/test_graphs_gpu.py
+TAIL=8 step ab_train_tests 200 env ETP_TEST_BACKEND=nccl ETP_TEST_TIMEOUT=150 python3 -m pytest -q -p no:warnings \
+  tests/test_fp8_recipe_gpu.py tests/test_megatron_train_gpu.py -k "fp8 or distopt"
 
 budget_end

@@ -63,6 +63,9 @@ def _parse(argv):
     parser.add_argument("--profile", metavar="DIR",
                         help="torch-profile a few steady-state iterations: one Chrome trace per rank in DIR "
                              "and a time breakdown per iteration (printed by rank 0, JSON per rank)")
+    parser.add_argument("--timeline", action="store_true",
+                        help="unprofiled: per phase, host issue time, device time and how far the device runs "
+                             "behind the host (printed by rank 0, 'timeline' in --json)")
     parser.add_argument("--peak-tflops", type=float, metavar="TFLOPS",
                         help="bf16 peak TFLOP/s per GPU for MFU (default: the recipe's peak_tflops, else by GPU name)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -166,100 +169,6 @@ def _build(recipe, device):
     return model, loss_fn, config
 
 
-class _TorchStep:
-    """CPU: torch AdamW, ``etp.finalize_grads`` (ETP group and data-parallel replicas) and
-    ``etp.clip_grad_norm_`` (megatron-core's DDP and optimizer need CUDA)."""
-
-    def __init__(self, recipe, model, groups, tp_group) -> None:
-        t = recipe.train
-        self.recipe, self.model, self.groups, self.tp_group = recipe, model, groups, tp_group
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
-                                           betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
-
-    def microbatches(self, count: int):
-        self.optimizer.zero_grad(set_to_none=True)
-        return [contextlib.nullcontext()] * count
-
-    def step(self, lr: float, phase):
-        import etp
-
-        with phase("finalize"):
-            etp.finalize_grads(self.model, self.recipe.etp, self.groups)
-            norm = etp.clip_grad_norm_(self.model, self.groups, self.recipe.train.clip_grad, self.tp_group)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        with phase("optimizer"):
-            self.optimizer.step()
-            # The next step's first gathers start now, behind the host work between steps
-            # (the megatron path's optimizer builder does this inside its step()).
-            etp.prefetch_after_step(self.model)
-        return norm
-
-
-class _MegatronStep:
-    """GPU: megatron-core DDP (fp32 gradient buffers) and megatron-core's Adam (mixed
-    precision, optionally distributed); ``ETPDistributedDataParallel`` and etp's finalize /
-    optimizer builder when the model holds ETP weights, megatron-core's own otherwise."""
-
-    def __init__(self, recipe, model, config) -> None:
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-        from ..wrap import _runtime_of
-        from . import fast_fallbacks, sync_free_step
-        from .ddp import ETPDistributedDataParallel
-        from .finalize import finalize_model_grads as etp_finalize_model_grads
-        from .optimizer import get_etp_megatron_optimizer
-
-        p, t = recipe.parallel, recipe.train
-        fast = t.megatron_fallbacks == "fast"
-        if not fast:
-            fast_fallbacks.uninstall()  # stock megatron-core, even after a fast run in this process
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=p.overlap_grad_reduce,
-            use_distributed_optimizer=p.use_distributed_optimizer)
-        opt_config = OptimizerConfig(
-            optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
-            adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
-            clip_grad=t.clip_grad, bf16=t.bf16, fp16=t.fp16, params_dtype=config.params_dtype,
-            use_distributed_optimizer=p.use_distributed_optimizer)
-        if _runtime_of(model) is not None:
-            self.model = ETPDistributedDataParallel(config, ddp_config, model)
-            self.optimizer = get_etp_megatron_optimizer(opt_config, [self.model], fast_fallbacks=fast)
-            self.finalize = etp_finalize_model_grads
-        else:
-            self.model = DistributedDataParallel(config, ddp_config, model)
-            # The baseline gets the same TE/apex-free fast paths as ETP: [Note: megatron fallbacks].
-            if fast:
-                fast_fallbacks.install()
-            self.optimizer = get_megatron_optimizer(opt_config, [self.model], use_gloo_process_groups=False)
-            if fast:
-                fast_fallbacks.fuse_adam(self.optimizer)
-                sync_free_step.install(self.optimizer)
-            self.finalize = finalize_model_grads
-
-    def microbatches(self, count: int):
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        # Gradient reduction waits for the last microbatch, as in megatron's schedules.
-        return [self.model.no_sync() for _ in range(count - 1)] + [contextlib.nullcontext()]
-
-    def step(self, lr: float, phase):
-        with phase("finalize"):
-            self.finalize([self.model])
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        with phase("optimizer"):  # clipping included: megatron's step computes the norm
-            ok, grad_norm, _ = self.optimizer.step()
-        if not ok:
-            raise FloatingPointError("megatron-core's optimizer skipped the step (inf / nan gradients)")
-        return grad_norm  # a device tensor with the sync-free step: read at log time only
-
-
 def _host_norm(norm) -> float | None:
     """The step's grad norm (a device tensor from the sync-free step, a float or None from
     megatron's own) as a float; raises on inf / nan, which megatron's bf16 step lets through."""
@@ -273,7 +182,7 @@ def _host_norm(norm) -> float | None:
 
 def train(rank: int, world: int, recipe, port: int | None = None, json_path: str | None = None,
           audit_path: str | None = None, resume: bool | int = False, exit_after: int | None = None,
-          profile_dir: str | None = None) -> list[float]:
+          profile_dir: str | None = None, timeline_on: bool = False) -> list[float]:
     """One rank of a run; returns the data-parallel mean loss of every iteration it ran.
     Rank 0 writes the run's figures to ``json_path`` and, with ``audit_path``, the memory
     audit of every rank (``etp.audit.MemoryAudit``: per-phase peaks, measured vs predicted
@@ -281,7 +190,9 @@ def train(rank: int, world: int, recipe, port: int | None = None, json_path: str
     ``save_interval`` iterations; ``resume`` (True, or an iteration) continues from the latest
     (or that) checkpoint of ``load`` (or ``save``); ``exit_after`` stops after that iteration (the schedule still
     spans ``train_iters``); ``profile_dir`` traces a few steady-state iterations into that
-    directory (see ``etp.megatron.profile.TrainingProfiler``)."""
+    directory (see ``etp.megatron.profile.TrainingProfiler``); ``timeline_on`` measures, unprofiled,
+    how far the device runs behind the host at every phase's end
+    (``etp.megatron.timeline.HostLeadTimeline``, [Note: host lead])."""
     _silence_fallback_warnings(rank)
     determinism = None
     if recipe.train.deterministic:  # before any CUDA work: cuBLAS reads its workspace config once
@@ -318,7 +229,9 @@ def train(rank: int, world: int, recipe, port: int | None = None, json_path: str
     model, loss_fn, config = _build(recipe, device)
     summary = apply_etp(model, recipe.etp, groups)
     tp_group = ps.get_tensor_model_parallel_group()
-    trainer = _TorchStep(recipe, model, groups, tp_group) if config is None else _MegatronStep(recipe, model, config)
+    from .steppers import MegatronStep, TorchStep
+
+    trainer = TorchStep(recipe, model, groups, tp_group) if config is None else MegatronStep(recipe, model, config)
     if (recipe.train.deterministic and config is not None and recipe.train.cuda_graph != "step"
             and recipe.parallel.tensor_model_parallel_size == 1):
         # The embedding backward a captured step takes (ordered sums, no atomics): eager and
@@ -331,7 +244,14 @@ def train(rank: int, world: int, recipe, port: int | None = None, json_path: str
         from ..audit import MemoryAudit
 
         audit = MemoryAudit(trainer.model, trainer.optimizer, device)
-    phase = _labelled(audit.phase if audit is not None else _no_phase)
+    timeline = None
+    if timeline_on:
+        from .timeline import HostLeadTimeline
+
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        timeline = HostLeadTimeline(device)
+    phase = _labelled(audit.phase if audit is not None else _no_phase, timeline)
     micro = recipe.num_microbatches(world)
     batches = _Batches(recipe, ps.get_data_parallel_rank(), device, micro)
     tokens_per_iter = micro * recipe.train.micro_batch_size * recipe.model.seq_length
@@ -394,6 +314,8 @@ def train(rank: int, world: int, recipe, port: int | None = None, json_path: str
             norm = _host_norm(norm)
             if device.type == "cuda":
                 torch.cuda.synchronize()
+            if timeline is not None:
+                timeline.window_done((iteration % recipe.train.log_interval) + 1)
             elapsed = (time.perf_counter() - window) / ((iteration % recipe.train.log_interval) + 1)
             window = time.perf_counter()
             memory = (f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if device.type == "cuda" else "n/a (CPU)")
@@ -418,6 +340,10 @@ def train(rank: int, world: int, recipe, port: int | None = None, json_path: str
             from .profile import format_breakdown
 
             print(format_breakdown(breakdown, f"rank 0, attention {recipe.model.attention_backend}"), flush=True)
+    if rank == 0 and timeline is not None:
+        from .timeline import format_timeline
+
+        print(format_timeline(timeline.summary()), flush=True)
     _quiesce(trainer, device)
     if json_path and rank == 0:
         from ..audit import predict_peak
@@ -426,7 +352,8 @@ def train(rank: int, world: int, recipe, port: int | None = None, json_path: str
                  "attention_backend": recipe.model.attention_backend, "profile": breakdown,
                  # etp-audit's, to compare (with the gather transport this run chose)
                  "predicted_peak_gib": predict_peak(recipe, world, transport=gather_transport_of(trainer.model))["peak"]
-                 / 2**30, "param_bits_sum": param_bits_sum(trainer.model)}
+                 / 2**30, "param_bits_sum": param_bits_sum(trainer.model),
+                 "timeline": timeline.summary() if timeline is not None else None}
         _write_report(json_path, recipe, world, backend, summary, losses, records, device, extra)
     if audit is not None:
         write_audit(audit_path, audit, recipe, world, rank, gather_transport_of(trainer.model))
@@ -481,14 +408,16 @@ def _no_phase(name: str):
     yield
 
 
-def _labelled(phase):
+def _labelled(phase, timeline=None):
     """``phase`` (the audit's, or none) inside an ``etp::<name>`` profiler range, so a trace
-    reads by itself and the breakdown can tell the optimizer's kernels."""
+    reads by itself and the breakdown can tell the optimizer's kernels; and inside the
+    timeline's mark (``--timeline``, [Note: host lead])."""
     from torch.autograd.profiler import record_function
 
     @contextlib.contextmanager
     def labelled(name: str):
-        with record_function(f"etp::{name}"), phase(name):
+        with record_function(f"etp::{name}"), phase(name), (
+                timeline.phase(name) if timeline is not None else contextlib.nullcontext()):
             yield
 
     return labelled
@@ -527,9 +456,9 @@ def _write_report(path, recipe, world, backend, summary, losses, records, device
     print(f"etp-train: wrote {path}", flush=True)
 
 
-def _spawned(rank, world, recipe, port, results, json_path, audit_path, resume, exit_after, profile_dir):
+def _spawned(rank, world, recipe, port, results, json_path, audit_path, resume, exit_after, profile_dir, timeline):
     try:
-        losses = train(rank, world, recipe, port, json_path, audit_path, resume, exit_after, profile_dir)
+        losses = train(rank, world, recipe, port, json_path, audit_path, resume, exit_after, profile_dir, timeline)
         results.put((rank, losses, None))
     except BaseException as exc:  # noqa: BLE001 - report, then fail the run
         import traceback
@@ -559,7 +488,7 @@ def main(argv=None) -> int:
         return 2
     if "RANK" in os.environ:  # launched by torchrun
         train(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), recipe, json_path=args.json, audit_path=args.audit,
-              resume=args.resume, exit_after=args.exit_after, profile_dir=args.profile)
+              resume=args.resume, exit_after=args.exit_after, profile_dir=args.profile, timeline_on=args.timeline)
         dist.destroy_process_group()
         return 0
     world = recipe.parallel.world_size or 1
@@ -575,7 +504,7 @@ def main(argv=None) -> int:
     context = mp.get_context("spawn")
     results = context.Queue()
     procs = [context.Process(target=_spawned, args=(r, world, recipe, port, results, args.json, args.audit,
-                                                           args.resume, args.exit_after, args.profile))
+                                                           args.resume, args.exit_after, args.profile, args.timeline))
              for r in range(world)]
     for proc in procs:
         proc.start()

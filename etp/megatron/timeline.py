@@ -1,0 +1,121 @@
+"""Host issue against device execution, per training phase, without a profiler.
+
+[Note: host lead]
+A profiler slows the host by more than it slows the device, so a profiled step says little about
+whether the unprofiled step is bound by issue (the device idles, waiting for the host's next
+launch) or by execution (the host waits, its launches queued). ``HostLeadTimeline`` measures it
+in the unprofiled run itself. At the end of every phase (``forward``, ``backward``,
+``finalize``, ``optimizer``, the ``with phase(...)`` blocks of etp-train) the host notes its
+clock and records a CUDA event on the current stream. Each log window starts right after a
+``torch.cuda.synchronize()``, with an anchor: an event and the host's clock, taken together
+on an idle device. An event's time from the anchor places its completion on the host's clock,
+so for every phase end
+
+    lead = (when the device finished the phase) - (when the host finished issuing it)
+
+is how much queued work the device still had when the host moved on. A lead near zero means the
+device had caught up: it had run everything issued and was waiting for the host (issue-bound
+there). A lead that stays large means the host ran ahead (execution-bound). ``device ms`` is the
+time between the device's completion of the previous phase end and of this one, so it
+includes any idle time the device spent waiting for launches inside the phase. Costs one event
+record per phase end (a few microseconds), and nothing on CPU runs (no events: ``summary``
+is None).
+
+Example (``etp-train --timeline``)::
+
+    timeline = HostLeadTimeline(torch.device("cuda"))
+    with timeline.phase("forward"):
+        loss = model(batch)
+    timeline.window_done(iterations=1)   # after a torch.cuda.synchronize()
+    print(format_timeline(timeline.summary()))
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+
+import torch
+
+__all__ = ["HostLeadTimeline", "format_timeline"]
+
+
+class HostLeadTimeline:
+    """Per-phase host time, device time and lead, over every log window but the first (warm-up)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.enabled = device.type == "cuda"
+        self._marks: list[tuple[str, float, float, torch.cuda.Event]] = []  # name, began, ended, event
+        self._windows: list[dict] = []
+        self._issue_began = 0.0
+        self._anchor = None
+        if self.enabled:
+            self._set_anchor()
+
+    def _set_anchor(self) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self._anchor = (time.perf_counter(), event)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Marks the end of phase ``name`` on the host's clock and on the current stream."""
+        began = time.perf_counter()
+        yield
+        if self.enabled:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._marks.append((name, began, time.perf_counter(), event))
+
+    def window_done(self, iterations: int) -> None:
+        """Closes a log window of ``iterations`` iterations; the caller has just synchronized
+        the device (so every event has completed) and the next anchor is taken now."""
+        if not self.enabled:
+            return
+        anchor_host, anchor_event = self._anchor
+        phases: dict[str, dict] = {}
+        device_prev = 0.0
+        for name, began, ended, event in self._marks:
+            device_end = anchor_event.elapsed_time(event)  # ms after the anchor
+            host_end = (ended - anchor_host) * 1e3
+            entry = phases.setdefault(name, {"calls": 0, "host_ms": 0.0, "device_ms": 0.0, "leads": []})
+            entry["calls"] += 1
+            entry["host_ms"] += (ended - began) * 1e3
+            entry["device_ms"] += device_end - device_prev
+            entry["leads"].append(device_end - host_end)
+            device_prev = device_end
+        self._windows.append({"iterations": iterations, "phases": phases})
+        self._marks.clear()
+        self._set_anchor()
+
+    def summary(self) -> dict | None:
+        """Per phase and per iteration: ``calls``, ``host_ms`` (inside the ``with`` block),
+        ``device_ms`` (completion to completion) and the median / minimum ``lead_ms`` at its
+        ends; over every window but the first. None on CPU or before a second window."""
+        windows = self._windows[1:]
+        if not self.enabled or not windows:
+            return None
+        iterations = sum(w["iterations"] for w in windows)
+        out = {}
+        for name in dict.fromkeys(n for w in windows for n in w["phases"]):
+            entries = [w["phases"][name] for w in windows if name in w["phases"]]
+            leads = [lead for e in entries for lead in e["leads"]]
+            out[name] = {"calls": sum(e["calls"] for e in entries) / iterations,
+                         "host_ms": sum(e["host_ms"] for e in entries) / iterations,
+                         "device_ms": sum(e["device_ms"] for e in entries) / iterations,
+                         "lead_median_ms": statistics.median(leads), "lead_min_ms": min(leads)}
+        return {"iterations": iterations, "phases": out}
+
+
+def format_timeline(summary: dict | None) -> str:
+    """A table of ``HostLeadTimeline.summary()``."""
+    if summary is None:
+        return "timeline: no CUDA events (CPU run) or a single log window"
+    rows = [f"timeline over {summary['iterations']} iterations (per iteration; lead = device finish "
+            "- host issue at the phase's end: ~0 means the device waited for the host)",
+            "| phase | calls | host ms | device ms | lead median ms | lead min ms |",
+            "|---|---:|---:|---:|---:|---:|"]
+    for name, p in summary["phases"].items():
+        rows.append(f"| {name} | {p['calls']:.1f} | {p['host_ms']:.1f} | {p['device_ms']:.1f} | "
+                    f"{p['lead_median_ms']:.1f} | {p['lead_min_ms']:.1f} |")
+    return "\n".join(rows)

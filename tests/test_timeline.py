@@ -1,0 +1,80 @@
+"""etp.megatron.timeline.HostLeadTimeline ([Note: host lead]) on a scripted host clock and fake
+CUDA events: per-phase host time, device time (completion to completion) and lead."""
+import pytest
+import torch
+
+from etp.megatron import timeline as tl
+
+
+class _Clock:
+    host = 0.0    # seconds, what time.perf_counter() returns
+    device = 0.0  # ms, when the device will have finished what is issued now
+
+
+class _Event:
+    def __init__(self, enable_timing=False):
+        self.t = None
+
+    def record(self):
+        self.t = _Clock.device
+
+    def elapsed_time(self, other):
+        return other.t - self.t
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    monkeypatch.setattr(tl.time, "perf_counter", lambda: _Clock.host)
+    monkeypatch.setattr(tl.torch.cuda, "Event", _Event)
+    _Clock.host, _Clock.device = 0.0, 0.0
+    return tl.HostLeadTimeline(torch.device("cuda"))
+
+
+def _phase(timeline, name, host_ms, device_done_ms):
+    with timeline.phase(name):
+        _Clock.host += host_ms / 1e3
+        _Clock.device = device_done_ms  # what the phase issued completes then (ms after anchor)
+
+
+def _window(timeline, start_ms, execution_bound):
+    # The anchor sits at host time == device time (the caller synchronized). Forward: 10 ms of
+    # issue; execution-bound, the device finishes 30 ms later than it was issued.
+    base = start_ms
+    _phase(timeline, "forward", 10, base + (40 if execution_bound else 10.5))
+    _phase(timeline, "backward", 5, base + (70 if execution_bound else 15.5))
+    _Clock.host = (base + (70 if execution_bound else 15.5)) / 1e3  # the log's synchronize
+    timeline.window_done(iterations=1)
+
+
+def test_leads_and_device_time_per_phase(scripted):
+    _window(scripted, 0.0, execution_bound=True)  # warm-up window: dropped
+    assert scripted.summary() is None
+    # the next anchor: host clock 70 ms, device clock 70 ms
+    _Clock.device = 70.0
+    scripted._set_anchor()
+    _window(scripted, 70.0, execution_bound=True)
+    s = scripted.summary()["phases"]
+    assert s["forward"]["host_ms"] == pytest.approx(10) and s["backward"]["host_ms"] == pytest.approx(5)
+    # forward done 40 ms after the anchor, issued 10 ms after it: lead 30; backward: 70 - 15
+    assert s["forward"]["lead_median_ms"] == pytest.approx(30) and s["backward"]["lead_min_ms"] == pytest.approx(55)
+    assert s["forward"]["device_ms"] == pytest.approx(40) and s["backward"]["device_ms"] == pytest.approx(30)
+
+
+def test_an_issue_bound_window_has_leads_near_zero(scripted):
+    for start in (0.0, 15.5):
+        _Clock.device = start
+        scripted._set_anchor()
+        _window(scripted, start, execution_bound=False)
+    s = scripted.summary()
+    assert s["iterations"] == 1
+    assert all(abs(p["lead_median_ms"]) <= 0.5 for p in s["phases"].values())
+    assert "| forward | 1.0 | 10.0 |" in tl.format_timeline(s)
+
+
+def test_cpu_runs_have_no_timeline():
+    timeline = tl.HostLeadTimeline(torch.device("cpu"))
+    with timeline.phase("forward"):
+        pass
+    timeline.window_done(1)
+    timeline.window_done(1)
+    assert timeline.summary() is None and "CPU" in tl.format_timeline(None)
