@@ -67,7 +67,7 @@
 #     transport pinned to nccl; not run in sessions 11 and 12)
 # (x) session 12: does a device-local copy block a grouped GEMM beside it (tools/probe_local_copy.py);
 #     the expert stack's push variant traced, its compute-stream gaps that end with an own-rows copy
-# (y) NOT RUN YET (session 12 ran out of device time): ETPConfig.alias_own_rows on the real recipe
+# (y) RUN in session 13 (call 1; the graph test's busy_ticket then fixed, rerun in (z)): ETPConfig.alias_own_rows on the real recipe
 #     and everywhere else. Its GPU test and the expert stack ran (58.15 vs 60.95 ms); then: every
 #     transport GPU test, the graph tests, the flagship recipe bf16 and FP8 with it on and off
 #     (25 iterations each, the pairs interleaved), and the audit's prediction against the measured
@@ -80,6 +80,8 @@
 # (ab) session 13, after alias_own_rows became the default and the sync-free step: the flagship
 #     recipe with --timeline (host issue vs device, unprofiled), bf16 / FP8 / bf16 / FP8 / ETP off;
 #     every transport and graph GPU test (now aliased by default); the megatron training tests.
+# (ac) session 13: the recipe is issue-bound (step (ab): leads ~0 in forward and backward; FP8's host
+#     issue +50 ms a pass): whole-step capture (cuda_graph=step) against eager, FP8 and bf16, 20 iterations.
 # Each step has its own timeout; the whole script stays under BUDGET seconds (default 560).
 # ONLY (tools/gpu_lib.sh) runs a subset, e.g. ONLY='^(a_|b_)'.
 source tools/gpu_lib.sh
@@ -330,5 +332,13 @@ TAIL=8 step ab_transport_tests 240 env ETP_TEST_BACKEND=nccl ETP_TEST_TIMEOUT=12
   -o faulthandler_timeout=150 tests/test_transport_gpu.py tests/test_graphs_gpu.py
 TAIL=8 step ab_train_tests 200 env ETP_TEST_BACKEND=nccl ETP_TEST_TIMEOUT=150 python3 -m pytest -q -p no:warnings \
   tests/test_fp8_recipe_gpu.py tests/test_megatron_train_gpu.py -k "fp8 or distopt"
+
+# (ac)
+AC="$AT2 --train-iters 20 --log-interval 5 --timeline"
+GRAPH="--set cuda_graph=step --set overlap_grad_reduce=false"
+TAIL=8 step ac_fp8_graph 70 $TRAIN --recipe $FLAG $AC $GRAPH $FP8 --json "$OUT/ac_fp8_graph.json"
+TAIL=8 step ac_bf16_graph 70 $TRAIN --recipe $FLAG $AC $GRAPH --json "$OUT/ac_bf16_graph.json"
+TAIL=3 step ac_fp8 60 $TRAIN --recipe $FLAG $AC $FP8 --json "$OUT/ac_fp8.json"
+TAIL=3 step ac_bf16 60 $TRAIN --recipe $FLAG $AC --json "$OUT/ac_bf16.json"
 
 budget_end
