@@ -87,7 +87,9 @@ Training (``recipe.train``, :class:`TrainSpec`):
         dispatchers synchronize with the host), overlap_grad_reduce false, no recompute).
     megatron_fallbacks: fast (etp's own: without apex / TransformerEngine, megatron-core's
         multi-tensor helpers run as torch foreach ops and torch's Adam as its fused kernel,
-        etp.megatron.fast_fallbacks | stock: megatron-core's own per-tensor fallbacks).
+        etp.megatron.fast_fallbacks; and, with or without apex, the optimizer step keeps the grad
+        norm and the clip on the device, etp.megatron.sync_free_step | stock: megatron-core's own
+        per-tensor fallbacks and its step, which reads the norm on the host).
     peak_tflops: None (etp's own: bf16 peak TFLOP/s per GPU for the MFU column; None -> by GPU
         name, etp.megatron.flops.PEAK_TFLOPS).
     Activation recompute, passed unchanged to megatron-core's TransformerConfig
