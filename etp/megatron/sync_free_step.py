@@ -41,6 +41,8 @@ import logging
 import torch
 import torch.distributed as dist
 
+from .fast_fallbacks import foreach_l2_norm  # the foreach norm megatron's clipping runs on
+
 __all__ = ["clip_coefficient", "grad_norm", "install", "step", "unsupported_reason"]
 
 log = logging.getLogger(__name__)
@@ -50,13 +52,6 @@ _EPS = 1.0e-6  # megatron-core's clip_grad_by_total_norm_fp32
 
 def _links(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
-
-
-def _device(links) -> torch.device:
-    for link in links:
-        for p in link.get_parameters():
-            return p.device
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def unsupported_reason(optimizer) -> str | None:
@@ -73,18 +68,13 @@ def grad_norm(optimizer) -> torch.Tensor:
     """The global l2 norm of the gradients megatron-core's clipping counts, as a 1-element
     fp32 device tensor (no host synchronization). A collective over every link's statistics
     group: every rank calls it."""
-    links = _links(optimizer)
-    device = _device(links)
-    total = torch.zeros(1, dtype=torch.float32, device=device)
-    for link in links:
-        grads = link.get_main_grads_for_grad_norm()
-        squares = torch.zeros(1, dtype=torch.float32, device=device)
-        if grads:
-            norms = torch._foreach_norm(grads)
-            squares = torch.stack([n.float() for n in norms]).square().sum().reshape(1)
-        dist.all_reduce(squares, group=link.get_grad_stats_parallel_group())
-        total += squares
-    return total.sqrt()
+    squares = []
+    for link in _links(optimizer):
+        norm, _ = foreach_l2_norm(0, None, [link.get_main_grads_for_grad_norm()], False)
+        square = norm.square()
+        dist.all_reduce(square, group=link.get_grad_stats_parallel_group())
+        squares.append(square)
+    return torch.stack(squares).sum(0).sqrt()
 
 
 def clip_coefficient(norm: torch.Tensor, clip_grad: float) -> torch.Tensor:

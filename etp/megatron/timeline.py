@@ -47,7 +47,6 @@ class HostLeadTimeline:
         self.enabled = device.type == "cuda"
         self._marks: list[tuple[str, float, float, torch.cuda.Event]] = []  # name, began, ended, event
         self._windows: list[dict] = []
-        self._issue_began = 0.0
         self._anchor = None
         if self.enabled:
             self._set_anchor()

@@ -248,9 +248,7 @@ def train(rank: int, world: int, recipe, port: int | None = None, json_path: str
     if timeline_on:
         from .timeline import HostLeadTimeline
 
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        timeline = HostLeadTimeline(device)
+        timeline = HostLeadTimeline(device)  # its first window (warm-up) is not reported
     phase = _labelled(audit.phase if audit is not None else _no_phase, timeline)
     micro = recipe.num_microbatches(world)
     batches = _Batches(recipe, ps.get_data_parallel_rank(), device, micro)
