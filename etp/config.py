@@ -121,9 +121,9 @@ class ETPConfig:
             per reduction), "copy_engine_push" (each rank pushes the peers' rows to them by
             copy engine, fenced by stream flag operations: nothing on an SM beside the GEMMs;
             the fp32 sum into ``main_grad`` runs on the compute stream when the reduction is
-            finalized; cannot be captured in a CUDA graph; see [Note: push reduce-scatter]) or
+            finalized; a CUDA graph replays it as well; see [Note: push reduce-scatter]) or
             "auto" (copy_engine_push where symmetric memory is available, as for ``transport``,
-            else nccl; ``etp.GraphedStep`` swaps it for nccl before capturing. On the flagship
+            else nccl. On the flagship
             recipe at world 2 it ran 10% faster than nccl with 2.8 GiB less peak memory:
             BENCHMARKS.md, session 11).
         reduce_ctas: CTAs (thread blocks) of the "nccl_capped" and "symm_triton" reductions.

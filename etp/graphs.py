@@ -95,7 +95,6 @@ class GraphedStep:
         self.runtime = _runtime_of(model)
         params = [p for p in model.parameters() if isinstance(p, ETPShardedParam)]
         if self.runtime is not None:
-            self.runtime.prepare_capture()
             self.runtime.use_chain_class(params, "graphed")
         device = static_inputs[0].device if static_inputs else next(model.parameters()).device
         saved = _save_grads(model)

@@ -184,28 +184,6 @@ class ETPRuntime(GatherBuffers, GradientReductions):
     def register_grad_ready_hook(self, param: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
         self.state(param).hooks.append(hook)
 
-    def prepare_capture(self) -> None:
-        """Makes every group's reduction capturable in a CUDA graph (``etp.GraphedStep`` calls
-        it before its warm-up): a reduction that is not (the push reduce-scatter's flag values
-        would replay unchanged) is swapped for NCCL when ``reduce_transport`` is "auto", logged
-        once per group; when it was asked for by name, this raises. Reductions already issued
-        finish on the transport that issued them (their handles keep it)."""
-        from .transport.nccl import NCCLReduce
-
-        for ranks, chosen in self.transports.items():
-            if chosen.reduce.capturable:
-                continue
-            if self.config.reduce_transport != "auto":
-                raise ValueError(
-                    f"ETPConfig.reduce_transport={self.config.reduce_transport!r} cannot be captured in a "
-                    "CUDA graph (etp.GraphedStep, cuda_graph=step): its flag values would replay "
-                    "unchanged. Use reduce_transport='auto' (nccl under capture), 'nccl' or 'copy_engine'"
-                )
-            log.info("etp transport: group %s: reduce %s -> nccl for CUDA-graph capture (reduce_transport=auto)",
-                     ranks, chosen.reduce.name)
-            chosen.reduce = NCCLReduce()
-            chosen.reason += "; reduce nccl under CUDA-graph capture"
-
     def setup_transports(self) -> None:
         """Chooses the transports of every shard group with registered params (once per
         group) and gives new params their symmetric-memory homes. A collective over the

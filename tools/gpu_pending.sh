@@ -83,6 +83,15 @@
 # (ac) session 13: the recipe is issue-bound (step (ab): leads ~0 in forward and backward; FP8's host
 #     issue +50 ms a pass): whole-step capture (cuda_graph=step) against eager, FP8 and bf16, 20 iterations.
 # Each step has its own timeout; the whole script stays under BUDGET seconds (default 560).
+# (ad) session 14: where the FP8 recipe's extra ~100 ms of host issue per iteration goes (cProfile
+#      per function, launches and syncs per iteration, bf16 beside it) and where replicated_fp8's
+#      device time goes against replicated (one stack trace each, kernels paired).
+# (ae) session 14: why a captured micro-batch takes ~90 ms of device time when eager's kernels are
+#      busy ~45 ms per micro-batch: the captured recipe (bf16, FP8) profiled.
+# (af) session 14: the push reduce-scatter's flags became set-and-clear signals, so captured steps
+#      keep it (step (ae): under capture the NCCL fallback's fp32 LL reduce-scatter took 40 ms of a
+#      90 ms micro-batch): the graph tests (captured == eager bit for bit, push included), the
+#      transport tests, then the recipe eager vs captured, bf16 and FP8.
 # ONLY (tools/gpu_lib.sh) runs a subset, e.g. ONLY='^(a_|b_)'.
 source tools/gpu_lib.sh
 budget_begin /tmp/etp_pending 560
@@ -340,5 +349,38 @@ TAIL=8 step ac_fp8_graph 70 $TRAIN --recipe $FLAG $AC $GRAPH $FP8 --json "$OUT/a
 TAIL=8 step ac_bf16_graph 70 $TRAIN --recipe $FLAG $AC $GRAPH --json "$OUT/ac_bf16_graph.json"
 TAIL=3 step ac_fp8 60 $TRAIN --recipe $FLAG $AC $FP8 --json "$OUT/ac_fp8.json"
 TAIL=3 step ac_bf16 60 $TRAIN --recipe $FLAG $AC --json "$OUT/ac_bf16.json"
+
+# (ad)
+for g in bf16 fp8; do
+  SETS=""; [[ $g == fp8 ]] && SETS="--set etp.gather_dtype=fp8_tensorwise"
+  # shellcheck disable=SC2086
+  TAIL=6 step "ad_${g}_prof" 110 $TRAIN --recipe $FLAG $AT2 $SETS --train-iters 12 --log-interval 4 \
+    --profile "/tmp/ad_$g" --json "$OUT/ad_${g}.json"
+  for f in host_rank0.txt host_rank0.pstats breakdown_rank0.json; do cp "/tmp/ad_$g/$f" "$OUT/ad_${g}_$f" 2>/dev/null; done
+done
+TAIL=9 step ad_stack_trace 120 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py \
+  --variants replicated,replicated_fp8 --trace /tmp/ad_trace --out "$OUT/ad_stack_trace.json"
+for v in replicated replicated_fp8; do
+  [[ -f "/tmp/ad_trace/${v}_trace.json" ]] && gzip -c "/tmp/ad_trace/${v}_trace.json" > "$OUT/ad_${v}_trace.json.gz"
+done
+
+# (ae)
+GRAPH="--set cuda_graph=step --set overlap_grad_reduce=false"
+for g in bf16 fp8; do
+  SETS=""; [[ $g == fp8 ]] && SETS="--set etp.gather_dtype=fp8_tensorwise"
+  # shellcheck disable=SC2086
+  TAIL=6 step "ae_${g}_graph_prof" 120 $TRAIN --recipe $FLAG $AT2 $GRAPH $SETS --train-iters 12 --log-interval 4 \
+    --profile "/tmp/ae_$g" --json "$OUT/ae_${g}.json"
+  for f in host_rank0.txt breakdown_rank0.json; do cp "/tmp/ae_$g/$f" "$OUT/ae_${g}_$f" 2>/dev/null; done
+  [[ -f "/tmp/ae_$g/trace_rank0.json" ]] && gzip -c "/tmp/ae_$g/trace_rank0.json" > "$OUT/ae_${g}_trace.json.gz"
+done
+
+# (af)
+TAIL=8 step af_tests 300 env ETP_TEST_BACKEND=nccl ETP_TEST_TIMEOUT=150 python3 -m pytest -q -p no:warnings \
+  -o faulthandler_timeout=200 tests/test_graphs_gpu.py tests/test_transport_gpu.py
+AF="$AT2 --train-iters 20 --log-interval 5 --timeline"
+GRAPH="--set cuda_graph=step --set overlap_grad_reduce=false"
+FP8="--set etp.gather_dtype=fp8_tensorwise"
+recipe_steps af 80 4 "fp8_graph|$GRAPH $FP8" "bf16_graph|$GRAPH" "fp8|$FP8" "bf16|" -- $AF
 
 budget_end

@@ -101,8 +101,7 @@ def choose_transports(config: ETPConfig, group: ShardGroup, device: torch.device
         # session 11 (2xH100), the flagship recipe at world 2 10% faster than with NCCL and 2.8
         # GiB less peak memory; session 9 (2xH200), the expert stack at 0.855x of no
         # communication against capped NCCL's 0.791x.
-        # A CUDA graph cannot capture it: etp.GraphedStep swaps it for NCCL
-        # (ETPRuntime.prepare_capture).
+        # Its flags are signals a CUDA graph replays correctly ([Note: push reduce-scatter]).
         reduce_name = "copy_engine_push" if ok else "nccl"
         reasons.append(f"reduce {reduce_name}: " + (why if ok else f"no symmetric memory ({why})"))
     if reduce_name == "copy_engine_push":

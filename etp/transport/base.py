@@ -109,9 +109,6 @@ class ReduceTransport(ABC):
     """Sums a full ``[size * rows, cols]`` gradient over a group into this rank's rows."""
 
     name: str = "?"
-    #: False where a CUDA graph would replay the reduction wrongly (values baked at capture);
-    #: ``ETPRuntime.prepare_capture`` then swaps an ``auto`` choice for NCCL or refuses.
-    capturable: bool = True
 
     def wire_dtype(self, param_dtype: torch.dtype, grad_dtype: torch.dtype) -> torch.dtype:
         """The dtype the full weight gradient is written (and sent) in."""

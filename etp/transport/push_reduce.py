@@ -10,25 +10,38 @@ runs on an SM:
 
 * on the RS side stream, right after the wgrad GEMM: for every peer ``p``, a copy-engine copy
   of the full gradient's rows of ``p`` into ``p``'s staging slot (a symmetric-memory buffer),
-  then a fenced flag write into ``p``'s flag pad ("sequence ``n`` is in slot ``s``"). Before
-  the copy the stream waits on this rank's own flag pad until ``p`` has freed the slot.
+  then a fenced write that sets ``p``'s READY flag of the slot. Before the copy the stream
+  waits on this rank's own flag pad until ``p`` has freed the slot.
   Waits and writes are stream memory operations (``etp.transport.stream_ops``): the stream's
   front end, no kernel.
 * when the runtime finalizes the reduction (one weight later, on the compute stream): wait
-  for the peers' flags of sequence ``n``, then one memory-bound kernel
+  for the peers' READY flags of the slot, then one memory-bound kernel
   (``etp.kernels.symm_reduce.sum_received``) sums this rank's own rows and the received ones
   in fp32 and adds them into ``main_grad``, then fenced writes tell the peers the slot is
   free again. This kernel does take the SMs, but between GEMMs, not beside them: a pass
   over 6-12 bytes per shard element.
 
-Sequences count the reductions issued through this transport; every rank issues the same
-reductions in the same order (the backward is the same program everywhere), so sequence
-``n`` means the same weight on every rank. ``SLOTS`` staging slots per peer let a producer
-run one reduction ahead of its slowest consumer. The staging holds ``SLOTS * (world - 1)``
-shards of the largest weight (reserved at wrap time); the wgrad buffers themselves are plain
-memory, since no peer reads them.
+Flags are signals, not counters, so a CUDA graph that captured a reduction replays it
+correctly however often it runs, and eager reductions may come between replays. A flag holds 1
+("set") or 0, and whoever waits on it clears it right after the wait (a write of 0 on the same
+stream; fenced like every stream write, since the v2 driver API takes no unfenced one):
 
-Flag values are baked into a CUDA graph at capture, so this transport refuses capture.
+* READY (in the consumer's pad, one per producer and slot) is set by the producer after its
+  copy, waited on and cleared by the consumer before its sum;
+* FREE (in the producer's pad, one per consumer and slot) starts set (``materialize``), is
+  waited on and cleared by the producer before its copy into the slot, and set again by the
+  consumer after its sum.
+
+A flag can be set again only after it was cleared: a producer sets READY of slot ``s`` only
+after clearing FREE of ``s``, which the consumer sets only after clearing READY of ``s``
+earlier on its stream (the fenced FREE write orders that clear before it). So the k-th wait
+on a slot's READY always pairs with the k-th push into it, whatever the values at capture.
+Every rank issues the same reductions in the same order (the backward is the same program
+everywhere), so the k-th reduction means the same weight on every rank; ``SLOTS`` staging
+slots per peer (the k-th reduction takes slot ``k % SLOTS``) let a producer run one reduction
+ahead of its slowest consumer. The staging holds ``SLOTS * (world - 1)`` shards of the
+largest weight (reserved at wrap time); the wgrad buffers themselves are plain memory, since
+no peer reads them.
 
 A hazard of waiting on a flag (found on an H200): with CUDA's lazy module loading (the default),
 the first launch of a kernel loads its module, and that blocks the host until the device can
@@ -85,7 +98,6 @@ class CopyEnginePushReduce(SixteenBitWireReduce):
 
     name = "copy_engine_push"
     label = "etp::reduce_scatter_push"
-    capturable = False  # flag values would be baked into the graph
     SLOTS = 2
 
     def __init__(self, process_group, device: torch.device, num_ctas: int = 0) -> None:
@@ -113,6 +125,7 @@ class CopyEnginePushReduce(SixteenBitWireReduce):
             return
         if self._flags is None:
             self._flags = flag_pad(self.process_group, self.device, 2 * self.world * self.SLOTS)
+            self.init_flags(self._flags[0])
         if self._reserved > self._shard_bytes:
             shard_bytes = -(-self._reserved // 256) * 256
             nbytes = max(1, self.SLOTS * (self.world - 1) * shard_bytes)
@@ -121,8 +134,13 @@ class CopyEnginePushReduce(SixteenBitWireReduce):
             peers = [buffer if r == self.rank else handle.get_buffer(r, (nbytes,), torch.uint8, offset)
                      for r in range(self.world)]
             self._staging, self._shard_bytes = (buffer, peers), shard_bytes
-        torch.cuda.synchronize(self.device)  # every flag zeroed before any peer may write one
+        torch.cuda.synchronize(self.device)  # every flag initialized before any peer may write one
         dist.barrier(group=self.process_group)
+
+    def init_flags(self, pad: torch.Tensor) -> None:
+        """This rank's flag pad before any reduction: READY clear, FREE set (every slot free)."""
+        pad.zero_()
+        pad[self.world * self.SLOTS :].fill_(1)
 
     # ------------------------------------------------------------------ the three steps
     def _flag(self, owner: int, kind: int, other: int, slot: int) -> int:
@@ -143,12 +161,14 @@ class CopyEnginePushReduce(SixteenBitWireReduce):
         from .stream_ops import wait_value_geq, write_value
 
         slot = seq % self.SLOTS
+        stream = torch.cuda.current_stream().cuda_stream
         for step in range(1, self.world):
             peer = (self.rank + step) % self.world
-            if seq >= self.SLOTS:  # the peer has summed what we put in this slot last time
-                wait_value_geq(self._flag(self.rank, _FREE, peer, slot), seq - self.SLOTS + 1)
+            free = self._flag(self.rank, _FREE, peer, slot)
+            wait_value_geq(free, 1, stream)  # the peer has summed what we put in this slot last
+            write_value(free, 0, stream)
             self._slot_view(peer, seq, full, rows)[step - 1].copy_(full[peer * rows : (peer + 1) * rows])
-            write_value(self._flag(peer, _READY, self.rank, slot), seq + 1)
+            write_value(self._flag(peer, _READY, self.rank, slot), 1, stream)
 
     def _load_sum_kernel(self, wire: torch.dtype, out: torch.dtype, accumulate: bool) -> None:
         """Launches the sum kernel's specialization once on one element (see the module doc)."""
@@ -161,29 +181,26 @@ class CopyEnginePushReduce(SixteenBitWireReduce):
                      torch.zeros(1, dtype=out, device=self.device), accumulate=accumulate)
 
     def _receive(self, full: torch.Tensor, rows: int, seq: int) -> torch.Tensor:
-        from .stream_ops import wait_value_geq
+        from .stream_ops import wait_value_geq, write_value
 
         slot = seq % self.SLOTS
+        stream = torch.cuda.current_stream().cuda_stream
         for k in range(self.world - 1):
-            source = (self.rank - k - 1) % self.world
-            wait_value_geq(self._flag(self.rank, _READY, source, slot), seq + 1)
+            ready = self._flag(self.rank, _READY, (self.rank - k - 1) % self.world, slot)
+            wait_value_geq(ready, 1, stream)
+            write_value(ready, 0, stream)
         return self._slot_view(self.rank, seq, full, rows)
 
     def _release(self, seq: int) -> None:
         from .stream_ops import write_value
 
         slot = seq % self.SLOTS
+        stream = torch.cuda.current_stream().cuda_stream
         for k in range(self.world - 1):
             source = (self.rank - k - 1) % self.world
-            write_value(self._flag(source, _FREE, self.rank, slot), seq + 1)
+            write_value(self._flag(source, _FREE, self.rank, slot), 1, stream)
 
     def reduce_scatter(self, full, group, target, mean, async_op) -> Handle:
-        if full.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "etp reduce_transport='copy_engine_push' cannot be captured in a CUDA graph (its flag "
-                "values would replay unchanged): capture through etp.GraphedStep (which swaps an 'auto' "
-                "choice for nccl), or set reduce_transport='nccl' or 'copy_engine' with cuda_graph"
-            )
         rows = full.shape[0] // self.world
         nbytes = rows * full[0].numel() * full.element_size()
         if self._staging is not None and nbytes > self._shard_bytes:

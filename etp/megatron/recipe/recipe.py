@@ -90,9 +90,6 @@ class Recipe(RecipeQuantities):
             if e.gather_reuse != "chain":
                 _fail("etp.gather_reuse", e.gather_reuse, "must be chain with cuda_graph=step (resident gathers "
                       "are not tested inside a captured step)")
-            if e.reduce_transport == "copy_engine_push":
-                _fail("etp.reduce_transport", e.reduce_transport, "cannot be captured (its flag values would "
-                      "replay unchanged): use auto (nccl under capture), nccl or copy_engine with cuda_graph=step")
         if m.num_attention_heads % tp:
             _fail(
                 "num_attention_heads",

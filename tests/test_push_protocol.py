@@ -1,0 +1,175 @@
+"""The push reduce-scatter's flag handshake ([Note: push reduce-scatter]) on a model of the
+device, on CPU: every rank's streams are queues of the stream memory operations and copies
+the real ``CopyEnginePushReduce._push / _receive / _release`` issue (``stream_ops`` patched to
+record instead of calling the driver), and a scheduler runs the queues' heads in a random
+order, a wait only once its flag holds the value. A CUDA graph is modelled as it behaves: the
+operations recorded once (values baked) and run again on every replay, against flags that
+persist between replays.
+
+What must hold, for any interleaving: nothing deadlocks; every consumer's sum reads, in every
+slot, the rows the producer pushed for that same reduction (never an older or newer one); and
+all of it across replays of a captured step and eager reductions between them. The counter
+protocol this replaced (flag values = sequence numbers, commit 453a0be) passes the eager cases
+and fails every replay case here.
+"""
+import random
+import types
+
+import pytest
+import torch
+
+import etp.transport.push_reduce as push_reduce
+import etp.transport.stream_ops as stream_ops
+
+PAD_STRIDE = 1 << 20  # each rank's pad at its own fake address range
+
+
+class Device:
+    """Flags (address -> uint32), staging (owner, slot, index -> reduction tag) and per-stream
+    operation queues of every rank."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.flags: dict[int, int] = {}
+        self.staging: dict[tuple, object] = {}
+        self.queues: dict[tuple, list] = {}
+        self.recording: tuple | None = None  # (rank, stream) the patched ops append to
+        self.reads: list[tuple] = []  # (reader rank, reduction read, reduction expected)
+
+    def enqueue(self, op) -> None:
+        self.queues.setdefault(self.recording, []).append(op)
+
+    def runnable(self, op) -> bool:
+        if op[0] == "wait":
+            _, address, value = op
+            return ((self.flags.get(address, 0) - value) & 0xFFFFFFFF) < 0x80000000
+        return True
+
+    def execute(self, op) -> None:
+        kind = op[0]
+        if kind == "write":
+            self.flags[op[1]] = op[2] & 0xFFFFFFFF
+        elif kind == "copy":
+            self.staging[op[1]] = op[2]
+        elif kind == "read":
+            _, rank, keys, expected = op
+            for key in keys:
+                self.reads.append((rank, self.staging.get(key), expected))
+
+    def run(self, rng: random.Random, queues: dict[tuple, list]) -> None:
+        """Runs ``queues`` (copies of recorded programs) to the end in a random order."""
+        heads = {k: list(v) for k, v in queues.items() if v}
+        while heads:
+            ready = [k for k, ops in heads.items() if self.runnable(ops[0])]
+            if not ready:
+                stuck = {k: ops[0] for k, ops in heads.items()}
+                raise AssertionError(f"deadlock: every stream waits: {stuck}")
+            key = rng.choice(ready)
+            self.execute(heads[key].pop(0))
+            if not heads[key]:
+                del heads[key]
+
+
+class _Staged:
+    """Stands in for a staging slot view: ``[index].copy_(rows)`` records a copy of a tag."""
+
+    def __init__(self, device: Device, owner: int, slot: int) -> None:
+        self.device, self.owner, self.slot = device, owner, slot
+
+    def __getitem__(self, index: int):
+        device, key = self.device, (self.owner, self.slot, index)
+        return types.SimpleNamespace(copy_=lambda rows: device.enqueue(("copy", key, rows.tag)))
+
+
+class _Rows:
+    def __init__(self, tag) -> None:
+        self.tag = tag
+
+    def __getitem__(self, _rows):
+        return self
+
+
+def _transports(device: Device, monkeypatch) -> list:
+    monkeypatch.setattr(stream_ops, "wait_value_geq",
+                        lambda address, value, stream=None: device.enqueue(("wait", address, value)))
+    monkeypatch.setattr(stream_ops, "write_value",
+                        lambda address, value, stream=None: device.enqueue(("write", address, value)))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: types.SimpleNamespace(cuda_stream=0))
+    transports = []
+    for rank in range(device.world):
+        t = push_reduce.CopyEnginePushReduce.__new__(push_reduce.CopyEnginePushReduce)
+        t.rank, t.world, t._issued = rank, device.world, 0
+        pad = torch.zeros(2 * device.world * t.SLOTS, dtype=torch.int32)
+        t.init_flags(pad)
+        t._flags = (pad, [r * PAD_STRIDE for r in range(device.world)])
+        for i, value in enumerate(pad.tolist()):
+            device.flags[rank * PAD_STRIDE + 4 * i] = value
+        t._slot_view = lambda owner, seq, full, rows, slots=t.SLOTS: _Staged(device, owner, seq % slots)
+        transports.append(t)
+    return transports
+
+
+def _record(device: Device, transports: list, tags: list) -> dict:
+    """Every rank's program for reductions ``tags`` (in order): the pushes on its RS stream,
+    and each reduction's receive / sum / release on its compute stream (which the scheduler
+    may run ahead of or behind the pushes). Returns the recorded queues."""
+    device.queues = {}
+    for t in transports:
+        seqs = []
+        for tag in tags:
+            seq = t._issued
+            t._issued += 1
+            seqs.append(seq)
+            device.recording = (t.rank, "rs")
+            t._push(_Rows((tag, t.rank)), rows=1, seq=seq)
+        device.recording = (t.rank, "compute")
+        for seq, tag in zip(seqs, tags):
+            staged = t._receive(None, 1, seq)
+            keys = [(t.rank, staged.slot, k) for k in range(t.world - 1)]
+            sources = [(t.rank - k - 1) % t.world for k in range(t.world - 1)]
+            for key, source in zip(keys, sources):
+                device.enqueue(("read", t.rank, [key], (tag, source)))
+            t._release(seq)
+    device.recording = None
+    return device.queues
+
+
+def _check_reads(device: Device) -> None:
+    bad = [r for r in device.reads if r[1] != r[2]]
+    assert not bad, f"a sum read another reduction's rows: {bad[:3]}"
+    device.reads.clear()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("seed", range(6))
+def test_eager_reductions_pair_every_push_with_its_sum(world, seed, monkeypatch):
+    device = Device(world)
+    transports = _transports(device, monkeypatch)
+    rng = random.Random(seed)
+    for step in range(3):
+        device.run(rng, _record(device, transports, [f"e{step}.{i}" for i in range(5)]))
+        _check_reads(device)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("count", [1, 3, 4])  # odd and even numbers of reductions per graph
+@pytest.mark.parametrize("seed", range(4))
+def test_a_captured_step_replays_with_eager_reductions_between(world, count, seed, monkeypatch):
+    device = Device(world)
+    transports = _transports(device, monkeypatch)
+    rng = random.Random(seed)
+    device.run(rng, _record(device, transports, ["warm-up"]))  # eager, before capture
+    _check_reads(device)
+    graph = _record(device, transports, [f"g{i}" for i in range(count)])  # baked once
+    for replay in range(4):
+        device.run(rng, graph)
+        _check_reads(device)
+        if replay % 2:
+            device.run(rng, _record(device, transports, [f"eager{replay}"]))
+            _check_reads(device)
+    # Quiescent: every READY clear and every FREE set again, as at the start.
+    for t in transports:
+        fresh = torch.zeros(2 * world * t.SLOTS, dtype=torch.int32)
+        t.init_flags(fresh)
+        now = [device.flags[t.rank * PAD_STRIDE + 4 * i] for i in range(fresh.numel())]
+        assert now == fresh.tolist(), (t.rank, now)
