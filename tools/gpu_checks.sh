@@ -15,6 +15,8 @@
 #                                      iterations each (default 50, the recipe's own; deterministic
 #                                      unless DET=0); each FP8 run vs the bf16-gather run
 #                                      (compare_recipe_runs.py), then the 2-layer FP8 GPU test.
+#                                      GRAPH=1: every run captured (cuda_graph=step), the fast way
+#                                      (BENCHMARKS.md, session 14)
 #                                      Why 50: at 25 the last-10 window sits in the loss's fall, where
 #                                      two bf16 runs with different seeds differ by 12% (session 11)
 #   bash tools/gpu_checks.sh megatron  driver vs stock megatron-core on 2 GPUs (pytest), then
@@ -80,6 +82,7 @@ megatron)
 fp8recipe)
   N=${NPROC:-2}; ITERS=${ITERS:-50}; LOG="$OUT/fp8recipe.log"
   [[ ${DET:-1} == 1 ]] && EXTRA="--set deterministic=true ${EXTRA:-}"
+  [[ ${GRAPH:-0} == 1 ]] && EXTRA="--set cuda_graph=step --set overlap_grad_reduce=false ${EXTRA:-}"
   echo "=== 2-layer FP8 GPU test (full log in $LOG)"
   ETP_TEST_BACKEND=nccl timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_recipe_gpu.py > "$OUT/pytest.tmp" 2>&1
   grep -v "frame #\|TCPStore\|sendBytes\|should dump" "$OUT/pytest.tmp" >> "$LOG"; rm -f "$OUT/pytest.tmp"

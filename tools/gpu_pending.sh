@@ -92,6 +92,11 @@
 #      keep it (step (ae): under capture the NCCL fallback's fp32 LL reduce-scatter took 40 ms of a
 #      90 ms micro-batch): the graph tests (captured == eager bit for bit, push included), the
 #      transport tests, then the recipe eager vs captured, bf16 and FP8.
+# (ag) session 14, after (af): captured beside eager once more, with ETP off (captured and eager)
+#      and FP8 blockwise captured, then the deterministic captured == eager recipe test in FP8
+#      (now with the push reduce-scatter on both sides).
+# (ah) session 14: the bf16 deterministic captured == eager recipe test (push on both sides), and the
+#      expert stack on 2xH200 after the set-and-clear flags (two more stream writes per push).
 # ONLY (tools/gpu_lib.sh) runs a subset, e.g. ONLY='^(a_|b_)'.
 source tools/gpu_lib.sh
 budget_begin /tmp/etp_pending 560
@@ -382,5 +387,18 @@ AF="$AT2 --train-iters 20 --log-interval 5 --timeline"
 GRAPH="--set cuda_graph=step --set overlap_grad_reduce=false"
 FP8="--set etp.gather_dtype=fp8_tensorwise"
 recipe_steps af 80 4 "fp8_graph|$GRAPH $FP8" "bf16_graph|$GRAPH" "fp8|$FP8" "bf16|" -- $AF
+
+# (ag)
+AG="$AT2 --train-iters 20 --log-interval 5 --timeline"
+OFF="--set world_size=2 --set global_batch_size=8 --set etp.etp_size=1 --set etp.expert_etp_size=1 --train-iters 20 --log-interval 5 --timeline"
+recipe_steps ag_off 90 4 "graph|$GRAPH" "eager|" -- $OFF  # ETP off: after AT2 would turn it back on
+recipe_steps ag 90 4 "fp8_graph|$GRAPH $FP8" "bf16_graph|$GRAPH" \
+  "fp8block_graph|$GRAPH --set etp.gather_dtype=fp8_blockwise --set etp.pad_for_alignment=128" -- $AG
+TAIL=6 step ag_graph_det_fp8 240 python3 -m pytest -q -rs -p no:warnings tests/test_graph_step.py -k "deterministic_captured and fp8"
+
+# (ah)
+TAIL=6 step ah_graph_det_bf16 200 python3 -m pytest -q -rs -p no:warnings tests/test_graph_step.py -k "deterministic_captured and bf16"
+TAIL=12 step ah_stack 200 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py --variants \
+  replicated,replicated_fp8_wgrad,etp_async_ce_push_alias,etp_async_ce_push_fp8_wgrad_alias --rounds 2 --out "$OUT/ah_stack.json"
 
 budget_end
