@@ -52,7 +52,9 @@ earlier runs. The transport variants (opt-in through ``--variants``) change only
   (``etp_async_fp8_wgrad`` on copy-engine gathers: every option of the fastest FP8 path);
 * ``etp_async_graphed`` / ``etp_async_fp8_graphed`` (opt-in): ``etp_async`` / ``etp_async_fp8``
   with forward + backward captured in one CUDA graph by ``etp.GraphedStep`` and replayed
-  (finalize, FP8 re-quantization and the post-step hook stay eager);
+  (finalize, FP8 re-quantization and the post-step hook stay eager); likewise
+  ``replicated_graphed``, ``replicated_fp8_wgrad_graphed``, ``etp_async_ce_push_alias_graphed``
+  and ``etp_async_ce_push_fp8_wgrad_alias_graphed``;
 * ``etp_async_capped`` / ``etp_async_ce_capped``: the reduce-scatter on its own NCCL
   communicator capped at ``--reduce-ctas`` CTAs (per communicator, not NCCL_MAX_CTAS);
 * ``etp_async_ce_push`` / ``etp_async_ce_push_fp8_wgrad``: copy-engine gathers and the push
@@ -182,7 +184,8 @@ TRANSPORT_VARIANTS = {
 }
 VARIANTS = ("replicated", "replicated_fp8", "ddp", "fsdp2", "etp_sync", "etp_async", "etp_async_fp8",
             "etp_async_fp8_blockwise", *TRANSPORT_VARIANTS, "etp_async_graphed", "etp_async_fp8_graphed",
-            "replicated_fp8_wgrad", "etp_async_fp8_wgrad")
+            "replicated_fp8_wgrad", "etp_async_fp8_wgrad", "replicated_graphed", "replicated_fp8_wgrad_graphed",
+            "etp_async_ce_push_alias_graphed", "etp_async_ce_push_fp8_wgrad_alias_graphed")
 DEFAULT_VARIANTS = VARIANTS[:7]  # blockwise FP8 and the transport variants are opt-in (--variants)
 # variant -> (ETPConfig.gather_dtype, ETPConfig.pad_for_alignment or None for the default)
 FP8_VARIANTS = {
@@ -198,7 +201,8 @@ FP8_VARIANTS = {
     "etp_async_ce_push_fp8_wgrad_alias": ("fp8_tensorwise", None),
 }
 # Variants whose GEMMs run in FP8 (their check differs from replicated by FP8 rounding).
-FP8_COMPUTE = ("replicated_fp8", "replicated_fp8_wgrad", *FP8_VARIANTS)
+FP8_COMPUTE = ("replicated_fp8", "replicated_fp8_wgrad", *FP8_VARIANTS, "replicated_fp8_wgrad_graphed",
+               "etp_async_ce_push_fp8_wgrad_alias_graphed")
 PROFILED = ("replicated", "replicated_fp8", "replicated_fp8_wgrad", "etp_async", "etp_async_fp8", "etp_async_ce",
             "etp_async_ce_capped",
             "etp_async_ce_fp8_symm", "etp_async_ce_pull", "etp_async_ce_fp8",
@@ -758,6 +762,12 @@ PREPARE = {
     "etp_async_fp8_graphed": _graphed_variant(prepare_etp_async_fp8),
     "replicated_fp8_wgrad": prepare_replicated_fp8_wgrad,
     "etp_async_fp8_wgrad": prepare_etp_async_fp8_wgrad,
+    # Captured peers of the fastest paths: the eager FP8 push stack waits on the host's launches
+    # (BENCHMARKS.md, session 14), so both sides are compared with the host out of the way.
+    **{f"{name}_graphed": _graphed_variant(base) for name, base in (
+        ("replicated", prepare_replicated), ("replicated_fp8_wgrad", prepare_replicated_fp8_wgrad),
+        ("etp_async_ce_push_alias", _transport_variant("etp_async_ce_push_alias")),
+        ("etp_async_ce_push_fp8_wgrad_alias", _transport_variant("etp_async_ce_push_fp8_wgrad_alias")))},
 }
 
 

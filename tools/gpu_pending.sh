@@ -97,6 +97,10 @@
 #      (now with the push reduce-scatter on both sides).
 # (ah) session 14: the bf16 deterministic captured == eager recipe test (push on both sides), and the
 #      expert stack on 2xH200 after the set-and-clear flags (two more stream writes per push).
+# (ai) session 14: why the FP8 push stack (56.6 ms) is no faster than bf16 push (55.9) on 2xH200 when
+#      replicated_fp8_wgrad is 20% faster than replicated: traces of both, GEMMs paired, stream waits.
+# (aj) session 14, after (ai) showed the eager FP8 push stack idle on its compute stream (host launches,
+#      GEMMs no slower): the expert stack captured on both sides (GraphedStep).
 # ONLY (tools/gpu_lib.sh) runs a subset, e.g. ONLY='^(a_|b_)'.
 source tools/gpu_lib.sh
 budget_begin /tmp/etp_pending 560
@@ -400,5 +404,21 @@ TAIL=6 step ag_graph_det_fp8 240 python3 -m pytest -q -rs -p no:warnings tests/t
 TAIL=6 step ah_graph_det_bf16 200 python3 -m pytest -q -rs -p no:warnings tests/test_graph_step.py -k "deterministic_captured and bf16"
 TAIL=12 step ah_stack 200 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py --variants \
   replicated,replicated_fp8_wgrad,etp_async_ce_push_alias,etp_async_ce_push_fp8_wgrad_alias --rounds 2 --out "$OUT/ah_stack.json"
+
+# (ai)
+TAIL=8 step ai_stack_trace 150 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py \
+  --variants replicated_fp8_wgrad,etp_async_ce_push_fp8_wgrad_alias --trace /tmp/ai_trace --out "$OUT/ai_stack_trace.json"
+if [[ -f /tmp/ai_trace/etp_async_ce_push_fp8_wgrad_alias_trace.json ]]; then
+  python3 tools/trace_kernels_compare.py /tmp/ai_trace/replicated_fp8_wgrad_trace.json \
+    /tmp/ai_trace/etp_async_ce_push_fp8_wgrad_alias_trace.json --steps 3 --json "$OUT/ai_gemms.json" > "$OUT/ai_gemms.log" 2>&1
+  python3 tools/trace_gaps.py /tmp/ai_trace/etp_async_ce_push_fp8_wgrad_alias_trace.json --stream-waits --steps 3 \
+    > "$OUT/ai_gaps.log" 2>&1
+  for v in replicated_fp8_wgrad etp_async_ce_push_fp8_wgrad_alias; do gzip -c "/tmp/ai_trace/${v}_trace.json" > "$OUT/ai_${v}.json.gz"; done
+fi
+
+# (aj)
+TAIL=10 step aj_stack_graphed 150 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py --variants \
+  replicated_graphed,replicated_fp8_wgrad_graphed,etp_async_ce_push_alias_graphed,etp_async_ce_push_fp8_wgrad_alias_graphed \
+  --out "$OUT/aj_stack_graphed.json"
 
 budget_end
