@@ -52,9 +52,8 @@ class Device:
         elif kind == "copy":
             self.staging[op[1]] = op[2]
         elif kind == "read":
-            _, rank, keys, expected = op
-            for key in keys:
-                self.reads.append((rank, self.staging.get(key), expected))
+            _, rank, key, expected = op
+            self.reads.append((rank, self.staging.get(key), expected))
 
     def run(self, rng: random.Random, queues: dict[tuple, list]) -> None:
         """Runs ``queues`` (copies of recorded programs) to the end in a random order."""
@@ -125,10 +124,8 @@ def _record(device: Device, transports: list, tags: list) -> dict:
         device.recording = (t.rank, "compute")
         for seq, tag in zip(seqs, tags):
             staged = t._receive(None, 1, seq)
-            keys = [(t.rank, staged.slot, k) for k in range(t.world - 1)]
-            sources = [(t.rank - k - 1) % t.world for k in range(t.world - 1)]
-            for key, source in zip(keys, sources):
-                device.enqueue(("read", t.rank, [key], (tag, source)))
+            for k in range(t.world - 1):  # index k holds the rows of the rank k + 1 before
+                device.enqueue(("read", t.rank, (t.rank, staged.slot, k), (tag, (t.rank - k - 1) % t.world)))
             t._release(seq)
     device.recording = None
     return device.queues

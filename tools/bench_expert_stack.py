@@ -182,10 +182,14 @@ TRANSPORT_VARIANTS = {
     "etp_async_ce_push_alias": ("copy_engine", "copy_engine_push"),
     "etp_async_ce_push_fp8_wgrad_alias": ("copy_engine", "copy_engine_push"),
 }
+# Variants that also run captured, as ``<name>_graphed``. The last four: the eager FP8 push stack
+# waits on the host's launches (BENCHMARKS.md, session 14), so both sides run with the host out
+# of the way.
+GRAPHED = ("etp_async", "etp_async_fp8", "replicated", "replicated_fp8_wgrad", "etp_async_ce_push_alias",
+           "etp_async_ce_push_fp8_wgrad_alias")
 VARIANTS = ("replicated", "replicated_fp8", "ddp", "fsdp2", "etp_sync", "etp_async", "etp_async_fp8",
-            "etp_async_fp8_blockwise", *TRANSPORT_VARIANTS, "etp_async_graphed", "etp_async_fp8_graphed",
-            "replicated_fp8_wgrad", "etp_async_fp8_wgrad", "replicated_graphed", "replicated_fp8_wgrad_graphed",
-            "etp_async_ce_push_alias_graphed", "etp_async_ce_push_fp8_wgrad_alias_graphed")
+            "etp_async_fp8_blockwise", *TRANSPORT_VARIANTS, "replicated_fp8_wgrad", "etp_async_fp8_wgrad",
+            *(f"{name}_graphed" for name in GRAPHED))
 DEFAULT_VARIANTS = VARIANTS[:7]  # blockwise FP8 and the transport variants are opt-in (--variants)
 # variant -> (ETPConfig.gather_dtype, ETPConfig.pad_for_alignment or None for the default)
 FP8_VARIANTS = {
@@ -201,8 +205,8 @@ FP8_VARIANTS = {
     "etp_async_ce_push_fp8_wgrad_alias": ("fp8_tensorwise", None),
 }
 # Variants whose GEMMs run in FP8 (their check differs from replicated by FP8 rounding).
-FP8_COMPUTE = ("replicated_fp8", "replicated_fp8_wgrad", *FP8_VARIANTS, "replicated_fp8_wgrad_graphed",
-               "etp_async_ce_push_fp8_wgrad_alias_graphed")
+FP8_COMPUTE = ("replicated_fp8", "replicated_fp8_wgrad", *FP8_VARIANTS)
+FP8_COMPUTE += tuple(f"{name}_graphed" for name in GRAPHED if name in FP8_COMPUTE)
 PROFILED = ("replicated", "replicated_fp8", "replicated_fp8_wgrad", "etp_async", "etp_async_fp8", "etp_async_ce",
             "etp_async_ce_capped",
             "etp_async_ce_fp8_symm", "etp_async_ce_pull", "etp_async_ce_fp8",
@@ -758,17 +762,10 @@ PREPARE = {
     "etp_async_fp8": prepare_etp_async_fp8,
     "etp_async_fp8_blockwise": prepare_etp_async_fp8_blockwise,
     **{name: _transport_variant(name) for name in TRANSPORT_VARIANTS},
-    "etp_async_graphed": _graphed_variant(prepare_etp_async),
-    "etp_async_fp8_graphed": _graphed_variant(prepare_etp_async_fp8),
     "replicated_fp8_wgrad": prepare_replicated_fp8_wgrad,
     "etp_async_fp8_wgrad": prepare_etp_async_fp8_wgrad,
-    # Captured peers of the fastest paths: the eager FP8 push stack waits on the host's launches
-    # (BENCHMARKS.md, session 14), so both sides are compared with the host out of the way.
-    **{f"{name}_graphed": _graphed_variant(base) for name, base in (
-        ("replicated", prepare_replicated), ("replicated_fp8_wgrad", prepare_replicated_fp8_wgrad),
-        ("etp_async_ce_push_alias", _transport_variant("etp_async_ce_push_alias")),
-        ("etp_async_ce_push_fp8_wgrad_alias", _transport_variant("etp_async_ce_push_fp8_wgrad_alias")))},
 }
+PREPARE.update({f"{name}_graphed": _graphed_variant(PREPARE[name]) for name in GRAPHED})
 
 
 # ----------------------------------------------------------------------------- timing
