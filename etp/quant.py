@@ -38,10 +38,10 @@ from torch.autograd.profiler import record_function
 
 from .collectives import all_gather_tensor
 from .kernels import (
+    MultiTensorCastPlan,
     amax_to_scale,
     dequantize_fp8,
     multi_tensor_amax,
-    multi_tensor_cast_fp8,
     quantize_blockwise,
     transpose_last2,
 )
@@ -131,7 +131,8 @@ def _pieces(param) -> list[tuple[int, int, int]]:
 
 
 def cast_tensorwise(views, slot_index: torch.Tensor, slots: int, out, *, out_transposed=None,
-                    prev_amax: torch.Tensor | None = None, reduce_amax=None):
+                    prev_amax: torch.Tensor | None = None, reduce_amax=None,
+                    plan: MultiTensorCastPlan | None = None):
     """Tensorwise e4m3 of weight pieces into the given buffers: piece ``i`` belongs to scale
     group ``slot_index[i]`` of ``slots``. Returns ``(scales [slots], amax [slots])``.
 
@@ -142,6 +143,10 @@ def cast_tensorwise(views, slot_index: torch.Tensor, slots: int, out, *, out_tra
     device, of just the groups whose amax grew (with their own scales): no value ever
     saturates, and the amax read pass is gone. No host synchronization either way.
 
+    ``plan``: a ``MultiTensorCastPlan`` made for exactly these ``views`` and destinations
+    (kept by a caller that casts the same buffers every step: its launch tables are built
+    once); by default one is made for this call.
+
     Example::
 
         scales, amax = cast_tensorwise(shards, torch.arange(n, device=dev), n, out=fp8_buffers,
@@ -149,7 +154,9 @@ def cast_tensorwise(views, slot_index: torch.Tensor, slots: int, out, *, out_tra
     """
     device = slot_index.device
     reduce_amax = reduce_amax or (lambda amax: None)
-    extra = dict(write_transposed=out_transposed is not None, out=out, out_transposed=out_transposed)
+    if plan is None and views:
+        plan = MultiTensorCastPlan(views, write_transposed=out_transposed is not None, out=out,
+                                   out_transposed=out_transposed)
     amax = torch.zeros(slots, dtype=torch.float32, device=device)
     if prev_amax is None:
         if views:
@@ -157,18 +164,18 @@ def cast_tensorwise(views, slot_index: torch.Tensor, slots: int, out, *, out_tra
         reduce_amax(amax)
         scales = amax_to_scale(amax)
         if views:
-            multi_tensor_cast_fp8(views, scales[slot_index], **extra)
+            plan.run(scales[slot_index])
         return scales, amax
     used = amax_to_scale(prev_amax)
     if views:
         piece_amax = torch.empty(len(views), dtype=torch.float32, device=device)
-        multi_tensor_cast_fp8(views, used[slot_index], amax_out=piece_amax, **extra)
+        plan.run(used[slot_index], amax_out=piece_amax)
         amax.scatter_reduce_(0, slot_index, piece_amax, reduce="amax")
     reduce_amax(amax)
     grew = ~(amax <= prev_amax)  # a NaN amax re-casts too (to NaN, as current scaling does)
     fresh = amax_to_scale(amax)
     if views:
-        multi_tensor_cast_fp8(views, fresh[slot_index], only=grew[slot_index], **extra)
+        plan.run(fresh[slot_index], only=grew[slot_index])
     return torch.where(grew, fresh, used), amax
 
 
@@ -192,7 +199,7 @@ def _quantize_tensorwise(params, group) -> None:
 
     # Straight into the stable shard buffers: no temporary, no copy.
     scales, amax = cast_tensorwise(plan.views, plan.slot_index, plan.slots, plan.outs,
-                                   prev_amax=_previous_amax(params), reduce_amax=reduce_amax)
+                                   prev_amax=_previous_amax(params), reduce_amax=reduce_amax, plan=plan.cast)
     for param in params:
         first, n = plan.first_slot[id(param)], _groups(param)[0]
         _store(param, quantized[id(param)], scales[first : first + n], param._version, amax[first : first + n])
@@ -209,6 +216,7 @@ class _TensorwisePlan:
     slot_index: torch.Tensor  # the scale group of each piece (device)
     slots: int
     first_slot: dict  # id(param) -> its first scale group
+    cast: MultiTensorCastPlan | None  # views -> outs, its launch tables kept with the plan
 
 
 def _tensorwise_plan(params, quantized) -> _TensorwisePlan:
@@ -228,13 +236,16 @@ def _tensorwise_plan(params, quantized) -> _TensorwisePlan:
             pieces.append((param, lo, hi))
             slots.append(total + g)
         total += _groups(param)[0]
+    views = [param.detach()[lo:hi] for param, lo, hi in pieces]
+    outs = [quantized[id(param)][lo:hi] for param, lo, hi in pieces]
     plan = _TensorwisePlan(
         key,
-        views=[param.detach()[lo:hi] for param, lo, hi in pieces],
-        outs=[quantized[id(param)][lo:hi] for param, lo, hi in pieces],
+        views=views,
+        outs=outs,
         slot_index=to_device_async(torch.tensor(slots, dtype=torch.int64), params[0].device),
         slots=total,
         first_slot=first_slot,
+        cast=MultiTensorCastPlan(views, out=outs) if views else None,
     )
     plans[group_key] = plan
     return plan

@@ -81,14 +81,24 @@ def _quantization(ctx, mode):
             return fn(*args, **kwargs)
         return wrapper
 
-    originals = (quant_module.multi_tensor_amax, quant_module.multi_tensor_cast_fp8, quant_module.dist.all_reduce)
-    quant_module.multi_tensor_amax = counted("amax", originals[0])
-    quant_module.multi_tensor_cast_fp8 = counted("cast", originals[1])
-    quant_module.dist.all_reduce = counted("all_reduce", originals[2])
+    # The casts run through the tensorwise plan's MultiTensorCastPlan (its tables kept).
+    targets = ((quant_module, "multi_tensor_amax", "amax"), (quant_module.MultiTensorCastPlan, "run", "cast"),
+               (quant_module.dist, "all_reduce", "all_reduce"))
+    originals = [getattr(obj, attr) for obj, attr, _ in targets]
+
+    def count_calls():
+        for (obj, attr, name), fn in zip(targets, originals):
+            setattr(obj, attr, counted(name, fn))
+
+    def restore():
+        for (obj, attr, _), fn in zip(targets, originals):
+            setattr(obj, attr, fn)
+
+    count_calls()
     try:
         assert quantize_shards(model) == 4
     finally:
-        quant_module.multi_tensor_amax, quant_module.multi_tensor_cast_fp8, quant_module.dist.all_reduce = originals
+        restore()
     _check_against_reference(model, full, mode)
     if mode != "fp8_tensorwise":
         return calls
@@ -106,13 +116,11 @@ def _quantization(ctx, mode):
                 full[name] = grown
     step2 = {"amax": 0, "cast": 0, "all_reduce": 0}
     calls_before = dict(calls)
-    quant_module.multi_tensor_amax = counted("amax", originals[0])
-    quant_module.multi_tensor_cast_fp8 = counted("cast", originals[1])
-    quant_module.dist.all_reduce = counted("all_reduce", originals[2])
+    count_calls()
     try:
         quantize_shards(model)
     finally:
-        quant_module.multi_tensor_amax, quant_module.multi_tensor_cast_fp8, quant_module.dist.all_reduce = originals
+        restore()
     for key in step2:
         step2[key] = calls[key] - calls_before[key]
     assert step2 == {"amax": 0, "cast": 2, "all_reduce": 1}, step2

@@ -47,3 +47,38 @@ def test_dense_wgrad_into_wider_buffer(device):
     DenseGemm.wgrad(gy, x, None, out=out)
     ref = gy.double().reshape(-1, 4).t() @ x.double().reshape(-1, 8)
     torch.testing.assert_close(out.double().cpu(), ref.cpu(), rtol=2e-2, atol=1e-1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grouped_offsets_made_once_per_counts_version(device):
+    """The grouped GEMMs' offsets: the running sum of counts in int32 (against a Python sum),
+    one tensor per counts tensor while it is unchanged, remade after an in-place change."""
+    from etp.gemm import _offsets
+
+    counts = torch.tensor([3, 0, 5, 2])
+    first = _offsets(counts, torch.device(device))
+    assert first.dtype == torch.int32 and first.device.type == device
+    assert first.tolist() == [3, 3, 8, 10]
+    assert _offsets(counts, torch.device(device)) is first  # the layer's next GEMMs: no new launches
+    counts[1] = 4  # the same tensor, rewritten (a reused routing buffer)
+    again = _offsets(counts, torch.device(device))
+    assert again is not first and again.tolist() == [3, 7, 12, 14]
+    assert _offsets(torch.tensor([3, 0, 5, 2]), torch.device(device)) is not again  # another tensor
+
+
+def test_weight_scale_rows_follow_each_quantization():
+    """The FP8 GEMMs' per-column weight scales: scale_inv expanded to [groups, n], made once
+    while scale_inv is unchanged and remade when a quantization rewrites it in place."""
+    from etp.gemm import _scale_rows
+
+    scale = torch.tensor([2.0, 4.0, 8.0])
+    scale_inv = torch.reciprocal(scale)
+    rows = _scale_rows(scale_inv, 3, 5)
+    assert rows.shape == (3, 5) and rows.is_contiguous()
+    torch.testing.assert_close(rows, (1 / scale.double()).float()[:, None].expand(3, 5))
+    assert _scale_rows(scale_inv, 3, 5) is rows and _scale_rows(scale_inv, 3, 7) is not rows
+    torch.reciprocal(torch.tensor([1.0, 0.5, 0.25]), out=scale_inv)  # the next step's quantization
+    again = _scale_rows(scale_inv, 3, 5)
+    torch.testing.assert_close(again, torch.tensor([1.0, 2.0, 4.0])[:, None].expand(3, 5))
+    dense = _scale_rows(torch.tensor([0.125]), 1, 4)
+    assert dense.shape == (1, 4) and dense.eq(0.125).all()

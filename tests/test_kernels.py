@@ -476,6 +476,54 @@ def test_cast_records_amax_and_casts_only_the_picked(impl):
 
 
 @needs_triton
+@pytest.mark.parametrize("write_transposed", [False, True], ids=["plain", "transposed"])
+def test_cast_plan_builds_its_tables_once(write_transposed, monkeypatch):
+    """MultiTensorCastPlan: runs with new scales (and only=, amax_out=) into its fixed buffers
+    equal the torch reference each time, while the launch tables are built once (the first
+    run) and every later run is the kernel launch alone."""
+    builds = []
+    real = cast_mod._CastTables
+
+    def counting(*args, **kwargs):
+        builds.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cast_mod, "_CastTables", counting)
+    gen = _gen(13)
+    tensors = [_randn(s, dt, gen, 6.0) for s, dt in (((33, 48), torch.bfloat16), ((2, 16, 24), torch.float32),
+                                                     ((7,), torch.bfloat16))]
+    out = [torch.empty(t.shape, dtype=torch.float8_e4m3fn, device=DEVICE) for t in tensors]
+    out_t = [torch.empty((*t.shape[:-2], t.shape[-1], t.shape[-2]) if t.dim() > 1 else t.shape,
+                         dtype=torch.float8_e4m3fn, device=DEVICE) for t in tensors] if write_transposed else None
+    plan = K.MultiTensorCastPlan(tensors, write_transposed=write_transposed, out=out, out_transposed=out_t,
+                                 impl="triton")
+    assert not builds  # nothing built before the first run
+    for step in range(3):
+        scales = (torch.rand(len(tensors), generator=gen) * 40 + 1).to(DEVICE)
+        amax = torch.empty(len(tensors), device=DEVICE)
+        qs, qts = plan.run(scales, amax_out=amax)
+        rqs, rqts = K.multi_tensor_cast_fp8([t.cpu() for t in tensors], scales.cpu(),
+                                            write_transposed=write_transposed, impl="torch")
+        assert all(q is o for q, o in zip(qs, out))
+        for i in range(len(tensors)):
+            _assert_fp8_bit_equal(qs[i], rqs[i])
+            if write_transposed:
+                _assert_fp8_bit_equal(qts[i], rqts[i])
+        want = torch.tensor([t.double().abs().max().item() for t in tensors], dtype=torch.float64)
+        torch.testing.assert_close(amax.cpu().double(), want, rtol=0, atol=0)
+    only = torch.tensor([False, True, False], device=DEVICE)
+    before = [o.clone() for o in out]
+    plan.run(torch.full((3,), 2.0, device=DEVICE), only=only)
+    ref, _ = K.multi_tensor_cast_fp8([t.cpu() for t in tensors], torch.full((3,), 2.0), impl="torch")
+    _assert_fp8_bit_equal(out[1], ref[1])
+    for i in (0, 2):
+        assert torch.equal(out[i].view(torch.uint8), before[i].view(torch.uint8))
+    assert len(builds) == 1
+    with pytest.raises(ValueError, match="scales must have shape \\[3\\]"):
+        plan.run(torch.ones(2, device=DEVICE))
+
+
+@needs_triton
 def test_cast_many_tensors_binary_search():
     gen = _gen(7)
     shapes = [tuple(torch.randint(1, 20, (2,), generator=gen).tolist()) for _ in range(150)]

@@ -181,12 +181,17 @@ TRANSPORT_VARIANTS = {
     # own rows not copied: gathered into buffers aliased onto the shard (ETPConfig.alias_own_rows)
     "etp_async_ce_push_alias": ("copy_engine", "copy_engine_push"),
     "etp_async_ce_push_fp8_wgrad_alias": ("copy_engine", "copy_engine_push"),
+    # ... and forward gathers kept for backward (ETPConfig.gather_reuse "pass"): one gather per
+    # weight per step instead of two, for the memory of every gathered weight of the pass
+    "etp_async_ce_push_alias_reuse": ("copy_engine", "copy_engine_push"),
+    "etp_async_ce_push_fp8_wgrad_alias_reuse": ("copy_engine", "copy_engine_push"),
 }
 # Variants that also run captured, as ``<name>_graphed``. The last four: the eager FP8 push stack
 # waits on the host's launches (BENCHMARKS.md, session 14), so both sides run with the host out
 # of the way.
 GRAPHED = ("etp_async", "etp_async_fp8", "replicated", "replicated_fp8_wgrad", "etp_async_ce_push_alias",
-           "etp_async_ce_push_fp8_wgrad_alias")
+           "etp_async_ce_push_fp8_wgrad_alias", "etp_async_ce_push_alias_reuse",
+           "etp_async_ce_push_fp8_wgrad_alias_reuse")
 VARIANTS = ("replicated", "replicated_fp8", "ddp", "fsdp2", "etp_sync", "etp_async", "etp_async_fp8",
             "etp_async_fp8_blockwise", *TRANSPORT_VARIANTS, "replicated_fp8_wgrad", "etp_async_fp8_wgrad",
             *(f"{name}_graphed" for name in GRAPHED))
@@ -203,6 +208,7 @@ FP8_VARIANTS = {
     "etp_async_ce_push_fp8_wgrad": ("fp8_tensorwise", None),
     "etp_async_ce_push_fp8_wgrad_kfence": ("fp8_tensorwise", None),
     "etp_async_ce_push_fp8_wgrad_alias": ("fp8_tensorwise", None),
+    "etp_async_ce_push_fp8_wgrad_alias_reuse": ("fp8_tensorwise", None),
 }
 # Variants whose GEMMs run in FP8 (their check differs from replicated by FP8 rounding).
 FP8_COMPUTE = ("replicated_fp8", "replicated_fp8_wgrad", *FP8_VARIANTS)
@@ -212,7 +218,8 @@ PROFILED = ("replicated", "replicated_fp8", "replicated_fp8_wgrad", "etp_async",
             "etp_async_ce_fp8_symm", "etp_async_ce_pull", "etp_async_ce_fp8",
             "etp_async_ce_fp8_wgrad", "etp_async_ce_push", "etp_async_ce_push_fp8_wgrad",
             "etp_async_ce_push_kfence", "etp_async_ce_push_fp8_wgrad_kfence",
-            "etp_async_ce_push_alias", "etp_async_ce_push_fp8_wgrad_alias")  # traced under --trace
+            "etp_async_ce_push_alias", "etp_async_ce_push_fp8_wgrad_alias",
+            "etp_async_ce_push_alias_reuse", "etp_async_ce_push_fp8_wgrad_alias_reuse")  # traced under --trace
 GPU_DEFAULTS = dict(layers=8, experts=16, tokens_per_expert=2048, hidden=4096, ffn=1536, warmup=5, steps=20)
 SMOKE_DEFAULTS = dict(layers=2, experts=4, tokens_per_expert=8, hidden=32, ffn=16, warmup=2, steps=2)
 # Measured separately on 2026-11-21 (shared/anchors.md), same workload and machine kind.
@@ -419,9 +426,17 @@ def quantize_full_weights(model: nn.Module, scaling: str) -> None:
     for layer, name, w in weights:
         experts = w.shape[0]
         data, data_t = layer.fp8_copies[name]
-        scale = scales[first:first + experts].contiguous()
-        layer.fp8_weights[name] = FP8Weight(data, scale, 1.0 / scale, False, data.view(-1, data.shape[-1]),
-                                            experts * w.shape[1], fast_accum=True, transposed=data_t)
+        if name not in layer.fp8_weights:
+            layer.fp8_weights[name] = FP8Weight(data, torch.empty_like(scales[:experts]),
+                                                torch.empty_like(scales[:experts]), False,
+                                                data.view(-1, data.shape[-1]), experts * w.shape[1],
+                                                fast_accum=True, transposed=data_t)
+        # In place, like etp.quantize_shards: a captured step (the "_graphed" variants) reads
+        # the addresses it saw at capture; fresh scale tensors each step left it reading freed
+        # memory (NaN outputs in step (aj)).
+        fp8 = layer.fp8_weights[name]
+        fp8.scale.copy_(scales[first:first + experts])
+        torch.reciprocal(fp8.scale, out=fp8.scale_inv)
         first += experts
 
 
@@ -629,12 +644,12 @@ def _gather_elem_bytes(cfg, param: torch.Tensor) -> int:
 
 def _prepare_etp(args, env, groups_cache: dict, prefetch: bool, gather_dtype: str = "param",
                  pad_for_alignment: int | None = None, transports=("nccl", "nccl"),
-                 fp8_wgrad: bool = False, alias_own_rows: bool = False) -> Prepared:
+                 fp8_wgrad: bool = False, alias_own_rows: bool = False, gather_reuse: str = "chain") -> Prepared:
     cfg = _etp_config(env, prefetch, gather_dtype, pad_for_alignment, transports, args.reduce_ctas)
     # Pinned either way (ETPConfig's default is on): "_fp8" variants keep bf16 weight-gradient
     # GEMMs, "_fp8_wgrad" ones run them in FP8, so each name means one thing across runs.
     cfg = dataclasses.replace(cfg, fp8_wgrad=fp8_wgrad, gemm_sm_carveout=args.gemm_sm_carveout,
-                              alias_own_rows=alias_own_rows)
+                              alias_own_rows=alias_own_rows, gather_reuse=gather_reuse)
     if args.fp8_weight_scaling and cfg.gather_dtype == "fp8_tensorwise":
         cfg = dataclasses.replace(cfg, fp8_weight_scaling=args.fp8_weight_scaling)
     groups = _etp_groups(cfg, groups_cache)
@@ -669,7 +684,8 @@ def _prepare_etp(args, env, groups_cache: dict, prefetch: bool, gather_dtype: st
                              "transport": cfg.transport, "reduce_transport": cfg.reduce_transport,
                              "reduce_ctas": cfg.reduce_ctas, "fp8_fast_accum": cfg.fp8_fast_accum,
                              "fp8_wgrad": cfg.fp8_wgrad, "fp8_weight_scaling": cfg.fp8_weight_scaling,
-                             "gemm_sm_carveout": cfg.gemm_sm_carveout, "alias_own_rows": cfg.alias_own_rows},
+                             "gemm_sm_carveout": cfg.gemm_sm_carveout, "alias_own_rows": cfg.alias_own_rows,
+                             "gather_reuse": cfg.gather_reuse},
               "transports": {str(k): (t.gather.name, t.reduce.name)
                              for k, t in etp.runtime_of(model).transports.items()},
               "wire_bytes_breakdown": wire},
@@ -743,7 +759,8 @@ def _transport_variant(name: str):
         dtype, pad = FP8_VARIANTS.get(name, ("param", None))
         prep = _prepare_etp(args, env, groups_cache, prefetch=True, gather_dtype=dtype, pad_for_alignment=pad,
                             transports=TRANSPORT_VARIANTS[name], fp8_wgrad="_fp8_wgrad" in name,
-                            alias_own_rows=name.endswith("_alias"))
+                            alias_own_rows="_alias" in name,
+                            gather_reuse="pass" if name.endswith("_reuse") else "chain")
         if name.endswith("_kfence"):
             for chosen in etp.runtime_of(prep.model).transports.values():
                 chosen.gather.fence = "kernel"

@@ -100,7 +100,21 @@
 # (ai) session 14: why the FP8 push stack (56.6 ms) is no faster than bf16 push (55.9) on 2xH200 when
 #      replicated_fp8_wgrad is 20% faster than replicated: traces of both, GEMMs paired, stream waits.
 # (aj) session 14, after (ai) showed the eager FP8 push stack idle on its compute stream (host launches,
-#      GEMMs no slower): the expert stack captured on both sides (GraphedStep).
+#      GEMMs no slower): the expert stack captured on both sides (GraphedStep), eager peers beside.
+# (ak) session 15, after (aj) showed capture does not help the bf16 push stack (55.6 ms graphed, 55.2
+#      eager, replicated 49.4): where its compute stream waits (trace, stream waits per step), and
+#      replicated_fp8_wgrad_graphed again after its scales became stable buffers (NaN in (aj)).
+# (al) session 15, after (ak) put the bf16 push stack's 5.6 ms over replicated in GEMMs slowed 5.5%
+#      beside the copies (2.4 ms), the push sums (1.8 ms) and the step's head gather and tail push
+#      (1.3 ms): forward gathers kept for backward (gather_reuse "pass", half the gather bytes).
+# (am) session 15, after (al): reuse changed nothing (56.67 against 56.64 ms) and its GEMMs are
+#      still 5-8% slower than replicated's with nothing beside them: is it where the weight lives
+#      (a VMM-mapped gather buffer, a buffer a copy just rewrote) or the peer's traffic on this HBM?
+#      And FP8 push with and without reuse side by side.
+# (an) session 15: the eager FP8 host path lighter (the quantization's cast plan keeps its launch
+#      tables, the grouped GEMMs' offsets and the FP8 weight scale rows made once per counts /
+#      scales): the eager recipe against HEAD 8864189's etp (tools/scratch/before, carried),
+#      interleaved, and the GPU tests of what changed; the GEMM operand probe with rotated rounds.
 # ONLY (tools/gpu_lib.sh) runs a subset, e.g. ONLY='^(a_|b_)'.
 source tools/gpu_lib.sh
 budget_begin /tmp/etp_pending 560
@@ -417,8 +431,64 @@ if [[ -f /tmp/ai_trace/etp_async_ce_push_fp8_wgrad_alias_trace.json ]]; then
 fi
 
 # (aj)
-TAIL=10 step aj_stack_graphed 150 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py --variants \
-  replicated_graphed,replicated_fp8_wgrad_graphed,etp_async_ce_push_alias_graphed,etp_async_ce_push_fp8_wgrad_alias_graphed \
-  --out "$OUT/aj_stack_graphed.json"
+TAIL=14 step aj_stack_graphed 300 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py --variants \
+  replicated,replicated_graphed,replicated_fp8_wgrad,replicated_fp8_wgrad_graphed,etp_async_ce_push_alias,\
+etp_async_ce_push_alias_graphed,etp_async_ce_push_fp8_wgrad_alias,etp_async_ce_push_fp8_wgrad_alias_graphed \
+  --rounds 2 --out "$OUT/aj_stack_graphed.json"
+
+# (ak)
+TAIL=8 step ak_stack_trace 150 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py \
+  --variants replicated,etp_async_ce_push_alias --trace /tmp/ak_trace --out "$OUT/ak_stack_trace.json"
+if [[ -f /tmp/ak_trace/etp_async_ce_push_alias_trace.json ]]; then
+  python3 tools/trace_kernels_compare.py /tmp/ak_trace/replicated_trace.json \
+    /tmp/ak_trace/etp_async_ce_push_alias_trace.json --steps 3 --json "$OUT/ak_gemms.json" > "$OUT/ak_gemms.log" 2>&1
+  python3 tools/trace_gaps.py /tmp/ak_trace/etp_async_ce_push_alias_trace.json --stream-waits --steps 3 \
+    --json "$OUT/ak_gaps.json" > "$OUT/ak_gaps.log" 2>&1
+  for v in replicated etp_async_ce_push_alias; do gzip -c "/tmp/ak_trace/${v}_trace.json" > "$OUT/ak_${v}.json.gz"; done
+fi
+TAIL=10 step ak_stack_fp8_graphed 150 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py --variants \
+  replicated,replicated_graphed,replicated_fp8_wgrad,replicated_fp8_wgrad_graphed --rounds 2 --out "$OUT/ak_stack_fp8_graphed.json"
+
+# (al)
+TAIL=14 step al_stack_reuse 240 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py --variants \
+replicated,replicated_graphed,etp_async_ce_push_alias,etp_async_ce_push_alias_reuse,etp_async_ce_push_alias_reuse_graphed,\
+etp_async_ce_push_fp8_wgrad_alias_reuse,etp_async_ce_push_fp8_wgrad_alias_reuse_graphed --rounds 2 --out "$OUT/al_stack_reuse.json"
+TAIL=8 step al_stack_trace 150 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py \
+  --variants replicated,etp_async_ce_push_alias_reuse --trace /tmp/al_trace --out "$OUT/al_stack_trace.json"
+if [[ -f /tmp/al_trace/etp_async_ce_push_alias_reuse_trace.json ]]; then
+  python3 tools/trace_kernels_compare.py /tmp/al_trace/replicated_trace.json \
+    /tmp/al_trace/etp_async_ce_push_alias_reuse_trace.json --steps 3 --json "$OUT/al_gemms.json" > "$OUT/al_gemms.log" 2>&1
+  python3 tools/trace_gaps.py /tmp/al_trace/etp_async_ce_push_alias_reuse_trace.json --stream-waits --steps 3 \
+    --json "$OUT/al_gaps.json" > "$OUT/al_gaps.log" 2>&1
+  gzip -c /tmp/al_trace/etp_async_ce_push_alias_reuse_trace.json > "$OUT/al_etp_async_ce_push_alias_reuse.json.gz"
+fi
+
+# (am)
+TAIL=10 step am_gemm_operand 120 torchrun --standalone --nproc-per-node 2 tools/bench_gemm_operand.py \
+  --out "$OUT/am_gemm_operand.json"
+TAIL=10 step am_stack_fp8_reuse 200 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py --variants \
+replicated,etp_async_ce_push_fp8_wgrad_alias,etp_async_ce_push_fp8_wgrad_alias_reuse --rounds 2 --out "$OUT/am_stack_fp8_reuse.json"
+
+# (an)
+AN="$AT2 --train-iters 20 --log-interval 5 --timeline"
+FP8="--set etp.gather_dtype=fp8_tensorwise"
+an_round() {
+  local v g sets dir
+  for v in after before; do
+    for g in fp8 bf16; do
+      sets=""; [[ $g == fp8 ]] && sets=$FP8
+      dir=.; [[ $v == before ]] && dir=tools/scratch/before
+      # shellcheck disable=SC2086
+      (cd "$dir" && TAIL=4 step "an_${g}_${v}_$1" 90 $TRAIN --recipe $FLAG $sets $AN --json "$OUT/an_${g}_${v}_$1.json")
+    done
+  done
+}
+an_round 1
+TAIL=8 step an_tests 300 env ETP_TEST_BACKEND=nccl ETP_TEST_TIMEOUT=150 python3 -m pytest -q -rs -p no:warnings \
+  -o faulthandler_timeout=200 tests/test_kernels.py tests/test_gemm.py tests/test_fp8.py tests/test_graphs_gpu.py \
+  tests/test_fp8_recipe_gpu.py
+TAIL=10 step an_gemm_operand 120 torchrun --standalone --nproc-per-node 2 tools/bench_gemm_operand.py \
+  --out "$OUT/an_gemm_operand.json"
+an_round 2
 
 budget_end

@@ -3,7 +3,8 @@
 * :func:`multi_tensor_amax` - max(|x|) of many tensors in one launch.
 * :func:`amax_to_scale` - per-tensor scale ``448 / amax``.
 * :func:`multi_tensor_cast_fp8` - per-tensor-scaled e4m3 cast of many tensors in
-  one launch, optionally writing the transposed copy in the same pass.
+  one launch, optionally writing the transposed copy in the same pass;
+  :class:`MultiTensorCastPlan` - the same for fixed destinations, its launch tables kept.
 * :func:`quantize_blockwise` / :func:`dequantize_fp8` - (1, 128) / (128, 128)
   blockwise format and dequantization.
 * :func:`quantize_rowwise` - one-pass per-row FP8 quantization of activations.
@@ -22,7 +23,7 @@ first imported.
 
 from etp.kernels.amax import multi_tensor_amax
 from etp.kernels.blockwise import dequantize_fp8, quantize_blockwise, quantize_rowwise
-from etp.kernels.cast import amax_to_scale, multi_tensor_cast_fp8
+from etp.kernels.cast import MultiTensorCastPlan, amax_to_scale, multi_tensor_cast_fp8
 from etp.kernels.colwise import grouped_colwise_layout, quantize_grouped_colwise
 from etp.kernels.embedding import embedding_backward
 from etp.kernels.reference import FP8_E4M3_MAX
@@ -31,6 +32,7 @@ from etp.kernels.transpose import transpose_last2
 
 __all__ = [
     "FP8_E4M3_MAX",
+    "MultiTensorCastPlan",
     "amax_to_scale",
     "dequantize_fp8",
     "embedding_backward",

@@ -35,7 +35,7 @@ from etp.kernels.amax import (
 )
 from etp.kernels.reference import FP8_E4M3_MAX, amax_to_scale_ref, multi_tensor_amax_ref, multi_tensor_cast_fp8_ref
 
-__all__ = ["FP8_E4M3_MAX", "amax_to_scale", "multi_tensor_cast_fp8"]
+__all__ = ["FP8_E4M3_MAX", "MultiTensorCastPlan", "amax_to_scale", "multi_tensor_cast_fp8"]
 
 # The cast's own launch shape (not the amax's: it writes as well as reads). H200 sweep of
 # 2026-11-23 (64 x 1536x1024 bf16, tools/bench_kernels.py, device time): block 2048 x 8 iters
@@ -285,6 +285,39 @@ def _matrix_dims(t: torch.Tensor) -> Tuple[int, int]:
     return t.shape[-2], t.shape[-1]
 
 
+class _CastTables:
+    """The cast's launch tables for one set of inputs and destinations, on the device: one
+    flat int64 table per input dtype, and each launch's (dtype, tensors, programs, aligned)."""
+
+    def __init__(self, tensors, qs, qts, block: int, iters: int, tile_r: int, tile_c: int) -> None:
+        write_t = qts is not None
+        chunk = block * iters
+        self.write_t, self.launches = write_t, []
+        tables = []
+        for dtype, idxs in group_by_dtype(tensors).items():
+            cols_tab: List[List[int]] = [[] for _ in range(8)]
+            counts = []
+            aligned = True
+            for i in idxs:
+                x, q = tensors[i], qs[i]
+                qt = qts[i] if write_t else q
+                rows, cols = _matrix_dims(x) if write_t else (0, 0)
+                if rows:
+                    counts.append((x.numel() // (rows * cols)) * triton.cdiv(rows, tile_r) * triton.cdiv(cols, tile_c))
+                    aligned &= rows % 16 == 0 and cols % 16 == 0
+                else:
+                    counts.append(triton.cdiv(x.numel(), chunk))
+                addrs = (x.data_ptr(), q.data_ptr(), qt.data_ptr())
+                aligned &= all(a % 16 == 0 for a in addrs)
+                for col, v in zip(cols_tab, (*addrs, x.numel(), rows, cols, 0, i)):
+                    col.append(v)
+            starts, total = block_starts(counts)
+            cols_tab[6] = starts
+            tables.append(cols_tab)
+            self.launches.append((dtype, len(idxs), total, aligned))
+        self.device_tables = upload_tables(tables, tensors[0].device)[0] if tables else []
+
+
 def _launch_multi_tensor_cast_fp8(
     tensors: Sequence[torch.Tensor],
     scales: torch.Tensor,
@@ -300,41 +333,18 @@ def _launch_multi_tensor_cast_fp8(
     evict: str = _FLAT_EVICT,
     amax_bits: Optional[torch.Tensor] = None,
     only: Optional[torch.Tensor] = None,
+    tables: Optional[_CastTables] = None,
 ) -> None:
     """One launch per input dtype; writes into the preallocated ``qs`` / ``qts`` (and folds
     each tensor's max |x| into ``amax_bits``, int32 bits of zeroed float32, when given;
-    skips tensors whose ``only`` entry, uint8, is 0)."""
+    skips tensors whose ``only`` entry, uint8, is 0). ``tables``: built before for exactly
+    these inputs and destinations (``MultiTensorCastPlan``), else built here."""
     soft = interpreter_active()
-    write_t = qts is not None
-    chunk = block * iters
+    if tables is None:
+        tables = _CastTables(tensors, qs, qts, block, iters, tile_r, tile_c)
     if num_warps is None:
-        num_warps = _TILE_WARPS if write_t else _FLAT_WARPS
-    launches, tables = [], []
-    for dtype, idxs in group_by_dtype(tensors).items():
-        cols_tab: List[List[int]] = [[] for _ in range(8)]
-        counts = []
-        aligned = True
-        for i in idxs:
-            x, q = tensors[i], qs[i]
-            qt = qts[i] if write_t else q
-            rows, cols = _matrix_dims(x) if write_t else (0, 0)
-            if rows:
-                counts.append((x.numel() // (rows * cols)) * triton.cdiv(rows, tile_r) * triton.cdiv(cols, tile_c))
-                aligned &= rows % 16 == 0 and cols % 16 == 0
-            else:
-                counts.append(triton.cdiv(x.numel(), chunk))
-            addrs = (x.data_ptr(), q.data_ptr(), qt.data_ptr())
-            aligned &= all(a % 16 == 0 for a in addrs)
-            for col, v in zip(cols_tab, (*addrs, x.numel(), rows, cols, 0, i)):
-                col.append(v)
-        starts, total = block_starts(counts)
-        cols_tab[6] = starts
-        tables.append(cols_tab)
-        launches.append((dtype, len(idxs), total, aligned))
-    if not tables:
-        return
-    dev_tables, _ = upload_tables(tables, scales.device)
-    for table, (dtype, n_t, total, aligned) in zip(dev_tables, launches):
+        num_warps = _TILE_WARPS if tables.write_t else _FLAT_WARPS
+    for table, (dtype, n_t, total, aligned) in zip(tables.device_tables, tables.launches):
         _multi_tensor_cast_fp8_kernel[(total,)](
             table,
             scales,
@@ -349,7 +359,7 @@ def _launch_multi_tensor_cast_fp8(
             ALIGNED=aligned,
             LINEAR_SEARCH=n_t <= linear_search_max,
             T_POW2=next_pow2(n_t),
-            WRITE_T=write_t,
+            WRITE_T=tables.write_t,
             FP8_MAX=FP8_E4M3_MAX,
             BLOCK=block,
             ITERS=iters,
@@ -447,7 +457,8 @@ def multi_tensor_cast_fp8(
     ``[E, out, in] -> [E, in, out]``) for the backward GEMM; for 1-D inputs
     that list holds the same tensor object as ``q_i``.  Inputs of mixed dtypes
     are grouped, one launch per dtype.  The tensor table is uploaded on every
-    call, so the Triton path is not CUDA-graph capturable.  On the Triton path
+    call, so this one-shot form is not CUDA-graph capturable
+    (``MultiTensorCastPlan`` keeps them, and is).  On the Triton path
     all outputs are views of one allocation (one allocator call per call
     instead of one per output), so holding any of them keeps that whole buffer
     alive; copy out what must outlive the rest.
@@ -479,39 +490,131 @@ def multi_tensor_cast_fp8(
         scales = amax_to_scale(multi_tensor_amax(shards))
         qs, qts = multi_tensor_cast_fp8(shards, scales, write_transposed=True)
     """
-    tensors = list(tensors)
-    device = common_device(tensors + [scales], "tensors and scales")
-    if scales.dtype != torch.float32:
-        raise TypeError(f"scales must be float32, got {scales.dtype}")
-    if scales.dim() != 1 or scales.numel() != len(tensors):
-        raise ValueError(f"scales must have shape [{len(tensors)}], got {tuple(scales.shape)}")
-    for i, t in enumerate(tensors):
-        check_input_dtype(t, f"tensors[{i}]")
-        if t.dim() not in (1, 2, 3):
-            raise ValueError(f"tensors[{i}] must have 1, 2 or 3 dims, got shape {tuple(t.shape)}")
-        if not t.is_contiguous():
-            raise ValueError(f"tensors[{i}] is not contiguous; call .contiguous() first")
-    for name, t, dtype in (("amax_out", amax_out, torch.float32), ("only", only, torch.bool)):
-        if t is not None and (t.dtype != dtype or t.shape != (len(tensors),) or t.device != device):
-            raise ValueError(f"{name} must be a {dtype} tensor of shape [{len(tensors)}] on {device}, "
-                             f"got {t.dtype} {tuple(t.shape)} on {t.device}")
-    if only is not None and out is None:
-        raise ValueError("only= leaves skipped outputs as they are: pass the destinations with out=")
-    if out is not None:
-        out = _check_out(out, [t.shape for t in tensors], device, "out")
-        if write_transposed:
-            if out_transposed is None:
-                raise ValueError("write_transposed with out= needs out_transposed= as well")
-            if len(out_transposed) != len(tensors):
-                raise ValueError(f"out_transposed has {len(out_transposed)} tensors for {len(tensors)} inputs")
-            # A 1-D input's transposed output is its out[i] (whatever was passed there).
-            out_transposed = [o if t.dim() >= 2 else q for t, q, o in zip(tensors, out, out_transposed)]
-            transposed_shapes = [(*t.shape[:-2], t.shape[-1], t.shape[-2]) if t.dim() >= 2 else t.shape
-                                 for t in tensors]
-            out_transposed = _check_out(out_transposed, transposed_shapes, device, "out_transposed")
-    if not select_impl(impl, device) or needs_staging(device):
+    plan = MultiTensorCastPlan(tensors, write_transposed=write_transposed, out=out,
+                               out_transposed=out_transposed, impl=impl, devices=[scales])
+    return plan.run(scales, amax_out=amax_out, only=only)
+
+
+class MultiTensorCastPlan:
+    """``multi_tensor_cast_fp8`` of one fixed set of inputs into fixed destinations (``out=``),
+    checked once and run many times. On the Triton path its launch tables (every input's and
+    destination's address, size and first program) are built and uploaded at the first run
+    and kept, so a later run is the launch alone: no Python pass over the inputs, no
+    host-to-device copy. Rebuilding them on every call cost ~10 ms of host time per step for
+    the flagship recipe's 1024 expert pieces (``etp::quantize_shards``, BENCHMARKS.md session
+    14), and an upload inside a CUDA graph capture is not replayable; a run under capture
+    uses the kept tables (or builds uncached ones when none are kept yet).
+
+    The plan holds the tensors (so their addresses stay valid): build a new one when a
+    weight or destination moves. Without ``out=`` every run allocates new outputs and builds
+    its tables anew.
+
+    Args: as ``multi_tensor_cast_fp8`` (``scales``, ``amax_out`` and ``only`` go to ``run``).
+
+    Example::
+
+        plan = MultiTensorCastPlan(shards, out=fp8_shards)   # once, while the buffers stay
+        plan.run(amax_to_scale(multi_tensor_amax(shards)))   # every step: one launch
+    """
+
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        *,
+        write_transposed: bool = False,
+        out: Optional[Sequence[torch.Tensor]] = None,
+        out_transposed: Optional[Sequence[torch.Tensor]] = None,
+        impl: str = "auto",
+        devices: Sequence[torch.Tensor] = (),
+    ) -> None:
+        tensors = list(tensors)
+        device = common_device(tensors + list(devices), "tensors and scales")
+        for i, t in enumerate(tensors):
+            check_input_dtype(t, f"tensors[{i}]")
+            if t.dim() not in (1, 2, 3):
+                raise ValueError(f"tensors[{i}] must have 1, 2 or 3 dims, got shape {tuple(t.shape)}")
+            if not t.is_contiguous():
+                raise ValueError(f"tensors[{i}] is not contiguous; call .contiguous() first")
+        if out is not None:
+            out = _check_out(out, [t.shape for t in tensors], device, "out")
+            if write_transposed:
+                if out_transposed is None:
+                    raise ValueError("write_transposed with out= needs out_transposed= as well")
+                if len(out_transposed) != len(tensors):
+                    raise ValueError(f"out_transposed has {len(out_transposed)} tensors for {len(tensors)} inputs")
+                # A 1-D input's transposed output is its out[i] (whatever was passed there).
+                out_transposed = [o if t.dim() >= 2 else q for t, q, o in zip(tensors, out, out_transposed)]
+                transposed_shapes = [(*t.shape[:-2], t.shape[-1], t.shape[-2]) if t.dim() >= 2 else t.shape
+                                     for t in tensors]
+                out_transposed = _check_out(out_transposed, transposed_shapes, device, "out_transposed")
+        self.tensors, self.device, self.impl = tensors, device, impl
+        self.write_transposed = write_transposed
+        self.out = out
+        self.out_transposed = out_transposed if write_transposed else None
+        self._triton = select_impl(impl, device) and not needs_staging(device)
+        self._tables: Optional[_CastTables] = None
+
+    def _tables_for(self, qs, qts) -> Optional[_CastTables]:
+        """The kept launch tables (fixed destinations only); built at the first run outside a
+        CUDA graph capture."""
+        if self.out is None:
+            return None
+        if self._tables is None:
+            tables = _CastTables(self.tensors, qs, qts, _FLAT_BLOCK, _FLAT_ITERS, _TILE_R, _TILE_C)
+            capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            if capturing:
+                return tables  # its upload belongs to this capture: not kept for eager runs
+            self._tables = tables
+        return self._tables
+
+    def run(
+        self,
+        scales: torch.Tensor,
+        *,
+        amax_out: Optional[torch.Tensor] = None,
+        only: Optional[torch.Tensor] = None,
+    ) -> Tuple[List[torch.Tensor], Optional[List[torch.Tensor]]]:
+        """Casts with ``scales`` (float32 ``[len(tensors)]``); ``amax_out`` and ``only`` as
+        for ``multi_tensor_cast_fp8``. Returns ``(qs, qts)``."""
+        tensors, device, write_transposed = self.tensors, self.device, self.write_transposed
+        out, out_transposed = self.out, self.out_transposed
+        if scales.dtype != torch.float32:
+            raise TypeError(f"scales must be float32, got {scales.dtype}")
+        if scales.dim() != 1 or scales.numel() != len(tensors):
+            raise ValueError(f"scales must have shape [{len(tensors)}], got {tuple(scales.shape)}")
+        if tensors and scales.device != device:
+            raise ValueError(f"all tensors and scales must be on one device, got {device} and {scales.device}")
+        device = scales.device if not tensors else device
+        for name, t, dtype in (("amax_out", amax_out, torch.float32), ("only", only, torch.bool)):
+            if t is not None and (t.dtype != dtype or t.shape != (len(tensors),) or t.device != device):
+                raise ValueError(f"{name} must be a {dtype} tensor of shape [{len(tensors)}] on {device}, "
+                                 f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+        if only is not None and out is None:
+            raise ValueError("only= leaves skipped outputs as they are: pass the destinations with out=")
+        if not self._triton:
+            return self._run_reference(scales, amax_out, only)
+        if out is None:
+            qs, qts = _alloc_outputs(tensors, write_transposed)
+        else:
+            qs, qts = list(out), (list(out_transposed) if write_transposed else None)
+        amax_bits = None
+        if amax_out is not None:
+            amax_out.zero_()
+            amax_bits = amax_out.view(torch.int32)
+        if only is not None:  # [N + 1]: the flags, then whether any is set (checked first)
+            only = torch.cat([only, only.any().view(1)]).view(torch.uint8)
+        if tensors:
+            _launch_multi_tensor_cast_fp8(tensors, scales.contiguous(), qs, qts, amax_bits=amax_bits, only=only,
+                                          tables=self._tables_for(qs, qts))
+        return qs, qts
+
+    def _run_reference(self, scales, amax_out, only):
+        """The torch reference (``impl="torch"``, CPU) or the Triton kernel staged on the CPU
+        (``TRITON_INTERPRET=1`` with CUDA tensors)."""
+        tensors, device, write_transposed = self.tensors, scales.device, self.write_transposed
+        out, out_transposed = self.out, self.out_transposed
         picked = [True] * len(tensors) if only is None else only.tolist()  # the reference path may sync
-        if not select_impl(impl, device):
+        if not select_impl(self.impl, device):
             qs, qts = multi_tensor_cast_fp8_ref(tensors, scales, write_transposed=write_transposed)
             if amax_out is not None:
                 amax_out.copy_(torch.where(torch.tensor(picked, device=device),
@@ -536,18 +639,6 @@ def multi_tensor_cast_fp8(
                 if t.dim() >= 2 and keep:
                     dst.view(torch.uint8).copy_(qt.view(torch.uint8))
         return list(out), (list(out_transposed) if write_transposed else None)
-    if out is None:
-        qs, qts = _alloc_outputs(tensors, write_transposed)
-    else:
-        qs, qts = list(out), (list(out_transposed) if write_transposed else None)
-    amax_bits = None
-    if amax_out is not None:
-        amax_out.zero_()
-        amax_bits = amax_out.view(torch.int32)
-    if only is not None:  # [N + 1]: the flags, then whether any is set (checked first)
-        only = torch.cat([only, only.any().view(1)]).view(torch.uint8)
-    _launch_multi_tensor_cast_fp8(tensors, scales.contiguous(), qs, qts, amax_bits=amax_bits, only=only)
-    return qs, qts
 
 
 def _check_out(out: Sequence[torch.Tensor], shapes, device: torch.device, what: str) -> List[torch.Tensor]:
