@@ -498,7 +498,7 @@ def test_cast_plan_builds_its_tables_once(write_transposed, monkeypatch):
     plan = K.MultiTensorCastPlan(tensors, write_transposed=write_transposed, out=out, out_transposed=out_t,
                                  impl="triton")
     assert not builds  # nothing built before the first run
-    for step in range(3):
+    for _ in range(3):
         scales = (torch.rand(len(tensors), generator=gen) * 40 + 1).to(DEVICE)
         amax = torch.empty(len(tensors), device=DEVICE)
         qs, qts = plan.run(scales, amax_out=amax)

@@ -22,7 +22,7 @@ from etp.kernels.amax import (
     next_pow2,
     select_impl,
 )
-from etp.kernels.cast import _e4m3_bits_to_f32, _f32_to_bf16_bits, _quantize_f32
+from etp.kernels.fp8_convert import _e4m3_bits_to_f32, _f32_to_bf16_bits, _quantize_f32
 from etp.kernels.reference import (
     FP8_E4M3_MAX,
     blockwise_scale_shape,

@@ -40,7 +40,7 @@ from etp.kernels.amax import (
     select_impl,
 )
 from etp.kernels.blockwise import _amax_to_scale, _reciprocal_rn, _soft_view
-from etp.kernels.cast import _quantize_f32
+from etp.kernels.fp8_convert import _quantize_f32
 from etp.kernels.reference import FP8_E4M3_MAX, grouped_colwise_layout, quantize_grouped_colwise_ref
 
 __all__ = ["ALIGN", "grouped_colwise_layout", "quantize_grouped_colwise"]

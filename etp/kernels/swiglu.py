@@ -31,7 +31,7 @@ import triton.language as tl
 
 from etp.kernels.amax import _DTYPE_CODE, _abs_bits, _to_f32, interpreter_active, select_impl
 from etp.kernels.blockwise import _amax_to_scale, _reciprocal_rn, _soft_view, check_row_amax_out, fill_row_amax
-from etp.kernels.cast import _f32_to_bf16_bits, _quantize_f32
+from etp.kernels.fp8_convert import _f32_to_bf16_bits, _quantize_f32
 from etp.kernels.reference import FP8_E4M3_MAX, SUPPORTED_INPUT_DTYPES, swiglu_backward_ref, swiglu_ref
 
 __all__ = ["swiglu", "swiglu_backward"]
