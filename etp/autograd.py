@@ -4,10 +4,10 @@
 Forward acquires the full weight from the runtime (prefetched or gathered on demand), runs
 the GEMM and keeps only the input and the *shard* (the parameter itself, alive anyway): no
 full weight survives from forward to backward. Backward acquires the weight again (the
-backward chain prefetched it), computes the input gradient, writes the full weight gradient
-into a pooled padded buffer (or, for GEMMs without ``out=``, hands over their result) and
+backward chain prefetched it), writes the full weight gradient into a pooled padded buffer (or, for GEMMs without ``out=``, hands over their result) and
 gives it to the runtime, which reduce-scatters it over the
-ETP group (sum, divided by N for ``reduction="mean"``) on a side stream and later adds this
+ETP group (sum, divided by N for ``reduction="mean"``) on a side stream while the input
+gradient's GEMM runs (it comes last for that reason), and later adds this
 rank's rows into ``param.main_grad`` (megatron-core's fp32 accumulator) when it exists, else
 into ``param.grad``, then fires the grad-ready hooks. The Function itself returns no
 gradient for the parameter: its gradient arrives through the runtime, never through
@@ -44,18 +44,23 @@ class _ETPWeightFunction(torch.autograd.Function):
         param, op = ctx.param, ctx.op
         runtime = param.etp_runtime
         gy = gy.contiguous()
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_x = op.dgrad(gy, runtime.acquire(param, Role.BWD, gy.dtype), counts)
+        # The weight first: acquiring it issues the next weight's gather, as early as before.
+        weight = runtime.acquire(param, Role.BWD, gy.dtype) if ctx.needs_input_grad[0] else None
+        # Then the weight gradient, before the input gradient: its reduce-scatter overlaps the
+        # input-gradient GEMM as well, and the backward's last reduction no longer starts after
+        # the backward's last GEMM (it waited 0.55 ms per step there on 2xH200, step (ak)).
         if ctx.needs_input_grad[1]:
             cfg = param.etp_config
             fp8 = dict(fp8=cfg.fp8_wgrad, fast_accum=cfg.fp8_fast_accum)
+            if cfg.fp8_wgrad and weight is not None:
+                op.quantize_ahead(gy, weight)  # its rows' amax serves the FP8 wgrad, its q the dgrad
             if op.writes_into(x, gy):
                 padded = runtime.wgrad_buffer(param)
                 op.wgrad(gy, x, counts, out=param.etp_layout.unpad(padded), **fp8)
                 runtime.reduce_grad(param, padded)
             else:
                 runtime.reduce_grad(param, op.wgrad(gy, x, counts, **fp8))
+        grad_x = op.dgrad(gy, weight, counts) if weight is not None else None
         return grad_x, None, None, None, None
 
 

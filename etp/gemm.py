@@ -147,6 +147,10 @@ class DenseGemm:
         return True
 
     @staticmethod
+    def quantize_ahead(gy: torch.Tensor, w) -> None:
+        """Nothing: dense weight gradients are never FP8 GEMMs (see ``GroupedGemm``'s)."""
+
+    @staticmethod
     def wgrad(gy, x, counts, out: torch.Tensor | None = None, fp8: bool = False,
               fast_accum: bool = False) -> torch.Tensor:
         """``gy^T x``; ``fp8`` applies to grouped weights only (dense weight gradients stay
@@ -262,6 +266,17 @@ class GroupedGemm:
     @staticmethod
     def writes_into(x: torch.Tensor, gy: torch.Tensor) -> bool:
         return not _use_grouped_mm(x, gy.shape[-1], x.shape[-1])
+
+    @staticmethod
+    def quantize_ahead(gy: torch.Tensor, w) -> None:
+        """Quantizes ``gy`` rowwise now for the FP8 input-gradient GEMM with ``w`` (when it
+        will be one) and keeps it attached ([Note: FP8 operands handed over]): ETP's backward
+        runs the weight gradient first, and the FP8 weight-gradient GEMM makes its scales from
+        the rows' amax, which only this quantization finds in the same read of ``gy``."""
+        handed = _handed(gy)
+        if _scaled_grouped_ok(gy, w) and (handed is None or handed[3] is None):
+            q, scale_inv = quantize_activation(gy)
+            attach_rowwise_fp8(gy, q, scale_inv, row_amax(gy))
 
     @staticmethod
     def wgrad(gy, x, counts, out: torch.Tensor | None = None, fp8: bool = False,

@@ -82,3 +82,27 @@ def test_weight_scale_rows_follow_each_quantization():
     torch.testing.assert_close(again, torch.tensor([1.0, 2.0, 4.0])[:, None].expand(3, 5))
     dense = _scale_rows(torch.tensor([0.125]), 1, 4)
     assert dense.shape == (1, 4) and dense.eq(0.125).all()
+
+
+def test_quantize_ahead_hands_the_rowwise_fp8_to_both_gemms(monkeypatch):
+    """ETP's backward runs the weight gradient before the input gradient: quantize_ahead makes
+    gy's rowwise FP8 first, so the FP8 wgrad finds the rows' amax (against float64) and the
+    dgrad then takes that very quantization (no second pass), once."""
+    import etp.gemm as gemm
+    from etp.quant import FP8Weight
+
+    monkeypatch.setattr(gemm, "_scaled_grouped_ok", lambda x, w: True)  # the sm90 path's decision
+    gen = torch.Generator().manual_seed(1)
+    gy = torch.randn(12, 32, generator=gen).to(torch.bfloat16)
+    w = FP8Weight(torch.zeros(2, 32, 16, dtype=torch.float8_e4m3fn), torch.ones(2), torch.ones(2), False,
+                  torch.zeros(64, 16, dtype=torch.float8_e4m3fn), 64)
+    assert gemm.row_amax(gy) is None
+    gemm.GroupedGemm.quantize_ahead(gy, w)
+    torch.testing.assert_close(gemm.row_amax(gy).double(), gy.double().abs().amax(dim=1), rtol=0, atol=0)
+    q, _ = gemm._handed(gy)[3:5]
+    gemm.GroupedGemm.quantize_ahead(gy, w)  # already there: not quantized again
+    assert gemm._handed(gy)[3] is q
+    got_q, _ = gemm.quantize_activation(gy)
+    assert got_q is q and gemm.row_amax(gy) is not None  # the dgrad's operand; the amax stays
+    gemm.DenseGemm.quantize_ahead(gy, w)  # dense wgrads are never FP8: nothing attached again
+    assert gemm._handed(gy)[3] is None
