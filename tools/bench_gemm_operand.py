@@ -10,16 +10,19 @@ One forward grouped GEMM of the expert stack (``torch._grouped_mm``, x [E*T, H] 
   aliased gather buffer ([Note: aliased own rows], ``etp.transport.vmm.Mapping``);
 * ``plain_after_copy``: the plain tensor, rewritten by a device-to-device copy (copy engine)
   before each round, as a gather rewrites its ticket buffer;
+* ``vmm_one``: one cuMemCreate allocation behind one mapping (VMM itself, without the pieces);
 
 and, with 2+ ranks, ``plain_peer_pulls``: the plain weight while every peer pulls from this
 rank's memory over NVLink on its copy engines (the traffic a peer's gather and push put on this
 GPU's HBM), timed on rank 0.
 
-Rounds are interleaved and rotated (A B C, B C A, C A B, ...), each case is preceded by
-``--settle`` untimed GEMMs on its own operand (before the case's copy or pulls), and the median round per case is reported: a
-single figure drifts by 10-30% within a run (BENCHMARKS.md, step (u)), and a fixed order lets
-the GPU's power and clock state ramp across the cases of a round (the first version of this
-tool, step (am), ranked its cases in their order of execution).
+Rounds of ``--gemms`` GEMMs per case are interleaved and rotated (A B C, B C A, ...), each case
+preceded by ``--settle`` untimed GEMMs on its own operand (before the case's copy or pulls), and
+the median round per case is reported: a single figure drifts by 10-30% within a run
+(BENCHMARKS.md, step (u)), and a fixed order let the GPU's power and clock state ramp across a
+round's cases (this tool's first version, step (am), ranked its cases in their order of
+execution). Then ``--interleaved`` rounds of one GEMM per local case, back to back, each
+compared with the same round's ``plain`` GEMM: neighbours share the power and clock state.
 
     torchrun --standalone --nproc-per-node 2 tools/bench_gemm_operand.py --out gemm_operand.json
 
@@ -50,6 +53,9 @@ def parse_args(argv=None):
     p.add_argument("--gemms", type=int, default=20, help="GEMMs per round")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--settle", type=int, default=10, help="untimed GEMMs before each timed case")
+    p.add_argument("--interleaved", type=int, default=100, metavar="N",
+                   help="then N rounds of one GEMM per local case, back to back, each timed alone: "
+                        "neighbours share the GPU's power and clock state, so their ratio cancels it")
     p.add_argument("--out", type=str, default=None)
     return p.parse_args(argv)
 
@@ -63,6 +69,29 @@ def _timed(fn, gemms: int) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1e3 / gemms
+
+
+def _interleaved(rounds: int, cases: dict) -> dict:
+    """Each round: every case once (its action, then one GEMM between two events), in an order
+    rotated per round, with no synchronization between rounds. Returns per case the median
+    time and the median of its ratio to the same round's ``plain`` GEMM."""
+    names = list(cases)
+    events = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn, before = cases[name]
+            if callable(before):
+                before()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            events[name].append((start, end))
+    torch.cuda.synchronize()
+    times = {name: [a.elapsed_time(b) * 1e3 for a, b in pairs] for name, pairs in events.items()}
+    return {name: {"median_us": statistics.median(t),
+                   "median_ratio_to_plain": statistics.median(x / p for x, p in zip(t, times["plain"])),
+                   "us": t} for name, t in times.items()}
 
 
 def main(argv=None) -> int:
@@ -90,6 +119,9 @@ def main(argv=None) -> int:
     mapping = Mapping(device, [(None, piece)] * pieces)
     vmm = mapping.tensor(torch.bfloat16, plain.shape)
     vmm.copy_(plain)
+    whole = Mapping(device, [(None, piece * pieces)])  # one allocation behind one mapping
+    vmm_one = whole.tensor(torch.bfloat16, plain.shape)
+    vmm_one.copy_(plain)
     source = plain.clone()  # what the "gather" copies from
     copy_stream = torch.cuda.Stream(device)
 
@@ -142,18 +174,26 @@ def main(argv=None) -> int:
     base = summary["plain"]["median_us"]
     for v in summary.values():
         v["vs_plain"] = v["median_us"] / base
+    interleaved = _interleaved(args.interleaved, {"plain": (gemm(plain), None), "vmm": (gemm(vmm), None),
+                                                  "vmm_one": (gemm(vmm_one), None),
+                                                  "plain_after_copy": (gemm(plain), after_copy)})
     if rank == 0:
         flops = 2 * e * t * h * f
         print(f"| weight operand (grouped GEMM {e}x{t} tokens, {h}->{f}, bf16) | median µs | TFLOP/s | × plain |")
         print("|---|---:|---:|---:|")
         for name, v in summary.items():
             print(f"| {name} | {v['median_us']:.0f} | {flops / v['median_us'] / 1e6:.0f} | {v['vs_plain']:.3f} |")
+        print(f"\ninterleaved, one GEMM per case per round, {args.interleaved} rounds:")
+        print("| weight operand | median µs | median ratio to the round's plain GEMM |")
+        print("|---|---:|---:|")
+        for name, v in interleaved.items():
+            print(f"| {name} | {v['median_us']:.0f} | {v['median_ratio_to_plain']:.3f} |")
         out = args.out or os.path.join(os.environ.get("OUT", "."), "bench_gemm_operand.json")
         record = {"benchmark": "gemm_operand", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                   "command": " ".join(["torchrun", f"--nproc-per-node={world}", *sys.argv]) if distributed
                   else " ".join(["python3", *sys.argv]),
                   "gpu": torch.cuda.get_device_name(device), "world": world, "config": vars(args),
-                  "results": summary}
+                  "results": summary, "interleaved": interleaved}
         Path(out).write_text(json.dumps(record, indent=1))
         print(f"JSON: {out}")
     if distributed:

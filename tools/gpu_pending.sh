@@ -115,6 +115,18 @@
 #      tables, the grouped GEMMs' offsets and the FP8 weight scale rows made once per counts /
 #      scales): the eager recipe against HEAD 8864189's etp (tools/scratch/before, carried),
 #      interleaved, and the GPU tests of what changed; the GEMM operand probe with rotated rounds.
+# (ao) session 15: the operand probe again with GEMM-by-GEMM interleaving (neighbours share the
+#      power state) and a one-allocation VMM case; the expert stack after the host fixes, with
+#      the un-aliased push beside the aliased one.
+# (ap) session 15: the eager recipe's host profile again (cProfile's pstats kept whole), FP8 and
+#      bf16, after (an)'s host fixes: what still makes eager FP8 slower than eager bf16.
+# (aq) session 15: ETP's backward runs the weight gradient (and issues its reduce-scatter) before
+#      the input gradient, so the push overlaps the dgrad GEMM and the step's last reduction no
+#      longer waits after the last GEMM: the stack against replicated, and the GPU tests of it.
+# (ar) session 15, not run (device time spent): what (aq) left. (aq) ran on 2xH100 and its test step
+#      stopped at its 150 s limit inside tests/test_transport_gpu.py (test_gemm and test_fp8 had
+#      passed): the transport tests with room, the flagship recipe eager and captured (bf16, FP8)
+#      with the weight gradient before the input gradient, and the stack on H200.
 # ONLY (tools/gpu_lib.sh) runs a subset, e.g. ONLY='^(a_|b_)'.
 source tools/gpu_lib.sh
 budget_begin /tmp/etp_pending 560
@@ -374,13 +386,20 @@ TAIL=3 step ac_fp8 60 $TRAIN --recipe $FLAG $AC $FP8 --json "$OUT/ac_fp8.json"
 TAIL=3 step ac_bf16 60 $TRAIN --recipe $FLAG $AC --json "$OUT/ac_bf16.json"
 
 # (ad)
-for g in bf16 fp8; do
-  SETS=""; [[ $g == fp8 ]] && SETS="--set etp.gather_dtype=fp8_tensorwise"
-  # shellcheck disable=SC2086
-  TAIL=6 step "ad_${g}_prof" 110 $TRAIN --recipe $FLAG $AT2 $SETS --train-iters 12 --log-interval 4 \
-    --profile "/tmp/ad_$g" --json "$OUT/ad_${g}.json"
-  for f in host_rank0.txt host_rank0.pstats breakdown_rank0.json; do cp "/tmp/ad_$g/$f" "$OUT/ad_${g}_$f" 2>/dev/null; done
-done
+# recipe_host_profiles PREFIX TAIL GATHERS...: the eager recipe profiled (cProfile pstats kept) per gathers.
+recipe_host_profiles() {
+  local prefix=$1 tail=$2 g sets; shift 2
+  for g in "$@"; do
+    sets=""; [[ $g == fp8 ]] && sets="--set etp.gather_dtype=fp8_tensorwise"
+    # shellcheck disable=SC2086
+    TAIL=$tail step "${prefix}_${g}_prof" 110 $TRAIN --recipe $FLAG $AT2 $sets --train-iters 12 --log-interval 4 \
+      --profile "/tmp/${prefix}_$g" --json "$OUT/${prefix}_${g}.json"
+    for f in host_rank0.txt host_rank0.pstats breakdown_rank0.json; do
+      cp "/tmp/${prefix}_$g/$f" "$OUT/${prefix}_${g}_$f" 2>/dev/null
+    done
+  done
+}
+recipe_host_profiles ad 6 bf16 fp8
 TAIL=9 step ad_stack_trace 120 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py \
   --variants replicated,replicated_fp8 --trace /tmp/ad_trace --out "$OUT/ad_stack_trace.json"
 for v in replicated replicated_fp8; do
@@ -437,15 +456,19 @@ etp_async_ce_push_alias_graphed,etp_async_ce_push_fp8_wgrad_alias,etp_async_ce_p
   --rounds 2 --out "$OUT/aj_stack_graphed.json"
 
 # (ak)
-TAIL=8 step ak_stack_trace 150 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py \
-  --variants replicated,etp_async_ce_push_alias --trace /tmp/ak_trace --out "$OUT/ak_stack_trace.json"
-if [[ -f /tmp/ak_trace/etp_async_ce_push_alias_trace.json ]]; then
-  python3 tools/trace_kernels_compare.py /tmp/ak_trace/replicated_trace.json \
-    /tmp/ak_trace/etp_async_ce_push_alias_trace.json --steps 3 --json "$OUT/ak_gemms.json" > "$OUT/ak_gemms.log" 2>&1
-  python3 tools/trace_gaps.py /tmp/ak_trace/etp_async_ce_push_alias_trace.json --stream-waits --steps 3 \
-    --json "$OUT/ak_gaps.json" > "$OUT/ak_gaps.log" 2>&1
-  for v in replicated etp_async_ce_push_alias; do gzip -c "/tmp/ak_trace/${v}_trace.json" > "$OUT/ak_${v}.json.gz"; done
-fi
+# stack_trace_pair PREFIX BASE VARIANT: both traced (3 steps), the GEMMs paired, VARIANT's stream waits.
+stack_trace_pair() {
+  local prefix=$1 base=$2 variant=$3 dir=/tmp/$1_trace
+  TAIL=8 step "${prefix}_stack_trace" 150 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py \
+    --variants "$base,$variant" --trace "$dir" --out "$OUT/${prefix}_stack_trace.json"
+  [[ -f $dir/${variant}_trace.json ]] || return 0
+  python3 tools/trace_kernels_compare.py "$dir/${base}_trace.json" "$dir/${variant}_trace.json" --steps 3 \
+    --json "$OUT/${prefix}_gemms.json" > "$OUT/${prefix}_gemms.log" 2>&1
+  python3 tools/trace_gaps.py "$dir/${variant}_trace.json" --stream-waits --steps 3 \
+    --json "$OUT/${prefix}_gaps.json" > "$OUT/${prefix}_gaps.log" 2>&1
+  for v in "$base" "$variant"; do gzip -c "$dir/${v}_trace.json" > "$OUT/${prefix}_$v.json.gz"; done
+}
+stack_trace_pair ak replicated etp_async_ce_push_alias
 TAIL=10 step ak_stack_fp8_graphed 150 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py --variants \
   replicated,replicated_graphed,replicated_fp8_wgrad,replicated_fp8_wgrad_graphed --rounds 2 --out "$OUT/ak_stack_fp8_graphed.json"
 
@@ -453,15 +476,7 @@ TAIL=10 step ak_stack_fp8_graphed 150 torchrun --standalone --nproc-per-node 2 t
 TAIL=14 step al_stack_reuse 240 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py --variants \
 replicated,replicated_graphed,etp_async_ce_push_alias,etp_async_ce_push_alias_reuse,etp_async_ce_push_alias_reuse_graphed,\
 etp_async_ce_push_fp8_wgrad_alias_reuse,etp_async_ce_push_fp8_wgrad_alias_reuse_graphed --rounds 2 --out "$OUT/al_stack_reuse.json"
-TAIL=8 step al_stack_trace 150 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py \
-  --variants replicated,etp_async_ce_push_alias_reuse --trace /tmp/al_trace --out "$OUT/al_stack_trace.json"
-if [[ -f /tmp/al_trace/etp_async_ce_push_alias_reuse_trace.json ]]; then
-  python3 tools/trace_kernels_compare.py /tmp/al_trace/replicated_trace.json \
-    /tmp/al_trace/etp_async_ce_push_alias_reuse_trace.json --steps 3 --json "$OUT/al_gemms.json" > "$OUT/al_gemms.log" 2>&1
-  python3 tools/trace_gaps.py /tmp/al_trace/etp_async_ce_push_alias_reuse_trace.json --stream-waits --steps 3 \
-    --json "$OUT/al_gaps.json" > "$OUT/al_gaps.log" 2>&1
-  gzip -c /tmp/al_trace/etp_async_ce_push_alias_reuse_trace.json > "$OUT/al_etp_async_ce_push_alias_reuse.json.gz"
-fi
+stack_trace_pair al replicated etp_async_ce_push_alias_reuse
 
 # (am)
 TAIL=10 step am_gemm_operand 120 torchrun --standalone --nproc-per-node 2 tools/bench_gemm_operand.py \
@@ -478,6 +493,7 @@ an_round() {
     for g in fp8 bf16; do
       sets=""; [[ $g == fp8 ]] && sets=$FP8
       dir=.; [[ $v == before ]] && dir=tools/scratch/before
+      [[ -d $dir ]] || continue  # carried only for step (an)
       # shellcheck disable=SC2086
       (cd "$dir" && TAIL=4 step "an_${g}_${v}_$1" 90 $TRAIN --recipe $FLAG $sets $AN --json "$OUT/an_${g}_${v}_$1.json")
     done
@@ -490,5 +506,30 @@ TAIL=8 step an_tests 300 env ETP_TEST_BACKEND=nccl ETP_TEST_TIMEOUT=150 python3 
 TAIL=10 step an_gemm_operand 120 torchrun --standalone --nproc-per-node 2 tools/bench_gemm_operand.py \
   --out "$OUT/an_gemm_operand.json"
 an_round 2
+
+# (ao)
+TAIL=16 step ao_gemm_operand 120 torchrun --standalone --nproc-per-node 2 tools/bench_gemm_operand.py \
+  --out "$OUT/ao_gemm_operand.json"
+TAIL=12 step ao_stack 200 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py --variants \
+replicated,replicated_fp8_wgrad,etp_async_ce_push,etp_async_ce_push_alias,etp_async_ce_push_fp8_wgrad_alias_reuse \
+  --rounds 2 --out "$OUT/ao_stack.json"
+
+# (ap)
+recipe_host_profiles ap 4 fp8 bf16
+
+# (aq)
+TAIL=12 step aq_stack 150 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py --variants \
+replicated,etp_async_ce_push_alias,etp_async_ce_push_fp8_wgrad_alias_reuse --rounds 2 --out "$OUT/aq_stack.json"
+TAIL=8 step aq_tests 150 env ETP_TEST_BACKEND=nccl ETP_TEST_TIMEOUT=100 python3 -m pytest -q -rs -p no:warnings \
+  tests/test_gemm.py tests/test_fp8.py tests/test_transport_gpu.py
+
+# (ar)
+TAIL=8 step ar_tests 400 env ETP_TEST_BACKEND=nccl ETP_TEST_TIMEOUT=150 python3 -m pytest -q -rs -p no:warnings \
+  -o faulthandler_timeout=300 tests/test_transport_gpu.py tests/test_graphs_gpu.py tests/test_fp8_recipe_gpu.py
+AR="$AT2 --train-iters 20 --log-interval 5 --timeline"
+recipe_steps ar 90 4 "fp8|$FP8" "bf16|" "fp8_graph|$GRAPH $FP8" "bf16_graph|$GRAPH" -- $AR
+TAIL=12 step ar_stack 200 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py --variants \
+replicated,replicated_fp8_wgrad,etp_async_ce_push_alias,etp_async_ce_push_fp8_wgrad_alias_reuse,\
+etp_async_ce_push_alias_graphed,etp_async_ce_push_fp8_wgrad_alias_reuse_graphed --rounds 2 --out "$OUT/ar_stack.json"
 
 budget_end
