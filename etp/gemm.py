@@ -81,12 +81,16 @@ def attach_rowwise_fp8(x: torch.Tensor, q: torch.Tensor | None, scale_inv: torch
                        row_amax: torch.Tensor | None = None) -> torch.Tensor:
     """Hands ``x``'s rowwise FP8 quantization (and each row's amax, when known), made by the
     kernel that produced ``x``, to the FP8 GEMMs that will consume it (see [Note: FP8
-    operands handed over]). Returns ``x``."""
-    setattr(x, _ROWWISE_FP8, (x._version, x.data_ptr(), x.shape, q, scale_inv, row_amax))
+    operands handed over]). Returns ``x``. An inference tensor (no version counter to check a
+    hand-over against) gets nothing attached: its consumers quantize it themselves."""
+    if not x.is_inference():
+        setattr(x, _ROWWISE_FP8, (x._version, x.data_ptr(), x.shape, q, scale_inv, row_amax))
     return x
 
 
 def _handed(x: torch.Tensor):
+    if x.is_inference():
+        return None
     handed = getattr(x, _ROWWISE_FP8, None)
     return handed if handed is not None and handed[:3] == (x._version, x.data_ptr(), x.shape) else None
 
@@ -202,7 +206,10 @@ def _capturing(device: torch.device) -> bool:
 
 
 def _per_version(owner: torch.Tensor, key, make):
-    """``make()``, kept on ``owner`` under ``key`` until ``owner`` changes in place (its version)."""
+    """``make()``, kept on ``owner`` under ``key`` until ``owner`` changes in place (its version).
+    Inference tensors have no version counter: made each time."""
+    if owner.is_inference():
+        return make()
     cache = owner.__dict__.setdefault(_DERIVED, {})
     hit = cache.get(key)
     if hit is not None and hit[0] == owner._version:

@@ -106,3 +106,16 @@ def test_quantize_ahead_hands_the_rowwise_fp8_to_both_gemms(monkeypatch):
     assert got_q is q and gemm.row_amax(gy) is not None  # the dgrad's operand; the amax stays
     gemm.DenseGemm.quantize_ahead(gy, w)  # dense wgrads are never FP8: nothing attached again
     assert gemm._handed(gy)[3] is None
+
+
+def test_derived_values_under_inference_mode():
+    """Inference tensors have no version counter: offsets and scale rows are made each call,
+    and rowwise FP8 hand-overs are not attached (evaluation under torch.inference_mode)."""
+    from etp.gemm import _offsets, _scale_rows, attach_rowwise_fp8, row_amax
+
+    with torch.inference_mode():
+        counts = torch.tensor([2, 3])
+        assert _offsets(counts, torch.device("cpu")).tolist() == [2, 5]
+        assert _scale_rows(torch.tensor([0.5]), 1, 3).tolist() == [[0.5, 0.5, 0.5]]
+        x = torch.ones(2, 4)
+        assert attach_rowwise_fp8(x, None, None, torch.ones(2)) is x and row_amax(x) is None
