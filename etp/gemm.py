@@ -102,19 +102,25 @@ def row_amax(x: torch.Tensor) -> torch.Tensor | None:
     return None if handed is None else handed[5]
 
 
-def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activation(x: torch.Tensor, keep: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """On-the-fly FP8 (e4m3) quantization of a 2-D activation or gradient, one scale per row,
     in one fused pass: ``(q, scale_inv)`` with ``x ~= q * scale_inv[:, None]``; the attached
     quantization when the producing kernel made one (``attach_rowwise_fp8``). The rows'
-    amax stays attached to ``x`` (``row_amax``)."""
+    amax stays attached to ``x`` (``row_amax``); the FP8 copy too with ``keep``, for a
+    later GEMM (else the one GEMM that consumes it frees it)."""
     handed = _handed(x)
     if handed is not None and handed[3] is not None:
-        # One GEMM consumes a handed-over FP8 copy; dropping it here frees it with that GEMM
-        # instead of keeping it alive with x (which backward saves) until backward.
-        attach_rowwise_fp8(x, None, None, handed[5])
+        if not keep:
+            # One GEMM consumes a handed-over FP8 copy; dropping it here frees it with that GEMM
+            # instead of keeping it alive with x (which backward saves) until backward.
+            attach_rowwise_fp8(x, None, None, handed[5])
         return handed[3], handed[4]
     amax = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
     q, scale = quantize_rowwise(x.contiguous(), amax_out=amax)
+    if keep:
+        scale_inv = 1.0 / scale
+        attach_rowwise_fp8(x, q, scale_inv, amax)
+        return q, scale_inv
     attach_rowwise_fp8(x, None, None, amax)  # the FP8 copy itself is not kept alive
     return q, 1.0 / scale
 
@@ -183,7 +189,6 @@ def _use_grouped_mm(x: torch.Tensor, out_features: int, in_features: int) -> boo
     )
 
 
-_OFFSETS = "grouped_offsets"
 _DERIVED = "_etp_derived"  # tensor attribute: values derived from the tensor, per its version
 
 
@@ -192,23 +197,17 @@ def _offsets(counts: torch.Tensor, device: torch.device) -> torch.Tensor:
     version): a layer's six grouped GEMMs (forward, input and weight gradient of fc1 and fc2)
     share one ``counts``, and each made its own cumsum and casts, two to four launches per GEMM
     of host time in eager runs. Kept on the tensor (as [Note: FP8 operands handed over] keeps
-    its attachments), so it lives exactly as long as ``counts``. Not while a CUDA graph is
-    captured: a graph must compute what it reads (``counts`` may be rewritten between replays
-    without anyone asking for its offsets again)."""
-    if _capturing(device):
-        return torch.cumsum(counts.to(device=device), 0, dtype=torch.int32)
-    return _per_version(counts, (_OFFSETS, device),
+    its attachments), so it lives exactly as long as ``counts``."""
+    return _per_version(counts, ("offsets", device),
                         lambda: torch.cumsum(counts.to(device=device), 0, dtype=torch.int32))
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _per_version(owner: torch.Tensor, key, make):
     """``make()``, kept on ``owner`` under ``key`` until ``owner`` changes in place (its version).
-    Inference tensors have no version counter: made each time."""
-    if owner.is_inference():
+    Made each time for an inference tensor (no version counter) and while a CUDA graph is
+    captured (a graph must compute what it reads: ``owner`` may be rewritten between replays
+    with nobody asking for the derived value again)."""
+    if owner.is_inference() or (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()):
         return make()
     cache = owner.__dict__.setdefault(_DERIVED, {})
     hit = cache.get(key)
@@ -223,14 +222,9 @@ def _scale_rows(scale_inv: torch.Tensor, groups: int, n: int) -> torch.Tensor:
     """``scale_inv`` (one per group, or one for the weight) as the contiguous ``[groups, n]``
     per-column scales the rowwise-scaled GEMMs take for their weight operand; made once per
     step (``scale_inv`` is rewritten in place by each quantization, which bumps its version)
-    rather than by an expand-and-copy before every GEMM. Not cached under CUDA graph capture,
-    for the reason ``_offsets`` gives."""
-    def make():
-        return scale_inv.reshape(groups, 1).expand(groups, n).contiguous()
-
-    if _capturing(scale_inv.device):
-        return make()
-    return _per_version(scale_inv, ("rows", groups, n), make)
+    rather than by an expand-and-copy before every GEMM."""
+    return _per_version(scale_inv, ("scale_rows", groups, n),
+                        lambda: scale_inv.reshape(groups, 1).expand(groups, n).contiguous())
 
 
 def _splits(counts: torch.Tensor) -> list[int]:
@@ -280,10 +274,8 @@ class GroupedGemm:
         will be one) and keeps it attached ([Note: FP8 operands handed over]): ETP's backward
         runs the weight gradient first, and the FP8 weight-gradient GEMM makes its scales from
         the rows' amax, which only this quantization finds in the same read of ``gy``."""
-        handed = _handed(gy)
-        if _scaled_grouped_ok(gy, w) and (handed is None or handed[3] is None):
-            q, scale_inv = quantize_activation(gy)
-            attach_rowwise_fp8(gy, q, scale_inv, row_amax(gy))
+        if _scaled_grouped_ok(gy, w):
+            quantize_activation(gy, keep=True)
 
     @staticmethod
     def wgrad(gy, x, counts, out: torch.Tensor | None = None, fp8: bool = False,

@@ -403,11 +403,13 @@ class _FP8GroupedLinear(torch.autograd.Function):
 def quantize_full_weights(model: nn.Module, scaling: str) -> None:
     """Per-expert tensorwise e4m3 copies of every full expert weight, and their transposes
     (the input-gradient operand), written straight into stable buffers by
-    ``etp.quant.cast_tensorwise`` (what ``etp.quantize_shards`` runs on shards): current
+    ``etp.quant.cast_tensorwise`` with a kept ``MultiTensorCastPlan`` (what
+    ``etp.quantize_shards`` runs on shards): current
     scaling, one fused amax launch and one fused cast launch; delayed, one cast that records
     the amax and a re-cast of the experts whose amax grew. An unsharded weight lives for the
     whole step, so its transposed copy is made here, in the cast's pass, instead of once per
     backward GEMM as for a gathered weight."""
+    from etp.kernels import MultiTensorCastPlan
     from etp.quant import FP8_DTYPE, FP8Weight, cast_tensorwise
 
     weights = [(layer, name, getattr(layer, name).detach())
@@ -420,8 +422,10 @@ def quantize_full_weights(model: nn.Module, scaling: str) -> None:
     outs = [layer.fp8_copies[name][0][e] for layer, name, w in weights for e in range(w.shape[0])]
     outs_t = [layer.fp8_copies[name][1][e] for layer, name, w in weights for e in range(w.shape[0])]
     prev = getattr(model, "fp8_amax", None) if scaling == "delayed" else None
+    if getattr(model, "fp8_cast_plan", None) is None:  # the buffers stay: its tables are built once, as etp's
+        model.fp8_cast_plan = MultiTensorCastPlan(views, write_transposed=True, out=outs, out_transposed=outs_t)
     scales, model.fp8_amax = cast_tensorwise(views, torch.arange(len(views), device=views[0].device), len(views),
-                                             outs, out_transposed=outs_t, prev_amax=prev)
+                                             outs, out_transposed=outs_t, prev_amax=prev, plan=model.fp8_cast_plan)
     first = 0
     for layer, name, w in weights:
         experts = w.shape[0]

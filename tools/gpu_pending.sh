@@ -126,7 +126,8 @@
 # (ar) session 15, not run (device time spent): what (aq) left. (aq) ran on 2xH100 and its test step
 #      stopped at its 150 s limit inside tests/test_transport_gpu.py (test_gemm and test_fp8 had
 #      passed): the transport tests with room, the flagship recipe eager and captured (bf16, FP8)
-#      with the weight gradient before the input gradient, and the stack on H200.
+#      with the weight gradient before the input gradient, and the stack on H200 (its
+#      replicated_fp8* baselines now keep their cast plan, as quantize_shards does).
 # ONLY (tools/gpu_lib.sh) runs a subset, e.g. ONLY='^(a_|b_)'.
 source tools/gpu_lib.sh
 budget_begin /tmp/etp_pending 560
