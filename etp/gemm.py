@@ -23,6 +23,8 @@ exact and is what the CPU tests compare against an unsharded reference.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -51,16 +53,24 @@ __all__ = [
 _ROWWISE_FP8 = "_etp_rowwise_fp8"
 
 
+@functools.lru_cache(maxsize=None)
+def _major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
 def _sm90(x: torch.Tensor) -> bool:
-    return x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+    # Looked up once per device: each GEMM asks, and the lookup costs microseconds of host time.
+    return x.is_cuda and _major(x.get_device()) >= 9
+
+
+_SCALED = {False: hasattr(torch, "_scaled_mm"), True: hasattr(torch, "_scaled_grouped_mm")}
 
 
 def fp8_compute_applies(x: torch.Tensor, weight_shape, grouped: bool) -> bool:
     """Whether a tensorwise FP8 weight of ``weight_shape`` meets ``x`` in a scaled FP8 GEMM
     (sm90+, bf16 activations, both weight dims multiples of 16 as the FP8 tensor cores
     need) rather than in the dequantized fallback."""
-    scaled = hasattr(torch, "_scaled_grouped_mm" if grouped else "_scaled_mm")
-    return (scaled and x.dtype == torch.bfloat16 and _sm90(x)
+    return (_SCALED[grouped] and x.dtype == torch.bfloat16 and _sm90(x)
             and weight_shape[-1] % 16 == 0 and weight_shape[-2] % 16 == 0)
 
 
@@ -116,13 +126,10 @@ def quantize_activation(x: torch.Tensor, keep: bool = False) -> tuple[torch.Tens
             attach_rowwise_fp8(x, None, None, handed[5])
         return handed[3], handed[4]
     amax = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-    q, scale = quantize_rowwise(x.contiguous(), amax_out=amax)
-    if keep:
-        scale_inv = 1.0 / scale
-        attach_rowwise_fp8(x, q, scale_inv, amax)
-        return q, scale_inv
-    attach_rowwise_fp8(x, None, None, amax)  # the FP8 copy itself is not kept alive
-    return q, 1.0 / scale
+    q, scale_inv = quantize_rowwise(x.contiguous(), amax_out=amax, inverse=True)
+    # The FP8 copy stays attached only with ``keep``: else the one GEMM that consumes it frees it.
+    attach_rowwise_fp8(x, q if keep else None, scale_inv if keep else None, amax)
+    return q, scale_inv
 
 
 class DenseGemm:
@@ -185,7 +192,7 @@ def _use_grouped_mm(x: torch.Tensor, out_features: int, in_features: int) -> boo
         and hasattr(torch, "_grouped_mm")
         and out_features % 8 == 0
         and in_features % 8 == 0
-        and torch.cuda.get_device_capability(x.device)[0] >= 9
+        and _sm90(x)
     )
 
 
@@ -289,7 +296,9 @@ class GroupedGemm:
         if fp8 and gy.dtype == x.dtype and fp8_compute_applies(x, (gy.shape[-1], x.shape[-1]), grouped=True):
             if counts.device != x.device:  # host counts (e.g. a caller's fixed split): copy, never raise
                 counts = to_device_async(counts, x.device)
-            layout = grouped_colwise_layout(x.shape[0], counts, COLWISE_ALIGN)  # shared by both operands
+            # Shared by both operands, and by the layer's other FP8 weight gradient (same counts).
+            layout = _per_version(counts, ("colwise_layout", x.shape[0]),
+                                  lambda: grouped_colwise_layout(x.shape[0], counts, COLWISE_ALIGN))
             gq, g_inv, offs = quantize_grouped_colwise(gy, counts, row_amax=row_amax(gy), layout=layout)
             xq, x_inv, _ = quantize_grouped_colwise(x, counts, row_amax=row_amax(x), layout=layout)
             result = torch._scaled_grouped_mm(gq, xq.t(), g_inv.reshape(-1), x_inv.reshape(-1), offs=offs,

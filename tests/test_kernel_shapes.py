@@ -182,6 +182,30 @@ def test_quantize_rowwise_special_values(device, cols):
     assert s[0].isnan() and s[2] == 0
 
 
+@pytest.mark.parametrize("shape", [(0, 7), (3, 0), (5, 123), (3, 4097), (2, 32000)], ids=_sid)
+def test_quantize_rowwise_inverse_is_the_correctly_rounded_reciprocal(device, shape):
+    """``inverse=True`` stores ``1 / scale`` in the kernel (one- and two-pass): the same FP8
+    bytes, and each row's factor equal to the float64 reciprocal of the f32 scale rounded
+    once to f32 (what ``torch.reciprocal`` gives), NaN and zero rows included."""
+    x = _data(_rows(shape, device), torch.bfloat16, seed=11)
+    if x.shape[0] >= 3 and x.shape[1] > 0:
+        x[0] = 0.0  # all-zero row: scale 1, factor 1
+        x[1, 3] = float("nan")  # NaN scale, NaN factor
+    amax_out = torch.empty(x.shape[0], device=device)
+    q, s_inv = K.quantize_rowwise(x.to(device), amax_out=amax_out, inverse=True, impl="triton")
+    q_ref, s_ref = ref.quantize_blockwise_ref(x, 1, max(1, x.shape[1]))
+    if x.shape[1] > 0:
+        _assert_fp8_equal(q, q_ref)
+        s_ref = s_ref.reshape(-1)
+    else:
+        s_ref = torch.ones(x.shape[0])
+    want = (1.0 / s_ref.double()).float()
+    _assert_float_equal(s_inv, want)
+    # The reference path (impl="torch") agrees.
+    _, s_inv_torch = K.quantize_rowwise(x, inverse=True, impl="torch")
+    _assert_float_equal(s_inv_torch, want)
+
+
 def test_quantize_rowwise_path_choice_and_no_launch(device, monkeypatch):
     """The two-pass kernel is chosen from the width alone; empty inputs launch nothing."""
     one = _LaunchCounter(blockwise_mod._quantize_blockwise_kernel)

@@ -128,6 +128,14 @@
 #      passed): the transport tests with room, the flagship recipe eager and captured (bf16, FP8)
 #      with the weight gradient before the input gradient, and the stack on H200 (its
 #      replicated_fp8* baselines now keep their cast plan, as quantize_shards does).
+# (as) session 16: where the eager recipe's host time goes without a profiler's per-call tax:
+#      tools/host_sampler.py samples rank 0's main-thread stack every millisecond over iterations
+#      12-21 of the eager flagship recipe, FP8 and bf16 gathers (the timeline beside it).
+# (at) session 16: the eager FP8 GEMMs' host path lighter (the rowwise quantization stores 1/scale
+#      itself: no reciprocal pass per GEMM; the FP8 weight gradient's padded layout made once per
+#      counts and already int32; the sm90 check cached): the kernel and GEMM tests compiled, the
+#      eager recipe against HEAD 0739346's etp/ interleaved, and the sampled host profile again
+#      (now with autograd's backward thread).
 # ONLY (tools/gpu_lib.sh) runs a subset, e.g. ONLY='^(a_|b_)'.
 source tools/gpu_lib.sh
 budget_begin /tmp/etp_pending 560
@@ -488,25 +496,28 @@ replicated,etp_async_ce_push_fp8_wgrad_alias,etp_async_ce_push_fp8_wgrad_alias_r
 # (an)
 AN="$AT2 --train-iters 20 --log-interval 5 --timeline"
 FP8="--set etp.gather_dtype=fp8_tensorwise"
-an_round() {
-  local v g sets dir
+# ab_round PREFIX ROUND ARGS...: the eager recipe, FP8 and bf16 gathers, with this tree's etp/ ("after")
+# and the one carried in tools/scratch/before/ (a `git archive` of an earlier commit), interleaved.
+ab_round() {
+  local prefix=$1 round=$2 v g sets dir; shift 2
   for v in after before; do
     for g in fp8 bf16; do
       sets=""; [[ $g == fp8 ]] && sets=$FP8
       dir=.; [[ $v == before ]] && dir=tools/scratch/before
-      [[ -d $dir ]] || continue  # carried only for step (an)
+      [[ -d $dir ]] || continue  # carried only for the before/after steps
       # shellcheck disable=SC2086
-      (cd "$dir" && TAIL=4 step "an_${g}_${v}_$1" 90 $TRAIN --recipe $FLAG $sets $AN --json "$OUT/an_${g}_${v}_$1.json")
+      (cd "$dir" && TAIL=4 step "${prefix}_${g}_${v}_$round" 90 $TRAIN --recipe $FLAG $sets "$@" \
+        --json "$OUT/${prefix}_${g}_${v}_$round.json")
     done
   done
 }
-an_round 1
+ab_round an 1 $AN
 TAIL=8 step an_tests 300 env ETP_TEST_BACKEND=nccl ETP_TEST_TIMEOUT=150 python3 -m pytest -q -rs -p no:warnings \
   -o faulthandler_timeout=200 tests/test_kernels.py tests/test_gemm.py tests/test_fp8.py tests/test_graphs_gpu.py \
   tests/test_fp8_recipe_gpu.py
 TAIL=10 step an_gemm_operand 120 torchrun --standalone --nproc-per-node 2 tools/bench_gemm_operand.py \
   --out "$OUT/an_gemm_operand.json"
-an_round 2
+ab_round an 2 $AN
 
 # (ao)
 TAIL=16 step ao_gemm_operand 120 torchrun --standalone --nproc-per-node 2 tools/bench_gemm_operand.py \
@@ -532,5 +543,27 @@ recipe_steps ar 90 4 "fp8|$FP8" "bf16|" "fp8_graph|$GRAPH $FP8" "bf16_graph|$GRA
 TAIL=12 step ar_stack 200 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py --variants \
 replicated,replicated_fp8_wgrad,etp_async_ce_push_alias,etp_async_ce_push_fp8_wgrad_alias_reuse,\
 etp_async_ce_push_alias_graphed,etp_async_ce_push_fp8_wgrad_alias_reuse_graphed --rounds 2 --out "$OUT/ar_stack.json"
+
+# (as)
+SAMPLED="torchrun --standalone --nproc-per-node 2 tools/host_sampler.py --iterations 12:22"
+for g in fp8 bf16; do
+  SETS=""; [[ $g == fp8 ]] && SETS=$FP8
+  # shellcheck disable=SC2086
+  TAIL=6 step "as_${g}_sampled" 120 $SAMPLED --out "$OUT/as_$g" -m etp.megatron.train --recipe $FLAG $AT2 $SETS \
+    --train-iters 24 --log-interval 4 --timeline --json "$OUT/as_${g}.json"
+done
+
+# (at)
+TAIL=6 step at_tests 200 python3 -m pytest -q -rs -p no:warnings tests/test_kernel_shapes.py tests/test_gemm.py \
+  tests/test_fp8.py tests/test_colwise.py tests/test_swiglu.py
+AT="$AT2 --train-iters 20 --log-interval 5 --timeline"
+ab_round at 1 $AT
+ab_round at 2 $AT
+for g in fp8 bf16; do
+  SETS=""; [[ $g == fp8 ]] && SETS=$FP8
+  # shellcheck disable=SC2086
+  TAIL=4 step "at_${g}_sampled" 120 $SAMPLED --out "$OUT/at_$g" -m etp.megatron.train --recipe $FLAG $AT2 $SETS \
+    --train-iters 24 --log-interval 4 --timeline --json "$OUT/at_${g}_sampled.json"
+done
 
 budget_end

@@ -88,6 +88,7 @@ def _quantize_blockwise_kernel(
     TC: tl.constexpr,  # next_pow2(BC)
     ROW_MODE: tl.constexpr,  # BR == 1: each of the TR tile rows is its own block
     HAS_AMAX: tl.constexpr,
+    INVERSE: tl.constexpr = False,  # store 1 / s (what the scaled GEMMs take) instead of s
 ):
     """Per block b of expert e: s = FP8_MAX / max_{i in b} |x_i| (1 where 0),
     q_i = e4m3fn(clamp(x_i * s, -FP8_MAX, FP8_MAX)).
@@ -118,14 +119,14 @@ def _quantize_blockwise_kernel(
         amax = tl.max(bits, axis=1).to(tl.float32, bitcast=True)
         scale = _amax_to_scale(amax, FP8_MAX)
         q = _quantize_f32(x, scale[:, None], FP8_MAX, SOFT)
-        tl.store(s_base + rows * NBC + pid_c, scale, mask=rmask)
+        tl.store(s_base + rows * NBC + pid_c, _reciprocal_rn(scale) if INVERSE else scale, mask=rmask)
         if HAS_AMAX:
             tl.store(amax_ptr + e * NBR * NBC + rows * NBC + pid_c, amax, mask=rmask)
     else:
         amax = tl.max(tl.max(bits, axis=1), axis=0).to(tl.float32, bitcast=True)
         scale = _amax_to_scale(amax, FP8_MAX)
         q = _quantize_f32(x, scale, FP8_MAX, SOFT)
-        tl.store(s_base + pid_r * NBC + pid_c, scale)
+        tl.store(s_base + pid_r * NBC + pid_c, _reciprocal_rn(scale) if INVERSE else scale)
         if HAS_AMAX:
             tl.store(amax_ptr + e * NBR * NBC + pid_r * NBC + pid_c, amax)
     tl.store(q_ptr + offs, q, mask=mask)
@@ -149,6 +150,7 @@ def _quantize_blockwise_looped_kernel(
     TR: tl.constexpr,  # chunk rows (power of 2, <= next_pow2(BR))
     TC: tl.constexpr,  # chunk cols (power of 2)
     HAS_AMAX: tl.constexpr,
+    INVERSE: tl.constexpr = False,  # store 1 / s instead of s
 ):
     """Same result as ``_quantize_blockwise_kernel`` for blocks too large for registers.
 
@@ -180,7 +182,7 @@ def _quantize_blockwise_looped_kernel(
             acc = tl.maximum(acc, _abs_bits(x))
     amax = tl.max(tl.max(acc, axis=1), axis=0).to(tl.float32, bitcast=True)
     scale = _amax_to_scale(amax, FP8_MAX)
-    tl.store(s_ptr + e * NBR * NBC + pid_r * NBC + pid_c, scale)
+    tl.store(s_ptr + e * NBR * NBC + pid_r * NBC + pid_c, _reciprocal_rn(scale) if INVERSE else scale)
     if HAS_AMAX:
         tl.store(amax_ptr + e * NBR * NBC + pid_r * NBC + pid_c, amax)
     for rr in range(0, BR, TR):
@@ -300,7 +302,7 @@ def _looped_chunk(block_rows: int, block_cols: int) -> Tuple[int, int]:
 
 def _launch_quantize_looped(x3: torch.Tensor, q3: torch.Tensor, s: torch.Tensor,
                             block_rows: int, block_cols: int, soft: bool,
-                            amax: Optional[torch.Tensor] = None) -> None:
+                            amax: Optional[torch.Tensor] = None, inverse: bool = False) -> None:
     n_exp, rows, cols = x3.shape
     nbr, nbc = s.shape[-2], s.shape[-1]
     grid = (nbr, nbc, n_exp)
@@ -309,7 +311,7 @@ def _launch_quantize_looped(x3: torch.Tensor, q3: torch.Tensor, s: torch.Tensor,
     _quantize_blockwise_looped_kernel[grid](
         _soft_view(x3, soft), _soft_view(q3, soft), s, s if amax is None else amax, rows, cols, nbr, nbc,
         block_rows, block_cols, DTYPE=_DTYPE_CODE[x3.dtype], SOFT=soft, FP8_MAX=FP8_E4M3_MAX, TR=tr, TC=tc,
-        HAS_AMAX=amax is not None, num_warps=8 if tr * tc >= 4096 else 4,
+        HAS_AMAX=amax is not None, INVERSE=inverse, num_warps=8 if tr * tc >= 4096 else 4,
         **EXACT_FP,
     )
 
@@ -493,7 +495,7 @@ def fill_row_amax(amax_out: Optional[torch.Tensor], x: torch.Tensor) -> None:
         amax_out.copy_(x.abs().amax(dim=1))
 
 
-def quantize_rowwise(x: torch.Tensor, *, amax_out: Optional[torch.Tensor] = None,
+def quantize_rowwise(x: torch.Tensor, *, amax_out: Optional[torch.Tensor] = None, inverse: bool = False,
                      impl: str = "auto") -> Tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D activation to float8_e4m3fn with one float32 scale per row.
 
@@ -513,50 +515,59 @@ def quantize_rowwise(x: torch.Tensor, *, amax_out: Optional[torch.Tensor] = None
         amax_out: optional float32 ``[R]`` on x's device that receives each row's
             ``max |x[r, :]|`` (0 for an all-zero row) from the same pass: per-expert scales
             are made from it (``quantize_grouped_colwise(row_amax=...)``).
+        inverse: return ``1 / scale_r`` (correctly rounded, as ``torch.reciprocal``), the
+            dequantization factor the scaled GEMMs take, stored by the kernel itself instead
+            of a separate reciprocal pass (two launches and their host time per GEMM).
         impl: ``"auto"``, ``"triton"`` or ``"torch"`` as for the other ops.
 
     Returns:
-        ``(q, scales)``: q ``[R, C]`` float8_e4m3fn, scales float32 ``[R]``.
+        ``(q, scales)``: q ``[R, C]`` float8_e4m3fn, scales float32 ``[R]`` (``scale_r``, or
+        ``1 / scale_r`` with ``inverse``).
 
     Example::
 
         q, s = quantize_rowwise(activation)      # dequantized value: q / s[:, None]
+        q, s_inv = quantize_rowwise(activation, inverse=True)   # q * s_inv[:, None]
     """
     check_input_dtype(x, "x")
     if x.dim() != 2 or not x.is_contiguous():
         raise ValueError(f"quantize_rowwise expects a contiguous 2-D tensor, got shape {tuple(x.shape)}")
     rows, cols = x.shape
-    check_row_amax_out(amax_out, rows, x.device)
-    use_triton = select_impl(impl, x.device)
+    device = x.device
+    check_row_amax_out(amax_out, rows, device)
     if cols == 0:
-        # max over an empty row is 0, so the scale is 1.0 (as for an all-zero row).
+        # max over an empty row is 0, so the scale is 1.0 (as for an all-zero row; 1 / 1 = 1).
         if amax_out is not None:
             amax_out.zero_()
-        return (torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device),
-                torch.ones(rows, dtype=torch.float32, device=x.device))
-    if not use_triton or rows == 0:
+        return (torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=device),
+                torch.ones(rows, dtype=torch.float32, device=device))
+    if not select_impl(impl, device) or rows == 0:
         q, s = quantize_blockwise_ref(x, 1, cols)
         fill_row_amax(amax_out, x)
-        return q, s.reshape(rows)
-    device = x.device
-    staged = device.type == "cuda" and interpreter_active()
+        s = s.reshape(rows)
+        return q, (s.reciprocal() if inverse else s)
+    soft = interpreter_active()
+    staged = soft and device.type == "cuda"
     if staged:
         x = x.cpu()
-    soft = interpreter_active()
     q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    s = torch.empty(rows, dtype=torch.float32, device=x.device)
     amax = (torch.empty(rows, dtype=torch.float32) if staged else amax_out) if amax_out is not None else None
     tc = next_pow2(cols)
     if tc > _ONE_PASS_MAX_ELEMS:
-        _launch_quantize_looped(x.unsqueeze(0), q.unsqueeze(0), s.unsqueeze(0), 1, cols, soft,
-                                amax=None if amax is None else amax.view(1, rows, 1))
+        _launch_quantize_looped(x.unsqueeze(0), q.unsqueeze(0), s.view(1, rows, 1), 1, cols, soft,
+                                amax=None if amax is None else amax.view(1, rows, 1), inverse=inverse)
     else:
         tr = max(1, 8192 // tc)  # ~8K elements in registers per program
+        # NBC = 1, so the kernel's [rows, 1] scale layout is s's [rows].
         _quantize_blockwise_kernel[(triton.cdiv(rows, tr), 1, 1)](
-            _soft_view(x.unsqueeze(0), soft), _soft_view(q.unsqueeze(0), soft), s, s if amax is None else amax,
+            _soft_view(x, soft), _soft_view(q, soft), s, s if amax is None else amax,
             rows, cols, rows, 1, DTYPE=_DTYPE_CODE[x.dtype], SOFT=soft, FP8_MAX=FP8_E4M3_MAX,
-            BR=1, BC=cols, TR=tr, TC=tc, ROW_MODE=True, HAS_AMAX=amax is not None, num_warps=8, **EXACT_FP,
+            BR=1, BC=cols, TR=tr, TC=tc, ROW_MODE=True, HAS_AMAX=amax is not None, INVERSE=inverse,
+            num_warps=8, **EXACT_FP,
         )
-    if staged and amax is not None:
+    if not staged:
+        return q, s
+    if amax is not None:
         amax_out.copy_(amax)
-    return q.to(device), s.reshape(rows).to(device)
+    return q.to(device), s.to(device)

@@ -224,10 +224,10 @@ def grouped_colwise_layout(tokens: int, counts: torch.Tensor, align: int) -> Tup
     """(cumulative token ends, cumulative padded ends, static padded width) of
     ``quantize_grouped_colwise``: each expert's segment rounded up to ``align`` tokens; the
     width ``tokens + E * (align - 1)`` rounded up to ``align`` bounds every padded layout
-    without reading the counts on the host."""
-    counts = counts.to(torch.int64)
-    ends = torch.cumsum(counts, 0)
-    pends = torch.cumsum((counts + align - 1) // align * align, 0)
+    without reading the counts on the host. The ends are int32, the grouped GEMMs' offset
+    type, so the padded ends serve as the GEMM's ``offs`` without a cast."""
+    ends = torch.cumsum(counts, 0, dtype=torch.int32)
+    pends = torch.cumsum((counts + (align - 1)) // align * align, 0, dtype=torch.int32)
     t_pad = -(-(tokens + counts.numel() * (align - 1)) // align) * align
     return ends, pends, t_pad
 
