@@ -28,6 +28,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from .derived import per_version
 from .kernels import grouped_colwise_layout, quantize_grouped_colwise, quantize_rowwise
 from .kernels.colwise import ALIGN as COLWISE_ALIGN
 from .quant import FP8Weight
@@ -141,7 +142,7 @@ class DenseGemm:
             xq, x_inv = quantize_activation(x.reshape(-1, x.shape[-1]))
             out = w.data.shape[0]
             y = torch._scaled_mm(xq, w.data.t(), scale_a=x_inv[:, None],
-                                 scale_b=_scale_rows(w.scale_inv, 1, out),
+                                 scale_b=w.scale_rows(1, out),
                                  out_dtype=x.dtype, use_fast_accum=w.fast_accum)
             return y.view(*x.shape[:-1], out)
         return F.linear(x, _dense(w, x.dtype))
@@ -154,7 +155,7 @@ class DenseGemm:
             gq, g_inv = quantize_activation(gy.reshape(-1, gy.shape[-1]))
             inp = w.data.shape[1]
             dx = torch._scaled_mm(gq, w.data_transposed().t(), scale_a=g_inv[:, None],
-                                  scale_b=_scale_rows(w.scale_inv, 1, inp),
+                                  scale_b=w.scale_rows(1, inp),
                                   out_dtype=gy.dtype, use_fast_accum=w.fast_accum)
             return dx.view(*gy.shape[:-1], inp)
         return gy.matmul(_dense(w, gy.dtype))
@@ -196,42 +197,14 @@ def _use_grouped_mm(x: torch.Tensor, out_features: int, in_features: int) -> boo
     )
 
 
-_DERIVED = "_etp_derived"  # tensor attribute: values derived from the tensor, per its version
-
-
 def _offsets(counts: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The grouped GEMMs' int32 end offsets of ``counts``, made once per counts tensor (and
     version): a layer's six grouped GEMMs (forward, input and weight gradient of fc1 and fc2)
     share one ``counts``, and each made its own cumsum and casts, two to four launches per GEMM
     of host time in eager runs. Kept on the tensor (as [Note: FP8 operands handed over] keeps
     its attachments), so it lives exactly as long as ``counts``."""
-    return _per_version(counts, ("offsets", device),
+    return per_version(counts, ("offsets", device),
                         lambda: torch.cumsum(counts.to(device=device), 0, dtype=torch.int32))
-
-
-def _per_version(owner: torch.Tensor, key, make):
-    """``make()``, kept on ``owner`` under ``key`` until ``owner`` changes in place (its version).
-    Made each time for an inference tensor (no version counter) and while a CUDA graph is
-    captured (a graph must compute what it reads: ``owner`` may be rewritten between replays
-    with nobody asking for the derived value again)."""
-    if owner.is_inference() or (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()):
-        return make()
-    cache = owner.__dict__.setdefault(_DERIVED, {})
-    hit = cache.get(key)
-    if hit is not None and hit[0] == owner._version:
-        return hit[1]
-    value = make()
-    cache[key] = (owner._version, value)
-    return value
-
-
-def _scale_rows(scale_inv: torch.Tensor, groups: int, n: int) -> torch.Tensor:
-    """``scale_inv`` (one per group, or one for the weight) as the contiguous ``[groups, n]``
-    per-column scales the rowwise-scaled GEMMs take for their weight operand; made once per
-    step (``scale_inv`` is rewritten in place by each quantization, which bumps its version)
-    rather than by an expand-and-copy before every GEMM."""
-    return _per_version(scale_inv, ("scale_rows", groups, n),
-                        lambda: scale_inv.reshape(groups, 1).expand(groups, n).contiguous())
 
 
 def _splits(counts: torch.Tensor) -> list[int]:
@@ -246,7 +219,7 @@ class GroupedGemm:
     def forward(x: torch.Tensor, w, counts: torch.Tensor) -> torch.Tensor:
         if _scaled_grouped_ok(x, w):
             xq, x_inv = quantize_activation(x)
-            scale_b = _scale_rows(w.scale_inv, w.data.shape[0], w.data.shape[1])
+            scale_b = w.scale_rows(w.data.shape[0], w.data.shape[1])
             return torch._scaled_grouped_mm(xq, w.data.transpose(-2, -1), x_inv, scale_b,
                                             offs=_offsets(counts, x.device), out_dtype=x.dtype,
                                             use_fast_accum=w.fast_accum)
@@ -261,7 +234,7 @@ class GroupedGemm:
             gq, g_inv = quantize_activation(gy)
             # [E, out, in] column-major per expert: the transposed copy of the FP8 weight.
             w_col = w.data_transposed().transpose(-2, -1)
-            scale_b = _scale_rows(w.scale_inv, w.data.shape[0], w.data.shape[2])
+            scale_b = w.scale_rows(w.data.shape[0], w.data.shape[2])
             return torch._scaled_grouped_mm(gq, w_col, g_inv, scale_b,
                                             offs=_offsets(counts, gy.device), out_dtype=gy.dtype,
                                             use_fast_accum=w.fast_accum)
@@ -297,7 +270,7 @@ class GroupedGemm:
             if counts.device != x.device:  # host counts (e.g. a caller's fixed split): copy, never raise
                 counts = to_device_async(counts, x.device)
             # Shared by both operands, and by the layer's other FP8 weight gradient (same counts).
-            layout = _per_version(counts, ("colwise_layout", x.shape[0]),
+            layout = per_version(counts, ("colwise_layout", x.shape[0]),
                                   lambda: grouped_colwise_layout(x.shape[0], counts, COLWISE_ALIGN))
             gq, g_inv, offs = quantize_grouped_colwise(gy, counts, row_amax=row_amax(gy), layout=layout)
             xq, x_inv, _ = quantize_grouped_colwise(x, counts, row_amax=row_amax(x), layout=layout)

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 from .collectives import all_gather_tensor
+from .derived import per_version
 from .kernels import (
     MultiTensorCastPlan,
     amax_to_scale,
@@ -48,7 +49,7 @@ from .kernels import (
 from .param import ETPShardedParam
 from .streams import to_device_async
 
-__all__ = ["FP8Weight", "QuantizedShard", "cast_tensorwise", "quantize_shards", "FP8_DTYPE", "BLOCK"]
+__all__ = ["FP8Weight", "QuantizedShard", "cast_tensorwise", "quantize_shards", "scale_rows", "FP8_DTYPE", "BLOCK"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 BLOCK = 128  # rows and columns of one fp8_blockwise weight block
@@ -90,6 +91,11 @@ class FP8Weight:
     # the input-gradient GEMM transposes ``data`` itself.
     transposed: torch.Tensor | None = None
 
+    def scale_rows(self, groups: int, n: int) -> torch.Tensor:
+        """``scale_inv`` as the ``[groups, n]`` per-column scales of a rowwise-scaled GEMM's
+        weight operand (``scale_rows``)."""
+        return scale_rows(self.scale_inv, groups, n)
+
     def data_transposed(self) -> torch.Tensor:
         """``data`` with its last two dims swapped, contiguous (the input-gradient operand)."""
         return self.transposed if self.transposed is not None else transpose_last2(self.data)
@@ -106,6 +112,33 @@ class FP8Weight:
         if self.groups == 1:
             return dequantize_fp8(self.data, self.scale.reshape(()), out_dtype=dtype)
         return (self.data.to(torch.float32) / self.scale.view(-1, 1, 1)).to(dtype)
+
+
+def scale_rows(scale_inv: torch.Tensor, groups: int, n: int) -> torch.Tensor:
+    """``scale_inv`` (one per group, or one for the weight) as the contiguous ``[groups, n]``
+    per-column scales the rowwise-scaled GEMMs take for their weight operand; made once per
+    quantization (which rewrites ``scale_inv`` in place, bumping its version) rather than by an
+    expand-and-copy before every GEMM, and made by the quantization itself (``_store``), in the
+    optimizer's phase of the step, where the host is ahead of the device.
+
+    Example::
+
+        rows = scale_rows(quant.scale_inv, 64, 2816)   # [64, 2816]: expert e's 1/scale in row e
+    """
+    return per_version(scale_inv, ("scale_rows", groups, n),
+                       lambda: scale_inv.reshape(groups, 1).expand(groups, n).contiguous())
+
+
+def _warm_scale_rows(param, scale_inv: torch.Tensor) -> None:
+    """Makes the two ``scale_rows`` a tensorwise weight's scaled GEMMs ask for (forward: one per
+    output row; input gradient: one per input column), so no GEMM pays for them in an
+    issue-bound forward or backward."""
+    if scale_inv.is_cuda and torch.cuda.is_current_stream_capturing():
+        return  # a captured GEMM computes its own (per_version does not cache under capture)
+    shape = param.etp_layout.logical_shape
+    groups = shape[0] if len(shape) == 3 else 1
+    for n in shape[-2:]:
+        scale_rows(scale_inv, groups, n)
 
 
 def _groups(param) -> tuple[int, int]:
@@ -203,6 +236,7 @@ def _quantize_tensorwise(params, group) -> None:
     for param in params:
         first, n = plan.first_slot[id(param)], _groups(param)[0]
         _store(param, quantized[id(param)], scales[first : first + n], param._version, amax[first : first + n])
+        _warm_scale_rows(param, param.etp_runtime.state(param).quant.scale_inv)
 
 
 @dataclass(eq=False)

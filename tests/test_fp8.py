@@ -20,7 +20,7 @@ from etp import (
     wrap_module_params_etp,
 )
 from etp.gemm import DenseGemm, GroupedGemm
-from etp.quant import FP8Weight
+from etp.quant import FP8Weight, scale_rows
 
 FP8_MAX = 448.0
 
@@ -134,6 +134,16 @@ def _quantization(ctx, mode):
         assert torch.equal(got, _reference_tensorwise(w, used).view(torch.uint8)), name
         scale = p.etp_runtime.state(p).quant.scale.double().cpu()
         torch.testing.assert_close(scale, (FP8_MAX / used.double()).float().double().reshape(scale.shape))
+        # The scaled GEMMs' per-column weight scales were made by this quantization (both GEMMs'
+        # widths), so no GEMM makes them: asking again returns the very tensors, current.
+        scale_inv = p.etp_runtime.state(p).quant.scale_inv
+        made = dict(scale_inv.__dict__.get("_etp_derived", {}))
+        groups = w.shape[0] if w.dim() == 3 else 1
+        for n in w.shape[-2:]:
+            version, rows = made[("scale_rows", groups, n)]
+            assert version == scale_inv._version and scale_rows(scale_inv, groups, n) is rows
+            want = (used.double().reshape(groups, 1) / FP8_MAX).expand(groups, n)
+            torch.testing.assert_close(rows.double().cpu(), want, rtol=2**-23, atol=0)
     return calls
 
 

@@ -69,7 +69,7 @@ def test_grouped_offsets_made_once_per_counts_version(device):
 def test_weight_scale_rows_follow_each_quantization():
     """The FP8 GEMMs' per-column weight scales: scale_inv expanded to [groups, n], made once
     while scale_inv is unchanged and remade when a quantization rewrites it in place."""
-    from etp.gemm import _scale_rows
+    from etp.quant import scale_rows as _scale_rows
 
     scale = torch.tensor([2.0, 4.0, 8.0])
     scale_inv = torch.reciprocal(scale)
@@ -111,7 +111,8 @@ def test_quantize_ahead_hands_the_rowwise_fp8_to_both_gemms(monkeypatch):
 def test_derived_values_under_inference_mode():
     """Inference tensors have no version counter: offsets and scale rows are made each call,
     and rowwise FP8 hand-overs are not attached (evaluation under torch.inference_mode)."""
-    from etp.gemm import _offsets, _scale_rows, attach_rowwise_fp8, row_amax
+    from etp.gemm import _offsets, attach_rowwise_fp8, row_amax
+    from etp.quant import scale_rows as _scale_rows
 
     with torch.inference_mode():
         counts = torch.tensor([2, 3])

@@ -136,6 +136,10 @@
 #      counts and already int32; the sm90 check cached): the kernel and GEMM tests compiled, the
 #      eager recipe against HEAD 0739346's etp/ interleaved, and the sampled host profile again
 #      (now with autograd's backward thread).
+# (au) session 16: (at)'s sampler put ~11 ms per FP8 iteration in making the weights' per-column
+#      scale rows inside forward and backward (now made by the quantization, in the optimizer's
+#      phase) and ~25 ms in stream flag writes: each host operation's own cost alone
+#      (tools/bench_host_ops.py), (ar)'s GPU tests, and the eager FP8 recipe against 0739346 again.
 # ONLY (tools/gpu_lib.sh) runs a subset, e.g. ONLY='^(a_|b_)'.
 source tools/gpu_lib.sh
 budget_begin /tmp/etp_pending 560
@@ -496,12 +500,13 @@ replicated,etp_async_ce_push_fp8_wgrad_alias,etp_async_ce_push_fp8_wgrad_alias_r
 # (an)
 AN="$AT2 --train-iters 20 --log-interval 5 --timeline"
 FP8="--set etp.gather_dtype=fp8_tensorwise"
-# ab_round PREFIX ROUND ARGS...: the eager recipe, FP8 and bf16 gathers, with this tree's etp/ ("after")
+# ab_round PREFIX ROUND ARGS...: the eager recipe, FP8 and bf16 gathers (FP8 only with FP8_ONLY=1), with this tree's etp/ ("after")
 # and the one carried in tools/scratch/before/ (a `git archive` of an earlier commit), interleaved.
 ab_round() {
   local prefix=$1 round=$2 v g sets dir; shift 2
   for v in after before; do
     for g in fp8 bf16; do
+      [[ $g == bf16 && -n ${FP8_ONLY:-} ]] && continue
       sets=""; [[ $g == fp8 ]] && sets=$FP8
       dir=.; [[ $v == before ]] && dir=tools/scratch/before
       [[ -d $dir ]] || continue  # carried only for the before/after steps
@@ -565,5 +570,12 @@ for g in fp8 bf16; do
   TAIL=4 step "at_${g}_sampled" 120 $SAMPLED --out "$OUT/at_$g" -m etp.megatron.train --recipe $FLAG $AT2 $SETS \
     --train-iters 24 --log-interval 4 --timeline --json "$OUT/at_${g}_sampled.json"
 done
+
+# (au)
+TAIL=30 step au_host_ops 60 python3 tools/bench_host_ops.py --out "$OUT/au_host_ops.json"
+TAIL=8 step au_tests 400 env ETP_TEST_BACKEND=nccl ETP_TEST_TIMEOUT=150 python3 -m pytest -q -rs -p no:warnings \
+  -o faulthandler_timeout=300 tests/test_transport_gpu.py tests/test_graphs_gpu.py tests/test_fp8_recipe_gpu.py
+FP8_ONLY=1 ab_round au 1 $AT
+FP8_ONLY=1 ab_round au 2 $AT
 
 budget_end
