@@ -140,6 +140,9 @@
 #      scale rows inside forward and backward (now made by the quantization, in the optimizer's
 #      phase) and ~25 ms in stream flag writes: each host operation's own cost alone
 #      (tools/bench_host_ops.py), (ar)'s GPU tests, and the eager FP8 recipe against 0739346 again.
+# (av) session 16, the last call: the host cost of each operation again (launch grids now plain
+#      integer arithmetic, not triton.cdiv), the flagship recipe captured (FP8, bf16) after this
+#      session's changes, and (ar)'s stack (its replicated FP8 baseline keeps its cast plan).
 # ONLY (tools/gpu_lib.sh) runs a subset, e.g. ONLY='^(a_|b_)'.
 source tools/gpu_lib.sh
 budget_begin /tmp/etp_pending 560
@@ -577,5 +580,12 @@ TAIL=8 step au_tests 400 env ETP_TEST_BACKEND=nccl ETP_TEST_TIMEOUT=150 python3 
   -o faulthandler_timeout=300 tests/test_transport_gpu.py tests/test_graphs_gpu.py tests/test_fp8_recipe_gpu.py
 FP8_ONLY=1 ab_round au 1 $AT
 FP8_ONLY=1 ab_round au 2 $AT
+
+# (av)
+TAIL=30 step av_host_ops 60 python3 tools/bench_host_ops.py --out "$OUT/av_host_ops.json"
+recipe_steps av 90 4 "fp8_graph|$GRAPH $FP8" "bf16_graph|$GRAPH" -- $AT
+TAIL=12 step av_stack 220 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py --variants \
+replicated,replicated_fp8_wgrad,etp_async_ce_push_alias,etp_async_ce_push_fp8_wgrad_alias_reuse,\
+replicated_fp8_wgrad_graphed,etp_async_ce_push_fp8_wgrad_alias_reuse_graphed --rounds 2 --out "$OUT/av_stack.json"
 
 budget_end

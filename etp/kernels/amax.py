@@ -174,6 +174,12 @@ def check_input_dtype(t: torch.Tensor, what: str) -> None:
         raise TypeError(f"{what} has dtype {t.dtype}; supported: bfloat16, float16, float32")
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for launch grids: ``triton.cdiv`` unwraps constexprs first, which costs
+    microseconds of host time per launch in the eager step's hot wrappers."""
+    return -(-a // b)
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -363,7 +369,7 @@ def _launch_multi_tensor_amax(
         ts = [tensors[i] for i in idxs]
         addrs = [t.data_ptr() for t in ts]
         numels = [t.numel() for t in ts]
-        starts, total = block_starts([triton.cdiv(n, chunk) for n in numels])
+        starts, total = block_starts([cdiv(n, chunk) for n in numels])
         tables.append([addrs, numels, idxs, starts])
         launches.append((dtype, len(ts), total, all(a % 16 == 0 for a in addrs)))
     n_out = len(tensors)

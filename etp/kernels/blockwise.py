@@ -17,6 +17,7 @@ from etp.kernels.amax import (
     EXACT_FP,
     _abs_bits,
     _to_f32,
+    cdiv,
     check_input_dtype,
     interpreter_active,
     next_pow2,
@@ -332,7 +333,7 @@ def _launch_quantize_blockwise(x: torch.Tensor, block_rows: int, block_cols: int
         return q, s
     tr, tc = tile
     row_mode = block_rows == 1
-    grid = (triton.cdiv(rows, tr) if row_mode else nbr, nbc, n_exp)
+    grid = (cdiv(rows, tr) if row_mode else nbr, nbc, n_exp)
     _check_grid(grid, "quantize_blockwise")
     _quantize_blockwise_kernel[grid](
         _soft_view(x3, soft), _soft_view(q3, soft), s, s, rows, cols, nbr, nbc,
@@ -352,7 +353,7 @@ def _launch_dequantize(q: torch.Tensor, scale: torch.Tensor, block: Optional[Tup
         return out
     scale = scale.float().contiguous()
     if block is None:
-        grid = (triton.cdiv(q.numel(), _DQ_BLOCK),)
+        grid = (cdiv(q.numel(), _DQ_BLOCK),)
         _dequantize_tensorwise_kernel[grid](
             _soft_view(q, soft), scale, _soft_view(out, soft), q.numel(),
             OUT=_OUT_CODE[out_dtype], SOFT=soft, BLOCK=_DQ_BLOCK, num_warps=4, **EXACT_FP,
@@ -360,7 +361,7 @@ def _launch_dequantize(q: torch.Tensor, scale: torch.Tensor, block: Optional[Tup
         return out
     q3, o3 = _as_3d(q), _as_3d(out)
     n_exp, rows, cols = q3.shape
-    grid = (triton.cdiv(rows, _DQ_TILE_R), triton.cdiv(cols, _DQ_TILE_C), n_exp)
+    grid = (cdiv(rows, _DQ_TILE_R), cdiv(cols, _DQ_TILE_C), n_exp)
     _check_grid(grid, "dequantize_fp8")
     _dequantize_blockwise_kernel[grid](
         _soft_view(q3, soft), scale, _soft_view(o3, soft), rows, cols, scale.shape[-2], scale.shape[-1],
@@ -560,7 +561,7 @@ def quantize_rowwise(x: torch.Tensor, *, amax_out: Optional[torch.Tensor] = None
     else:
         tr = max(1, 8192 // tc)  # ~8K elements in registers per program
         # NBC = 1, so the kernel's [rows, 1] scale layout is s's [rows].
-        _quantize_blockwise_kernel[(triton.cdiv(rows, tr), 1, 1)](
+        _quantize_blockwise_kernel[(cdiv(rows, tr), 1, 1)](
             _soft_view(x, soft), _soft_view(q, soft), s, s if amax is None else amax,
             rows, cols, rows, 1, DTYPE=_DTYPE_CODE[x.dtype], SOFT=soft, FP8_MAX=FP8_E4M3_MAX,
             BR=1, BC=cols, TR=tr, TC=tc, ROW_MODE=True, HAS_AMAX=amax is not None, INVERSE=inverse,

@@ -19,6 +19,7 @@ from etp.kernels.amax import (
     _find_tensor,
     _to_f32,
     block_starts,
+    cdiv,
     check_impl,
     check_input_dtype,
     common_device,
@@ -219,10 +220,10 @@ class _CastTables:
                 qt = qts[i] if write_t else q
                 rows, cols = _matrix_dims(x) if write_t else (0, 0)
                 if rows:
-                    counts.append((x.numel() // (rows * cols)) * triton.cdiv(rows, tile_r) * triton.cdiv(cols, tile_c))
+                    counts.append((x.numel() // (rows * cols)) * cdiv(rows, tile_r) * cdiv(cols, tile_c))
                     aligned &= rows % 16 == 0 and cols % 16 == 0
                 else:
-                    counts.append(triton.cdiv(x.numel(), chunk))
+                    counts.append(cdiv(x.numel(), chunk))
                 addrs = (x.data_ptr(), q.data_ptr(), qt.data_ptr())
                 aligned &= all(a % 16 == 0 for a in addrs)
                 for col, v in zip(cols_tab, (*addrs, x.numel(), rows, cols, 0, i)):

@@ -35,6 +35,7 @@ from etp.kernels.amax import (
     EXACT_FP,
     _abs_bits,
     _to_f32,
+    cdiv,
     check_input_dtype,
     interpreter_active,
     select_impl,
@@ -207,7 +208,7 @@ def quantize_grouped_colwise(
         x, ends, pends, q, s_inv = (t.cpu() for t in (x, ends, pends, q, s_inv))
         row_amax = row_amax.cpu() if row_amax is not None else None
     if row_amax is None:
-        _grouped_colwise_kernel[(experts, triton.cdiv(cols, _TC))](
+        _grouped_colwise_kernel[(experts, cdiv(cols, _TC))](
             _soft_view(x, soft), ends, pends, _soft_view(q, soft), s_inv, cols, t_pad,
             DTYPE=_DTYPE_CODE[x.dtype], SOFT=soft, FP8_MAX=FP8_E4M3_MAX, TT=_TT, TC=_TC, UNROLL=_UNROLL,
             num_warps=_WARPS, **EXACT_FP,
@@ -216,7 +217,7 @@ def quantize_grouped_colwise(
         scale = torch.empty(experts, dtype=torch.float32, device=x.device)
         _expert_scale_kernel[(experts,)](row_amax.contiguous(), ends, scale, s_inv, cols,
                                          FP8_MAX=FP8_E4M3_MAX, TB=1024, num_warps=4, **EXACT_FP)
-        _grouped_per_expert_kernel[(triton.cdiv(t_pad, _PE_TP), triton.cdiv(cols, _PE_TC))](
+        _grouped_per_expert_kernel[(cdiv(t_pad, _PE_TP), cdiv(cols, _PE_TC))](
             _soft_view(x, soft), ends, pends, scale, _soft_view(q, soft), cols, t_pad, experts,
             DTYPE=_DTYPE_CODE[x.dtype], SOFT=soft, FP8_MAX=FP8_E4M3_MAX, LOG_E=experts.bit_length(),
             TP=_PE_TP, TC=_PE_TC, num_warps=_PE_WARPS, **EXACT_FP,

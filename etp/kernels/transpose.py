@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from etp.kernels.amax import check_impl, interpreter_active, select_impl
+from etp.kernels.amax import cdiv, check_impl, interpreter_active, select_impl
 
 __all__ = ["transpose_last2"]
 
@@ -50,7 +50,7 @@ def transpose_last2(x: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
     x3 = src.view(torch.uint8).reshape(-1, *src.shape[-2:])
     y3 = torch.empty((x3.shape[0], x3.shape[2], x3.shape[1]), dtype=torch.uint8, device=src.device)
     rows, cols = x3.shape[1], x3.shape[2]
-    _transpose_kernel[(triton.cdiv(rows, _TILE), triton.cdiv(cols, _TILE), x3.shape[0])](
+    _transpose_kernel[(cdiv(rows, _TILE), cdiv(cols, _TILE), x3.shape[0])](
         x3, y3, rows, cols, TILE=_TILE, num_warps=4,
     )
     out = y3.view(x.dtype).reshape(*x.shape[:-2], cols, rows)
