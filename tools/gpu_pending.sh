@@ -143,6 +143,8 @@
 # (av) session 16, the last call: the host cost of each operation again (launch grids now plain
 #      integer arithmetic, not triton.cdiv), the flagship recipe captured (FP8, bf16) after this
 #      session's changes, and (ar)'s stack (its replicated FP8 baseline keeps its cast plan).
+# (aw) session 16: the sampled host profile of the eager recipe once more, FP8 and bf16, after
+#      (au) and (av)'s changes (scale rows made by the quantization, plain launch grids).
 # ONLY (tools/gpu_lib.sh) runs a subset, e.g. ONLY='^(a_|b_)'.
 source tools/gpu_lib.sh
 budget_begin /tmp/etp_pending 560
@@ -587,5 +589,13 @@ recipe_steps av 90 4 "fp8_graph|$GRAPH $FP8" "bf16_graph|$GRAPH" -- $AT
 TAIL=12 step av_stack 220 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py --variants \
 replicated,replicated_fp8_wgrad,etp_async_ce_push_alias,etp_async_ce_push_fp8_wgrad_alias_reuse,\
 replicated_fp8_wgrad_graphed,etp_async_ce_push_fp8_wgrad_alias_reuse_graphed --rounds 2 --out "$OUT/av_stack.json"
+
+# (aw)
+for g in fp8 bf16; do
+  SETS=""; [[ $g == fp8 ]] && SETS=$FP8
+  # shellcheck disable=SC2086
+  TAIL=3 step "aw_${g}_sampled" 80 $SAMPLED --out "$OUT/aw_$g" -m etp.megatron.train --recipe $FLAG $AT2 $SETS \
+    --train-iters 24 --log-interval 4 --timeline --json "$OUT/aw_${g}_sampled.json"
+done
 
 budget_end
