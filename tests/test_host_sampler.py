@@ -1,0 +1,80 @@
+"""tools/host_sampler.py: samples only the asked iterations, and attributes them to the right lines."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SAMPLER = Path(__file__).resolve().parents[1] / "tools" / "host_sampler.py"
+
+# A stand-in for etp-train: the sampler's gate reads the local ``iteration`` of ``train`` in a
+# file ending etp/megatron/train.py. Iterations 3-5 spin in ``inside``, the others in ``outside``.
+FAKE_TRAIN = textwrap.dedent("""
+    import time
+
+    def spin(seconds):
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    def inside():
+        spin(0.05)
+
+    def outside():
+        spin(0.05)
+
+    def train():
+        for iteration in range(8):
+            if 3 <= iteration < 6:
+                inside()
+            else:
+                outside()
+
+    if __name__ == "__main__":
+        train()
+""")
+
+
+def _fake_project(tmp_path: Path) -> Path:
+    pkg = tmp_path / "etp" / "megatron"
+    pkg.mkdir(parents=True)
+    (tmp_path / "etp" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "train.py").write_text(FAKE_TRAIN)
+    return tmp_path
+
+
+def test_samples_only_the_gated_iterations(tmp_path):
+    root = _fake_project(tmp_path)
+    out = tmp_path / "out"
+    subprocess.run([sys.executable, str(SAMPLER), "--out", str(out), "--iterations", "3:6",
+                    "-m", "etp.megatron.train"], cwd=root, check=True, timeout=120, capture_output=True)
+    report = json.loads((out / "host_samples_rank0.json").read_text())
+    assert report["iterations"] == [3, 6] and report["samples"] > 20
+    assert 0.1 < report["window_s"] < 1.0  # three iterations of 50 ms, not the whole run (0.4 s)
+    inclusive = {row["where"]: row["samples"] for row in report["inclusive"]}
+    inside = sum(n for where, n in inclusive.items() if where.endswith("(inside)"))
+    outside = sum(n for where, n in inclusive.items() if where.endswith("(outside)"))
+    assert inside > 0.8 * report["samples"] and outside < 0.1 * report["samples"], (inside, outside)
+    # The innermost lines are the spin loop's, counted in milliseconds of wall time.
+    top = report["self"][0]
+    assert "(spin)" in top["where"] and top["ms"] > 0
+
+
+def test_bad_iterations_are_refused(tmp_path):
+    root = _fake_project(tmp_path)
+    done = subprocess.run([sys.executable, str(SAMPLER), "--out", str(tmp_path / "o"), "--iterations", "6:3",
+                           "-m", "etp.megatron.train"], cwd=root, timeout=60, capture_output=True, text=True)
+    assert done.returncode != 0 and "--iterations '6:3'" in done.stderr
+
+
+@pytest.mark.parametrize("flag", ["--for-s=0", "--interval-ms=-1"])
+def test_bad_window_is_refused(tmp_path, flag):
+    root = _fake_project(tmp_path)
+    done = subprocess.run([sys.executable, str(SAMPLER), "--out", str(tmp_path / "o"), flag,
+                           "-m", "etp.megatron.train"], cwd=root, timeout=60, capture_output=True, text=True)
+    assert done.returncode != 0 and "must be positive" in done.stderr
