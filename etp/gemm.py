@@ -204,7 +204,7 @@ def _offsets(counts: torch.Tensor, device: torch.device) -> torch.Tensor:
     of host time in eager runs. Kept on the tensor (as [Note: FP8 operands handed over] keeps
     its attachments), so it lives exactly as long as ``counts``."""
     return per_version(counts, ("offsets", device),
-                        lambda: torch.cumsum(counts.to(device=device), 0, dtype=torch.int32))
+                       lambda: torch.cumsum(counts.to(device=device), 0, dtype=torch.int32))
 
 
 def _splits(counts: torch.Tensor) -> list[int]:

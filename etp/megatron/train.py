@@ -32,6 +32,8 @@ import contextlib
 import datetime
 import math
 import os
+import queue
+import signal
 import socket
 import sys
 import time
@@ -468,6 +470,55 @@ def _spawned(rank, world, recipe, port, results, json_path, audit_path, resume, 
             dist.destroy_process_group()
 
 
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _collect(procs, results, grace_s: float = 60.0, poll_s: float = 1.0) -> list[str]:
+    """Every spawned rank's report (``(rank, losses, error)`` on ``results``); the failures, one
+    text each. A rank that dies without reporting (a signal, a hard crash in native code) is a
+    failure named with how it ended, not a wait that never ends; the ranks still running are
+    then given ``grace_s`` to notice (their collectives fail on the lost peer) before they are
+    terminated, so a crash always ends the run."""
+    failures, reported = [], set()
+    deadline = None
+
+    def take(report) -> None:
+        rank, _, error = report
+        reported.add(rank)
+        if error:
+            failures.append(f"rank {rank}:\n{error}")
+
+    while len(reported) < len(procs):
+        try:
+            take(results.get(timeout=poll_s))
+            continue
+        except queue.Empty:
+            pass
+        dead = [r for r, proc in enumerate(procs) if r not in reported and proc.exitcode is not None]
+        if dead:
+            with contextlib.suppress(queue.Empty):  # reports put just before exiting are in the pipe
+                while True:
+                    take(results.get(timeout=poll_s))
+            for r in dead:
+                if r not in reported:
+                    reported.add(r)
+                    failures.append(f"rank {r}: died ({_exit_reason(procs[r].exitcode)}) without a report")
+                    deadline = deadline or time.monotonic() + grace_s
+        if deadline is not None and time.monotonic() > deadline:
+            for r, proc in enumerate(procs):
+                if r not in reported:
+                    proc.terminate()
+                    reported.add(r)
+                    failures.append(f"rank {r}: terminated {grace_s:.0f} s after a peer died")
+    return failures
+
+
 def main(argv=None) -> int:
     args = _parse(argv)
     from .recipe import Recipe, RecipeError, parse_overrides
@@ -506,11 +557,7 @@ def main(argv=None) -> int:
              for r in range(world)]
     for proc in procs:
         proc.start()
-    failures = []
-    for _ in range(world):
-        rank, losses, error = results.get()
-        if error:
-            failures.append(f"rank {rank}:\n{error}")
+    failures = _collect(procs, results)
     for proc in procs:
         proc.join()
     if failures:
