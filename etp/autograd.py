@@ -4,11 +4,11 @@
 Forward acquires the full weight from the runtime (prefetched or gathered on demand), runs
 the GEMM and keeps only the input and the *shard* (the parameter itself, alive anyway): no
 full weight survives from forward to backward. Backward acquires the weight again (the
-backward chain prefetched it), writes the full weight gradient into a pooled padded buffer (or, for GEMMs without ``out=``, hands over their result) and
-gives it to the runtime, which reduce-scatters it over the
-ETP group (sum, divided by N for ``reduction="mean"``) on a side stream while the input
-gradient's GEMM runs (it comes last for that reason), and later adds this
-rank's rows into ``param.main_grad`` (megatron-core's fp32 accumulator) when it exists, else
+backward chain prefetched it), writes the full weight gradient into a pooled padded buffer
+(or, for GEMMs without ``out=``, hands over their result) and gives it to the runtime, which
+reduce-scatters it over the ETP group (sum, divided by N for ``reduction="mean"``) on a side
+stream while the input gradient's GEMM runs (it comes last for that reason), and later adds
+this rank's rows into ``param.main_grad`` (megatron-core's fp32 accumulator) when it exists, else
 into ``param.grad``, then fires the grad-ready hooks. The Function itself returns no
 gradient for the parameter: its gradient arrives through the runtime, never through
 autograd's accumulation (use ``etp.register_grad_ready_hook``, not tensor hooks).

@@ -271,7 +271,7 @@ class GroupedGemm:
                 counts = to_device_async(counts, x.device)
             # Shared by both operands, and by the layer's other FP8 weight gradient (same counts).
             layout = per_version(counts, ("colwise_layout", x.shape[0]),
-                                  lambda: grouped_colwise_layout(x.shape[0], counts, COLWISE_ALIGN))
+                                 lambda: grouped_colwise_layout(x.shape[0], counts, COLWISE_ALIGN))
             gq, g_inv, offs = quantize_grouped_colwise(gy, counts, row_amax=row_amax(gy), layout=layout)
             xq, x_inv, _ = quantize_grouped_colwise(x, counts, row_amax=row_amax(x), layout=layout)
             result = torch._scaled_grouped_mm(gq, xq.t(), g_inv.reshape(-1), x_inv.reshape(-1), offs=offs,

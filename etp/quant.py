@@ -49,7 +49,8 @@ from .kernels import (
 from .param import ETPShardedParam
 from .streams import to_device_async
 
-__all__ = ["FP8Weight", "QuantizedShard", "cast_tensorwise", "quantize_shards", "scale_rows", "FP8_DTYPE", "BLOCK"]
+__all__ = ["FP8Weight", "QuantizedShard", "cast_tensorwise", "quantize_shards", "scale_rows",
+           "prepare_scale_rows", "FP8_DTYPE", "BLOCK"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 BLOCK = 128  # rows and columns of one fp8_blockwise weight block
@@ -118,8 +119,8 @@ def scale_rows(scale_inv: torch.Tensor, groups: int, n: int) -> torch.Tensor:
     """``scale_inv`` (one per group, or one for the weight) as the contiguous ``[groups, n]``
     per-column scales the rowwise-scaled GEMMs take for their weight operand; made once per
     quantization (which rewrites ``scale_inv`` in place, bumping its version) rather than by an
-    expand-and-copy before every GEMM, and made by the quantization itself (``_store``), in the
-    optimizer's phase of the step, where the host is ahead of the device.
+    expand-and-copy before every GEMM; ``prepare_scale_rows`` makes them at the quantization, in
+    the optimizer's phase of the step, where the host is ahead of the device.
 
     Example::
 
@@ -129,15 +130,16 @@ def scale_rows(scale_inv: torch.Tensor, groups: int, n: int) -> torch.Tensor:
                        lambda: scale_inv.reshape(groups, 1).expand(groups, n).contiguous())
 
 
-def _warm_scale_rows(param, scale_inv: torch.Tensor) -> None:
-    """Makes the two ``scale_rows`` a tensorwise weight's scaled GEMMs ask for (forward: one per
-    output row; input gradient: one per input column), so no GEMM pays for them in an
-    issue-bound forward or backward."""
+def prepare_scale_rows(scale_inv: torch.Tensor, weight_shape) -> None:
+    """Makes the two ``scale_rows`` the scaled GEMMs of a tensorwise weight of ``weight_shape``
+    (``[out, in]`` or ``[E, out, in]``) ask for (forward: one per output row; input gradient:
+    one per input column), so no GEMM pays for them in an issue-bound forward or backward.
+    Called right after ``scale_inv`` is rewritten (``quantize_shards``; the expert-stack
+    benchmark's replicated FP8 baseline likewise)."""
     if scale_inv.is_cuda and torch.cuda.is_current_stream_capturing():
         return  # a captured GEMM computes its own (per_version does not cache under capture)
-    shape = param.etp_layout.logical_shape
-    groups = shape[0] if len(shape) == 3 else 1
-    for n in shape[-2:]:
+    groups = weight_shape[0] if len(weight_shape) == 3 else 1
+    for n in weight_shape[-2:]:
         scale_rows(scale_inv, groups, n)
 
 
@@ -236,7 +238,7 @@ def _quantize_tensorwise(params, group) -> None:
     for param in params:
         first, n = plan.first_slot[id(param)], _groups(param)[0]
         _store(param, quantized[id(param)], scales[first : first + n], param._version, amax[first : first + n])
-        _warm_scale_rows(param, param.etp_runtime.state(param).quant.scale_inv)
+        prepare_scale_rows(param.etp_runtime.state(param).quant.scale_inv, param.etp_layout.logical_shape)
 
 
 @dataclass(eq=False)

@@ -410,7 +410,7 @@ def quantize_full_weights(model: nn.Module, scaling: str) -> None:
     whole step, so its transposed copy is made here, in the cast's pass, instead of once per
     backward GEMM as for a gathered weight."""
     from etp.kernels import MultiTensorCastPlan
-    from etp.quant import FP8_DTYPE, FP8Weight, cast_tensorwise
+    from etp.quant import FP8_DTYPE, FP8Weight, cast_tensorwise, prepare_scale_rows
 
     weights = [(layer, name, getattr(layer, name).detach())
                for layer in model.layers for name in ("fc1_weight", "fc2_weight")]
@@ -441,6 +441,7 @@ def quantize_full_weights(model: nn.Module, scaling: str) -> None:
         fp8 = layer.fp8_weights[name]
         fp8.scale.copy_(scales[first:first + experts])
         torch.reciprocal(fp8.scale, out=fp8.scale_inv)
+        prepare_scale_rows(fp8.scale_inv, data.shape)  # as etp.quantize_shards does for ETP's weights
         first += experts
 
 

@@ -145,6 +145,9 @@
 #      session's changes, and (ar)'s stack (its replicated FP8 baseline keeps its cast plan).
 # (aw) session 16: the sampled host profile of the eager recipe once more, FP8 and bf16, after
 #      (au) and (av)'s changes (scale rows made by the quantization, plain launch grids).
+# (ax) session 16, not run (device time spent): the stack's replicated FP8 baseline now makes its
+#      scale rows at its quantization (etp.quant.prepare_scale_rows), as quantize_shards does for
+#      ETP's weights: the stack again, on H200 when lent (issue 13's 0.80x is an H200 target).
 # ONLY (tools/gpu_lib.sh) runs a subset, e.g. ONLY='^(a_|b_)'.
 source tools/gpu_lib.sh
 budget_begin /tmp/etp_pending 560
@@ -597,5 +600,10 @@ for g in fp8 bf16; do
   TAIL=3 step "aw_${g}_sampled" 80 $SAMPLED --out "$OUT/aw_$g" -m etp.megatron.train --recipe $FLAG $AT2 $SETS \
     --train-iters 24 --log-interval 4 --timeline --json "$OUT/aw_${g}_sampled.json"
 done
+
+# (ax)
+TAIL=12 step ax_stack 220 torchrun --standalone --nproc-per-node 2 tools/bench_expert_stack.py --variants \
+replicated,replicated_fp8_wgrad,etp_async_ce_push_alias,etp_async_ce_push_fp8_wgrad_alias_reuse,\
+replicated_fp8_wgrad_graphed,etp_async_ce_push_fp8_wgrad_alias_reuse_graphed --rounds 2 --out "$OUT/ax_stack.json"
 
 budget_end
