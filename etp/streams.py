@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CommStreams", "GemmSmCarveout", "StreamRegistry", "current_stream_event",
+__all__ = ["CommStreams", "GemmSmCarveout", "StreamRegistry", "current_raw_stream", "current_stream", "current_stream_event",
            "to_device_async", "warmup_stream"]
 
 
@@ -51,13 +51,48 @@ class CommStreams:
             stream.wait_event(event)
 
 
+_STREAMS: dict = {}  # (device index, raw cudaStream_t) -> its torch.cuda.Stream
+
+
+def _index(device: torch.device | int | None) -> int:
+    if isinstance(device, torch.device):
+        return device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.current_device() if device is None else device
+
+
+def current_raw_stream(device: torch.device | int | None = None) -> int:
+    """``device``'s (default: the current device's) current stream as a raw ``cudaStream_t``
+    (what driver calls such as ``cuStreamWriteValue32`` take), without making a
+    ``torch.cuda.Stream`` object (see ``current_stream``)."""
+    return torch._C._cuda_getCurrentRawStream(_index(device))
+
+
+def current_stream(device: torch.device | int | None = None) -> torch.cuda.Stream:
+    """``torch.cuda.current_stream(device)`` for the hot paths: the raw handle is read (well
+    under a microsecond) and its ``torch.cuda.Stream`` object made once. Making one each call,
+    as ``torch.cuda.current_stream`` does, costs ~8 us of host (BENCHMARKS.md, session 16), and
+    an eager step asks hundreds of times. The same raw handle is the same stream (torch's
+    pool streams live as long as the process; an external stream's id is its handle).
+
+    Example::
+
+        current_stream(x.device).wait_event(event)
+    """
+    index = _index(device)
+    key = (index, torch._C._cuda_getCurrentRawStream(index))
+    stream = _STREAMS.get(key)
+    if stream is None:
+        stream = _STREAMS[key] = torch.cuda.current_stream(index)
+    return stream
+
+
 def current_stream_event(device: torch.device) -> torch.cuda.Event | None:
     """An event recorded now on ``device``'s current stream (None on CPU): what a side
     stream waits on before reading anything the current stream produced."""
     if device.type != "cuda":
         return None
     event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
+    event.record(current_stream(device))
     return event
 
 

@@ -67,6 +67,11 @@ def cases():
     wgq = wg.to(torch.float8_e4m3fn)
     fp8wg = FP8Weight(wgq, torch.ones(experts, device=dev), torch.ones(experts, device=dev), False,
                       wgq.view(-1, 256), experts * 256, True)
+    xq, x_inv = quantize_rowwise(x, inverse=True)
+    w_rows = fp8w.scale_rows(1, 256)
+    xgq, xg_inv = quantize_rowwise(xg, inverse=True)
+    wg_rows = fp8wg.scale_rows(experts, 256)
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
     flag = torch.zeros(16, device=dev, dtype=torch.int32)
     stream = torch.cuda.current_stream()
     handle = stream.cuda_stream
@@ -76,7 +81,37 @@ def cases():
     def fresh(t):  # a new tensor each call, as activations are (costs the "x + 0" case)
         return t + 0
 
-    return {
+    # What a Triton launch costs inside Triton, against its compiled launcher called directly
+    # (the kernel looked up once): the part a cached launch could save per call.
+    from etp.kernels.transpose import _TILE, _transpose_kernel
+    t_in = wq.view(torch.uint8).reshape(1, 256, 256)
+    t_out = torch.empty_like(t_in)
+    grid = (256 // _TILE, 256 // _TILE, 1)
+    compiled = _transpose_kernel[grid](t_in, t_out, 256, 256, TILE=_TILE, num_warps=4)
+
+    def direct_run():
+        compiled.run(grid[0], grid[1], grid[2], torch.cuda.current_stream().cuda_stream, compiled.function,
+                     compiled.packed_metadata, None, None, None, t_in, t_out, 256, 256, _TILE)
+
+    extra = {}
+    try:  # this tree's launch seam and stream lookups (absent from older trees run for an A/B)
+        from etp.kernels.launch import launch
+        from etp.streams import current_raw_stream, current_stream
+
+        extra = {
+            "launch(_transpose_kernel, ...) (etp's cached launch)":
+                lambda: launch(_transpose_kernel, grid, t_in, t_out, 256, 256, TILE=_TILE, num_warps=4),
+            "etp.streams.current_stream()": current_stream,
+            "etp.streams.current_raw_stream()": current_raw_stream,
+        }
+    except ImportError:
+        pass
+
+    def direct_run_raw_stream():
+        compiled.run(grid[0], grid[1], grid[2], handle, compiled.function,
+                     compiled.packed_metadata, None, None, None, t_in, t_out, 256, 256, _TILE)
+
+    return extra | {
         "torch.empty": lambda: torch.empty(64, 256, device=dev, dtype=torch.bfloat16),
         "x + 0 (one elementwise launch)": lambda: x + 0,
         "torch.cuda.current_stream()": torch.cuda.current_stream,
@@ -89,11 +124,25 @@ def cases():
         "DenseGemm.forward bf16": lambda: DenseGemm.forward(x, w, None),
         "torch._scaled_mm alone": lambda: torch._scaled_mm(wq, wq.t(), scale_a=scale, scale_b=scale,
                                                            out_dtype=torch.bfloat16),
+        # The call DenseGemm.forward makes: one scale per activation row and per weight row.
+        "torch._scaled_mm, rowwise scales (the FP8 GEMMs' call)":
+            lambda: torch._scaled_mm(xq, wq.t(), scale_a=x_inv[:, None], scale_b=w_rows, out_dtype=torch.bfloat16,
+                                     use_fast_accum=True),
+        "torch._scaled_grouped_mm (GroupedGemm.forward's call)":
+            lambda: torch._scaled_grouped_mm(xgq, wgq.transpose(-2, -1), xg_inv, wg_rows, offs=offs,
+                                             out_dtype=torch.bfloat16, use_fast_accum=True),
+        "FP8Weight.scale_rows (kept per version)": lambda: fp8w.scale_rows(1, 256),
+        "x_inv[:, None] (a view)": lambda: x_inv[:, None],
+        "torch.cuda.is_current_stream_capturing()": torch.cuda.is_current_stream_capturing,
         "quantize_rowwise (Triton launch + wrapper)": lambda: quantize_rowwise(x, inverse=True),
         "quantize_activation (new tensor)": lambda: quantize_activation(fresh(x)),
         "x + 0 then DenseGemm.forward FP8": lambda: DenseGemm.forward(fresh(x), fp8w, None),
         "x + 0 then DenseGemm.dgrad FP8 (transposes the weight)": lambda: DenseGemm.dgrad(fresh(x), fp8w, None),
         "transpose_last2 (Triton launch)": lambda: transpose_last2(wq),
+        "_transpose_kernel[grid](...) (Triton's launch path, no wrapper)":
+            lambda: _transpose_kernel[grid](t_in, t_out, 256, 256, TILE=_TILE, num_warps=4),
+        "compiled.run(...) (the compiled launcher, current stream looked up)": direct_run,
+        "compiled.run(...) (the compiled launcher, raw stream handle)": direct_run_raw_stream,
         "torch._grouped_mm bf16 (offsets cached)": lambda: GroupedGemm.forward(xg, wg, counts),
         "x + 0 then GroupedGemm.forward FP8": lambda: GroupedGemm.forward(fresh(xg), fp8wg, counts),
     }

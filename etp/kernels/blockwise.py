@@ -24,6 +24,7 @@ from etp.kernels.amax import (
     select_impl,
 )
 from etp.kernels.fp8_convert import _e4m3_bits_to_f32, _f32_to_bf16_bits, _quantize_f32
+from etp.kernels.launch import launch
 from etp.kernels.reference import (
     FP8_E4M3_MAX,
     blockwise_scale_shape,
@@ -309,7 +310,7 @@ def _launch_quantize_looped(x3: torch.Tensor, q3: torch.Tensor, s: torch.Tensor,
     grid = (nbr, nbc, n_exp)
     _check_grid(grid, "quantize_blockwise")
     tr, tc = _looped_chunk(block_rows, block_cols)
-    _quantize_blockwise_looped_kernel[grid](
+    launch(_quantize_blockwise_looped_kernel, grid,
         _soft_view(x3, soft), _soft_view(q3, soft), s, s if amax is None else amax, rows, cols, nbr, nbc,
         block_rows, block_cols, DTYPE=_DTYPE_CODE[x3.dtype], SOFT=soft, FP8_MAX=FP8_E4M3_MAX, TR=tr, TC=tc,
         HAS_AMAX=amax is not None, INVERSE=inverse, num_warps=8 if tr * tc >= 4096 else 4,
@@ -335,7 +336,7 @@ def _launch_quantize_blockwise(x: torch.Tensor, block_rows: int, block_cols: int
     row_mode = block_rows == 1
     grid = (cdiv(rows, tr) if row_mode else nbr, nbc, n_exp)
     _check_grid(grid, "quantize_blockwise")
-    _quantize_blockwise_kernel[grid](
+    launch(_quantize_blockwise_kernel, grid,
         _soft_view(x3, soft), _soft_view(q3, soft), s, s, rows, cols, nbr, nbc,
         DTYPE=_DTYPE_CODE[x.dtype], SOFT=soft, FP8_MAX=FP8_E4M3_MAX,
         BR=block_rows, BC=block_cols, TR=tr, TC=tc, ROW_MODE=row_mode, HAS_AMAX=False,
@@ -354,7 +355,7 @@ def _launch_dequantize(q: torch.Tensor, scale: torch.Tensor, block: Optional[Tup
     scale = scale.float().contiguous()
     if block is None:
         grid = (cdiv(q.numel(), _DQ_BLOCK),)
-        _dequantize_tensorwise_kernel[grid](
+        launch(_dequantize_tensorwise_kernel, grid,
             _soft_view(q, soft), scale, _soft_view(out, soft), q.numel(),
             OUT=_OUT_CODE[out_dtype], SOFT=soft, BLOCK=_DQ_BLOCK, num_warps=4, **EXACT_FP,
         )
@@ -363,7 +364,7 @@ def _launch_dequantize(q: torch.Tensor, scale: torch.Tensor, block: Optional[Tup
     n_exp, rows, cols = q3.shape
     grid = (cdiv(rows, _DQ_TILE_R), cdiv(cols, _DQ_TILE_C), n_exp)
     _check_grid(grid, "dequantize_fp8")
-    _dequantize_blockwise_kernel[grid](
+    launch(_dequantize_blockwise_kernel, grid,
         _soft_view(q3, soft), scale, _soft_view(o3, soft), rows, cols, scale.shape[-2], scale.shape[-1],
         OUT=_OUT_CODE[out_dtype], SOFT=soft, BR=block[0], BC=block[1],
         TILE_R=_DQ_TILE_R, TILE_C=_DQ_TILE_C, ROW_SCALES=block[1] % _DQ_TILE_C == 0,
@@ -561,7 +562,7 @@ def quantize_rowwise(x: torch.Tensor, *, amax_out: Optional[torch.Tensor] = None
     else:
         tr = max(1, 8192 // tc)  # ~8K elements in registers per program
         # NBC = 1, so the kernel's [rows, 1] scale layout is s's [rows].
-        _quantize_blockwise_kernel[(cdiv(rows, tr), 1, 1)](
+        launch(_quantize_blockwise_kernel, (cdiv(rows, tr), 1, 1),
             _soft_view(x, soft), _soft_view(q, soft), s, s if amax is None else amax,
             rows, cols, rows, 1, DTYPE=_DTYPE_CODE[x.dtype], SOFT=soft, FP8_MAX=FP8_E4M3_MAX,
             BR=1, BC=cols, TR=tr, TC=tc, ROW_MODE=True, HAS_AMAX=amax is not None, INVERSE=inverse,

@@ -32,6 +32,7 @@ from etp.kernels.amax import (
     upload_tables,
 )
 from etp.kernels.fp8_convert import _quantize_f32
+from etp.kernels.launch import launch
 from etp.kernels.reference import FP8_E4M3_MAX, amax_to_scale_ref, multi_tensor_amax_ref, multi_tensor_cast_fp8_ref
 
 __all__ = ["FP8_E4M3_MAX", "MultiTensorCastPlan", "amax_to_scale", "multi_tensor_cast_fp8"]
@@ -262,7 +263,7 @@ def _launch_multi_tensor_cast_fp8(
     if num_warps is None:
         num_warps = _TILE_WARPS if tables.write_t else _FLAT_WARPS
     for table, (dtype, n_t, total, aligned) in zip(tables.device_tables, tables.launches):
-        _multi_tensor_cast_fp8_kernel[(total,)](
+        launch(_multi_tensor_cast_fp8_kernel, (total,),
             table,
             scales,
             scales if amax_bits is None else amax_bits,

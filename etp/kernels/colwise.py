@@ -42,6 +42,7 @@ from etp.kernels.amax import (
 )
 from etp.kernels.blockwise import _amax_to_scale, _reciprocal_rn, _soft_view
 from etp.kernels.fp8_convert import _quantize_f32
+from etp.kernels.launch import launch
 from etp.kernels.reference import FP8_E4M3_MAX, grouped_colwise_layout, quantize_grouped_colwise_ref
 
 __all__ = ["ALIGN", "grouped_colwise_layout", "quantize_grouped_colwise"]
@@ -208,18 +209,16 @@ def quantize_grouped_colwise(
         x, ends, pends, q, s_inv = (t.cpu() for t in (x, ends, pends, q, s_inv))
         row_amax = row_amax.cpu() if row_amax is not None else None
     if row_amax is None:
-        _grouped_colwise_kernel[(experts, cdiv(cols, _TC))](
-            _soft_view(x, soft), ends, pends, _soft_view(q, soft), s_inv, cols, t_pad,
-            DTYPE=_DTYPE_CODE[x.dtype], SOFT=soft, FP8_MAX=FP8_E4M3_MAX, TT=_TT, TC=_TC, UNROLL=_UNROLL,
-            num_warps=_WARPS, **EXACT_FP,
-        )
+        launch(_grouped_colwise_kernel, (experts, cdiv(cols, _TC)),
+               _soft_view(x, soft), ends, pends, _soft_view(q, soft), s_inv, cols, t_pad,
+               DTYPE=_DTYPE_CODE[x.dtype], SOFT=soft, FP8_MAX=FP8_E4M3_MAX, TT=_TT, TC=_TC, UNROLL=_UNROLL,
+               num_warps=_WARPS, **EXACT_FP)
     else:
         scale = torch.empty(experts, dtype=torch.float32, device=x.device)
-        _expert_scale_kernel[(experts,)](row_amax.contiguous(), ends, scale, s_inv, cols,
-                                         FP8_MAX=FP8_E4M3_MAX, TB=1024, num_warps=4, **EXACT_FP)
-        _grouped_per_expert_kernel[(cdiv(t_pad, _PE_TP), cdiv(cols, _PE_TC))](
-            _soft_view(x, soft), ends, pends, scale, _soft_view(q, soft), cols, t_pad, experts,
-            DTYPE=_DTYPE_CODE[x.dtype], SOFT=soft, FP8_MAX=FP8_E4M3_MAX, LOG_E=experts.bit_length(),
-            TP=_PE_TP, TC=_PE_TC, num_warps=_PE_WARPS, **EXACT_FP,
-        )
+        launch(_expert_scale_kernel, (experts,), row_amax.contiguous(), ends, scale, s_inv, cols,
+               FP8_MAX=FP8_E4M3_MAX, TB=1024, num_warps=4, **EXACT_FP)
+        launch(_grouped_per_expert_kernel, (cdiv(t_pad, _PE_TP), cdiv(cols, _PE_TC)),
+               _soft_view(x, soft), ends, pends, scale, _soft_view(q, soft), cols, t_pad, experts,
+               DTYPE=_DTYPE_CODE[x.dtype], SOFT=soft, FP8_MAX=FP8_E4M3_MAX, LOG_E=experts.bit_length(),
+               TP=_PE_TP, TC=_PE_TC, num_warps=_PE_WARPS, **EXACT_FP)
     return q.to(device), s_inv.to(device), pends.to(device=device, dtype=torch.int32)

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from etp.kernels.amax import cdiv, check_impl, interpreter_active
+from etp.kernels.launch import launch
 
 __all__ = ["embedding_backward", "embedding_backward_reference"]
 
@@ -99,7 +100,7 @@ def embedding_backward(ids: torch.Tensor, grad: torch.Tensor, num_rows: int, *, 
     rows = torch.arange(num_rows + 1, dtype=torch.int64, device=grad.device)
     bounds = torch.searchsorted(sorted_ids, rows)  # first sorted position of each id; [v, v+1) its range
     block = min(_BLOCK_H, triton.next_power_of_2(hidden))
-    _embedding_grad_kernel[(num_rows, cdiv(hidden, block))](
+    launch(_embedding_grad_kernel, (num_rows, cdiv(hidden, block)),
         flat_grad, perm, bounds, out, hidden,
         ACC=tl.float64 if out.dtype == torch.float64 else tl.float32, BLOCK_H=block)
     return out

@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from etp.kernels.launch import launch
+
 __all__ = ["push_rows", "pull_reduce", "pull_pairs", "select_rows", "gather_tokens", "local_reduce",
            "push_meta", "zero_tail", "tile_rows", "row_block"]
 
@@ -335,11 +337,11 @@ def push_rows(x, w, pair_row, pair_rank, x_table, w_table, *, mode: int, me: int
     if mode == X_DEDUP:
         _check_dedup_world(x_table)
     ROWS = tile_rows(rows, H)
-    _push_kernel[_grid(num_ctas)](x, w if w is not None else x, pair_row, pair_rank, x_table,
-                                  w_table if w_table is not None else x_table, tokens, H, me, t_max,
-                                  K=K, X_MODE=mode, HAS_W=w is not None, SKIP_LOCAL=skip_local, ROWS=ROWS,
-                                  BLOCK_H=row_block(H), ALIGN=_row_align(x),
-                                  STAGES=_stages(stages, ROWS, H, x.element_size()), num_warps=num_warps)
+    launch(_push_kernel, _grid(num_ctas), x, w if w is not None else x, pair_row, pair_rank, x_table,
+           w_table if w_table is not None else x_table, tokens, H, me, t_max,
+           K=K, X_MODE=mode, HAS_W=w is not None, SKIP_LOCAL=skip_local, ROWS=ROWS,
+           BLOCK_H=row_block(H), ALIGN=_row_align(x),
+           STAGES=_stages(stages, ROWS, H, x.element_size()), num_warps=num_warps)
 
 
 def pull_reduce(table, pair_row, pair_rank, out, *, dedup: bool = False, me: int = 0, t_max: int = 0,
@@ -353,10 +355,10 @@ def pull_reduce(table, pair_row, pair_rank, out, *, dedup: bool = False, me: int
     if dedup:
         _check_dedup_world(table)
     ROWS = tile_rows(rows, H, K)
-    _pull_reduce_kernel[_grid(num_ctas)](table, pair_row, pair_rank, out, tokens, H, me, t_max, K=K, DEDUP=dedup,
-                                         ROWS=ROWS, BLOCK_H=row_block(H), ALIGN=_row_align(out),
-                                         STAGES=_stages(stages, ROWS, H, out.element_size(), K),
-                                         num_warps=num_warps)
+    launch(_pull_reduce_kernel, _grid(num_ctas), table, pair_row, pair_rank, out, tokens, H, me, t_max, K=K, DEDUP=dedup,
+           ROWS=ROWS, BLOCK_H=row_block(H), ALIGN=_row_align(out),
+           STAGES=_stages(stages, ROWS, H, out.element_size(), K),
+           num_warps=num_warps)
 
 
 def pull_pairs(table, pair_row, pair_rank, out, *, num_ctas: int = 32, rows=None,
@@ -364,8 +366,8 @@ def pull_pairs(table, pair_row, pair_rank, out, *, num_ctas: int = 32, rows=None
     """``out [T*K]``: each pair's scalar pulled from its destination (``rows`` and ``stages``
     are ignored: these are scalars, ``_PAIR_BLOCK`` per iteration)."""
     if out.numel():
-        _pull_pairs_kernel[_grid(num_ctas)](table, pair_row, pair_rank, out, out.numel(), BLOCK=_PAIR_BLOCK,
-                                            num_warps=num_warps)
+        launch(_pull_pairs_kernel, _grid(num_ctas), table, pair_row, pair_rank, out, out.numel(), BLOCK=_PAIR_BLOCK,
+               num_warps=num_warps)
 
 
 def select_rows(src, src_map, out, tokens_per_expert, totals, *, identity: bool = False,
@@ -387,13 +389,13 @@ def select_rows(src, src_map, out, tokens_per_expert, totals, *, identity: bool 
     n_local = tokens_per_expert.numel()
     H = out.shape[1]
     ROWS = tile_rows(rows, H)
-    _select_kernel[_grid(num_ctas)](src, src_map if src_map is not None else totals,
-                                    local if local is not None else src, out, tokens_per_expert, totals, H,
-                                    local_first, local.shape[0] if local is not None else 0,
-                                    E_LOCAL=n_local, E_PAD=triton.next_power_of_2(n_local), IDENTITY=identity,
-                                    ZERO_ONLY=zero_only, HAS_LOCAL=local is not None, ROWS=ROWS,
-                                    BLOCK_H=row_block(H),
-                                    STAGES=_stages(stages, ROWS, H, out.element_size()), num_warps=num_warps)
+    launch(_select_kernel, _grid(num_ctas), src, src_map if src_map is not None else totals,
+           local if local is not None else src, out, tokens_per_expert, totals, H,
+           local_first, local.shape[0] if local is not None else 0,
+           E_LOCAL=n_local, E_PAD=triton.next_power_of_2(n_local), IDENTITY=identity,
+           ZERO_ONLY=zero_only, HAS_LOCAL=local is not None, ROWS=ROWS,
+           BLOCK_H=row_block(H),
+           STAGES=_stages(stages, ROWS, H, out.element_size()), num_warps=num_warps)
     totals[0:1].copy_(totals[1:2])
 
 
@@ -402,9 +404,9 @@ def gather_tokens(table, tokens, out, t_max: int, *, skip: int = -1, num_ctas: i
     """``out [W*T_max, H]``: every rank's token rows (all-gather), but rank ``skip``'s."""
     H = out.shape[1]
     ROWS = tile_rows(rows, H)
-    _gather_tokens_kernel[_grid(num_ctas)](table, tokens, out, tokens.numel(), t_max, H, skip, ROWS=ROWS,
-                                           BLOCK_H=row_block(H), ALIGN=_row_align(out),
-                                           STAGES=_stages(stages, ROWS, H, out.element_size()), num_warps=num_warps)
+    launch(_gather_tokens_kernel, _grid(num_ctas), table, tokens, out, tokens.numel(), t_max, H, skip, ROWS=ROWS,
+           BLOCK_H=row_block(H), ALIGN=_row_align(out),
+           STAGES=_stages(stages, ROWS, H, out.element_size()), num_warps=num_warps)
 
 
 def local_reduce(y, red, tokens, out, t_max: int, *, num_ctas: int = 32, rows=None,
@@ -412,9 +414,9 @@ def local_reduce(y, red, tokens, out, t_max: int, *, num_ctas: int = 32, rows=No
     """``out [W*T_max, H]``: per source token, the sum of its rows held here."""
     H, K = out.shape[1], red.shape[-1]
     ROWS = tile_rows(rows, H, K)
-    _local_reduce_kernel[_grid(num_ctas)](y, red, tokens, out, tokens.numel(), t_max, H, K=K, ROWS=ROWS,
-                                          BLOCK_H=row_block(H), STAGES=_stages(stages, ROWS, H, y.element_size(), K),
-                                          num_warps=num_warps)
+    launch(_local_reduce_kernel, _grid(num_ctas), y, red, tokens, out, tokens.numel(), t_max, H, K=K, ROWS=ROWS,
+           BLOCK_H=row_block(H), STAGES=_stages(stages, ROWS, H, y.element_size(), K),
+           num_warps=num_warps)
 
 
 def push_meta(pair_row, pair_rank, map_table, red_table, world: int, me: int, t_max: int, topk: int, *,
@@ -422,8 +424,8 @@ def push_meta(pair_row, pair_rank, map_table, red_table, world: int, me: int, t_
     """Tells every peer which of its rows came from which of this rank's tokens (``rows``
     and ``stages`` are ignored: ``_PAIR_BLOCK`` pairs per iteration)."""
     if pair_row.numel():
-        _push_meta_kernel[_grid(num_ctas)](pair_row, pair_rank, map_table, red_table, pair_row.numel(), world, me,
-                                           t_max, K=topk, BLOCK=_PAIR_BLOCK, num_warps=num_warps)
+        launch(_push_meta_kernel, _grid(num_ctas), pair_row, pair_rank, map_table, red_table, pair_row.numel(), world, me,
+               t_max, K=topk, BLOCK=_PAIR_BLOCK, num_warps=num_warps)
 
 
 def zero_tail(out, tokens_per_expert, totals, **launch) -> None:

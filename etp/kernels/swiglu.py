@@ -32,6 +32,7 @@ import triton.language as tl
 from etp.kernels.amax import _DTYPE_CODE, _abs_bits, _to_f32, cdiv, interpreter_active, select_impl
 from etp.kernels.blockwise import _amax_to_scale, _reciprocal_rn, _soft_view, check_row_amax_out, fill_row_amax
 from etp.kernels.fp8_convert import _f32_to_bf16_bits, _quantize_f32
+from etp.kernels.launch import launch
 from etp.kernels.reference import FP8_E4M3_MAX, SUPPORTED_INPUT_DTYPES, swiglu_backward_ref, swiglu_ref
 
 __all__ = ["swiglu", "swiglu_backward"]
@@ -242,7 +243,7 @@ def swiglu(gate_up: torch.Tensor, probs: Optional[torch.Tensor] = None, *, quant
     q = torch.empty((rows, ffn), dtype=torch.float8_e4m3fn, device=h.device) if quantize else h
     s_inv = torch.empty(rows, dtype=torch.float32, device=h.device) if quantize else h
     tr, tc = _launch_shape(ffn)
-    _swiglu_fwd_kernel[(cdiv(rows, tr),)](
+    launch(_swiglu_fwd_kernel, (cdiv(rows, tr),),
         _soft_view(gate_up, soft), _soft_view(probs, soft) if probs is not None else gate_up,
         _soft_view(h, soft), _soft_view(q, soft), s_inv, s_inv if amax is None else amax, rows, ffn,
         DTYPE=_DTYPE_CODE[gate_up.dtype], PDTYPE=_DTYPE_CODE[probs.dtype] if probs is not None else 2,
@@ -301,7 +302,7 @@ def swiglu_backward(
     q = torch.empty(gate_up.shape, dtype=torch.float8_e4m3fn, device=dgu.device) if quantize else dgu
     s_inv = torch.empty(rows, dtype=torch.float32, device=dgu.device) if quantize else dgu
     tr, tc = _launch_shape(ffn)
-    _swiglu_bwd_kernel[(cdiv(rows, tr),)](
+    launch(_swiglu_bwd_kernel, (cdiv(rows, tr),),
         _soft_view(gate_up, soft), _soft_view(grad_h, soft),
         _soft_view(probs, soft) if probs is not None else gate_up,
         _soft_view(dgu, soft), dp, _soft_view(q, soft), s_inv, s_inv if amax is None else amax, rows, ffn,

@@ -26,6 +26,8 @@ import torch
 try:  # triton is optional on CPU-only installs; the reference serves there
     import triton
     import triton.language as tl
+
+    from etp.kernels.launch import launch
 except ImportError:  # pragma: no cover - exercised only without triton
     triton = None
 
@@ -145,9 +147,9 @@ def sum_received(own: torch.Tensor, received: torch.Tensor, out: torch.Tensor, d
     if numel == 0:
         return out
     block = 4096
-    _sum_received_kernel[(-(-numel // block),)](
-        own, received, out, numel, float(divisor), PEERS=received.shape[0], ACCUMULATE=accumulate,
-        ACC_F64=own.dtype == torch.float64, BLOCK=block, num_warps=8)
+    launch(_sum_received_kernel, (-(-numel // block),),
+           own, received, out, numel, float(divisor), PEERS=received.shape[0], ACCUMULATE=accumulate,
+           ACC_F64=own.dtype == torch.float64, BLOCK=block, num_warps=8)
     return out
 
 
@@ -191,9 +193,9 @@ def symm_reduce_scatter(
     numel = out.numel()
     block = 4096  # 16 elements per thread at 8 warps: enough loads in flight per CTA
     grid = (max(1, min(num_ctas, -(-numel // block))),)
-    _symm_rs_kernel[grid](table, wire, out, rank * numel, numel, float(divisor), WORLD=world,
-                          ACCUMULATE=accumulate, ACC_F64=wire.dtype == torch.float64, BLOCK=block,
-                          num_warps=8)
+    launch(_symm_rs_kernel, grid, table, wire, out, rank * numel, numel, float(divisor), WORLD=world,
+           ACCUMULATE=accumulate, ACC_F64=wire.dtype == torch.float64, BLOCK=block,
+           num_warps=8)
     return out
 
 

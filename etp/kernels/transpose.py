@@ -9,7 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from etp.kernels.amax import cdiv, check_impl, interpreter_active, select_impl
+from etp.kernels.amax import cdiv, interpreter_active, select_impl
+from etp.kernels.launch import launch
 
 __all__ = ["transpose_last2"]
 
@@ -37,21 +38,19 @@ def transpose_last2(x: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
 
         w_t = transpose_last2(w_fp8)   # [E, out, in] -> [E, in, out]
     """
-    check_impl(impl)
     if x.element_size() != 1 or x.dim() not in (2, 3) or not x.is_contiguous():
         raise ValueError(
             f"transpose_last2 takes a contiguous 2-D or 3-D tensor of a 1-byte dtype, got "
             f"{x.dtype} of shape {tuple(x.shape)}"
         )
-    if not select_impl(impl, x.device) or x.numel() == 0:
-        return x.transpose(-2, -1).contiguous()
     device = x.device
-    src = x.cpu() if device.type == "cuda" and interpreter_active() else x
-    x3 = src.view(torch.uint8).reshape(-1, *src.shape[-2:])
-    y3 = torch.empty((x3.shape[0], x3.shape[2], x3.shape[1]), dtype=torch.uint8, device=src.device)
-    rows, cols = x3.shape[1], x3.shape[2]
-    _transpose_kernel[(cdiv(rows, _TILE), cdiv(cols, _TILE), x3.shape[0])](
-        x3, y3, rows, cols, TILE=_TILE, num_warps=4,
-    )
-    out = y3.view(x.dtype).reshape(*x.shape[:-2], cols, rows)
-    return out.to(device)
+    if not select_impl(impl, device) or x.numel() == 0:
+        return x.transpose(-2, -1).contiguous()
+    *lead, rows, cols = x.shape
+    if interpreter_active() and device.type == "cuda":  # the interpreter reads host memory
+        return transpose_last2(x.cpu(), impl=impl).to(device)
+    # Few host operations: an eager FP8 step runs this once per input-gradient GEMM.
+    y = torch.empty((*lead, cols, rows), dtype=x.dtype, device=device)
+    launch(_transpose_kernel, (cdiv(rows, _TILE), cdiv(cols, _TILE), lead[0] if lead else 1),
+           x.view(torch.uint8), y.view(torch.uint8), rows, cols, TILE=_TILE, num_warps=4)
+    return y

@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 
 from ..groups import ShardGroup
+from ..streams import current_stream, current_stream_event
 
 __all__ = ["GatherTransport", "ReduceTransport", "SixteenBitWireReduce", "Handle", "DoneHandle", "EventHandle"]
 
@@ -60,17 +61,12 @@ class EventHandle(Handle):
 
     def wait(self) -> torch.Tensor | None:
         if self.event is not None:
-            torch.cuda.current_stream().wait_event(self.event)
+            current_stream().wait_event(self.event)
         self.keep = ()
         return self.then() if self.then is not None else self.result
 
 
-def record_event(device: torch.device) -> torch.cuda.Event | None:
-    if device.type != "cuda":
-        return None
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
-    return event
+record_event = current_stream_event  # an event recorded now on the current stream (None on CPU)
 
 
 class GatherTransport(ABC):

@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.profiler import record_function
 
+from ..streams import current_raw_stream
 from .base import DoneHandle, EventHandle, GatherTransport, Handle, record_event
 from .flag_barrier import FlagBarrier
 from .symm_pool import SymmetricPool
@@ -150,7 +151,7 @@ class CopyEngineGather(GatherTransport):
 
     def _channel(self) -> tuple[int, int]:
         """The current stream's fence channel and its raw handle."""
-        stream = torch.cuda.current_stream(self.device).cuda_stream
+        stream = current_raw_stream(self.device)
         return self._channels.setdefault(stream, len(self._channels)), stream
 
     def _fence(self, pool: SymmetricPool, channel: int, stream: int, capturing: bool) -> None:

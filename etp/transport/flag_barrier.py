@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..streams import current_raw_stream
 from .symm_pool import flag_pad
 
 __all__ = ["FlagBarrier"]
@@ -66,7 +67,7 @@ class FlagBarrier:
         its raw ``cuda_stream`` handle)."""
         from .stream_ops import wait_value_geq, write_value
 
-        stream = stream if isinstance(stream, int) else (stream or torch.cuda.current_stream()).cuda_stream
+        stream = stream if isinstance(stream, int) else (stream.cuda_stream if stream is not None else current_raw_stream())
         if not 0 <= channel < self.channels:
             raise RuntimeError(
                 f"etp flag barrier: channel {channel} out of range: {self.channels} streams fence "

@@ -57,6 +57,7 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 from ..kernels.symm_reduce import sum_received
+from ..streams import current_raw_stream, current_stream
 from .base import Handle, SixteenBitWireReduce, record_event
 from .symm_pool import flag_pad, rendezvous_offset, symm_mem_module
 
@@ -77,7 +78,7 @@ class _PushHandle(Handle):
         if self.result is not None:
             return self.result
         if self.event is not None:  # our pushes read ``full``: done before it goes back to the pool
-            torch.cuda.current_stream().wait_event(self.event)
+            current_stream().wait_event(self.event)
         t = self.transport
         rows = self.full.shape[0] // t.world
         own = self.full[t.rank * rows : (t.rank + 1) * rows]
@@ -161,7 +162,7 @@ class CopyEnginePushReduce(SixteenBitWireReduce):
         from .stream_ops import wait_value_geq, write_value
 
         slot = seq % self.SLOTS
-        stream = torch.cuda.current_stream().cuda_stream
+        stream = current_raw_stream()
         for step in range(1, self.world):
             peer = (self.rank + step) % self.world
             free = self._flag(self.rank, _FREE, peer, slot)
@@ -184,7 +185,7 @@ class CopyEnginePushReduce(SixteenBitWireReduce):
         from .stream_ops import wait_value_geq, write_value
 
         slot = seq % self.SLOTS
-        stream = torch.cuda.current_stream().cuda_stream
+        stream = current_raw_stream()
         for k in range(self.world - 1):
             ready = self._flag(self.rank, _READY, (self.rank - k - 1) % self.world, slot)
             wait_value_geq(ready, 1, stream)
@@ -195,7 +196,7 @@ class CopyEnginePushReduce(SixteenBitWireReduce):
         from .stream_ops import write_value
 
         slot = seq % self.SLOTS
-        stream = torch.cuda.current_stream().cuda_stream
+        stream = current_raw_stream()
         for k in range(self.world - 1):
             source = (self.rank - k - 1) % self.world
             write_value(self._flag(source, _FREE, self.rank, slot), 1, stream)

@@ -18,6 +18,7 @@ import functools
 
 import torch
 
+from ..streams import current_raw_stream
 from .driver import bind
 from .driver import check as _check
 
@@ -39,7 +40,7 @@ def _handle(stream: torch.cuda.Stream | int | None) -> int:
     # operations look the stream up once (``torch.cuda.current_stream()`` costs ~8 us of host).
     if isinstance(stream, int):
         return stream
-    return (stream or torch.cuda.current_stream()).cuda_stream
+    return stream.cuda_stream if stream is not None else current_raw_stream()
 
 
 def wait_value_geq(address: int, value: int, stream: torch.cuda.Stream | int | None = None) -> None:
