@@ -606,4 +606,40 @@ TAIL=12 step ax_stack 220 torchrun --standalone --nproc-per-node 2 tools/bench_e
 replicated,replicated_fp8_wgrad,etp_async_ce_push_alias,etp_async_ce_push_fp8_wgrad_alias_reuse,\
 replicated_fp8_wgrad_graphed,etp_async_ce_push_fp8_wgrad_alias_reuse_graphed --rounds 2 --out "$OUT/ax_stack.json"
 
+# (ay) session 17: Triton's own launch cost against its compiled launcher called directly
+TAIL=40 step ay_host_ops 60 python3 tools/bench_host_ops.py --out "$OUT/ay_host_ops.json"
+
+# (az) the cached Triton launches (etp.kernels.launch) and stream lookups: every compiled kernel test, then
+# each host operation with this tree and with ddb49ee's (tools/scratch/before), alternating
+TAIL=10 step az_tests 300 python3 -m pytest -q -rs -p no:warnings tests/test_launch.py tests/test_kernel_shapes.py \
+  tests/test_gemm.py tests/test_fp8.py tests/test_colwise.py tests/test_swiglu.py tests/test_ep_kernels.py \
+  tests/test_stream_ops_gpu.py
+for r in 1 2; do
+  TAIL=30 step "az_host_ops_after_$r" 60 python3 tools/bench_host_ops.py --out "$OUT/az_host_ops_after_$r.json"
+  (cd tools/scratch/before && TAIL=30 step "az_host_ops_before_$r" 60 python3 tools/bench_host_ops.py \
+    --out "$OUT/az_host_ops_before_$r.json")
+done
+
+# (ba) the leaner launch (bound once per key) and transpose wrapper: the compiled tests again, each host
+# operation with this tree and ddb49ee's, then the eager recipe with both, interleaved
+TAIL=10 step ba_tests 300 python3 -m pytest -q -rs -p no:warnings tests/test_launch.py tests/test_kernel_shapes.py \
+  tests/test_gemm.py tests/test_fp8.py tests/test_colwise.py tests/test_swiglu.py tests/test_ep_kernels.py
+for r in 1 2; do
+  TAIL=30 step "ba_host_ops_after_$r" 60 python3 tools/bench_host_ops.py --out "$OUT/ba_host_ops_after_$r.json"
+  (cd tools/scratch/before && TAIL=30 step "ba_host_ops_before_$r" 60 python3 tools/bench_host_ops.py \
+    --out "$OUT/ba_host_ops_before_$r.json")
+done
+ab_round ba 1 $AT
+ab_round ba 2 $AT
+
+# (bb) where an FP8 GEMM's host time goes: the rowwise-scaled GEMM calls themselves
+TAIL=40 step bb_host_ops 60 python3 tools/bench_host_ops.py --out "$OUT/bb_host_ops.json"
+
+# (bc) Python's garbage collector in the eager loop: counted (--timeline), then off (manual_gc), interleaved.
+# Ran once (session 17, call 6) with a manual_gc recipe key that was then removed (no gain): historical.
+MGC="--set manual_gc=true"
+for r in 1 2; do
+  recipe_steps "bc_$r" 80 4 "fp8|$FP8" "fp8_mgc|$FP8 $MGC" "bf16|" "bf16_mgc|$MGC" -- $AT
+done
+
 budget_end

@@ -37,6 +37,8 @@ import time
 
 import torch
 
+from .host_gc import GcClock
+
 __all__ = ["HostLeadTimeline", "format_timeline"]
 
 
@@ -48,6 +50,9 @@ class HostLeadTimeline:
         self._marks: list[tuple[str, float, float, torch.cuda.Event]] = []  # name, began, ended, event
         self._windows: list[dict] = []
         self._anchor = None
+        # Collections of Python's garbage collector, counted the same way on CPU runs too:
+        # [Note: garbage collection in an eager step].
+        self._gc = GcClock()
         if self.enabled:
             self._set_anchor()
 
@@ -70,6 +75,7 @@ class HostLeadTimeline:
         """Closes a log window of ``iterations`` iterations; the caller has just synchronized
         the device (so every event has completed) and the next anchor is taken now."""
         if not self.enabled:
+            self._windows.append({"iterations": iterations, "phases": {}, "gc": self._gc.take()})
             return
         anchor_host, anchor_event = self._anchor
         phases: dict[str, dict] = {}
@@ -83,7 +89,7 @@ class HostLeadTimeline:
             entry["device_ms"] += device_end - device_prev
             entry["leads"].append(device_end - host_end)
             device_prev = device_end
-        self._windows.append({"iterations": iterations, "phases": phases})
+        self._windows.append({"iterations": iterations, "phases": phases, "gc": self._gc.take()})
         self._marks.clear()
         self._set_anchor()
 
@@ -103,7 +109,9 @@ class HostLeadTimeline:
                          "host_ms": sum(e["host_ms"] for e in entries) / iterations,
                          "device_ms": sum(e["device_ms"] for e in entries) / iterations,
                          "lead_median_ms": statistics.median(leads), "lead_min_ms": min(leads)}
-        return {"iterations": iterations, "phases": out}
+        collections = [sum(w["gc"]["collections"][g] for w in windows) / iterations for g in range(3)]
+        gc_ms = [sum(w["gc"]["ms"][g] for w in windows) / iterations for g in range(3)]
+        return {"iterations": iterations, "phases": out, "gc": {"collections": collections, "ms": gc_ms}}
 
 
 def format_timeline(summary: dict | None) -> str:
@@ -117,4 +125,9 @@ def format_timeline(summary: dict | None) -> str:
     for name, p in summary["phases"].items():
         rows.append(f"| {name} | {p['calls']:.1f} | {p['host_ms']:.1f} | {p['device_ms']:.1f} | "
                     f"{p['lead_median_ms']:.1f} | {p['lead_min_ms']:.1f} |")
+    gc_stats = summary.get("gc")
+    if gc_stats is not None:
+        rows.append("garbage collections per iteration (generations 0 / 1 / 2): "
+                    + " / ".join(f"{c:.2f}" for c in gc_stats["collections"]) + ", host ms "
+                    + " / ".join(f"{m:.2f}" for m in gc_stats["ms"]))
     return "\n".join(rows)
