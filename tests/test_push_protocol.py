@@ -93,7 +93,9 @@ def _transports(device: Device, monkeypatch) -> list:
                         lambda address, value, stream=None: device.enqueue(("wait", address, value)))
     monkeypatch.setattr(stream_ops, "write_value",
                         lambda address, value, stream=None: device.enqueue(("write", address, value)))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: types.SimpleNamespace(cuda_stream=0))
+    # No CUDA here: the transport's stream lookups (etp.streams) hand out stand-ins.
+    monkeypatch.setattr(push_reduce, "current_raw_stream", lambda *a, **k: 0)
+    monkeypatch.setattr(push_reduce, "current_stream", lambda *a, **k: types.SimpleNamespace(wait_event=lambda e: None))
     transports = []
     for rank in range(device.world):
         t = push_reduce.CopyEnginePushReduce.__new__(push_reduce.CopyEnginePushReduce)

@@ -642,4 +642,7 @@ for r in 1 2; do
   recipe_steps "bc_$r" 80 4 "fp8|$FP8" "fp8_mgc|$FP8 $MGC" "bf16|" "bf16_mgc|$MGC" -- $AT
 done
 
+# (bd) the captured flagship recipe with this session's etp, FP8 and bf16 gathers
+recipe_steps bd 90 4 "fp8_graph|$GRAPH $FP8" "bf16_graph|$GRAPH" -- $AT
+
 budget_end

@@ -20,8 +20,15 @@ kernel specialized for other arguments, which ``tests/test_launch_gpu.py`` check
 happen, against the kernel Triton itself picks, on every argument pattern etp uses.
 
 Every launch goes through Triton (the slow path) under the Triton interpreter, while a
-Triton launch hook is installed (a profiler such as proton), and for good once a compiled
-kernel lacks the launcher attributes this relies on (another Triton; logged once).
+Triton launch hook is installed (a profiler such as proton), for a wrapped kernel, and for
+good on a Triton whose launcher this was not checked against (the order of the compiled
+launcher's leading arguments is Triton's internal business: checked on 3.6, the GPU
+machine's, by ``tests/test_launch.py``; another minor version is logged once and served by
+Triton's own launch until checked and added to ``_CHECKED``).
+
+Measured (BENCHMARKS.md, session 17): Triton's launch path 13.5-27 us, this 12-14 us, the
+compiled launcher alone 5.5-7.7 us, per launch of a 5-argument kernel on the H100 / H200 hosts,
+each pair in one process (processes differ by up to 2x).
 
 Example::
 
@@ -45,7 +52,12 @@ _INT32 = (-(2**31), 2**31)
 _INT64 = (-(2**63), 2**63)
 _RUNTIME = getattr(getattr(triton, "knobs", None), "runtime", None)
 _stats = {"fast": 0, "triton": 0}
-_broken = False  # a compiled kernel without the attributes used here: always Triton's path
+# Triton minor versions whose compiled launcher takes (grid x, y, z, stream, function,
+# packed metadata, launch metadata, enter hook, exit hook, *arguments), checked on a GPU.
+_CHECKED = {(3, 6)}
+_VERSION = tuple(int(p) for p in triton.__version__.split(".")[:2] if p.isdigit())
+# A compiled kernel without the attributes used here, or an unchecked Triton: always Triton's path.
+_broken = _VERSION not in _CHECKED
 
 
 class _Kernel:
@@ -77,6 +89,7 @@ class _Kernel:
         return tuple(values)
 
 
+_unchecked_logged = False
 _KERNELS: dict = {}  # jit function -> _Kernel, or None for one launched through Triton always
 
 
@@ -121,11 +134,15 @@ def launch(kernel, grid: tuple, *args, **meta):
     """``kernel[grid](*args, **meta)`` with the host cost of the compiled launcher alone once
     the arguments' specialization was seen (see [Note: cached launches]). ``grid`` is a
     tuple of up to three ints; returns the compiled kernel, as Triton does."""
-    global _broken
+    global _broken, _unchecked_logged
     info = _KERNELS.get(kernel, False)
     if info is False:
         info = _kernel_info(kernel)
     if info is None or _broken or _hook_installed():
+        if _broken and info is not None and not _unchecked_logged:
+            _unchecked_logged = True
+            log.info("etp kernels: Triton %s: launches go through Triton's own path (etp.kernels.launch "
+                     "was checked on %s)", triton.__version__, ", ".join(f"{a}.{b}" for a, b in sorted(_CHECKED)))
         _stats["triton"] += 1
         return kernel[grid](*args, **meta)
     device = torch._C._cuda_getDevice()
