@@ -580,3 +580,23 @@ def test_module_doc_lists_every_etp_field():
     section = recipe_module.__doc__.split("ETP (``recipe.etp``")[1].split("(defaults")[0]
     listed = re.findall(r"[a-z_][a-z0-9_]*", section.split("):", 1)[1])
     assert listed == [f.name for f in dataclasses.fields(etp.ETPConfig)]
+
+
+def test_fp8_eager_hint_only_where_a_capture_would_validate():
+    from etp.megatron.train import fp8_eager_hint
+
+    def flagship(**overrides):
+        etp = {"gather_dtype": "fp8_tensorwise", "etp_size": 2, "expert_etp_size": 2} | overrides.pop("etp", {})
+        return Recipe.from_yaml(BIG, etp=etp, world_size=2, global_batch_size=8,
+                                **overrides)
+
+    hint = fp8_eager_hint(flagship(), "cuda")
+    assert "--set cuda_graph=step --set overlap_grad_reduce=false" in hint and "fp8_tensorwise" in hint
+    assert fp8_eager_hint(flagship(), "cpu") is None  # no graphs on CPU
+    assert fp8_eager_hint(flagship(cuda_graph="step", overlap_grad_reduce=False), "cuda") is None  # captured already
+    assert fp8_eager_hint(flagship(etp={"gather_dtype": "param"}), "cuda") is None  # bf16 gathers
+    assert fp8_eager_hint(flagship(etp={"etp_size": 1, "expert_etp_size": 1}), "cuda") is None  # ETP off
+    # A recipe that cannot be captured as it stands gets no advice that would fail.
+    assert fp8_eager_hint(flagship(moe_token_dispatcher_type="alltoall"), "cuda") is None
+    assert fp8_eager_hint(flagship(recompute_granularity="full", recompute_method="uniform",
+                                   recompute_num_layers=1), "cuda") is None

@@ -171,6 +171,32 @@ def _build(recipe, device):
     return model, loss_fn, config
 
 
+def fp8_eager_hint(recipe, device_type: str) -> str | None:
+    """The line etp-train prints when FP8 gathers run in an eager step on CUDA and the recipe
+    could be captured as it stands (``cuda_graph: step`` validates), else None.
+
+    An FP8 GEMM issues 2-3 more launches than a bf16 one (the activation quantization, the
+    input gradient's weight transpose, the per-expert weight-gradient operands), and an eager
+    step of the flagship recipe is bound by its host's launches: eager FP8 trails eager bf16
+    there, while captured FP8 leads captured bf16 (BENCHMARKS.md, sessions 14-17).
+
+    Example::
+
+        fp8_eager_hint(Recipe.from_yaml("recipes/moe_h200x8.yaml", etp={"gather_dtype": "fp8_tensorwise"}), "cuda")
+    """
+    e = recipe.etp
+    if (device_type != "cuda" or not e.gather_dtype.startswith("fp8") or recipe.train.cuda_graph == "step"
+            or (e.etp_size == 1 and e.expert_etp_size == 1)):
+        return None
+    try:
+        recipe.replace(cuda_graph="step", overlap_grad_reduce=False)
+    except ValueError:
+        return None  # not capturable as it stands: no advice that would fail
+    return (f"etp-train: {e.gather_dtype} gathers in an eager step: each FP8 GEMM issues 2-3 more launches "
+            "than a bf16 one, and an eager step is bound by its host; the fast FP8 setting is the captured "
+            "step: --set cuda_graph=step --set overlap_grad_reduce=false (BENCHMARKS.md)")
+
+
 def _host_norm(norm) -> float | None:
     """The step's grad norm (a device tensor from the sync-free step, a float or None from
     megatron's own) as a float; raises on inf / nan, which megatron's bf16 step lets through."""
@@ -263,6 +289,9 @@ def train(rank: int, world: int, recipe, port: int | None = None, json_path: str
         print(f"etp-train: {recipe.source or 'recipe'} on {world} ranks ({backend}); {summary}; attention "
               f"{recipe.model.attention_backend}; {flops_per_iter / 1e12:.2f} TFLOP per iteration per rank, "
               f"peak {peak or 'unknown'} TFLOP/s" + ("; deterministic" if determinism else ""), flush=True)
+        hint = fp8_eager_hint(recipe, device.type)
+        if hint:
+            print(hint, flush=True)
     start = _resume(recipe, trainer, rank, None if resume is True else resume) if resume else 0
     stop = min(recipe.train.train_iters, exit_after or recipe.train.train_iters)
     losses, pending, records, window = [], [], [], time.perf_counter()
