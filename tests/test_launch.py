@@ -71,6 +71,19 @@ def test_wrapped_kernels_go_through_triton():
     assert seen == [((3,), (1, 2), {"TILE": 4})] and launch_stats()["triton"] == before + 1
 
 
+def test_runtime_arguments_by_keyword_are_refused():
+    import triton.language as tl
+    from triton.runtime.jit import JITFunction
+
+    def body(x_ptr, n, BLOCK: tl.constexpr = 4):
+        pass
+
+    info = launch_mod._Kernel(JITFunction(body))
+    info.check_keywords(("BLOCK", "num_warps"))  # constexprs and launch options: fine
+    with pytest.raises(ValueError, match=r"\['n'\] passed by keyword"):
+        info.check_keywords(("n", "BLOCK"))
+
+
 @pytest.mark.skipif(not interpreter_active(), reason="the interpreter path (TRITON_INTERPRET=1)")
 def test_interpreted_launches_go_through_triton():
     x = torch.arange(64 * 64, dtype=torch.uint8).reshape(1, 64, 64)

@@ -18,6 +18,8 @@ with the arguments in parameter order and the current raw stream. A key finer th
 Triton's only costs an extra lookup in Triton's own cache; a coarser one would launch a
 kernel specialized for other arguments, which ``tests/test_launch_gpu.py`` checks does not
 happen, against the kernel Triton itself picks, on every argument pattern etp uses.
+Runtime arguments go positionally: keywords are keyed by value, so a tensor passed by keyword
+would make a key per call (and keep the tensor alive in it); ``launch`` refuses one.
 
 Every launch goes through Triton (the slow path) under the Triton interpreter, while a
 Triton launch hook is installed (a profiler such as proton), for a wrapped kernel, and for
@@ -65,7 +67,7 @@ class _Kernel:
     their defaults, and per key the compiled kernel with the values of the parameters the call
     did not pass positionally (constant per key: the keywords' values are part of it)."""
 
-    __slots__ = ("names", "constexpr", "defaults", "compiled")
+    __slots__ = ("names", "constexpr", "defaults", "runtime", "keywords_checked", "compiled")
 
     def __init__(self, kernel) -> None:
         params = list(kernel.params)
@@ -73,7 +75,20 @@ class _Kernel:
         self.constexpr = tuple(bool(p.is_constexpr) for p in params)
         signature = inspect.signature(kernel.fn)
         self.defaults = [signature.parameters[name].default for name in self.names]
+        self.runtime = {p.name for p in params if not p.is_constexpr}
+        self.keywords_checked: set = set()  # keyword-name tuples seen to hold no runtime parameter
         self.compiled: dict = {}
+
+    def check_keywords(self, keywords: tuple) -> None:
+        """Keywords are keyed by value, so a runtime argument (a tensor, a size) passed by
+        keyword would make a key per call and keep its tensors alive: refused."""
+        if keywords in self.keywords_checked:
+            return
+        runtime = [k for k in keywords if k in self.runtime]
+        if runtime:
+            raise ValueError(f"launch: runtime parameter(s) {runtime} passed by keyword; pass them "
+                             "positionally (keywords are for constexprs and launch options)")
+        self.keywords_checked.add(keywords)
 
     def tail(self, positional: int, meta: dict) -> tuple:
         """The values of the parameters after the first ``positional``, in order: a keyword's
@@ -145,6 +160,7 @@ def launch(kernel, grid: tuple, *args, **meta):
                      "was checked on %s)", triton.__version__, ", ".join(f"{a}.{b}" for a, b in sorted(_CHECKED)))
         _stats["triton"] += 1
         return kernel[grid](*args, **meta)
+    info.check_keywords(tuple(meta))
     device = torch._C._cuda_getDevice()
     try:
         # Keywords (constexprs and launch options) by value, in the call site's order.
