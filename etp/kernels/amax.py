@@ -26,6 +26,7 @@ import triton.language as tl
 
 from etp.kernels.launch import launch
 from etp.kernels.reference import SUPPORTED_INPUT_DTYPES, multi_tensor_amax_ref
+from etp.streams import current_raw_stream
 
 __all__ = ["multi_tensor_amax"]
 
@@ -324,8 +325,7 @@ class _DeviceTableCache:
         self._tables: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
 
     def get(self, tables: Sequence[Sequence[Sequence[int]]], device: torch.device) -> List[torch.Tensor]:
-        # The raw handle: torch.cuda.current_stream makes a Stream object (~8 us of host).
-        stream = torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else torch.cuda.current_device())
+        stream = current_raw_stream(device)  # no Stream object made (torch.cuda.current_stream: ~8 us)
         key = (stream, tuple(tuple(tuple(col) for col in cols) for cols in tables))
         hit = self._tables.get(key)
         if hit is None:

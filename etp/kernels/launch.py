@@ -1,12 +1,11 @@
 """Triton launches with a small host cost: the compiled launcher, called directly.
 
 [Note: cached launches]
-``kernel[grid](...)`` costs the host ~27 us per launch on an H100 host (a 5-argument kernel;
-more for the 16 arguments of the FP8 quantization), of which the compiled launcher itself is
-~5.5 us: the rest is Triton binding the arguments, computing and looking up the
-specialization key, and reading the current device and stream (BENCHMARKS.md, session 17).
-An eager FP8 step issues ~400 Triton launches and is bound by its host's issue rate, so
-that is ~8 ms of host time per iteration.
+``kernel[grid](...)`` costs the host 13.5-27 us per launch of a 5-argument kernel on the
+H100 / H200 hosts, of which the compiled launcher itself is 5.5-7.7 us: the rest is Triton
+binding the arguments, computing and looking up the specialization key, and reading the
+current device and stream. An eager FP8 step issues ~400 Triton launches and is bound by its
+host's issue rate.
 
 ``launch(kernel, grid, *args, **meta)`` keeps each kernel's compiled kernels under a key
 that is at least as fine as Triton's specialization: the device, the launch options
@@ -16,7 +15,7 @@ its value (bools, None) or its type (floats). A key's first launch goes through 
 which compiles or finds the kernel and returns it; later ones call that kernel's launcher
 with the arguments in parameter order and the current raw stream. A key finer than
 Triton's only costs an extra lookup in Triton's own cache; a coarser one would launch a
-kernel specialized for other arguments, which ``tests/test_launch_gpu.py`` checks does not
+kernel specialized for other arguments, which ``tests/test_launch.py`` checks (on a GPU) does not
 happen, against the kernel Triton itself picks, on every argument pattern etp uses.
 Runtime arguments go positionally: keywords are keyed by value, so a tensor passed by keyword
 would make a key per call (and keep the tensor alive in it); ``launch`` refuses one.
@@ -28,9 +27,9 @@ launcher's leading arguments is Triton's internal business: checked on 3.6, the 
 machine's, by ``tests/test_launch.py``; another minor version is logged once and served by
 Triton's own launch until checked and added to ``_CHECKED``).
 
-Measured (BENCHMARKS.md, session 17): Triton's launch path 13.5-27 us, this 12-14 us, the
-compiled launcher alone 5.5-7.7 us, per launch of a 5-argument kernel on the H100 / H200 hosts,
-each pair in one process (processes differ by up to 2x).
+Measured (BENCHMARKS.md, session 17), each pair in one process (processes differ by up to
+2x): this 12-14 us against Triton's 13.5-20 us; most of what is left over the launcher alone is
+building the key.
 
 Example::
 
@@ -45,11 +44,12 @@ import torch
 import triton
 from triton.runtime.jit import JITFunction
 
+from etp.streams import current_raw_stream
+
 __all__ = ["launch", "launch_stats"]
 
 log = logging.getLogger(__name__)
 
-# Options Triton takes beside the kernel's own parameters (``backend.parse_options``).
 _INT32 = (-(2**31), 2**31)
 _INT64 = (-(2**63), 2**63)
 _RUNTIME = getattr(getattr(triton, "knobs", None), "runtime", None)
@@ -180,7 +180,7 @@ def launch(kernel, grid: tuple, *args, **meta):
         return compiled
     compiled, tail = found
     compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                 torch._C._cuda_getCurrentRawStream(device), compiled.function, compiled.packed_metadata,
+                 current_raw_stream(device), compiled.function, compiled.packed_metadata,
                  None, None, None, *args, *tail)
     _stats["fast"] += 1
     return compiled

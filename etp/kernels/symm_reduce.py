@@ -27,6 +27,7 @@ try:  # triton is optional on CPU-only installs; the reference serves there
     import triton
     import triton.language as tl
 
+    from etp.kernels.amax import cdiv
     from etp.kernels.launch import launch
 except ImportError:  # pragma: no cover - exercised only without triton
     triton = None
@@ -147,7 +148,7 @@ def sum_received(own: torch.Tensor, received: torch.Tensor, out: torch.Tensor, d
     if numel == 0:
         return out
     block = 4096
-    launch(_sum_received_kernel, (-(-numel // block),),
+    launch(_sum_received_kernel, (cdiv(numel, block),),
            own, received, out, numel, float(divisor), PEERS=received.shape[0], ACCUMULATE=accumulate,
            ACC_F64=own.dtype == torch.float64, BLOCK=block, num_warps=8)
     return out
@@ -192,7 +193,7 @@ def symm_reduce_scatter(
         return symm_reduce_scatter_reference(peers, rank, out, divisor, accumulate)
     numel = out.numel()
     block = 4096  # 16 elements per thread at 8 warps: enough loads in flight per CTA
-    grid = (max(1, min(num_ctas, -(-numel // block))),)
+    grid = (max(1, min(num_ctas, cdiv(numel, block))),)
     launch(_symm_rs_kernel, grid, table, wire, out, rank * numel, numel, float(divisor), WORLD=world,
            ACCUMULATE=accumulate, ACC_F64=wire.dtype == torch.float64, BLOCK=block,
            num_warps=8)

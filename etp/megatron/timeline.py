@@ -50,8 +50,8 @@ class HostLeadTimeline:
         self._marks: list[tuple[str, float, float, torch.cuda.Event]] = []  # name, began, ended, event
         self._windows: list[dict] = []
         self._anchor = None
-        # Collections of Python's garbage collector, counted the same way on CPU runs too:
-        # [Note: garbage collection in an eager step].
+        # Collections of Python's garbage collector per window: [Note: garbage collection in
+        # an eager step].
         self._gc = GcClock()
         if self.enabled:
             self._set_anchor()
@@ -75,7 +75,6 @@ class HostLeadTimeline:
         """Closes a log window of ``iterations`` iterations; the caller has just synchronized
         the device (so every event has completed) and the next anchor is taken now."""
         if not self.enabled:
-            self._windows.append({"iterations": iterations, "phases": {}, "gc": self._gc.take()})
             return
         anchor_host, anchor_event = self._anchor
         phases: dict[str, dict] = {}

@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from ..groups import ShardGroup
-from ..streams import current_stream, current_stream_event
+from ..streams import current_stream
 
 __all__ = ["GatherTransport", "ReduceTransport", "SixteenBitWireReduce", "Handle", "DoneHandle", "EventHandle"]
 
@@ -64,9 +64,6 @@ class EventHandle(Handle):
             current_stream().wait_event(self.event)
         self.keep = ()
         return self.then() if self.then is not None else self.result
-
-
-record_event = current_stream_event  # an event recorded now on the current stream (None on CPU)
 
 
 class GatherTransport(ABC):

@@ -35,8 +35,8 @@ from __future__ import annotations
 import torch
 from torch.autograd.profiler import record_function
 
-from ..streams import current_raw_stream
-from .base import DoneHandle, EventHandle, GatherTransport, Handle, record_event
+from ..streams import current_raw_stream, current_stream_event
+from .base import DoneHandle, EventHandle, GatherTransport, Handle
 from .flag_barrier import FlagBarrier
 from .symm_pool import SymmetricPool
 
@@ -181,7 +181,7 @@ class CopyEngineGather(GatherTransport):
             self._fence(pool, channel, stream, capturing)
         if not async_op:
             return DoneHandle(out)
-        return EventHandle(out, record_event(out.device), keep=(source,))
+        return EventHandle(out, current_stream_event(out.device), keep=(source,))
 
     def nbytes(self) -> int:
         """Shard pools and flag pads (outside torch's allocator). Aliased tickets' backings are

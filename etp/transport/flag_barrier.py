@@ -25,7 +25,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..streams import current_raw_stream
 from .symm_pool import flag_pad
 
 __all__ = ["FlagBarrier"]
@@ -65,9 +64,9 @@ class FlagBarrier:
     def __call__(self, channel: int, stream: torch.cuda.Stream | int | None = None) -> None:
         """Barrier number ``n + 1`` of ``channel`` on ``stream`` (default: the current stream; or
         its raw ``cuda_stream`` handle)."""
-        from .stream_ops import wait_value_geq, write_value
+        from .stream_ops import stream_handle, wait_value_geq, write_value
 
-        stream = stream if isinstance(stream, int) else (stream.cuda_stream if stream is not None else current_raw_stream())
+        stream = stream_handle(stream)  # once for all of this barrier's flag operations
         if not 0 <= channel < self.channels:
             raise RuntimeError(
                 f"etp flag barrier: channel {channel} out of range: {self.channels} streams fence "

@@ -57,8 +57,8 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 from ..kernels.symm_reduce import sum_received
-from ..streams import current_raw_stream, current_stream
-from .base import Handle, SixteenBitWireReduce, record_event
+from ..streams import current_raw_stream, current_stream, current_stream_event
+from .base import Handle, SixteenBitWireReduce
 from .symm_pool import flag_pad, rendezvous_offset, symm_mem_module
 
 __all__ = ["CopyEnginePushReduce"]
@@ -211,7 +211,7 @@ class CopyEnginePushReduce(SixteenBitWireReduce):
         self._issued += 1
         with record_function(self.label):
             self._push(full, rows, seq)
-        event = record_event(full.device) if async_op else None
+        event = current_stream_event(full.device) if async_op else None
         handle = _PushHandle(self, full, seq, target, float(self.world) if mean else 1.0, event)
         if not async_op:
             handle.wait()

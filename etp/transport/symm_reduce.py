@@ -24,7 +24,8 @@ import torch
 from torch.autograd.profiler import record_function
 
 from ..kernels.symm_reduce import symm_reduce_scatter
-from .base import EventHandle, Handle, SixteenBitWireReduce, record_event
+from ..streams import current_stream_event
+from .base import EventHandle, Handle, SixteenBitWireReduce
 from .symm_pool import rendezvous_offset, symm_mem_module
 
 __all__ = ["CopyEngineReduce", "SymmTritonReduce"]
@@ -70,7 +71,7 @@ class _SymmetricWgradReduce(SixteenBitWireReduce):
             keep = self._reduce_rows(entry, full, group, out, divisor=float(group.size) if mean else 1.0,
                                      accumulate=target is not None)
             barrier.barrier(channel=0)
-        event = record_event(full.device) if async_op else None
+        event = current_stream_event(full.device) if async_op else None
         return EventHandle(out, event, keep=(full, *keep))
 
     def _reduce_rows(self, entry, full, group, out, divisor: float, accumulate: bool) -> tuple:
