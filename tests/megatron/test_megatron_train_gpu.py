@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(
     backend() != "nccl" or torch.cuda.device_count() < 2,
     reason="needs ETP_TEST_BACKEND=nccl and 2 GPUs (megatron-core's DDP and optimizer need CUDA)",
 )
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = dict(num_layers=2, hidden_size=256, num_attention_heads=4, num_query_groups=4, seq_length=128,
              max_position_embeddings=128, vocab_size=1024, num_experts=8, moe_ffn_hidden_size=192,
              micro_batch_size=2, global_batch_size=8, train_iters=8, lr_warmup_iters=2, log_interval=4,

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from ep_cases import make_case, reference_layer
 from harness import run_distributed
-from test_ep import make_case, reference_layer
 
 E, K, H, T = 8, 3, 5, 7
 

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from test_ep import make_case
+from ep_cases import make_case
 
 from etp.ep.backends.base import sum_pairs
 from etp.ep.layout import count_pairs, pair_rows

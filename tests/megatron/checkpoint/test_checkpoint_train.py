@@ -18,7 +18,7 @@ import torch.distributed as dist
 from harness import run_distributed
 
 pytest.importorskip("megatron.core")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 TINY = ROOT / "recipes" / "tiny_moe_cpu.yaml"
 SHAPES = dict(hidden_size=48, moe_ffn_hidden_size=36, micro_batch_size=2, seq_length=32,
               max_position_embeddings=32, train_iters=4, lr_warmup_iters=1, world_size=4)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 spec = importlib.util.spec_from_file_location(
-    "compare_recipe_runs", Path(__file__).resolve().parents[1] / "tools" / "compare_recipe_runs.py")
+    "compare_recipe_runs", Path(__file__).resolve().parents[2] / "tools" / "compare_recipe_runs.py")
 compare_runs = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(compare_runs)
 

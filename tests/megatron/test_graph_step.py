@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from etp.megatron.recipe import Recipe, RecipeError
 
-FLAGSHIP = os.path.join(os.path.dirname(__file__), "..", "recipes", "moe_h200x8.yaml")
+FLAGSHIP = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "moe_h200x8.yaml")
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["index_add", "ordered_sums"])

@@ -7,7 +7,7 @@ import pytest
 from etp.megatron.flops import attention_flops_per_token, gemm_weights_per_token, mfu, peak_tflops, training_flops
 from etp.megatron.recipe import Recipe
 
-RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
 
 def test_tiny_recipe_hand_count():

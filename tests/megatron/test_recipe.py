@@ -19,7 +19,7 @@ from etp.megatron.recipe import (
     parse_overrides,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "recipes" / "tiny_moe_cpu.yaml"
 BIG = ROOT / "recipes" / "moe_h200x8.yaml"
 

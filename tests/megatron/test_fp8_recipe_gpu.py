@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(
     backend() != "nccl" or torch.cuda.device_count() < 2,
     reason="needs ETP_TEST_BACKEND=nccl and 2 GPUs (megatron-core's MoE layer needs CUDA)",
 )
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # The recipe's own shapes; only depth, batch and length of the run are cut.
 TWO_LAYERS = dict(num_layers=2, micro_batch_size=1, global_batch_size=4, train_iters=6, lr_warmup_iters=2,
                   log_interval=3, world_size=2)

@@ -12,7 +12,7 @@ from etp.audit import predict_memory, weight_inventory
 from etp.audit.cli import audit, main
 from etp.megatron.recipe import Recipe
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 SMALL = dict(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=256,
              num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_grouped_gemm=True,
