@@ -19,5 +19,6 @@ setup(
         "triton",
         "pyyaml",
     ],
-    extras_require={"test": ["pytest", "matplotlib", "ruff"], "audit": ["matplotlib"]},
+    # "jax": etp.jax (expert parallelism for JAX under shard_map); nothing else imports JAX.
+    extras_require={"test": ["pytest", "matplotlib", "ruff"], "audit": ["matplotlib"], "jax": ["jax"]},
 )
