@@ -51,7 +51,7 @@ class _ETPWeightFunction(torch.autograd.Function):
         # the backward's last GEMM (it waited 0.55 ms per step there on 2xH200, step (ak)).
         if ctx.needs_input_grad[1]:
             cfg = param.etp_config
-            fp8 = dict(fp8=cfg.fp8_wgrad, fast_accum=cfg.fp8_fast_accum)
+            fp8 = dict(fp8=cfg.fp8_wgrad)
             if cfg.fp8_wgrad and weight is not None:
                 op.quantize_ahead(gy, weight)  # its rows' amax serves the FP8 wgrad, its q the dgrad
             if op.writes_into(x, gy):

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["ETPConfig", "GATHER_DTYPES", "REDUCTIONS", "REDUCE_TRANSPORTS", "TRANSPORTS"]
+__all__ = ["ETPConfig", "GATHER_DTYPES", "REDUCTIONS", "REMOVED_SETTINGS", "TRANSPORTS"]
 
 #: Gather formats, mapped to the dtype the weight travels in (None: the parameter's own).
 GATHER_DTYPES: dict[str, torch.dtype | None] = {
@@ -30,13 +30,26 @@ GATHER_DTYPES: dict[str, torch.dtype | None] = {
 #: "sum" matches per-token-sum losses normalized later by the caller.
 REDUCTIONS = ("mean", "sum")
 
-
-#: How gathered weight bytes move; see [Note: ETP transports] in etp/transport/base.py.
+#: How weight and gradient bytes move; see [Note: ETP transports] in etp/transport/base.py.
 TRANSPORTS = ("auto", "nccl", "copy_engine")
-FP8_WEIGHT_SCALINGS = ("current", "delayed")
 GATHER_REUSE = ("chain", "pass", "step")
-#: How weight-gradient reduce-scatters run; see [Note: ETP transports].
-REDUCE_TRANSPORTS = ("auto", "nccl", "nccl_capped", "symm_triton", "copy_engine", "copy_engine_push")
+
+#: Settings that existed once, and what stands in their place (a recipe or ``from_dict`` that
+#: names one is refused with this sentence).
+REMOVED_SETTINGS: dict[str, str] = {
+    "reduce_transport": "`transport` now chooses gathers and weight-gradient reductions together "
+                        "(auto | nccl | copy_engine: copy-engine gathers and the push reduce-scatter)",
+    "reduce_ctas": "the capped-CTA reduce-scatters are gone; `transport: copy_engine` reduces on no SM",
+    "gemm_sm_carveout": "the capped-CTA reduce-scatters it served are gone; `transport: copy_engine` "
+                        "leaves every SM to the GEMMs",
+    "alias_own_rows": "copy-engine gathers always read this rank's own rows in place where the driver "
+                      "allows it (the wrap-time log line says so)",
+    "fp8_fast_accum": "FP8 forward and input-gradient GEMMs always accumulate fast (same measured "
+                      "error against float64)",
+    "fp8_weight_scaling": "FP8 weight scales are always delayed (a weight whose amax grew is re-cast "
+                          "with its own, so nothing saturates)",
+    "prefetch_recompute": "`prefetch` covers the weights activation recompute gathers as well",
+}
 
 
 def _is_power_of_two(value: int) -> bool:
@@ -56,84 +69,35 @@ class ETPConfig:
         gather_dtype: format the weight travels in for the all-gather: "param" (the
             parameter's own dtype), "bf16", "fp16", "fp32", "fp8_tensorwise" (e4m3, one
             scale per weight or per expert) or "fp8_blockwise" (e4m3, 128x128 blocks; needs
-            pad_for_alignment a multiple of 128).
-        fp8_fast_accum: with ``fp8_tensorwise`` gathers on sm90+, the forward and
-            input-gradient FP8 GEMMs accumulate without the periodic fp32 promotion (CUTLASS's
-            fast-accumulation kernels, TransformerEngine's choice for its forward GEMM; with
-            ``fp8_wgrad`` also the weight-gradient GEMMs):
-            1.15-1.24x faster on H200 at expert shapes with the same measured error against
-            float64 (BENCHMARKS.md "FP8 compute"). Off: the promoted kernels.
-        fp8_wgrad: the weight-gradient GEMMs of grouped (expert) weights run in FP8 on sm90+
-            with bf16 activations (TransformerEngine's FP8 recipes quantize this GEMM too):
-            each operand gets one scale per expert from the rows' amax its rowwise
-            quantization already found (per (expert, column) where none is known), cast
-            transposed in one read. On by default since the flagship recipe's loss with it
-            tracked bf16 gathers on 2xH200 (1.4% apart over the last 10 of 25 iterations) and
-            the 2xH200 expert stack's ETP FP8 step fell from 1.03x to 0.98x of bf16
-            replicated's (BENCHMARKS.md "2xH200, session 6"). Off: weight gradients from bf16
-            GEMMs.
-        fp8_weight_scaling: how ``fp8_tensorwise`` weights get their scales each step:
-            "current" (the weight's amax now: an amax pass, then the cast) or "delayed" (the
-            previous step's amax, as TransformerEngine's default recipe: one cast pass that
-            also records this step's amax; weights whose amax grew are re-cast with their own
-            scale, decided on the device, so nothing ever saturates). Delayed (the default)
-            saves one read of every FP8 weight per step; a weight's first quantization (no
-            previous amax) is current.
+            pad_for_alignment a multiple of 128). FP8 halves the gathered bytes and runs the
+            GEMMs in FP8 on sm90+ (fast accumulation; delayed weight scales: the previous
+            step's amax, a weight whose amax grew re-cast with its own).
+        fp8_wgrad: with FP8 gathers, the weight-gradient GEMMs of grouped (expert) weights run
+            in FP8 on sm90+ too (per-expert scales from the rows' amax). A precision choice:
+            off, weight gradients come from bf16 GEMMs.
         gather_reuse: how long a gathered weight is kept (memory for fewer gathers):
             "chain" (two buffers per shape and role, re-gathered in backward: the least
             memory), "pass" (every forward gather kept for its backward and recompute, as
-            FSDP's ``reshard_after_forward=False``: no backward gathers, the full weights
-            held through each micro-batch) or "step" (kept across the micro-batches of a
-            step as well: one gather per weight per optimizer step; ``drain()`` /
+            FSDP's ``reshard_after_forward=False``) or "step" (kept across the micro-batches
+            of a step as well: one gather per weight per optimizer step; ``drain()`` /
             ``etp.finalize_grads``, which must run before every optimizer step, ends it).
             "pass" and "step" hold every ETP weight unsharded in the gather dtype: the
             memory of replicated 16-bit (or FP8) weights, with optimizer states and
             gradients still sharded. See [Note: gather reuse] in etp/runtime.py.
-        prefetch: gather the next weight of the chain while the current GEMM runs.
-        prefetch_recompute: with ``prefetch``, also prefetch the weights of forwards that
-            activation recompute re-runs inside backward, along their own chain (off: each
-            recomputed weight is gathered on demand). See [Note: ETP recompute chain].
-        async_reduce: reduce-scatter weight gradients on a side stream, finalized later.
-        debug_checks: check every gather / reduce-scatter state transition (slower) and log
-            weight-cache and wgrad-pool activity on the ``etp.cache`` logger (allocations at
-            INFO, every acquire / release at DEBUG); off, nothing is logged.
-        transport: how weight all-gathers move bytes: "nccl" (the process group's
-            collective), "copy_engine" (peer copies out of torch symmetric memory fenced by
-            stream flag operations: no SMs; CUDA + NCCL groups on NVLink GPUs of one host
-            only) or "auto" (copy_engine where symmetric memory is available, else nccl).
-            Chosen once at wrap time and logged.
-        alias_own_rows: with "copy_engine" gathers, a weight whose shard is a whole multiple
-            of the 2 MiB mapping granularity is gathered into a buffer whose own rows *are* the
-            shard (virtual-memory aliasing, [Note: aliased own rows] in etp/transport/vmm.py),
-            so only the peers' rows are copied: a device-local copy runs on the SMs and
-            stalls the next GEMM. On 2xH100 the bf16 expert stack's step fell from 60.95 to
-            58.15 ms with it, and its ticket buffers to (size - 1) / size of their bytes
-            (BENCHMARKS.md "2xH100, session 12"); on the flagship recipe it takes 4.2 GiB off
-            the bf16 peak (44.10 -> 39.91 GiB) and trains the same (session 13). On by default;
-            False keeps plain ticket buffers and the own-rows copy. Ignored by NCCL gathers.
-        reduce_transport: how weight-gradient reduce-scatters run: "nccl" (the RS
-            communicator, fp32 wire), "nccl_capped" (its own NCCL communicator limited to
-            ``reduce_ctas`` CTAs), "symm_triton" (a Triton kernel over symmetric memory on
-            ``reduce_ctas`` CTAs: 16-bit wire bytes, fp32 sums added straight into
-            ``main_grad``), "copy_engine" (the peers' 16-bit slices of this rank's rows
-            pulled over symmetric memory by the copy engines, then added in fp32 into
-            ``main_grad`` locally: SMs only for that memory-bound add, and two barrier kernels
-            per reduction), "copy_engine_push" (each rank pushes the peers' rows to them by
-            copy engine, fenced by stream flag operations: nothing on an SM beside the GEMMs;
-            the fp32 sum into ``main_grad`` runs on the compute stream when the reduction is
-            finalized; a CUDA graph replays it as well; see [Note: push reduce-scatter]) or
-            "auto" (copy_engine_push where symmetric memory is available, as for ``transport``,
-            else nccl. On the flagship
-            recipe at world 2 it ran 10% faster than nccl with 2.8 GiB less peak memory:
-            BENCHMARKS.md, session 11).
-        reduce_ctas: CTAs (thread blocks) of the "nccl_capped" and "symm_triton" reductions.
-        gemm_sm_carveout: SMs the GEMMs leave free for the side streams' kernels from the
-            first weight-gradient reduce-scatter of a backward pass to its last (torch's SM
-            carve-out; 0: off). A persistent GEMM that starts while a collective holds SMs
-            otherwise runs part of its tiles late, up to twice its time alone: set it to the
-            reduction's CTAs (``reduce_ctas`` with "nccl_capped" / "symm_triton"; plus one for
-            the copy-engine gather's barrier kernel inside a CUDA graph, where its fences are
-            kernels). See [Note: GEMM SM carve-out].
+        prefetch: gather the next weight of the chain (and of activation recompute's chain)
+            while the current GEMM runs. Off: every weight is gathered when it is needed.
+        async_reduce: reduce-scatter weight gradients on a side stream, finalized later. Off:
+            each reduce-scatter completes before backward goes on.
+        debug_checks: check every gather / reduce-scatter state transition and, at wrap time,
+            that replicated parameters and shard layouts agree across each ETP group (slower);
+            log weight-cache and wgrad-pool activity on the ``etp.cache`` logger (allocations
+            at INFO, every acquire / release at DEBUG). Off, nothing is logged.
+        transport: how weight and gradient bytes move: "nccl" (the process group's
+            collectives), "copy_engine" (gathers are peer copies out of torch symmetric memory
+            and weight gradients are pushed to their owners the same way, fenced by stream flag
+            operations: no SM beside the GEMMs; CUDA + NCCL groups of GPUs on one host only) or
+            "auto" (copy_engine where symmetric memory is available, else nccl). Chosen once at
+            wrap time and logged. See [Note: ETP transports].
 
     Example::
 
@@ -146,31 +110,20 @@ class ETPConfig:
     pad_for_alignment: int = 16
     reduction: str = "mean"
     gather_dtype: str = "param"
-    fp8_fast_accum: bool = True
     fp8_wgrad: bool = True
-    fp8_weight_scaling: str = "delayed"
     gather_reuse: str = "chain"
     prefetch: bool = True
-    prefetch_recompute: bool = True
     async_reduce: bool = True
     debug_checks: bool = False
     transport: str = "auto"
-    alias_own_rows: bool = True
-    reduce_transport: str = "auto"
-    reduce_ctas: int = 8
-    gemm_sm_carveout: int = 0
 
     def __post_init__(self) -> None:
-        for key in ("etp_size", "expert_etp_size", "pad_for_alignment", "reduce_ctas"):
+        for key in ("etp_size", "expert_etp_size", "pad_for_alignment"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"ETPConfig.{key}={value!r}: expected a positive integer")
             if value <= 0:
                 raise ValueError(f"ETPConfig.{key}={value!r}: must be >= 1")
-        carveout = self.gemm_sm_carveout
-        if isinstance(carveout, bool) or not isinstance(carveout, int) or carveout < 0:
-            raise ValueError(f"ETPConfig.gemm_sm_carveout={carveout!r}: expected a non-negative integer "
-                             "(SMs the GEMMs leave free during backward; 0: off)")
         if not _is_power_of_two(self.pad_for_alignment):
             raise ValueError(
                 f"ETPConfig.pad_for_alignment={self.pad_for_alignment!r}: must be a power of two "
@@ -190,14 +143,12 @@ class ETPConfig:
                 f"ETPConfig.pad_for_alignment={self.pad_for_alignment!r}: gather_dtype="
                 "'fp8_blockwise' needs shards of whole 128-row blocks: use a multiple of 128"
             )
-        for key, allowed in (("transport", TRANSPORTS), ("reduce_transport", REDUCE_TRANSPORTS),
-                             ("fp8_weight_scaling", FP8_WEIGHT_SCALINGS), ("gather_reuse", GATHER_REUSE)):
+        for key, allowed in (("transport", TRANSPORTS), ("gather_reuse", GATHER_REUSE)):
             if getattr(self, key) not in allowed:
                 raise ValueError(
                     f"ETPConfig.{key}={getattr(self, key)!r}: allowed values are {list(allowed)}"
                 )
-        for key in ("fp8_fast_accum", "fp8_wgrad", "prefetch", "prefetch_recompute", "async_reduce", "debug_checks",
-                    "alias_own_rows"):
+        for key in ("fp8_wgrad", "prefetch", "async_reduce", "debug_checks"):
             value = getattr(self, key)
             if not isinstance(value, bool):
                 raise ValueError(f"ETPConfig.{key}={value!r}: expected true or false")
@@ -209,6 +160,9 @@ class ETPConfig:
         if not isinstance(values, Mapping):
             raise ValueError(f"ETP settings must be a mapping, got {type(values).__name__}")
         merged = {**values, **overrides}
+        removed = sorted(set(merged) & set(REMOVED_SETTINGS))
+        if removed:
+            raise ValueError(f"ETP setting {removed[0]!r} was removed: {REMOVED_SETTINGS[removed[0]]}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(merged) - known)
         if unknown:

@@ -12,10 +12,9 @@ FP8 weights (``FP8Weight``, see [Note: ETP FP8 gathers]) run ``torch._scaled_mm`
 pass, one scale per row: ``etp.kernels.quantize_rowwise``), and are
 dequantized for the ordinary GEMMs everywhere else. Weight gradients stay in bf16/fp32
 unless ``ETPConfig.fp8_wgrad`` (grouped weights only).
-``FP8Weight.fast_accum`` (``ETPConfig.fp8_fast_accum``, on by default) lets those two GEMMs
-accumulate without CUTLASS's periodic promotion to fp32, as TransformerEngine's forward GEMM
-does: 1.15-1.24x faster on H200 at the expert shapes, with the same error against float64
-(BENCHMARKS.md "FP8 compute").
+Every scaled GEMM accumulates without CUTLASS's periodic promotion to fp32
+(``use_fast_accum``, as TransformerEngine's forward GEMM does): faster at the expert shapes,
+with the same error against float64 (``tools/diag/bench_fp8_gemms.py`` measures both).
 
 Grouped GEMMs run as ``torch._grouped_mm`` on CUDA for bf16 on sm90+ (its supported case);
 everywhere else (CPU, other dtypes, older GPUs) as a per-expert loop of ``torch.mm``, which is
@@ -143,7 +142,7 @@ class DenseGemm:
             out = w.data.shape[0]
             y = torch._scaled_mm(xq, w.data.t(), scale_a=x_inv[:, None],
                                  scale_b=w.scale_rows(1, out),
-                                 out_dtype=x.dtype, use_fast_accum=w.fast_accum)
+                                 out_dtype=x.dtype, use_fast_accum=True)
             return y.view(*x.shape[:-1], out)
         return F.linear(x, _dense(w, x.dtype))
 
@@ -156,7 +155,7 @@ class DenseGemm:
             inp = w.data.shape[1]
             dx = torch._scaled_mm(gq, w.data_transposed().t(), scale_a=g_inv[:, None],
                                   scale_b=w.scale_rows(1, inp),
-                                  out_dtype=gy.dtype, use_fast_accum=w.fast_accum)
+                                  out_dtype=gy.dtype, use_fast_accum=True)
             return dx.view(*gy.shape[:-1], inp)
         return gy.matmul(_dense(w, gy.dtype))
 
@@ -169,8 +168,7 @@ class DenseGemm:
         """Nothing: dense weight gradients are never FP8 GEMMs (see ``GroupedGemm``'s)."""
 
     @staticmethod
-    def wgrad(gy, x, counts, out: torch.Tensor | None = None, fp8: bool = False,
-              fast_accum: bool = False) -> torch.Tensor:
+    def wgrad(gy, x, counts, out: torch.Tensor | None = None, fp8: bool = False) -> torch.Tensor:
         """``gy^T x``; ``fp8`` applies to grouped weights only (dense weight gradients stay
         in the activations' dtype)."""
         gy2, x2 = gy.reshape(-1, gy.shape[-1]), x.reshape(-1, x.shape[-1])
@@ -222,7 +220,7 @@ class GroupedGemm:
             scale_b = w.scale_rows(w.data.shape[0], w.data.shape[1])
             return torch._scaled_grouped_mm(xq, w.data.transpose(-2, -1), x_inv, scale_b,
                                             offs=_offsets(counts, x.device), out_dtype=x.dtype,
-                                            use_fast_accum=w.fast_accum)
+                                            use_fast_accum=True)
         w = _dense(w, x.dtype)
         if _use_grouped_mm(x, w.shape[-2], w.shape[-1]):
             return torch._grouped_mm(x, w.transpose(-2, -1), offs=_offsets(counts, x.device))
@@ -237,7 +235,7 @@ class GroupedGemm:
             scale_b = w.scale_rows(w.data.shape[0], w.data.shape[2])
             return torch._scaled_grouped_mm(gq, w_col, g_inv, scale_b,
                                             offs=_offsets(counts, gy.device), out_dtype=gy.dtype,
-                                            use_fast_accum=w.fast_accum)
+                                            use_fast_accum=True)
         w = _dense(w, gy.dtype)
         if _use_grouped_mm(gy, w.shape[-2], w.shape[-1]):
             return torch._grouped_mm(gy, w, offs=_offsets(counts, gy.device))
@@ -258,12 +256,11 @@ class GroupedGemm:
             quantize_activation(gy, keep=True)
 
     @staticmethod
-    def wgrad(gy, x, counts, out: torch.Tensor | None = None, fp8: bool = False,
-              fast_accum: bool = False) -> torch.Tensor:
+    def wgrad(gy, x, counts, out: torch.Tensor | None = None, fp8: bool = False) -> torch.Tensor:
         """Per-expert ``gy_e^T x_e``. ``fp8`` (``ETPConfig.fp8_wgrad``): on sm90+ with bf16
         activations, both operands quantized per (expert, column) over the expert's tokens,
         transposed and padded per expert (``quantize_grouped_colwise``), then one FP8
-        grouped GEMM (``fast_accum``: without the periodic fp32 promotion). An operand whose
+        grouped GEMM. An operand whose
         rows' amax the forward / input-gradient GEMM already found (``row_amax``: always on the
         FP8 path) is quantized per expert instead, from that amax, in one read."""
         if fp8 and gy.dtype == x.dtype and fp8_compute_applies(x, (gy.shape[-1], x.shape[-1]), grouped=True):
@@ -275,7 +272,7 @@ class GroupedGemm:
             gq, g_inv, offs = quantize_grouped_colwise(gy, counts, row_amax=row_amax(gy), layout=layout)
             xq, x_inv, _ = quantize_grouped_colwise(x, counts, row_amax=row_amax(x), layout=layout)
             result = torch._scaled_grouped_mm(gq, xq.t(), g_inv.reshape(-1), x_inv.reshape(-1), offs=offs,
-                                              out_dtype=x.dtype, use_fast_accum=fast_accum)
+                                              out_dtype=x.dtype, use_fast_accum=True)
             return result if out is None else out.copy_(result)
         if _use_grouped_mm(x, gy.shape[-1], x.shape[-1]):
             result = torch._grouped_mm(gy.t(), x, offs=_offsets(counts, x.device))

@@ -86,7 +86,6 @@ class FP8Weight:
     blockwise: bool
     padded: torch.Tensor  # the gathered [padded_rows, cols] buffer (blockwise dequantizes it)
     rows: int
-    fast_accum: bool = False  # the scaled GEMMs' use_fast_accum (ETPConfig.fp8_fast_accum)
     # ``data`` with its last two dims swapped, made with it (``multi_tensor_cast_fp8``'s
     # write_transposed) by callers that keep a full FP8 weight for a whole step; otherwise
     # the input-gradient GEMM transposes ``data`` itself.
@@ -215,12 +214,12 @@ def cast_tensorwise(views, slot_index: torch.Tensor, slots: int, out, *, out_tra
 
 
 def _quantize_tensorwise(params, group) -> None:
-    """Current scaling: amax (one launch), all-reduce(MAX) (one collective), cast (one
-    launch); delayed (``ETPConfig.fp8_weight_scaling``): see ``cast_tensorwise``."""
+    """A weight's first quantization: amax (one launch), all-reduce(MAX) (one collective),
+    cast (one launch); later ones are delayed: see ``cast_tensorwise``."""
     device = params[0].device
     quantized = {}
     for param in params:
-        state = param.etp_runtime.state(param)
+        state = param.etp_runtime.gathers.state(param)
         buffer = state.quant.data if state.quant is not None else state.quant_home
         if buffer is None:  # padding rows stay fp8 zeros (all bits 0) forever
             buffer = torch.zeros(param.shape, dtype=FP8_DTYPE, device=device)
@@ -238,7 +237,7 @@ def _quantize_tensorwise(params, group) -> None:
     for param in params:
         first, n = plan.first_slot[id(param)], _groups(param)[0]
         _store(param, quantized[id(param)], scales[first : first + n], param._version, amax[first : first + n])
-        prepare_scale_rows(param.etp_runtime.state(param).quant.scale_inv, param.etp_layout.logical_shape)
+        prepare_scale_rows(param.etp_runtime.gathers.state(param).quant.scale_inv, param.etp_layout.logical_shape)
 
 
 @dataclass(eq=False)
@@ -288,13 +287,11 @@ def _tensorwise_plan(params, quantized) -> _TensorwisePlan:
 
 
 def _previous_amax(params) -> torch.Tensor | None:
-    """The group's amax of the previous quantization when every weight has one and
-    ``fp8_weight_scaling`` is "delayed", else None (current scaling)."""
-    if params[0].etp_config.fp8_weight_scaling != "delayed":
-        return None
+    """The group's amax of the previous quantization when every weight has one (delayed
+    scaling), else None (a first quantization: current scaling)."""
     prev = []
     for param in params:
-        quant = param.etp_runtime.state(param).quant
+        quant = param.etp_runtime.gathers.state(param).quant
         if quant is None or quant.amax is None:
             return None
         prev.append(quant.amax)
@@ -320,7 +317,7 @@ def _quantize_blockwise(params, group) -> None:
         n = scales.numel()
         full = per_rank[:, offset : offset + n].reshape(group.size * scales.shape[0], scales.shape[1])
         offset += n
-        state = param.etp_runtime.state(param)
+        state = param.etp_runtime.gathers.state(param)
         if state.quant_home is not None and state.quant is None:  # the copy-engine transport gathers from there only
             q = state.quant_home.copy_(q)
         _store(param, q, full, param._version)
@@ -330,7 +327,7 @@ def _store(param, data: torch.Tensor, scale: torch.Tensor, version: int, amax: t
     """Keeps this step's FP8 shard and scales. After the first step they are written into
     the tensors of the previous step, so their addresses never change: a CUDA graph that
     captured a gather and its scaled GEMMs reads the new step's values at replay."""
-    state = param.etp_runtime.state(param)
+    state = param.etp_runtime.gathers.state(param)
     old = state.quant
     if old is not None and old.data.shape == data.shape and old.scale.shape == scale.shape:
         if old.data.data_ptr() != data.data_ptr():

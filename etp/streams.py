@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CommStreams", "GemmSmCarveout", "StreamRegistry", "current_raw_stream", "current_stream", "current_stream_event",
+__all__ = ["CommStreams", "StreamRegistry", "current_raw_stream", "current_stream", "current_stream_event",
            "to_device_async", "warmup_stream"]
 
 
@@ -139,53 +139,3 @@ class StreamRegistry:
 
     def clear(self) -> None:
         self._streams.clear()
-
-
-def sm_carveout_supported() -> bool:
-    """Whether this torch lets GEMMs leave SMs free (``torch._C._set_sm_carveout_experimental``)."""
-    return hasattr(torch._C, "_set_sm_carveout_experimental") and hasattr(torch._C, "_get_sm_carveout_experimental")
-
-
-class GemmSmCarveout:
-    """Makes the GEMMs launched while it is held leave ``sms`` SMs free for the side streams.
-
-    [Note: GEMM SM carve-out]
-    Hopper's grouped and cuBLASLt GEMMs are persistent: they launch one CTA per SM, each
-    owning a fixed share of the tiles, and a CTA needs a whole SM (its registers and shared
-    memory). A collective kernel on a side stream that holds k SMs when a GEMM starts
-    (NCCL's reduce-scatter: 24 CTAs on 2 x H200; a symmetric-memory barrier: 1) therefore
-    delays k of the GEMM's CTAs until it ends, and those CTAs then run their whole share
-    alone: measured on 2 x H200, input-gradient GEMMs beside the NCCL reduce-scatter took
-    1.6-1.9x their time alone (BENCHMARKS.md, session 7). torch's SM carve-out sizes the
-    persistent grid to the SMs left over instead (``hw_info.sm_count`` of its CUTLASS grouped
-    GEMMs, the SM-count target of cuBLASLt), so the GEMM pays ``sms / SMs`` of its speed and
-    never waits. The runtime holds it from the first reduce-scatter of a backward pass to
-    the drain of the last (``ETPConfig.gemm_sm_carveout``): the forward, whose gathers take
-    no SMs on the copy-engine transport, keeps every SM. The setting is process-wide, read
-    when a GEMM is launched (a CUDA graph keeps what it had at capture).
-
-    Example::
-
-        carve = GemmSmCarveout(8)
-        carve.hold()      # GEMMs launched from here on use SMs - 8
-        carve.release()   # back to what it was
-    """
-
-    def __init__(self, sms: int) -> None:
-        if sms and not sm_carveout_supported():
-            raise ValueError(f"gemm_sm_carveout={sms}: this torch ({torch.__version__}) has no "
-                             "torch._C._set_sm_carveout_experimental; set gemm_sm_carveout=0")
-        self.sms = sms
-        self._before: int | None = None
-        self.held = False
-
-    def hold(self) -> None:
-        if self.sms and not self.held:
-            self._before = torch._C._get_sm_carveout_experimental()
-            torch._C._set_sm_carveout_experimental((self._before or 0) + self.sms)
-            self.held = True
-
-    def release(self) -> None:
-        if self.held:
-            torch._C._set_sm_carveout_experimental(self._before)
-            self.held = False

@@ -6,10 +6,15 @@ Wrapped module types and what is sharded:
 module                                     sharded                plug point
 =========================================  =====================  ==========================
 ``torch.nn.Linear`` (exact type)           ``weight``             instance ``forward``
+``etp.GroupedSwiGLUExperts``               ``fc1/fc2_weight``     dispatch on param type
 megatron ``ColumnParallelLinear``          ``weight`` (TP-local)  instance ``_forward_impl``
 megatron ``RowParallelLinear``             ``weight`` (TP-local)  instance ``_forward_impl``
-``etp.GroupedSwiGLUExperts``               ``fc1/fc2_weight``     dispatch on param type
 =========================================  =====================  ==========================
+
+Integrations add their layer types with ``register_layer_types`` (``etp.megatron`` adds
+megatron-core's TP linears when it is imported); this module imports none of them. A
+megatron-core TP linear met while ``etp.megatron`` was never imported is an error, not a layer
+silently left replicated.
 
 Biases, norms, routers and embeddings stay replicated; ``etp.finalize_grads`` completes their
 gradients over the ETP group. Expert weights (``is_expert`` or ``allreduce == False``, the
@@ -30,13 +35,12 @@ from .autograd import etp_linear
 from .config import ETPConfig
 from .groups import ETPGroups, ShardGroup, build_etp_groups
 from .layout import ShardLayout
-from .megatron.layers import install_forward_impl, megatron_linear_types
 from .modules import GroupedSwiGLUExperts
 from .param import ETPShardedParam
 from .runtime import ETPRuntime
 
-__all__ = ["WrapSummary", "wrap_module_params_etp", "is_expert_param", "prefetch_after_step", "runtime_of",
-           "shard_parameter"]
+__all__ = ["WrapSummary", "wrap_module_params_etp", "is_expert_param", "prefetch_after_step",
+           "register_layer_types", "runtime_of", "shard_parameter"]
 
 _WRAPPED_MARKER = "_etp_wrapped"
 
@@ -82,18 +86,53 @@ def _install_linear_forward(module: nn.Linear) -> None:
     module.forward = functools.partial(_linear_forward, module)
 
 
+@dataclass(frozen=True)
+class _LayerTypes:
+    types: Callable[[], tuple[type, ...]]  # resolved at wrap time (an integration imports lazily)
+    weights: tuple[str, ...]
+    install: Callable[[nn.Module], None] | None  # installs the ETP forward on an instance
+
+
+_LAYER_TYPES: list[_LayerTypes] = [_LayerTypes(lambda: (GroupedSwiGLUExperts,), ("fc1_weight", "fc2_weight"), None)]
+# Layers of integrations that shard them only once imported (module prefix, class names, what to import).
+_NEEDS_INTEGRATION = (("megatron.core.", ("ColumnParallelLinear", "RowParallelLinear"), "etp.megatron"),)
+
+
+def register_layer_types(types: Callable[[], tuple[type, ...]], weights: tuple[str, ...],
+                         install: Callable[[nn.Module], None] | None) -> None:
+    """Makes ``wrap_module_params_etp`` shard the ``weights`` of instances of ``types()`` and
+    call ``install(module)`` on each (it points the module's GEMM at ETP's). ``types`` is
+    called at wrap time, so an integration need not import its framework before a model of it
+    exists. Registering the same ``types`` callable twice changes nothing.
+
+    Example::
+
+        register_layer_types(lambda: (MyLinear,), ("weight",), lambda m: setattr(m, "forward", ...))
+    """
+    if not any(entry.types is types for entry in _LAYER_TYPES):
+        _LAYER_TYPES.append(_LayerTypes(types, tuple(weights), install))
+
+
 def _targets(model: nn.Module) -> list[tuple[str, nn.Module, list[str], Callable[[nn.Module], None] | None]]:
     """(module name, module, weight attribute names, installer of the ETP forward)."""
-    megatron_types = megatron_linear_types()
+    registered = [(entry.types(), entry) for entry in _LAYER_TYPES]
     found = []
     for name, module in model.named_modules():
         if type(module) is nn.Linear:
             found.append((name, module, ["weight"], _install_linear_forward))
-        elif megatron_types and isinstance(module, megatron_types):
-            if getattr(module, "weight", None) is not None:
-                found.append((name, module, ["weight"], install_forward_impl))
-        elif isinstance(module, GroupedSwiGLUExperts):
-            found.append((name, module, ["fc1_weight", "fc2_weight"], None))
+            continue
+        entry = next((e for types, e in registered if types and isinstance(module, types)), None)
+        if entry is not None:
+            weights = [w for w in entry.weights if getattr(module, w, None) is not None]
+            if weights:
+                found.append((name, module, weights, entry.install))
+            continue
+        for prefix, class_names, integration in _NEEDS_INTEGRATION:
+            if type(module).__module__.startswith(prefix) and type(module).__name__ in class_names:
+                raise ValueError(
+                    f"module '{name}' is a {type(module).__name__}, which etp shards through {integration}: "
+                    f"import {integration} before wrapping (or use etp.megatron.model.apply_etp)"
+                )
     return found
 
 

@@ -1,14 +1,22 @@
-"""The package's shape: no import cycle inside ``etp/`` (imports inside functions included), no
-file above 600 lines, and the ETP engine at the top level knows nothing of ``etp.ep``.
+"""The package's shape: no import cycle inside ``etp/`` (imports inside functions included),
+imports that flow one way (the core imports no integration wing; only ``etp/jax`` imports JAX
+and it imports no torch), ``import etp`` loading nothing, no file above 500 lines and no
+function above 80, and no development history in the code.
 
 The graph is built from the source (``ast``), not by importing, so a cycle hidden behind a
 call-time import is found as well.
 """
 import ast
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "etp"
-MAX_LINES = 600
+MAX_LINES = 500
+MAX_FUNCTION_LINES = 80
+#: the integration wings: nothing of the core (etp/*.py and its packages below) imports them
+WINGS = ("etp.megatron", "etp.audit", "etp.ep", "etp.jax")
 
 
 def _module_name(path: Path) -> str:
@@ -93,7 +101,7 @@ def test_cycle_finder_can_fail():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
-def test_no_file_above_600_lines():
+def test_no_file_above_500_lines():
     long = {str(p.relative_to(ROOT.parent)): n for p in ROOT.rglob("*.py")
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
     assert not long, f"split these files by job: {long}"
@@ -106,3 +114,92 @@ def test_engine_does_not_know_expert_parallelism():
     offenders = {m: sorted(t for t in graph[m] if t == "etp.ep" or t.startswith("etp.ep."))
                  for m in engine}
     assert not any(offenders.values()), offenders
+
+
+def _wing(module: str) -> str | None:
+    return next((w for w in WINGS if module == w or module.startswith(w + ".")), None)
+
+
+def upward_imports(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """module -> the wing modules it imports that it may not: the core imports no wing, and a
+    wing imports no other wing, except the megatron integration, which builds on ep and audit."""
+    allowed = {"etp.megatron": {"etp.ep", "etp.audit"}, "etp.audit": set(), "etp.ep": set(), "etp.jax": set()}
+    found = {}
+    for module, targets in graph.items():
+        own = _wing(module)
+        bad = sorted(t for t in targets if _wing(t) not in (None, own) and _wing(t) not in allowed.get(own, set()))
+        if bad:
+            found[module] = bad
+    return found
+
+
+def test_imports_flow_one_way():
+    assert upward_imports(import_graph()) == {}
+
+
+def test_upward_import_finder_can_fail():
+    graph = {"etp.wrap": {"etp.megatron.layers"}, "etp.megatron.model": {"etp.ep.config", "etp.wrap"},
+             "etp.ep.config": {"etp.audit"}}
+    assert upward_imports(graph) == {"etp.wrap": ["etp.megatron.layers"], "etp.ep.config": ["etp.audit"]}
+
+
+def _third_party_imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_only_the_jax_wing_imports_jax_and_it_imports_no_torch():
+    for path in ROOT.rglob("*.py"):
+        names = _third_party_imports(path)
+        if "jax" in path.relative_to(ROOT).parts[:1]:
+            assert "torch" not in names, path
+        else:
+            assert "jax" not in names, path
+
+
+def test_import_etp_loads_no_wing_and_no_torch():
+    code = ("import sys, etp; print(sorted(m for m in sys.modules "
+            "if m == 'torch' or (m.startswith('etp.'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+    code = ("import sys, etp; etp.wrap_module_params_etp; print(sorted({m.split('.')[1] for m in sys.modules "
+            "if m.startswith('etp.')} & {'megatron', 'audit', 'ep', 'jax'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+
+
+def long_functions(source: str, limit: int = MAX_FUNCTION_LINES) -> dict[str, int]:
+    found = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            length = node.end_lineno - first + 1
+            if length > limit:
+                found[f"{node.name}:{node.lineno}"] = length
+    return found
+
+
+def test_no_function_above_80_lines():
+    long = {str(p.relative_to(ROOT.parent)): f for p in ROOT.rglob("*.py")
+            if (f := long_functions(p.read_text(encoding="utf-8")))}
+    assert not long, f"split these functions: {long}"
+
+
+def test_function_length_finder_can_fail():
+    body = "\n".join(f"    x{i} = {i}" for i in range(81))
+    assert long_functions(f"def f():\n{body}\n") == {"f:1": 82}
+
+
+#: Development history: rounds, step letters and dated figures belong in BENCHMARKS.md and git.
+HISTORY = re.compile(r"\bsession \d+|\bstep \([a-z]{1,2}\)|\b20\d\d-\d\d-\d\d\b", re.IGNORECASE)
+
+
+def test_no_development_history_in_the_code():
+    found = {str(p.relative_to(ROOT.parent)): m.group(0) for p in ROOT.rglob("*.py")
+             if (m := HISTORY.search(p.read_text(encoding="utf-8")))}
+    assert not found, found

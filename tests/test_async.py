@@ -182,9 +182,9 @@ def _no_growth(ctx):
         _step(model, config, groups, seed=it)
         opt.step()
         if it in (3, 50):
-            snapshots[it] = (runtime.cache.num_buffers, runtime.cache.num_tickets, runtime.cache.nbytes(),
-                             runtime.pool.allocations,
-                             runtime.pool.num_free, runtime.pool.in_use)
+            cache, pool = runtime.gathers.cache, runtime.reductions.pool
+            snapshots[it] = (cache.num_buffers, cache.num_tickets, cache.nbytes(), pool.allocations,
+                             pool.num_free, pool.in_use)
     assert snapshots[3] == snapshots[50], snapshots
     return snapshots[50]
 
@@ -241,36 +241,6 @@ def test_grad_ready_hook_fires_after_main_grad_is_complete():
     run_distributed(_hook_after_main_grad, 2)
 
 
-def _carveout_seen(ctx):
-    config = ETPConfig(etp_size=ctx.world_size, expert_etp_size=ctx.world_size, gemm_sm_carveout=5)
-    model, groups = _setup(config, ctx.device)
-    carveout = torch._C._get_sm_carveout_experimental
-    seen = {"forward": [], "grad_ready": []}
-    model.l1.register_forward_pre_hook(lambda module, args: seen["forward"].append(carveout()))
-    for p in model.parameters():
-        if isinstance(p, ETPShardedParam):
-            register_grad_ready_hook(p, lambda q: seen["grad_ready"].append(carveout()))
-    for it in range(2):
-        _step(model, config, groups, seed=it)
-    return seen, carveout()
-
-
-def test_gemm_sm_carveout_is_held_from_the_first_reduction_to_the_drain():
-    # See [Note: GEMM SM carve-out]: the forward keeps every SM; every reduction lands while
-    # the carve-out is held; after finalize_grads the setting is what it was (None).
-    for seen, after in run_distributed(_carveout_seen, 2):
-        assert seen["forward"] == [None, None]
-        assert seen["grad_ready"] and set(seen["grad_ready"]) == {5}
-        assert after is None
-
-
-@pytest.mark.parametrize("bad", [-1, 1.5, True])
-def test_gemm_sm_carveout_must_be_a_count(bad):
-    with pytest.raises(ValueError, match="gemm_sm_carveout"):
-        ETPConfig(gemm_sm_carveout=bad)
-
-
-# ---------------------------------------------------------------- tied / no prefetch
 class TiedModel(nn.Module):
     """A weight used twice per step (like tied embedding / output weights)."""
 
@@ -322,23 +292,25 @@ def _debug_errors(ctx):
         else:
             raise AssertionError(f"{key}: no ETPStateError")
 
-    st = runtime.state(model.l1.weight)
+    gathers, reductions = runtime.gathers, runtime.reductions
+    st = gathers.state(model.l1.weight)
     # A second issue while one is in flight.
-    runtime._issue(st, Role.FWD)
-    expect("double_issue", lambda: runtime._issue(st, Role.FWD), "illegal transition in_flight -> in_flight")
-    runtime._take(st, Role.FWD)
+    gathers._issue(st, Role.FWD)
+    expect("double_issue", lambda: gathers._issue(st, Role.FWD), "illegal transition in_flight -> in_flight")
+    gathers._take(st, Role.FWD)
     # Finalizing a reduce-scatter that was never issued.
-    expect("finalize_idle", lambda: runtime._finalize(st), "finalized with none pending")
+    expect("finalize_idle", lambda: reductions._finalize(reductions.state(model.l1.weight)),
+           "finalized with none pending")
     # A consume that finds no gather in flight although the chain prefetched it: the
     # prefetch of l1 (issued by l0's consume) is taken away behind the runtime's back.
     x = torch.randn(8, 8, device=ctx.device)
-    original_take = runtime._take
+    original_take = gathers._take
 
     def steal_after_l0(param, role, dtype, records_grad=True, _acquire=runtime.acquire):
         weight = _acquire(param, role, dtype, records_grad)
         if param is model.l0.weight and role is Role.FWD:
-            original_take(runtime.state(model.l1.weight), Role.FWD)
-            runtime._holder.clear()  # and forget that the buffer holds it: the gather is lost
+            original_take(gathers.state(model.l1.weight), Role.FWD)
+            gathers._holder.clear()  # and forget that the buffer holds it: the gather is lost
         return weight
 
     runtime.acquire = steal_after_l0
@@ -352,7 +324,7 @@ def _debug_errors(ctx):
     runtime.drain()
     # A parameter that is not registered.
     stray = ETPShardedParam(torch.zeros(2, 2, device=ctx.device))
-    expect("unregistered", lambda: runtime.state(stray), "not registered")
+    expect("unregistered", lambda: runtime.record(stray), "not registered")
     return sorted(errors)
 
 

@@ -112,11 +112,10 @@ def _train(ctx, overrides, graphed, steps=10, recompute=False):
 # The push reduce-scatter replays from its set-and-clear flags ([Note: push reduce-scatter]):
 # ten replays against ten eager steps, its sums in the same order, bit for bit.
 CONFIGS = {
-    "bf16_nccl": dict(transport="nccl", reduce_transport="nccl"),
-    "fp8_nccl": dict(transport="nccl", gather_dtype="fp8_tensorwise", reduce_transport="nccl"),
-    "bf16_copy_engine": dict(transport="copy_engine", reduce_transport="nccl"),
-    "bf16_push": dict(transport="copy_engine", reduce_transport="copy_engine_push"),
-    "fp8_push": dict(transport="copy_engine", gather_dtype="fp8_tensorwise", reduce_transport="copy_engine_push"),
+    "bf16_nccl": dict(transport="nccl"),
+    "fp8_nccl": dict(transport="nccl", gather_dtype="fp8_tensorwise"),
+    "bf16_copy_engine": dict(transport="copy_engine"),
+    "fp8_copy_engine": dict(transport="copy_engine", gather_dtype="fp8_tensorwise"),
 }
 
 

@@ -253,7 +253,7 @@ class MemoryAudit:
             main_grad = getattr(param, "main_grad", None)
             grads.add(main_grad if main_grad is not None else param.grad)
             runtime = getattr(param, "etp_runtime", None)
-            quant = runtime.state(param).quant if runtime is not None else None
+            quant = runtime.fp8_shard(param) if runtime is not None else None
             if quant is not None:
                 fp8.add(quant.data)
         # Optimizer entries that are model params (fp32 params stepped in place, views of the
@@ -376,10 +376,10 @@ class MemoryAudit:
                 stats[key] = stats.get(key, 0) + value
         return {
             "runtimes": len(runtimes),
-            "cache_buffers": sum(r.cache.num_buffers for r in runtimes),
-            "cache_tickets": sum(r.cache.num_tickets for r in runtimes),
-            "pool_allocations": sum(r.pool.allocations for r in runtimes),
-            "pool_free": sum(r.pool.num_free for r in runtimes),
+            "cache_buffers": sum(r.gathers.cache.num_buffers for r in runtimes),
+            "cache_tickets": sum(r.gathers.cache.num_tickets for r in runtimes),
+            "pool_allocations": sum(r.reductions.pool.allocations for r in runtimes),
+            "pool_free": sum(r.reductions.pool.num_free for r in runtimes),
             "stats": stats,
         }
 

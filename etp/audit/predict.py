@@ -178,9 +178,8 @@ def predict_memory(recipe, world_size: int, etp: ETPConfig | None = None,
         without = predict_memory(recipe, 8, recipe.etp.replace(etp_size=1, expert_etp_size=1))
 
     ``micro_batch_size`` replaces the recipe's for the activations (the what-if table).
-    ``transport``: the gather transport (``gather_transport``); with ``reduce_transport``
-    "auto" it decides the reduction too (``reduce_transport``), whose wire dtype sizes the
-    wgrad pool.
+    ``transport``: the transport (``gather_transport``); it decides the reduction too
+    (``reduce_transport``), whose wire dtype sizes the wgrad pool.
     """
     etp = etp or recipe.etp
     t = recipe.train
@@ -205,7 +204,7 @@ def predict_memory(recipe, world_size: int, etp: ETPConfig | None = None,
     gathers = gather_transport(etp, transport)
     for role, (nbytes, _outside) in gather_buffer_bytes(recipe, etp, gathers).items():
         result["gather_" + role] += nbytes
-    reduce = reduce_transport(etp, gathers)
+    reduce = reduce_transport(gathers)
     wire_bytes = param_bytes if reduce in SIXTEEN_BIT_WIRE_REDUCTIONS and param_bytes == 2 else 4
     result["wgrad_pool"] = _wgrad_pool_bytes(pool_order, wire_bytes)
     result["activations"] = activation_bytes(recipe, micro_batch_size)
@@ -217,24 +216,25 @@ def predict_memory(recipe, world_size: int, etp: ETPConfig | None = None,
 MAPPING_GRANULARITY = 2 << 20
 
 
-def gather_buffer_bytes(recipe, etp: ETPConfig, gathers: str) -> dict[str, tuple[int, int]]:
+def gather_buffer_bytes(recipe, etp: ETPConfig, gathers: str, aliased: bool | None = None) -> dict[str, tuple[int, int]]:
     """Per role ("fwd", "bwd", "recompute"), the bytes of the weight cache's gather buffers on
     one rank and the part of them outside torch's allocator: one buffer per (chain, role, padded
-    shape, parity) ([Note: ETP buffer keys]); with copy-engine gathers and
-    ``alias_own_rows``, a weight whose shard is a whole multiple of ``MAPPING_GRANULARITY``
-    has a backing of its ``size - 1`` peers' rows only, mapped outside the allocator."""
+    shape, parity) ([Note: ETP buffer keys]); with copy-engine gathers (own rows aliased,
+    [Note: aliased own rows]), a weight whose shard is a whole multiple of ``MAPPING_GRANULARITY``
+    has a backing of its ``size - 1`` peers' rows only, mapped outside the allocator.
+    ``aliased``: whether copy-engine gathers alias (None: they do; False: a host whose ranks
+    cannot share allocations, see ``etp.transport.vmm.handle_sharing_status``)."""
     t = recipe.train
     gather_bytes = _dtype_bytes(etp.gather_dtype, 2 if (t.bf16 or t.fp16) else 4)
     # A recomputed forward that consumes ETP weights gathers them into buffers of its own
     # role ([Note: ETP recompute chain]); those of a prefetching chain are kept like the others.
-    roles = ("fwd", "bwd", "recompute") if _recomputes_weights(t) and etp.prefetch and etp.prefetch_recompute \
-        else ("fwd", "bwd")
+    roles = ("fwd", "bwd", "recompute") if _recomputes_weights(t) and etp.prefetch else ("fwd", "bwd")
     # gather_reuse "pass" / "step": one forward buffer per weight, which backward and recompute
     # read ([Note: gather reuse]); nothing of theirs is allocated.
     keep = etp.gather_reuse != "chain"
     if keep:
         roles = ("fwd",)
-    aliased = gathers == "copy_engine" and etp.alias_own_rows
+    aliased = gathers == "copy_engine" and aliased is not False
     buffers: dict[tuple, tuple[int, int]] = {}  # (chain, role, padded shape, parity) -> (bytes, outside)
     positions: dict[str, int] = {}
     for weight, layout, _numel in _per_rank(recipe, etp):
@@ -305,21 +305,18 @@ def gather_transport(etp: ETPConfig, transport: str | None = None) -> str:
 
 
 #: Reductions whose wire (and so wgrad buffer) is the 16-bit parameter dtype, fp32 sums at the
-#: receiver (``etp.transport.base.SixteenBitWireReduce``); the NCCL ones reduce the fp32 main-grad dtype.
-SIXTEEN_BIT_WIRE_REDUCTIONS = ("symm_triton", "copy_engine", "copy_engine_push")
+#: receiver (``etp.transport.base.SixteenBitWireReduce``); the NCCL one reduces the fp32 main-grad dtype.
+SIXTEEN_BIT_WIRE_REDUCTIONS = ("copy_engine_push",)
 
 
-def reduce_transport(etp: ETPConfig, gathers: str) -> str:
-    """The reduction the prediction assumes: ``etp.reduce_transport``, with "auto" taken as
-    ``choose_transports`` takes it: "copy_engine_push" where symmetric memory is available
-    (the gather transport is then ``copy_engine``), else "nccl".
+def reduce_transport(gathers: str) -> str:
+    """The reduction the prediction assumes, as ``choose_transports`` pairs it with the gathers:
+    "copy_engine_push" with copy-engine gathers, else "nccl".
 
     Example::
 
-        reduce_transport(ETPConfig(etp_size=2), "copy_engine")   # "copy_engine_push"
+        reduce_transport("copy_engine")   # "copy_engine_push"
     """
-    if etp.reduce_transport != "auto":
-        return etp.reduce_transport
     return "copy_engine_push" if gathers == "copy_engine" else "nccl"
 
 
@@ -351,9 +348,8 @@ def _outside_allocator(recipe, etp: ETPConfig, categories: dict[str, int], gathe
     The caching allocator (and so ``torch.cuda.max_memory_allocated``) never sees symmetric
     memory. It holds the copy-engine transport's shard pool: the 16-bit shards themselves,
     which the optimizer then updates in place, or with FP8 gathers the FP8 shards, the 16-bit
-    ones staying in the allocator (``ETPRuntime.setup_transports``); and the symmetric wgrad
-    pool of the ``symm_triton`` / ``copy_engine`` reductions, or the ``copy_engine_push``
-    reduction's staging (its wgrad buffers are ordinary). Under megatron's distributed
+    ones staying in the allocator (``ETPRuntime.setup_transports``); and the push reduction's
+    staging (its wgrad buffers are ordinary). Under megatron's distributed
     optimizer DDP moves every parameter into its contiguous parameter buffer (an allocator
     tensor) and etp stages the shard into its symmetric home once per pass
     (``ETPRuntime._source``): the 16-bit shards are then in both places.
@@ -372,11 +368,8 @@ def _outside_allocator(recipe, etp: ETPConfig, categories: dict[str, int], gathe
             shards = _sharded_param_bytes(recipe, etp)
             outside += shards
             counted += 0 if distributed else shards
-    reduce = reduce_transport(etp, gathers)
-    if reduce in ("symm_triton", "copy_engine"):
-        outside += categories["wgrad_pool"]
-        counted += categories["wgrad_pool"]
-    elif reduce == "copy_engine_push":  # plain wgrad buffers; the staging is symmetric
+    reduce = reduce_transport(gathers)
+    if reduce == "copy_engine_push":  # plain wgrad buffers; the staging is symmetric
         outside += _push_staging_bytes(recipe, etp)
     return outside, counted
 

@@ -5,9 +5,7 @@ see [Note: ETP autograd contract]), so two per (shape, dtype) are in use at a ti
 tags the buffers it allocated and takes back only those: a foreign tensor handed to
 ``release`` is ignored, never kept (an earlier implementation grew without bound that way).
 At most ``max_free_per_key`` idle buffers are kept per key; extras are dropped. ``debug``
-turns logging on, see [Note: ETP buffer logging] in weight_cache.py. ``allocator`` makes the
-buffers elsewhere than ``torch.empty`` (the ``symm_triton`` reduce transport places them in
-symmetric memory, where peers read them).
+turns logging on, see [Note: ETP buffer logging] in weight_cache.py.
 """
 from __future__ import annotations
 
@@ -30,12 +28,11 @@ class WgradPool:
         pool.release(buffer)   # kept for the next acquire of that key
     """
 
-    def __init__(self, max_free_per_key: int = 2, debug: bool = False, allocator=None) -> None:
+    def __init__(self, max_free_per_key: int = 2, debug: bool = False) -> None:
         if max_free_per_key < 1:
             raise ValueError(f"max_free_per_key={max_free_per_key}: must be >= 1")
         self.max_free_per_key = max_free_per_key
         self.debug = debug
-        self.allocator = allocator  # (shape, dtype, device) -> tensor; None: torch.empty
         self._free: dict[tuple, list[torch.Tensor]] = {}
         self.in_use = 0
         self.allocations = 0
@@ -52,10 +49,7 @@ class WgradPool:
             if self.debug:
                 log.debug("etp wgrad pool: acquire %s re-uses a free buffer (%d in use)", key, self.in_use)
             return free.pop()
-        if self.allocator is None:
-            buffer = torch.empty(key[0], dtype=dtype, device=key[2])
-        else:
-            buffer = self.allocator(key[0], dtype, key[2])
+        buffer = torch.empty(key[0], dtype=dtype, device=key[2])
         buffer._etp_pool_tag = (id(self), key)  # the tag marks our own buffers
         self.allocations += 1
         if self.debug:

@@ -6,6 +6,7 @@ megatron-core DDP / optimizer / finalize for ETP models (``ddp``, ``optimizer``,
 ``finalize``: import them explicitly, they import megatron-core), recipe parsing and
 validation (``recipe``) and the Megatron-LM flags (``args``).
 """
+from . import layers  # noqa: F401  (registers megatron-core's TP linears with etp.wrap)
 from .args import add_etp_args, etp_config_from_args
 from .recipe import Recipe, RecipeError
 

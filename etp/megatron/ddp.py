@@ -152,7 +152,7 @@ class ETPDistributedDataParallel(_megatron_ddp()):
         tell the runtime which reduction is its last)."""
         with super().no_sync():
             yield
-            self._etp_runtime.drain_reductions()
+            self._etp_runtime.reductions.drain()
 
     def _make_backward_post_hook(self, param: torch.nn.Parameter):
         if isinstance(param, ETPShardedParam):

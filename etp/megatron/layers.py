@@ -13,6 +13,7 @@ import sys
 import torch
 
 from ..autograd import etp_linear
+from ..wrap import register_layer_types
 
 __all__ = ["megatron_linear_types", "install_forward_impl"]
 
@@ -67,3 +68,6 @@ def install_forward_impl(module: torch.nn.Module) -> None:
     impl = functools.partial(_etp_forward_impl, module)
     impl.__wrapped__ = original  # type: ignore[attr-defined]
     module._forward_impl = impl
+
+
+register_layer_types(megatron_linear_types, ("weight",), install_forward_impl)

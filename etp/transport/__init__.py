@@ -17,7 +17,7 @@ import torch.distributed as dist
 from ..config import ETPConfig
 from ..groups import ShardGroup
 from .base import DoneHandle, EventHandle, GatherTransport, Handle, ReduceTransport
-from .nccl import NCCLGather, NCCLReduce, capped_nccl_group, nccl_options
+from .nccl import NCCLGather, NCCLReduce
 
 __all__ = [
     "DoneHandle",
@@ -27,7 +27,6 @@ __all__ = [
     "ReduceTransport",
     "Transports",
     "choose_transports",
-    "nccl_options",
     "symmetric_memory_status",
 ]
 
@@ -68,60 +67,30 @@ def symmetric_memory_status(group: ShardGroup, device: torch.device) -> tuple[bo
     return True, "NVLink peers of one host with torch symmetric memory"
 
 
-def _refuse(key: str, value: str, why: str) -> ValueError:
-    return ValueError(
-        f"ETPConfig.{key}={value!r} needs CUDA tensors on an NCCL process group of GPUs on one "
-        f"host (torch symmetric memory over NVLink), but here: {why}. Use {key}='auto' (picks "
-        f"nccl here) or {key}='nccl'"
-    )
-
-
 def choose_transports(config: ETPConfig, group: ShardGroup, device: torch.device) -> Transports:
-    """The transports of ``group`` for ``config`` (a collective over the group on CUDA)."""
-    symm_reductions = ("symm_triton", "copy_engine", "copy_engine_push")
-    maybe_symm = (config.transport in ("auto", "copy_engine")
-                  or config.reduce_transport in (*symm_reductions, "auto"))
-    ok, why = symmetric_memory_status(group, device) if maybe_symm else (False, "not asked for")
-    if config.transport == "copy_engine" and not ok:
-        raise _refuse("transport", config.transport, why)
-    if config.reduce_transport in symm_reductions and not ok:
-        raise _refuse("reduce_transport", config.reduce_transport, why)
-    reasons = []
-    if config.transport == "copy_engine" or (config.transport == "auto" and ok):
-        from .copy_engine import CopyEngineGather
+    """The transports of ``group`` for ``config`` (a collective over the group on CUDA).
 
-        gather: GatherTransport = CopyEngineGather(group.ag_group, device, alias_own_rows=config.alias_own_rows)
-        reasons.append(f"copy_engine: {why}")
-    else:
-        gather = NCCLGather()
-        reasons.append("nccl: " + ("configured" if config.transport == "nccl" else why))
-    reduce_name = config.reduce_transport
-    if reduce_name == "auto":
-        # The push reduce-scatter where symmetric memory is available, else NCCL. BENCHMARKS.md:
-        # session 11 (2xH100), the flagship recipe at world 2 10% faster than with NCCL and 2.8
-        # GiB less peak memory; session 9 (2xH200), the expert stack at 0.855x of no
-        # communication against capped NCCL's 0.791x.
-        # Its flags are signals a CUDA graph replays correctly ([Note: push reduce-scatter]).
-        reduce_name = "copy_engine_push" if ok else "nccl"
-        reasons.append(f"reduce {reduce_name}: " + (why if ok else f"no symmetric memory ({why})"))
-    if reduce_name == "copy_engine_push":
+    ``copy_engine`` (asked for, or ``auto`` where symmetric memory is available) is the
+    copy-engine gather with the push reduce-scatter: both fenced by stream flag operations,
+    neither on an SM, and both replayed by CUDA graphs. ``nccl`` is the process group's
+    all-gather and reduce-scatter (and the CPU path)."""
+    ok, why = (symmetric_memory_status(group, device) if config.transport in ("auto", "copy_engine")
+               else (False, "configured"))
+    if config.transport == "copy_engine" and not ok:
+        raise ValueError(
+            f"ETPConfig.transport='copy_engine' needs CUDA tensors on an NCCL process group of GPUs on one "
+            f"host (torch symmetric memory over NVLink), but here: {why}. Use transport='auto' (picks nccl "
+            "here) or transport='nccl'"
+        )
+    if ok:
+        from .copy_engine import CopyEngineGather
         from .push_reduce import CopyEnginePushReduce
 
-        reduce: ReduceTransport = CopyEnginePushReduce(group.rs_group, device)
-    elif reduce_name in symm_reductions:
-        from .symm_reduce import CopyEngineReduce, SymmTritonReduce
-
-        cls = SymmTritonReduce if reduce_name == "symm_triton" else CopyEngineReduce
-        reduce = cls(group.rs_group, device, config.reduce_ctas)
-    elif reduce_name == "nccl_capped":
-        if device.type != "cuda":
-            raise ValueError(
-                f"ETPConfig.reduce_transport='nccl_capped' needs CUDA tensors and NCCL (here: "
-                f"{device.type}): use reduce_transport='auto' or 'nccl'"
-            )
-        reduce = NCCLReduce(capped_nccl_group(group, config.reduce_ctas), name="nccl_capped")
+        gather = CopyEngineGather(group.ag_group, device)
+        own_rows = "aliased" if gather.aliasing else f"copied ({gather.aliasing_reason})"
+        chosen = Transports(gather, CopyEnginePushReduce(group.rs_group, device),
+                            f"copy_engine: {why}; own rows {own_rows}")
     else:
-        reduce = NCCLReduce()
-    chosen = Transports(gather, reduce, "; ".join(reasons))
+        chosen = Transports(NCCLGather(), NCCLReduce(), "nccl: " + why)
     log.info("etp transport: %s", chosen.describe(group.ranks))  # once: wrap time only
     return chosen

@@ -4,17 +4,17 @@
 The runtime asks a ``GatherTransport`` to "gather these rows into this buffer" and a
 ``ReduceTransport`` to "reduce-scatter this full gradient into this shard"; it never knows
 which transport moved the bytes. One pair is chosen per shard group, once, at wrap time
-(``etp.transport.select_transports``, logged once per runtime):
+(``etp.transport.choose_transports``, logged once), from ``ETPConfig.transport``:
 
-* gathers: ``nccl`` (``all_gather_into_tensor`` on the group's AG communicator: NCCL
-  kernels, i.e. SMs and HBM bandwidth taken from the GEMMs beside it; on gloo the same call
-  is the CPU path) or ``copy_engine`` (every rank's shard lives in a torch symmetric-memory
-  pool; the gather is one ``copy_`` per peer out of the peers' pool, i.e. a
-  cudaMemcpyAsync on the copy engines, fenced by symmetric-memory barriers: no SMs).
-* reductions: ``nccl`` (reduce-scatter on the RS communicator, in the gradient's dtype),
-  ``nccl_capped`` (the same on an own communicator whose NCCL config caps its CTAs) or
-  ``symm_triton`` (a Triton kernel on a few CTAs reads every peer's 16-bit wgrad slice out
-  of symmetric memory, sums in fp32 and adds into ``main_grad``).
+* ``nccl``: ``all_gather_into_tensor`` on the group's AG communicator and
+  ``reduce_scatter_tensor`` on its RS communicator, in the gradient's dtype (NCCL kernels:
+  SMs and HBM bandwidth taken from the GEMMs beside them; on gloo the same calls are the CPU
+  path).
+* ``copy_engine``: every rank's wire shard lives in a torch symmetric-memory pool; a gather
+  is one ``copy_`` per peer out of the peers' pool (cudaMemcpyAsync on the copy engines) and a
+  reduce-scatter pushes each peer's rows of the 16-bit weight gradient to it the same way
+  ([Note: push reduce-scatter]), with the fp32 sum added into ``main_grad`` on the compute
+  stream. Both are fenced by stream flag operations: no SM beside the GEMMs.
 
 Both kinds of work are issued on the caller's current stream (the runtime makes that the AG
 or RS side stream) and return a handle; ``handle.wait()`` makes the *current* stream wait for
@@ -106,10 +106,6 @@ class ReduceTransport(ABC):
     def wire_dtype(self, param_dtype: torch.dtype, grad_dtype: torch.dtype) -> torch.dtype:
         """The dtype the full weight gradient is written (and sent) in."""
         return grad_dtype
-
-    def allocator(self) -> Callable | None:
-        """``(shape, dtype, device) -> tensor`` for wgrad buffers, or None for torch.empty."""
-        return None
 
     @abstractmethod
     def reduce_scatter(self, full: torch.Tensor, group: ShardGroup, target: torch.Tensor | None,

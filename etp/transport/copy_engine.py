@@ -27,8 +27,10 @@ ends (``tools/probe_local_copy.py``: GEMM + copy beside 1232.7 us, the two seria
 1233.5). Neither another stream, ``cudaMemcpyPeerAsync`` within one device, nor
 ``cuMemcpyBatchAsync``'s ``PREFER_OVERLAP_WITH_COMPUTE`` hint changes that (session 12). On the
 bf16 expert stack these copies are ~3 ms of the compute stream per step (131 us per fc1
-shard, 66 us per fc2, forward and backward). ``alias_own_rows`` removes them: the gather
-buffer's own rows are the shard itself ([Note: aliased own rows] in etp/transport/vmm.py).
+shard, 66 us per fc2, forward and backward). Aliased buffers remove them: the gather buffer's
+own rows are the shard itself ([Note: aliased own rows] in etp/transport/vmm.py). They need
+the ranks to share allocations through ``pidfd_getfd``; where they cannot
+(``vmm.handle_sharing_status``), the own rows are copied and the wrap-time log line says why.
 """
 from __future__ import annotations
 
@@ -47,13 +49,10 @@ class CopyEngineGather(GatherTransport):
     """Gathers out of the group's symmetric pools (one slot per param, keyed by ``id(param)``)."""
 
     name = "copy_engine"
-    #: "flags" (stream flag operations, no SM; kernel barriers while capturing) or "kernel"
-    #: (symmetric-memory barrier kernels always: the session-9 behaviour, kept to measure against)
-    fence = "flags"
-    def __init__(self, process_group, device: torch.device, alias_own_rows: bool = False) -> None:
-        """``alias_own_rows`` (``ETPConfig.alias_own_rows``): gather into aliased buffers whose own
-        rows *are* the shard, so the own-rows copy (an SM copy, see the Note above) is not made
-        ([Note: aliased own rows] in etp/transport/vmm.py)."""
+
+    def __init__(self, process_group, device: torch.device) -> None:
+        """A collective over ``process_group`` on CUDA: it asks whether the ranks can share
+        allocations for aliased gather buffers (``self.aliasing``, ``self.aliasing_reason``)."""
         self.process_group, self.device = process_group, device
         # One pool per wrap call (normally one): slots are reserved, then materialized once.
         self.pools: list[SymmetricPool] = []
@@ -61,7 +60,11 @@ class CopyEngineGather(GatherTransport):
         self._key_of_ptr: dict[int, tuple[object, SymmetricPool]] = {}
         self._channels: dict[int, int] = {}
         self._flags: FlagBarrier | None = None
-        self.alias_own_rows = alias_own_rows and device.type == "cuda"
+        self.aliasing, self.aliasing_reason = False, "tensors not on CUDA"
+        if device.type == "cuda":
+            from .vmm import handle_sharing_status
+
+            self.aliasing, self.aliasing_reason = handle_sharing_status(process_group)
         self._granularity = 0
         self._backings: dict[int, object] = {}  # backing data_ptr -> its vmm.Mapping
         self._aliases: dict[tuple[int, int], tuple] = {}  # (id(param), backing ptr) -> (buffer, mapping)
@@ -72,7 +75,7 @@ class CopyEngineGather(GatherTransport):
         if id(param) in self._pool_of:
             return
         if not self.pools or self.pools[-1].buffer is not None:
-            if self.alias_own_rows and not self._granularity:
+            if self.aliasing and not self._granularity:
                 from .vmm import granularity
 
                 self._granularity = granularity(self.device)
@@ -99,7 +102,7 @@ class CopyEngineGather(GatherTransport):
     # ------------------------------------------------------------------ aliased buffers
     def _aliased(self, param: torch.Tensor) -> bool:
         pool = self._pool_of.get(id(param))
-        return self.alias_own_rows and pool is not None and pool.owned(id(param)) is not None
+        return self.aliasing and pool is not None and pool.owned(id(param)) is not None
 
     def allocate_backing(self, param: torch.Tensor, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A ticket's backing: for a weight whose gathers can be aliased (its shard is an
@@ -155,7 +158,7 @@ class CopyEngineGather(GatherTransport):
         return self._channels.setdefault(stream, len(self._channels)), stream
 
     def _fence(self, pool: SymmetricPool, channel: int, stream: int, capturing: bool) -> None:
-        if self._flags is None or self.fence == "kernel" or capturing:
+        if self._flags is None or capturing:
             pool.barrier(channel)
         else:
             self._flags(channel, stream)

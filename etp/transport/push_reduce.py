@@ -1,12 +1,10 @@
-"""The push reduce-scatter (``reduce_transport="copy_engine_push"``): no SMs while it overlaps.
+"""The push reduce-scatter (the reduction of ``transport="copy_engine"``): no SMs while it overlaps.
 
 [Note: push reduce-scatter]
 A weight-gradient reduce-scatter beside the backward GEMMs costs the GEMMs SMs: NCCL's
 kernels hold 16-24 SMs for the whole reduction, and a persistent GEMM that starts beside them
-runs part of its tiles late (BENCHMARKS.md "Where bf16 ETP loses its 20%"). The pull variant
-(``copy_engine``) moves the bytes on copy engines but fences each reduction with two
-symmetric-memory barrier kernels that spin on an SM each. Here nothing that overlaps a GEMM
-runs on an SM:
+runs part of its tiles late. A pull over copy engines would still fence each reduction with
+barrier kernels that spin on an SM each. Here nothing that overlaps a GEMM runs on an SM:
 
 * on the RS side stream, right after the wgrad GEMM: for every peer ``p``, a copy-engine copy
   of the full gradient's rows of ``p`` into ``p``'s staging slot (a symmetric-memory buffer),
@@ -16,7 +14,7 @@ runs on an SM:
   front end, no kernel.
 * when the runtime finalizes the reduction (one weight later, on the compute stream): wait
   for the peers' READY flags of the slot, then one memory-bound kernel
-  (``etp.kernels.symm_reduce.sum_received``) sums this rank's own rows and the received ones
+  (``etp.kernels.sum_received.sum_received``) sums this rank's own rows and the received ones
   in fp32 and adds them into ``main_grad``, then fenced writes tell the peers the slot is
   free again. This kernel does take the SMs, but between GEMMs, not beside them: a pass
   over 6-12 bytes per shard element.
@@ -56,7 +54,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from ..kernels.symm_reduce import sum_received
+from ..kernels.sum_received import sum_received
 from ..streams import current_raw_stream, current_stream, current_stream_event
 from .base import Handle, SixteenBitWireReduce
 from .symm_pool import flag_pad, rendezvous_offset, symm_mem_module

@@ -37,7 +37,7 @@ import torch
 from .driver import bind
 from .driver import check as _check
 
-__all__ = ["Mapping", "exchange", "granularity", "release"]
+__all__ = ["Mapping", "exchange", "granularity", "handle_sharing_status", "release"]
 
 _PINNED = 0x1  # CU_MEM_ALLOCATION_TYPE_PINNED
 _LOCATION_DEVICE = 0x1  # CU_MEM_LOCATION_TYPE_DEVICE
@@ -104,6 +104,39 @@ def release(handle: int) -> None:
     _check(_driver()["cuMemRelease"](handle), "cuMemRelease")
 
 
+def handle_sharing_status(process_group) -> tuple[bool, str]:
+    """Whether every rank of ``process_group`` can take the peers' file descriptors with
+    ``pidfd_getfd`` (what ``exchange`` needs), and why not. A collective over the group: each
+    rank tries to take one descriptor (its standard error) from every peer."""
+    import os
+
+    import torch.distributed as dist
+
+    everyone: list = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(everyone, os.getpid(), group=process_group)
+    libc = ctypes.CDLL(None, use_errno=True)
+    failure = ""
+    for pid in everyone:
+        if pid == os.getpid():
+            continue
+        pidfd = libc.syscall(_SYS_PIDFD_OPEN, pid, 0)
+        if pidfd < 0:
+            failure = f"pidfd_open failed (errno {ctypes.get_errno()}: Linux < 5.6?)"
+            break
+        taken = libc.syscall(_SYS_PIDFD_GETFD, pidfd, 2, 0)
+        if taken < 0:
+            failure = f"pidfd_getfd failed (errno {ctypes.get_errno()}: no ptrace permission between the ranks?)"
+        else:
+            os.close(taken)
+        os.close(pidfd)
+        if failure:
+            break
+    failures: list = [None] * len(everyone)
+    dist.all_gather_object(failures, failure, group=process_group)
+    failed = next((f for f in failures if f), "")
+    return (not failed, failed or "the ranks share allocations through pidfd_getfd")
+
+
 def exchange(process_group, handles: list[int], device: torch.device) -> list[list[int]]:
     """Every rank's ``handles`` (exportable allocations, see ``Mapping(exportable=True)``), as
     handles this process can map: ``result[rank][i]``; this rank's own entry is ``handles``
@@ -132,16 +165,16 @@ def exchange(process_group, handles: list[int], device: torch.device) -> list[li
         pidfd = libc.syscall(_SYS_PIDFD_OPEN, pid, 0)
         if pidfd < 0:
             raise RuntimeError(f"etp: pidfd_open({pid}) failed (errno {ctypes.get_errno()}): aliased gather "
-                               "buffers need the ranks' processes on one Linux >= 5.6 host; set "
-                               "ETPConfig.alias_own_rows=False (recipe: etp.alias_own_rows: false)")
+                               "buffers need the ranks' processes on one Linux >= 5.6 host (an etp bug: "
+                               "handle_sharing_status said they could)")
         imported = []
         try:
             for fd in their_fds:
                 mine = libc.syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0)
                 if mine < 0:
                     raise RuntimeError(f"etp: pidfd_getfd(pid {pid}, fd {fd}) failed (errno {ctypes.get_errno()}: "
-                                       "ptrace permission between the ranks' processes?); set "
-                                       "ETPConfig.alias_own_rows=False (recipe: etp.alias_own_rows: false)")
+                                       "ptrace permission between the ranks' processes?; an etp bug: "
+                                       "handle_sharing_status said it worked)")
                 handle = ctypes.c_uint64()
                 try:
                     with torch.cuda.device(device):

@@ -44,8 +44,7 @@ def test_arithmetic_against_hand_counts():
     pool_elements = 192 * 64 + 64 * 64 + 256 * 64 + 256 * 32
     assert got["wgrad_pool"] == 2 * pool_elements
     assert predict_memory(recipe, 2, transport="nccl")["wgrad_pool"] == 4 * pool_elements
-    assert predict_memory(recipe, 2, recipe.etp.replace(reduce_transport="nccl"))["wgrad_pool"] == 4 * pool_elements
-    assert predict_memory(recipe, 2, recipe.etp.replace(reduce_transport="symm_triton"))["wgrad_pool"] == 2 * pool_elements
+    assert predict_memory(recipe, 2, recipe.etp.replace(transport="nccl"))["wgrad_pool"] == 4 * pool_elements
     assert got["fp8_shards"] == 0
     fp8 = predict_memory(recipe, 2, recipe.etp.replace(gather_dtype="fp8_tensorwise"))
     assert fp8["fp8_shards"] == shards and fp8["gather_fwd"] == per_role // 2
@@ -246,33 +245,39 @@ def test_cli_gpu_memory_fits_and_micro_batch_table(tmp_path, capsys):
 
 def test_symmetric_memory_is_outside_the_allocator_peak_but_inside_the_fit():
     from etp.audit import fits, largest_micro_batch, predict_memory, predict_peak
-    from etp.audit.predict import FRAGMENTATION, RESERVED_OUTSIDE, weight_inventory
 
-    # The reduction pinned to NCCL and plain gather buffers: this test is about the gathers'
-    # pool (the push reduction's share is
-    # test_push_reduction_halves_the_wgrad_pool_and_stages_outside_the_allocator, aliased
-    # buffers' test_aliased_gather_buffers_keep_the_peers_rows_outside_the_allocator).
+    # Symmetric memory (outside the allocator) with copy-engine transports: the bf16 shards
+    # themselves, the aliased tickets' peer rows and the push reduction's staging.
+    from etp.audit.predict import (
+        FRAGMENTATION,
+        RESERVED_OUTSIDE,
+        _push_staging_bytes,
+        gather_buffer_bytes,
+        weight_inventory,
+    )
+
     recipe = Recipe.from_yaml(ROOT / "recipes/moe_h200x8.yaml", world_size=2, global_batch_size=8,
-                              etp={"etp_size": 2, "expert_etp_size": 2, "reduce_transport": "nccl",
-                                   "alias_own_rows": False})
+                              etp={"etp_size": 2, "expert_etp_size": 2})
     nccl, ce = predict_peak(recipe, 2, transport="nccl"), predict_peak(recipe, 2, transport="copy_engine")
     assert predict_peak(recipe, 2)["gather_transport"] == "copy_engine"  # auto: NVLink GPUs of one host
     # The copy-engine pool holds the bf16 shards themselves: 4.70 B parameters, the 33 ETP
     # weights (all but embeddings, output layer, norms and routers) halved, 2 bytes each.
     shards = sum(w.numel for w in weight_inventory(recipe) if w.chain is not None) // 2 * 2
-    assert nccl["outside_allocator"] == 0 and abs(ce["outside_allocator"] - shards) < 2**20
-    assert ce["peak"] == nccl["peak"] - ce["outside_allocator"] and ce["device_peak"] == nccl["peak"]
+    aliased = sum(part for _, part in gather_buffer_bytes(recipe, recipe.etp, "copy_engine").values())
+    staging = _push_staging_bytes(recipe, recipe.etp)
+    assert nccl["outside_allocator"] == 0 and aliased > 0 and staging > 0
+    assert ce["outside_allocator"] == shards + aliased + staging
+    assert ce["device_peak"] == ce["peak"] + ce["outside_allocator"]
     # FP8 gathers: the FP8 shards (1 byte each) are in symmetric memory, the bf16 ones are not.
-    fp8 = Recipe.from_yaml(ROOT / "recipes/moe_h200x8.yaml", world_size=2, global_batch_size=8,
-                           etp={"etp_size": 2, "expert_etp_size": 2, "gather_dtype": "fp8_tensorwise",
-                                "reduce_transport": "nccl", "alias_own_rows": False})
+    fp8 = recipe.replace(etp={"gather_dtype": "fp8_tensorwise"})
     fp8_ce = predict_peak(fp8, 2, transport="copy_engine")
-    assert fp8_ce["outside_allocator"] == predict_memory(fp8, 2)["fp8_shards"] == ce["outside_allocator"] // 2
+    fp8_aliased = sum(part for _, part in gather_buffer_bytes(fp8, fp8.etp, "copy_engine").values())
+    assert predict_memory(fp8, 2)["fp8_shards"] == shards // 2
+    assert fp8_ce["outside_allocator"] == shards // 2 + fp8_aliased + staging
     # Under the distributed optimizer DDP's parameter buffer holds the shards too: on the
     # device twice, in the allocator once.
     dist = predict_peak(recipe, 2, distributed_optimizer=True, transport="copy_engine")
-    dist_nccl = predict_peak(recipe, 2, distributed_optimizer=True, transport="nccl")
-    assert dist["peak"] == dist_nccl["peak"] and dist["device_peak"] == dist_nccl["peak"] + shards
+    assert dist["outside_allocator"] == ce["outside_allocator"] and dist["peak"] == ce["peak"] + shards
     # A GPU 256 MiB short of the copy-engine run at micro-batch 2 (its allocator peak alone fits):
     # micro-batch 1 (one sample less of activations) is the largest that fits.
     gpu = int(ce["peak"] * FRAGMENTATION) + RESERVED_OUTSIDE + ce["outside_allocator"] - 2**28
@@ -282,12 +287,12 @@ def test_symmetric_memory_is_outside_the_allocator_peak_but_inside_the_fit():
 
 
 def test_aliased_gather_buffers_keep_the_peers_rows_outside_the_allocator():
-    from etp.audit import predict_memory, predict_peak
+    from etp.audit import predict_memory
     from etp.audit.predict import MAPPING_GRANULARITY, gather_buffer_bytes, weight_inventory
 
     def recipe(**etp):
         return Recipe.from_yaml(ROOT / "recipes/moe_h200x8.yaml", world_size=2, global_batch_size=8,
-                                etp={"etp_size": 2, "expert_etp_size": 2, "reduce_transport": "nccl", **etp})
+                                etp={"etp_size": 2, "expert_etp_size": 2, **etp})
 
     # Every ETP weight of the flagship but the output layer (16000 x 2048 rows a shard) has whole
     # 2 MiB pieces per shard at ETP 2, bf16 and FP8: the expert fc1's bf16 halves are 176 of them.
@@ -295,23 +300,21 @@ def test_aliased_gather_buffers_keep_the_peers_rows_outside_the_allocator():
     whole = [w.numel // 2 * nbytes % MAPPING_GRANULARITY == 0 for w in sharded for nbytes in (2, 1)]
     assert whole.count(False) == 2 and "output_layer" in [w for w in sharded if w.numel // 2 % MAPPING_GRANULARITY][0].name
     for gather_dtype in ("param", "fp8_tensorwise"):
-        plain = recipe(gather_dtype=gather_dtype, alias_own_rows=False)
-        aliased = recipe(gather_dtype=gather_dtype, alias_own_rows=True)
-        parts = gather_buffer_bytes(aliased, aliased.etp, "copy_engine")
+        r = recipe(gather_dtype=gather_dtype)
+        parts = gather_buffer_bytes(r, r.etp, "copy_engine")
         outside = sum(part for _, part in parts.values())
         total = sum(nbytes for nbytes, _ in parts.values())
-        plain_total = sum(nbytes for nbytes, _ in gather_buffer_bytes(plain, plain.etp, "copy_engine").values())
+        plain = gather_buffer_bytes(r, r.etp, "copy_engine", aliased=False)
+        plain_total = sum(nbytes for nbytes, _ in plain.values())
+        assert sum(part for _, part in plain.values()) == 0
         # an aliased ticket keeps the peer's rows only (half its bytes at ETP 2), outside the
         # allocator; the output layer's tickets stay whole, in it
         assert 0 < outside < total == plain_total - outside
-        m_alias = predict_memory(aliased, 2, transport="copy_engine")
+        m_alias = predict_memory(r, 2, transport="copy_engine")
         assert m_alias["gather_fwd"] + m_alias["gather_bwd"] == total
-        p_plain, p_alias = predict_peak(plain, 2, transport="copy_engine"), predict_peak(aliased, 2, transport="copy_engine")
-        assert p_alias["outside_allocator"] == p_plain["outside_allocator"] + outside
-        assert p_alias["peak"] == p_plain["peak"] - 2 * outside
-        assert p_alias["device_peak"] == p_plain["device_peak"] - outside
         # NCCL gathers have nothing to alias
-        assert predict_memory(aliased, 2, transport="nccl") == predict_memory(plain, 2, transport="nccl")
+        m_nccl = predict_memory(r, 2, transport="nccl")
+        assert m_nccl["gather_fwd"] + m_nccl["gather_bwd"] == plain_total
 
 
 def test_recompute_shrinks_activations_and_adds_its_gather_buffers():
@@ -333,50 +336,36 @@ def test_recompute_shrinks_activations_and_adds_its_gather_buffers():
     assert plain["gather_recompute"] == 0 and recomputed["gather_recompute"] == recomputed["gather_bwd"] > 0
     # On-demand recompute gathers keep no buffers of their own; attention-only selective
     # recompute touches no weights.
-    assert predict_memory(full, 2, full.etp.replace(prefetch_recompute=False))["gather_recompute"] == 0
+    assert predict_memory(full, 2, full.etp.replace(prefetch=False))["gather_recompute"] == 0
     attention_only = recipe.replace(recompute_granularity="selective")
     assert predict_memory(attention_only, 2)["gather_recompute"] == 0
 
 
 def test_push_reduction_halves_the_wgrad_pool_and_stages_outside_the_allocator():
     from etp.audit import predict_peak
-    from etp.audit.predict import weight_inventory
+    from etp.audit.predict import _push_staging_bytes, weight_inventory
 
     recipe = Recipe.from_yaml(ROOT / "recipes/moe_h200x8.yaml", world_size=2, global_batch_size=8,
-                              etp={"etp_size": 2, "expert_etp_size": 2,  # reduce_transport: auto
-                                   "alias_own_rows": False})  # as measured in session 11
-    push = predict_peak(recipe, 2, transport="copy_engine")  # auto -> copy_engine_push
-    nccl = predict_peak(recipe, 2, recipe.etp.replace(reduce_transport="nccl"), transport="copy_engine")
-    # The wgrad pool in bf16 instead of fp32: half of it leaves the allocator's peak.
+                              etp={"etp_size": 2, "expert_etp_size": 2})
+    push = predict_peak(recipe, 2, transport="copy_engine")  # copy-engine gathers, push reduction
+    nccl = predict_peak(recipe, 2, transport="nccl")
+    # The wgrad pool in bf16 (the push reduction's 16-bit wire) instead of fp32.
     assert push["categories"]["wgrad_pool"] * 2 == nccl["categories"]["wgrad_pool"]
-    assert push["peak"] == nccl["peak"] - push["categories"]["wgrad_pool"]
     # Staging: 2 slots x 1 peer x the largest bf16 shard, the routed experts' fc1:
     # 64 x (2 x 1408) x 2048 elements halved over 2 ranks (256-byte aligned already).
     largest = max(w.numel for w in weight_inventory(recipe) if w.chain is not None)
     assert largest == 64 * 2 * 1408 * 2048
-    staging = 2 * 1 * (largest // 2) * 2
-    assert push["outside_allocator"] == nccl["outside_allocator"] + staging
-    # Measured on 2 x H100 (BENCHMARKS.md, session 11): 44.10 GiB with the push reduction,
-    # 46.92 with NCCL's; the prediction now moves the same way, and stays within 4 %.
-    assert abs(push["peak"] / 2**30 / 44.10 - 1) < 0.04 and abs(nccl["peak"] / 2**30 / 46.92 - 1) < 0.04
+    assert _push_staging_bytes(recipe, recipe.etp) == 2 * 1 * (largest // 2) * 2
 
 
 def test_default_aliased_recipe_predicts_the_measured_peaks():
     """The flagship at world 2 with the defaults (push reduction, aliased own rows), against
-    the peaks measured on 2xH100 in session 13 (tools/gpu_pending.sh step (z); allocator peak,
-    GiB): within 3%, and the drop from plain buffers within 0.2 GiB of the measured one."""
+    the allocator peaks measured on 2xH100 (BENCHMARKS.md "Memory audit"): within 3%."""
     from etp.audit import predict_peak
 
-    measured = {("param", True): 39.91, ("param", False): 44.10,
-                ("fp8_tensorwise", True): 44.16, ("fp8_tensorwise", False): 46.25}
-    predicted = {}
-    for (gather_dtype, alias), gib in measured.items():
+    measured = {"param": 39.91, "fp8_tensorwise": 44.16}
+    for gather_dtype, gib in measured.items():
         recipe = Recipe.from_yaml(ROOT / "recipes/moe_h200x8.yaml", world_size=2, global_batch_size=8,
-                                  etp={"etp_size": 2, "expert_etp_size": 2, "gather_dtype": gather_dtype,
-                                       **({} if alias else {"alias_own_rows": False})})
-        assert recipe.etp.alias_own_rows is alias  # on by default
-        predicted[gather_dtype, alias] = predict_peak(recipe, 2, transport="copy_engine")["peak"] / 2**30
-        assert abs(predicted[gather_dtype, alias] - gib) <= 0.03 * gib, (gather_dtype, alias, predicted)
-    for gather_dtype in ("param", "fp8_tensorwise"):
-        drop = predicted[gather_dtype, False] - predicted[gather_dtype, True]
-        assert abs(drop - (measured[gather_dtype, False] - measured[gather_dtype, True])) < 0.2
+                                  etp={"etp_size": 2, "expert_etp_size": 2, "gather_dtype": gather_dtype})
+        predicted = predict_peak(recipe, 2, transport="copy_engine")["peak"] / 2**30
+        assert abs(predicted - gib) <= 0.03 * gib, (gather_dtype, predicted, gib)

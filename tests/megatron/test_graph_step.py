@@ -50,7 +50,7 @@ def test_recipe_refuses_what_a_capture_cannot_hold(overrides, key):
             "global_batch_size": 8, "etp": {"etp_size": 2, "expert_etp_size": 2}}
     Recipe.from_yaml(FLAGSHIP, **base)  # the flagship recipe captures as it is
     Recipe.from_yaml(FLAGSHIP, **base, deterministic=True)  # ordered embedding sums (issue 17)
-    Recipe.from_yaml(FLAGSHIP, **{**base, "etp": {**base["etp"], "reduce_transport": "copy_engine_push"}})
+    Recipe.from_yaml(FLAGSHIP, **{**base, "etp": {**base["etp"], "transport": "copy_engine"}})
     with pytest.raises(RecipeError, match=key):
         Recipe.from_yaml(FLAGSHIP, **{**base, **overrides})
 
@@ -94,7 +94,7 @@ def test_deterministic_captured_recipe_equals_eager_bit_for_bit(tmp_path, gather
     # deterministic: true on both sides: the eager run takes the capture-safe embedding's
     # ordered sums too, so both run the same kernels in the same order; every loss of the
     # ten iterations and the parameters after them (Adam steps in between) must be equal.
-    # reduce_transport auto: the push reduce-scatter, eager and captured alike.
+    # transport auto: copy-engine gathers and the push reduce-scatter, eager and captured alike.
     extra = ("deterministic=true", f"etp.gather_dtype={gather_dtype}")
     eager = _run(tmp_path, "none", *extra, iters=10, report=True)
     captured = _run(tmp_path, "step", *extra, iters=10, report=True)

@@ -1,11 +1,10 @@
-"""The copy-engine and symmetric-reduce transports' runtime plumbing on CPU / gloo, with
-symmetric memory emulated: each barrier snapshots the peers' pools with a gloo all-gather
-(a one-sided peer read cannot cross CPU processes), and the symmetric reduce-scatter kernel
-reads the peers' wgrad buffers from such a snapshot through its pure-torch reference.
-Everything else is the real code: homes in the pool (the parameter's storage IS its slot),
-FP8 shards quantized into their homes, shards staged when their storage moved, wgrad
-buffers from the transport's allocator, the kernel wrapper's divide / accumulate.
-The real symmetric memory, copy engines and Triton kernel run in test_transport_gpu.py."""
+"""The copy-engine transports' runtime plumbing on CPU / gloo, with symmetric memory
+emulated: each barrier snapshots the peers' pools with a gloo all-gather (a one-sided peer
+read cannot cross CPU processes), and the push reduce-scatter's received rows come from such
+a snapshot. Everything else is the real code: homes in the pool (the parameter's storage IS
+its slot), FP8 shards quantized into their homes, shards staged when their storage moved, the
+local fp32 sum into main_grad. The real symmetric memory and copy engines run in
+test_transport_gpu.py."""
 import logging
 
 import pytest
@@ -18,12 +17,10 @@ from test_async import _async_equals_sync, _setup, _step
 import etp.transport as transport
 import etp.transport.copy_engine as copy_engine
 import etp.transport.push_reduce as push_reduce
-import etp.transport.symm_reduce as symm_reduce
 from etp import ETPConfig, ETPShardedParam, runtime_of
-from etp.kernels.symm_reduce import symm_reduce_scatter_reference
 from etp.transport.symm_pool import SymmetricPool
 
-CE = dict(transport="copy_engine", reduce_transport="symm_triton")
+CE = dict(transport="copy_engine")
 
 
 class _FakePool(SymmetricPool):
@@ -44,38 +41,6 @@ class _FakePool(SymmetricPool):
         return source[offset : offset + nbytes].view(dtype).view(shape)
 
 
-class _NoBarrier:
-    def barrier(self, channel=0):
-        pass
-
-
-def _fake_symm_reduce_init(self, process_group, device, num_ctas):
-    self.process_group, self.device, self.num_ctas = process_group, device, num_ctas
-    self._buffers, self._signal = {}, (None, _NoBarrier())
-
-
-def _fake_allocate(self, shape, dtype, device):
-    buffer = torch.empty(tuple(shape), dtype=dtype, device=device)
-    self._buffers[buffer.data_ptr()] = (buffer, torch.zeros(0), None, 0)
-    return buffer
-
-
-def _fake_peer_rows(self, entry, full, peer, rows):
-    # A peer's buffer as of now (the barrier before the pull): a gloo all-gather stands in
-    # for the one-sided read. Every rank pulls the same peers in the same order here.
-    snapshot = [torch.empty_like(full) for _ in range(dist.get_world_size(self.process_group or None))]
-    dist.all_gather(snapshot, full.contiguous(), group=self.process_group)
-    rank = dist.get_rank(self.process_group)
-    return snapshot[peer][rank * rows : (rank + 1) * rows]
-
-
-def _fake_kernel(table, wire, rank, out, divisor=1.0, accumulate=False, num_ctas=8, impl="auto", peers=None):
-    group = _fake_kernel.group
-    peers = [torch.empty_like(wire) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(peers, wire.contiguous(), group=group)
-    return symm_reduce_scatter_reference(peers, rank, out, divisor, accumulate)
-
-
 def _fake_push_materialize(self):
     self._flags, self._shard_bytes = ("emulated", None), self._reserved
 
@@ -94,11 +59,6 @@ def _install_fakes():
     transport.symmetric_memory_status = lambda group, device: (True, "emulated on gloo")
     copy_engine.SymmetricPool = _FakePool
     copy_engine.CopyEngineGather._channel = lambda self: (0, 0)
-    symm_reduce._SymmetricWgradReduce.__init__ = _fake_symm_reduce_init
-    symm_reduce._SymmetricWgradReduce._allocate = _fake_allocate
-    symm_reduce.CopyEngineReduce._peer_rows = _fake_peer_rows
-    symm_reduce.symm_reduce_scatter = _fake_kernel
-    _fake_kernel.group = dist.group.WORLD
     push_reduce.CopyEnginePushReduce.materialize = _fake_push_materialize
     push_reduce.CopyEnginePushReduce._push = lambda self, full, rows, seq: None
     push_reduce.CopyEnginePushReduce._receive = _fake_receive
@@ -118,18 +78,10 @@ def _train_each(ctx, all_overrides):
 
 
 def test_training_parity_through_emulated_symmetric_transports():
-    configs = (CE, dict(CE, reduction="sum"), dict(transport="copy_engine", reduce_transport="nccl"),
-               dict(transport="copy_engine", reduce_transport="copy_engine"),
-               dict(transport="copy_engine", reduce_transport="copy_engine_push"))
+    configs = (CE, dict(CE, reduction="sum"))
     for per_rank in run_distributed(_train_each, 2, configs):
         for overrides, result in zip(configs, per_rank):
             assert result["last_loss"] < result["first_loss"], overrides
-
-
-@pytest.mark.slow  # the sum scaling of the copy-engine reduce; its mean case runs above
-def test_copy_engine_reduce_sum_parity():
-    for result in run_distributed(_train, 2, dict(transport="nccl", reduce_transport="copy_engine", reduction="sum")):
-        assert result["last_loss"] < result["first_loss"]
 
 
 def _bit_for_bit(ctx, overrides, dtype):
@@ -140,7 +92,6 @@ def _bit_for_bit(ctx, overrides, dtype):
 @pytest.mark.slow  # ran on 2 GPUs with the real transports: tests/test_transport_gpu.py
 def test_async_equals_sync_bf16_and_fp8_through_emulated_transports():
     for overrides, dtype in ((CE, torch.bfloat16), (dict(CE, gather_dtype="fp8_tensorwise"), torch.float32),
-                             (dict(CE, reduce_transport="copy_engine_push"), torch.bfloat16),
                              (dict(CE, gather_dtype="fp8_blockwise", pad_for_alignment=128), torch.float32)):
         assert all(n > 0 for n in run_distributed(_bit_for_bit, 2, overrides, dtype))
 
@@ -165,8 +116,7 @@ def _homes(ctx, fp8):
     homes = [chosen.gather.home(p) for p in shards]
     in_place = [h.data_ptr() == p.data_ptr() for h, p in zip(homes, shards)]
     _step(model, config, groups, seed=0)
-    fp8_in_home = [runtime.state(p).quant.data.data_ptr() == h.data_ptr() for h, p in zip(homes, shards)] if fp8 else []
-    pooled = chosen.reduce.nbytes() > 0
+    fp8_in_home = [runtime.fp8_shard(p).data.data_ptr() == h.data_ptr() for h, p in zip(homes, shards)] if fp8 else []
     # A storage move (what megatron DDP's param buffer does): staged into the home, warned once.
     records = _Records()
     logging.getLogger("etp.runtime").addHandler(records)
@@ -177,14 +127,13 @@ def _homes(ctx, fp8):
         _step(model, config, groups, seed)
     logging.getLogger("etp.runtime").removeHandler(records)
     staged = fp8 or all(torch.equal(chosen.gather.home(p), b) for p, b in zip(shards, before))
-    return in_place, fp8_in_home, pooled, records.messages, staged, (chosen.gather.name, chosen.reduce.name)
+    return in_place, fp8_in_home, records.messages, staged, (chosen.gather.name, chosen.reduce.name)
 
 
 def test_shards_live_in_their_symmetric_home_and_are_staged_when_moved():
-    for in_place, _, pooled, warnings, staged, names in run_distributed(_homes, 2, False):
-        assert names == ("copy_engine", "symm_triton")
+    for in_place, _, warnings, staged, names in run_distributed(_homes, 2, False):
+        assert names == ("copy_engine", "copy_engine_push")
         assert in_place and all(in_place)  # no copy per step: the optimizer writes the home
-        assert pooled  # wgrad buffers came from the transport's allocator
         assert len(warnings) == 1 and "staging" in warnings[0]
         assert staged
 
@@ -193,33 +142,6 @@ def test_fp8_shards_are_quantized_into_their_home():
     for in_place, fp8_in_home, *_ in run_distributed(_homes, 2, True):
         assert not any(in_place)  # the bf16/fp32 parameter stays put; the FP8 shard travels
         assert fp8_in_home and all(fp8_in_home)
-
-
-def _copy_engine_reduce(ctx):
-    from types import SimpleNamespace
-
-    _install_fakes()
-    reduce = symm_reduce.CopyEngineReduce(dist.group.WORLD, ctx.device, 8)
-    group = SimpleNamespace(rank=ctx.rank, size=ctx.world_size)
-    full = reduce.allocator()((6 * ctx.world_size, 5), torch.bfloat16, ctx.device)
-    g = torch.Generator().manual_seed(ctx.rank)
-    full.copy_(torch.randn(full.shape, generator=g).to(torch.bfloat16))
-    main_grad = torch.randn(6, 5, generator=torch.Generator().manual_seed(7 + ctx.rank))
-    start = main_grad.clone()
-    reduce.reduce_scatter(full, group, main_grad, True, async_op=False).wait()
-    plain = reduce.reduce_scatter(full, group, None, False, async_op=False).wait()  # no main_grad: wire dtype
-    everyone = [torch.empty_like(full) for _ in range(ctx.world_size)]
-    dist.all_gather(everyone, full)
-    rows = slice(6 * ctx.rank, 6 * (ctx.rank + 1))
-    exact = sum(t[rows].double() for t in everyone)
-    return (main_grad.double() - start.double() - exact / ctx.world_size).abs().max().item(), \
-        plain.dtype, (plain.double() - exact).abs().max().item(), exact.abs().max().item()
-
-
-def test_copy_engine_reduce_sums_in_fp32_against_float64():
-    for mean_error, plain_dtype, plain_error, scale in run_distributed(_copy_engine_reduce, 2):
-        assert mean_error < 1e-6 * scale  # fp32 accumulation into main_grad
-        assert plain_dtype == torch.bfloat16 and plain_error <= 2 ** -8 * scale  # one rounding to bf16
 
 
 def _push_reduce(ctx):
@@ -274,7 +196,7 @@ def _push_with_micro_batches(ctx):
     unsharded, _ = train_micro(ctx, "chain", etp=False)
     results = {}
     for reuse in ("chain", "step"):
-        params, _ = train_micro(ctx, reuse, transport="copy_engine", reduce_transport="copy_engine_push")
+        params, _ = train_micro(ctx, reuse, transport="copy_engine")
         results[reuse] = max((a - b).abs().max().item() for a, b in zip(params, unsharded))
     return results
 
@@ -330,7 +252,6 @@ def test_aliased_buffers_hold_a_gather_per_backing_not_per_alias():
     a buffer holds must be tracked per backing ([Note: aliased own rows]). The Stack's l0 and
     l2 share one, and backward needs l0 after forward gathered l2 there: a stale alias would
     give the input gradient l2's rows. Against the same steps without prefetching (no reuse)."""
-    for same, aliases in run_distributed(_aliased, 2, dict(transport="copy_engine", reduce_transport="copy_engine_push",
-                                                           alias_own_rows=True)):
+    for same, aliases in run_distributed(_aliased, 2, dict(transport="copy_engine")):
         assert aliases > 0
         assert same

@@ -107,11 +107,10 @@ Training (``recipe.train``, :class:`TrainSpec`):
         ``--set recompute_modules=[core_attn,moe]``.
 
 ETP (``recipe.etp``, :class:`etp.ETPConfig`): etp_size, expert_etp_size, pad_for_alignment,
-    reduction, gather_dtype, fp8_fast_accum, fp8_wgrad, fp8_weight_scaling, gather_reuse, prefetch,
-    prefetch_recompute,
-    async_reduce, debug_checks, transport, alias_own_rows, reduce_transport, reduce_ctas, gemm_sm_carveout (defaults in
-    configs/etp.yaml;
-    ``tests/test_recipe.py`` checks this list against the dataclass).
+    reduction, gather_dtype, fp8_wgrad, gather_reuse, prefetch, async_reduce, debug_checks,
+    transport (defaults in configs/etp.yaml; ``tests/megatron/test_recipe.py`` checks this list
+    against the dataclass). A removed setting (``etp.REMOVED_SETTINGS``) is refused with what
+    replaced it.
 
 [Note: ETP inside the parallel layout]
 Megatron-LM splits the world as ``world = TP x CP x PP x DP`` for dense weights and

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from ...config import ETPConfig
+from ...config import REMOVED_SETTINGS, ETPConfig
 from .loading import load_recipe_yaml
 from .quantities import RecipeQuantities
 from .schema import _ETP_FIELDS, _KEY_SECTION, _SECTIONS, ModelSpec, ParallelSpec, TrainSpec
@@ -26,6 +26,8 @@ def _suggest(key: str, known: Iterable[str]) -> str | None:
 def _unknown_key_error(key: str, value: Any, *, in_etp: bool) -> RecipeError:
     name = f"etp.{key}" if in_etp else str(key)
     if in_etp:
+        if key in REMOVED_SETTINGS:
+            return RecipeError(name, value, f"recipe key {name!r} was removed: {REMOVED_SETTINGS[key]}")
         if key in _KEY_SECTION:
             hint = f"{key} is a top-level recipe key, not an ETP setting: move it out of etp:"
         else:
@@ -33,6 +35,8 @@ def _unknown_key_error(key: str, value: Any, *, in_etp: bool) -> RecipeError:
             hint = f"did you mean {match!r}?" if match else f"ETP settings are {list(_ETP_FIELDS)}"
     elif key in _ETP_FIELDS:
         hint = f"{key} is an ETP setting: put it in the etp: section"
+    elif key in REMOVED_SETTINGS:
+        return RecipeError(name, value, f"recipe key etp.{key} was removed: {REMOVED_SETTINGS[key]}")
     else:
         match = _suggest(str(key), list(_KEY_SECTION) + ["etp"])
         hint = (
