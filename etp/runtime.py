@@ -73,9 +73,13 @@ class RuntimeStats:
     order_misses = property(lambda self: self._gathers.stats.order_misses)
     reduce_scatters = property(lambda self: self._reductions.reduce_scatters)
 
+    NAMES = ("gathers_on_demand", "gathers_prefetched", "gathers_reused", "order_misses", "reduce_scatters")
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.NAMES}
+
     def __repr__(self) -> str:
-        names = ("gathers_on_demand", "gathers_prefetched", "gathers_reused", "order_misses", "reduce_scatters")
-        return "RuntimeStats(" + ", ".join(f"{n}={getattr(self, n)}" for n in names) + ")"
+        return "RuntimeStats(" + ", ".join(f"{n}={v}" for n, v in self.as_dict().items()) + ")"
 
 
 class ETPRuntime:

@@ -56,6 +56,8 @@ class WrapSummary:
     wrapped: list[str] = field(default_factory=list)
     bytes_before: int = 0
     bytes_after: int = 0
+    #: expert weights left replicated because ``expert_etp_size`` is 1 while dense weights shard
+    replicated_experts: list[str] = field(default_factory=list)
 
     @property
     def params_wrapped(self) -> int:
@@ -63,10 +65,14 @@ class WrapSummary:
 
     def __str__(self) -> str:
         gib = 1024**3
-        return (
+        text = (
             f"etp: wrapped {self.params_wrapped} weights; parameter bytes per rank "
             f"{self.bytes_before / gib:.3f} GiB -> {self.bytes_after / gib:.3f} GiB"
         )
+        if self.replicated_experts:
+            text += (f"; {len(self.replicated_experts)} expert weights stay replicated (expert_etp_size=1: "
+                     "set it to shard them too)")
+        return text
 
 
 def is_expert_param(param: torch.Tensor) -> bool:
@@ -210,6 +216,21 @@ def wrap_module_params_etp(
         t for t in _targets(model)
         if not getattr(t[1], _WRAPPED_MARKER, False) and (filter_fn is None or filter_fn(t[0], t[1]))
     ]
+    _refuse_shared_weights(model, targets)
+    if config.debug_checks:
+        check_replicas_agree(model, groups)
+    runtime = _runtime_of(model) or ETPRuntime(config)
+    runtime.groups = groups
+    _shard_targets(targets, groups, config, runtime, summary)
+    # Transports are chosen once, now: on CUDA this may rendezvous symmetric memory and move
+    # the new shards into it (every rank wraps the same model, so all take part).
+    runtime.setup_transports()
+    summary.bytes_after = _param_bytes(model)
+    return summary
+
+
+def _refuse_shared_weights(model: nn.Module, targets) -> None:
+    """A weight shared with a module etp does not wrap would be read there as if it were full."""
     sharded_ids = {id(getattr(m, attr)) for _, m, attrs, _ in targets for attr in attrs}
     wrapped_modules = {id(m) for _, m, _, _ in targets}
     for owner_name, owner in model.named_modules():
@@ -223,8 +244,8 @@ def wrap_module_params_etp(
                     "or untie the weights"
                 )
 
-    runtime = _runtime_of(model) or ETPRuntime(config)
-    runtime.groups = groups
+
+def _shard_targets(targets, groups: ETPGroups, config: ETPConfig, runtime: ETPRuntime, summary: WrapSummary) -> None:
     new_params: dict[int, ETPShardedParam] = {}  # tied weights share one shard
     for name, module, attrs, install in targets:
         for attr in attrs:
@@ -232,9 +253,11 @@ def wrap_module_params_etp(
             if id(param) not in new_params:
                 expert = is_expert_param(param)
                 group: ShardGroup = groups.expert if expert else groups.dense
-                if group.size == 1:
-                    continue
                 full_name = f"{name}.{attr}" if name else attr
+                if group.size == 1:
+                    if expert:
+                        summary.replicated_experts.append(full_name)
+                    continue
                 # Each expert role (fc1 of every MoE block, fc2 of every block) is a chain of
                 # its own: one block of prefetch runway. See [Note: ETP chains].
                 role = attr if attr != "weight" else name.rsplit(".", 1)[-1]
@@ -246,11 +269,44 @@ def wrap_module_params_etp(
             if install is not None:
                 install(module)
             setattr(module, _WRAPPED_MARKER, True)
-    # Transports are chosen once, now: on CUDA this may rendezvous symmetric memory and move
-    # the new shards into it (every rank wraps the same model, so all take part).
-    runtime.setup_transports()
-    summary.bytes_after = _param_bytes(model)
-    return summary
+
+
+def _bits(tensor: torch.Tensor) -> int:
+    """Every element's bit pattern summed in int64: equal tensors give equal sums, and nearly
+    any difference changes it."""
+    views = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return int(tensor.detach().contiguous().view(views[tensor.element_size()]).sum(dtype=torch.int64))
+
+
+def check_replicas_agree(model: nn.Module, groups: ETPGroups) -> None:
+    """Raises ValueError naming the first parameter whose value, shape or dtype differs between
+    the ranks of an ETP group (each rank must wrap the same model: a rank seeded differently
+    would shard, and keep replicated, weights that silently disagree). Dense parameters are
+    compared over the dense group, expert parameters over the expert group. A collective.
+
+    Example::
+
+        check_replicas_agree(model, etp.build_etp_groups(config))   # ETPConfig(debug_checks=True) does it
+    """
+    import torch.distributed as dist
+
+    for expert, group in ((False, groups.dense), (True, groups.expert)):
+        if group.size == 1 or group.ag_group is None:
+            continue
+        mine = [(name, tuple(p.shape), str(p.dtype), _bits(p)) for name, p in model.named_parameters()
+                if is_expert_param(p) == expert and not isinstance(p, ETPShardedParam)]
+        everyone: list = [None] * group.size
+        dist.all_gather_object(everyone, mine, group=group.ag_group)
+        for index, entry in enumerate(mine):
+            differs = [r for r, theirs in enumerate(everyone) if index >= len(theirs) or theirs[index] != entry]
+            if differs:
+                raise ValueError(
+                    f"parameter '{entry[0]}' differs between the ranks of its ETP group {group.ranks} (group ranks "
+                    f"{differs} disagree with rank {group.rank}): every rank must build the same model, e.g. seed "
+                    "torch identically before building it")
+        if any(len(theirs) != len(mine) for theirs in everyone):
+            raise ValueError(f"the ranks of ETP group {group.ranks} hold different parameter lists: every rank "
+                             "must build the same model")
 
 
 def prefetch_after_step(model: nn.Module) -> int:

@@ -10,7 +10,7 @@ from etp.audit.cli import main as audit_main
 from etp.megatron.train import main as train_main
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE = str(ROOT / "recipes" / "moe_h200x8.yaml")
+RECIPE = str(ROOT / "recipes" / "moe_flagship.yaml")
 
 
 @pytest.fixture

@@ -116,6 +116,8 @@ CONFIGS = {
     "fp8_nccl": dict(transport="nccl", gather_dtype="fp8_tensorwise"),
     "bf16_copy_engine": dict(transport="copy_engine"),
     "fp8_copy_engine": dict(transport="copy_engine", gather_dtype="fp8_tensorwise"),
+    # forward gathers kept for backward inside the graph (cuda_graph: step with gather_reuse pass / step)
+    "bf16_copy_engine_pass": dict(transport="copy_engine", gather_reuse="pass"),
 }
 
 

@@ -130,3 +130,40 @@ def test_wrap_without_groups_at_size_one_needs_no_process_group():
 def test_wrap_rejects_groups_of_the_wrong_type():
     with pytest.raises(TypeError, match="ETPGroups"):
         wrap_module_params_etp(_model(), ETPConfig(etp_size=2), groups=object())
+
+
+def _half_applied(ctx):
+    """ETP on for dense weights only: the summary says the experts stayed replicated."""
+    model = _model()
+    summary = wrap_module_params_etp(model, ETPConfig(etp_size=ctx.world_size))
+    return str(summary), summary.replicated_experts
+
+
+def test_experts_left_replicated_are_named_in_the_summary():
+    for text, experts in run_distributed(_half_applied, 2):
+        assert experts == ["experts.fc1_weight", "experts.fc2_weight"]
+        assert "2 expert weights stay replicated (expert_etp_size=1" in text
+
+
+def _disagreeing(ctx, which):
+    """Rank 1 builds its model from another seed (or changes one replicated bias)."""
+    torch.manual_seed(0)
+    model = _model()
+    if ctx.rank == 1:
+        with torch.no_grad():
+            if which == "bias":
+                model[2].bias[3] += 1.0
+            else:
+                model[0].weight.mul_(2.0)
+    config = ETPConfig(etp_size=ctx.world_size, expert_etp_size=ctx.world_size, debug_checks=True)
+    try:
+        wrap_module_params_etp(model, config)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("which,name", [("bias", "2.bias"), ("weight", "0.weight")])
+def test_debug_checks_name_the_first_parameter_that_differs_across_ranks(which, name):
+    for message in run_distributed(_disagreeing, 2, which):
+        assert message is not None and f"parameter '{name}' differs between the ranks" in message

@@ -1,9 +1,9 @@
 """etp-audit: predicted per-rank memory of a recipe with and without ETP (no GPU needed).
 
-    etp-audit --recipe recipes/moe_h200x8.yaml [--world-size 8] [--etp-size 8]
+    etp-audit --recipe recipes/moe_flagship.yaml [--world-size 8] [--etp-size 8]
               [--expert-etp-size 8] [--gather-dtype fp8_tensorwise]
               [--distributed-optimizer] [--json out.json | --json -] [--plot out.png]
-              [--gpu-memory 141GiB | --gpu-memory local]
+              [--gpu-memory 141GiB | --gpu-memory local]   (a unit is required)
 
 Besides the categories it prints the predicted peak (allocated bytes, the larger of the
 forward/backward and optimizer-step phases), whether the recipe fits the GPU, and a what-if
@@ -25,12 +25,13 @@ __all__ = ["main", "audit"]
 
 GIB = 1024**3
 _PHASE = {"forward_backward": "fwd/bwd", "optimizer_step": "optimizer"}
-_UNITS = {"": 1, "b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+_UNITS = {"b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
           "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4}
 
 
 def parse_memory(text: str) -> int:
-    """Bytes of ``141GiB`` / ``150GB`` / ``1.5e11``, or of the local CUDA device for ``local``."""
+    """Bytes of ``141GiB`` / ``150GB`` / ``1.5e11B``, or of the local CUDA device for ``local``. A
+    bare number is refused: ``80`` would be 80 bytes, never what was meant."""
     import re
 
     if text.strip().lower() == "local":
@@ -40,6 +41,8 @@ def parse_memory(text: str) -> int:
             raise ValueError("--gpu-memory local: no CUDA device here; give a size such as 141GiB")
         return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if match and not match.group(2):
+        raise ValueError(f"--gpu-memory={text!r} has no unit: write {match.group(1)}GiB (or GB, MiB, B, ...)")
     if not match or match.group(2).lower() not in _UNITS:
         raise ValueError(f"--gpu-memory={text!r}: expected a size such as 141GiB, 150GB or local")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
@@ -68,7 +71,7 @@ def audit(recipe_path: str, world_size: int | None = None, etp_size: int | None 
 
     Example::
 
-        report = audit("recipes/moe_h200x8.yaml", overrides={"num_layers": 16})
+        report = audit("recipes/moe_flagship.yaml", overrides={"num_layers": 16})
         report["layouts"]["with_etp"]["total"] / 2**30
     """
     from ..megatron.recipe import Recipe
@@ -82,10 +85,15 @@ def audit(recipe_path: str, world_size: int | None = None, etp_size: int | None 
         overrides["etp"] = {**overrides.get("etp", {}), **etp}
     if world_size is not None:
         overrides["world_size"] = world_size
+    from ..megatron.recipe.auto import Machine, resolve_auto
+
     recipe = Recipe.from_yaml(recipe_path, **overrides)
     world = recipe.parallel.world_size
     if world is None:
         raise ValueError("the recipe sets no world_size: pass --world-size")
+    # ``auto`` settings as etp-train would choose them on one host of sm90 GPUs of this memory.
+    recipe, auto_notes = resolve_auto(recipe, Machine(world, world, cuda=gpu_memory is not None,
+                                                      gpu_memory=gpu_memory, sm90=gpu_memory is not None))
     recipe.check_world_size(world)
     without = recipe.etp.replace(etp_size=1, expert_etp_size=1)
     layouts = {"without_etp": predict_memory(recipe, world, without, distributed_optimizer),
@@ -112,7 +120,9 @@ def audit(recipe_path: str, world_size: int | None = None, etp_size: int | None 
         "recipe": recipe_path,
         "world_size": world,
         "etp": {"etp_size": recipe.etp.etp_size, "expert_etp_size": recipe.etp.expert_etp_size,
-                "gather_dtype": recipe.etp.gather_dtype, "pad_for_alignment": recipe.etp.pad_for_alignment},
+                "gather_dtype": recipe.etp.gather_dtype, "gather_reuse": recipe.etp.gather_reuse,
+                "pad_for_alignment": recipe.etp.pad_for_alignment},
+        "cuda_graph": recipe.train.cuda_graph,
         "distributed_optimizer": bool(recipe.parallel.use_distributed_optimizer
                                       if distributed_optimizer is None else distributed_optimizer),
         "parameters": recipe.num_params(),
@@ -124,11 +134,13 @@ def audit(recipe_path: str, world_size: int | None = None, etp_size: int | None 
         "fit_rule": f"peak x {FRAGMENTATION} + symmetric memory + {RESERVED_OUTSIDE / GIB:.0f} GiB outside the "
                     "allocator <= gpu_memory",
         "micro_batches": micro,
+        "auto": auto_notes,
     }
 
 
 def format_table(report: dict) -> str:
-    rows = [f"{'category':<14}{'without ETP':>14}{'with ETP':>14}   (GiB per rank)"]
+    rows = [f"auto: {note}" for note in report.get("auto", ())]
+    rows.append(f"{'category':<14}{'without ETP':>14}{'with ETP':>14}   (GiB per rank)")
     for key in (*CATEGORIES, "total"):
         a, b = (report["layouts"][name][key] / GIB for name in ("without_etp", "with_etp"))
         rows.append(f"{key:<14}{a:>14.3f}{b:>14.3f}")
@@ -187,6 +199,19 @@ def plot(report: dict, path: str) -> None:
     plt.close(fig)
 
 
+def _prepare_output(flag: str, path: str | None) -> None:
+    """Makes the directory of an output file (before any work), or raises naming the flag."""
+    from pathlib import Path
+
+    if path is None or path == "-":
+        return
+    parent = Path(path).expanduser().resolve().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"{flag} {path}: cannot create its directory {parent} ({error.strerror or error})") from None
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="etp-audit", description=__doc__.split("\n")[0])
     parser.add_argument("--recipe", required=True)
@@ -211,6 +236,8 @@ def main(argv=None) -> int:
     from ..megatron.recipe import parse_overrides
 
     try:  # recipe errors (missing file, bad YAML, bad value) are one line, no traceback
+        for flag, path in (("--json", args.json), ("--plot", args.plot)):
+            _prepare_output(flag, path)
         gpu_memory = parse_memory(args.gpu_memory) if args.gpu_memory else _local_gpu_memory()
         report = audit(args.recipe, args.world_size, args.etp_size, args.expert_etp_size,
                        args.gather_dtype, args.distributed_optimizer, parse_overrides(args.set), gpu_memory)
@@ -222,8 +249,12 @@ def main(argv=None) -> int:
     else:
         print(format_table(report))
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=1)
+            try:
+                with open(args.json, "w") as f:
+                    json.dump(report, f, indent=1)
+            except OSError as exc:
+                print(f"etp-audit: --json {args.json}: {exc.strerror or exc}", file=sys.stderr)
+                return 2
     if args.plot:
         try:
             plot(report, args.plot)

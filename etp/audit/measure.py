@@ -372,7 +372,7 @@ class MemoryAudit:
             return None
         stats: dict[str, int] = {}
         for runtime in runtimes:
-            for key, value in dataclasses.asdict(runtime.stats).items():
+            for key, value in runtime.stats.as_dict().items():
                 stats[key] = stats.get(key, 0) + value
         return {
             "runtimes": len(runtimes),

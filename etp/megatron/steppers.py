@@ -63,7 +63,8 @@ class MegatronStep:
         if not fast:
             fast_fallbacks.uninstall()  # stock megatron-core, even after a fast run in this process
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=p.overlap_grad_reduce,
+            grad_reduce_in_fp32=not p.grad_reduce_in_bf16, overlap_grad_reduce=p.overlap_grad_reduce,
+            overlap_param_gather=p.overlap_param_gather, bucket_size=p.ddp_bucket_size,
             use_distributed_optimizer=p.use_distributed_optimizer)
         opt_config = OptimizerConfig(
             optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,

@@ -37,8 +37,6 @@ import time
 
 import torch
 
-from .host_gc import GcClock
-
 __all__ = ["HostLeadTimeline", "format_timeline"]
 
 
@@ -50,9 +48,6 @@ class HostLeadTimeline:
         self._marks: list[tuple[str, float, float, torch.cuda.Event]] = []  # name, began, ended, event
         self._windows: list[dict] = []
         self._anchor = None
-        # Collections of Python's garbage collector per window: [Note: garbage collection in
-        # an eager step].
-        self._gc = GcClock()
         if self.enabled:
             self._set_anchor()
 
@@ -88,7 +83,7 @@ class HostLeadTimeline:
             entry["device_ms"] += device_end - device_prev
             entry["leads"].append(device_end - host_end)
             device_prev = device_end
-        self._windows.append({"iterations": iterations, "phases": phases, "gc": self._gc.take()})
+        self._windows.append({"iterations": iterations, "phases": phases})
         self._marks.clear()
         self._set_anchor()
 
@@ -108,9 +103,7 @@ class HostLeadTimeline:
                          "host_ms": sum(e["host_ms"] for e in entries) / iterations,
                          "device_ms": sum(e["device_ms"] for e in entries) / iterations,
                          "lead_median_ms": statistics.median(leads), "lead_min_ms": min(leads)}
-        collections = [sum(w["gc"]["collections"][g] for w in windows) / iterations for g in range(3)]
-        gc_ms = [sum(w["gc"]["ms"][g] for w in windows) / iterations for g in range(3)]
-        return {"iterations": iterations, "phases": out, "gc": {"collections": collections, "ms": gc_ms}}
+        return {"iterations": iterations, "phases": out}
 
 
 def format_timeline(summary: dict | None) -> str:
@@ -124,9 +117,4 @@ def format_timeline(summary: dict | None) -> str:
     for name, p in summary["phases"].items():
         rows.append(f"| {name} | {p['calls']:.1f} | {p['host_ms']:.1f} | {p['device_ms']:.1f} | "
                     f"{p['lead_median_ms']:.1f} | {p['lead_min_ms']:.1f} |")
-    gc_stats = summary.get("gc")
-    if gc_stats is not None:
-        rows.append("garbage collections per iteration (generations 0 / 1 / 2): "
-                    + " / ".join(f"{c:.2f}" for c in gc_stats["collections"]) + ", host ms "
-                    + " / ".join(f"{m:.2f}" for m in gc_stats["ms"]))
     return "\n".join(rows)

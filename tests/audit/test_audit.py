@@ -103,7 +103,8 @@ def test_inventory_matches_a_built_megatron_model(grouped, moe):
 
 def test_cli_table_json_and_plot(tmp_path, capsys):
     png, out = tmp_path / "audit.png", tmp_path / "audit.json"
-    assert main(["--recipe", str(ROOT / "recipes/moe_h200x8.yaml"), "--json", str(out), "--plot", str(png)]) == 0
+    assert main(["--recipe", str(ROOT / "recipes/moe_flagship.yaml"), "--world-size", "8", "--json", str(out),
+                 "--plot", str(png)]) == 0
     table = capsys.readouterr().out
     assert "without ETP" in table and "total" in table
     report = json.loads(out.read_text())
@@ -115,18 +116,21 @@ def test_cli_table_json_and_plot(tmp_path, capsys):
         assert values["total"] == sum(v for k, v in values.items() if k != "total")
     assert report["layouts"]["with_etp"]["params"] < report["layouts"]["without_etp"]["params"] / 4
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert main(["--recipe", str(ROOT / "recipes/moe_h200x8.yaml"), "--json", "-"]) == 0
+    assert main(["--recipe", str(ROOT / "recipes/moe_flagship.yaml"), "--world-size", "8", "--json", "-"]) == 0
     assert json.loads(capsys.readouterr().out)["world_size"] == 8
+    # the launcher decides the world size of the shipped recipes: the audit needs it
+    assert main(["--recipe", str(ROOT / "recipes/moe_flagship.yaml")]) == 2
+    assert "pass --world-size" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--world-size", "6"], "does not divide the data-parallel size 6"),
+    (["--world-size", "6"], "the nearest valid values are 24 or 36"),
     (["--world-size", "0"], "--world-size=0"),
-    (["--gather-dtype", "int4"], "gather_dtype"),
-    (["--etp-size", "3"], "etp_size=3"),
+    (["--world-size", "8", "--gather-dtype", "int4"], "gather_dtype"),
+    (["--world-size", "8", "--etp-size", "3"], "etp_size=3"),
 ])
 def test_cli_validation_errors(args, message, capsys):
-    assert main(["--recipe", str(ROOT / "recipes/moe_h200x8.yaml"), *args]) == 2
+    assert main(["--recipe", str(ROOT / "recipes/moe_flagship.yaml"), *args]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
 
@@ -173,7 +177,7 @@ def test_predicted_peak_within_five_percent_of_measured(key):
     from etp.audit import predict_peak
 
     world, size, micro, distributed, layers = key
-    recipe = Recipe.from_yaml(ROOT / "recipes/moe_h200x8.yaml", world_size=world, global_batch_size=64,
+    recipe = Recipe.from_yaml(ROOT / "recipes/moe_flagship.yaml", world_size=world, global_batch_size=64,
                               num_layers=layers, attention_backend="local", megatron_fallbacks="stock",
                               moe_token_dispatcher_type="alltoall", etp={"etp_size": size, "expert_etp_size": size})
     peak = predict_peak(recipe, world, distributed_optimizer=distributed, micro_batch_size=micro,
@@ -193,7 +197,7 @@ def test_predicted_peak_with_fused_adam_within_five_percent(key):
     from etp.audit import predict_peak
 
     fallbacks, dispatcher, micro = key
-    recipe = Recipe.from_yaml(ROOT / "recipes/moe_h200x8.yaml", world_size=1, global_batch_size=2 * micro,
+    recipe = Recipe.from_yaml(ROOT / "recipes/moe_flagship.yaml", world_size=1, global_batch_size=2 * micro,
                               micro_batch_size=micro, megatron_fallbacks=fallbacks,
                               moe_token_dispatcher_type=dispatcher, etp={"etp_size": 1, "expert_etp_size": 1})
     peak = predict_peak(recipe, 1)["peak"] / 2**30
@@ -203,7 +207,7 @@ def test_predicted_peak_with_fused_adam_within_five_percent(key):
 def test_peak_phases_and_sdpa_activations():
     from etp.audit import activation_bytes, predict_peak
 
-    recipe = Recipe.from_yaml(ROOT / "recipes/moe_h200x8.yaml", world_size=2, global_batch_size=8,
+    recipe = Recipe.from_yaml(ROOT / "recipes/moe_flagship.yaml", world_size=2, global_batch_size=8,
                               etp={"etp_size": 2, "expert_etp_size": 2})
     local = recipe.replace(attention_backend="local")
     s, b, h, a, v = 2048, 2, 2048, 16, 32000
@@ -229,7 +233,7 @@ def test_cli_gpu_memory_fits_and_micro_batch_table(tmp_path, capsys):
     with pytest.raises(ValueError, match="141GiB"):
         parse_memory("lots")
     out = tmp_path / "audit.json"
-    args = ["--recipe", str(ROOT / "recipes/moe_h200x8.yaml"), "--world-size", "2", "--etp-size", "2",
+    args = ["--recipe", str(ROOT / "recipes/moe_flagship.yaml"), "--world-size", "2", "--etp-size", "2",
             "--set", "global_batch_size=8", "--gpu-memory", "139.8GiB"]
     assert main([*args, "--json", str(out)]) == 0
     text = capsys.readouterr().out
@@ -256,7 +260,7 @@ def test_symmetric_memory_is_outside_the_allocator_peak_but_inside_the_fit():
         weight_inventory,
     )
 
-    recipe = Recipe.from_yaml(ROOT / "recipes/moe_h200x8.yaml", world_size=2, global_batch_size=8,
+    recipe = Recipe.from_yaml(ROOT / "recipes/moe_flagship.yaml", world_size=2, global_batch_size=8,
                               etp={"etp_size": 2, "expert_etp_size": 2})
     nccl, ce = predict_peak(recipe, 2, transport="nccl"), predict_peak(recipe, 2, transport="copy_engine")
     assert predict_peak(recipe, 2)["gather_transport"] == "copy_engine"  # auto: NVLink GPUs of one host
@@ -291,7 +295,7 @@ def test_aliased_gather_buffers_keep_the_peers_rows_outside_the_allocator():
     from etp.audit.predict import MAPPING_GRANULARITY, gather_buffer_bytes, weight_inventory
 
     def recipe(**etp):
-        return Recipe.from_yaml(ROOT / "recipes/moe_h200x8.yaml", world_size=2, global_batch_size=8,
+        return Recipe.from_yaml(ROOT / "recipes/moe_flagship.yaml", world_size=2, global_batch_size=8,
                                 etp={"etp_size": 2, "expert_etp_size": 2, **etp})
 
     # Every ETP weight of the flagship but the output layer (16000 x 2048 rows a shard) has whole
@@ -320,7 +324,7 @@ def test_aliased_gather_buffers_keep_the_peers_rows_outside_the_allocator():
 def test_recompute_shrinks_activations_and_adds_its_gather_buffers():
     from etp.audit import activation_bytes, predict_memory
 
-    recipe = Recipe.from_yaml(ROOT / "recipes/moe_h200x8.yaml", world_size=2, global_batch_size=8,
+    recipe = Recipe.from_yaml(ROOT / "recipes/moe_flagship.yaml", world_size=2, global_batch_size=8,
                               etp={"etp_size": 2, "expert_etp_size": 2})
     s, b, h, v, layers = 2048, 2, 2048, 32000, 8
     per_layer = s * b * h * (18 + 4 * (2 + 6 * 1408 / h))  # SDPA: no score matrices; etp's experts
@@ -345,7 +349,7 @@ def test_push_reduction_halves_the_wgrad_pool_and_stages_outside_the_allocator()
     from etp.audit import predict_peak
     from etp.audit.predict import _push_staging_bytes, weight_inventory
 
-    recipe = Recipe.from_yaml(ROOT / "recipes/moe_h200x8.yaml", world_size=2, global_batch_size=8,
+    recipe = Recipe.from_yaml(ROOT / "recipes/moe_flagship.yaml", world_size=2, global_batch_size=8,
                               etp={"etp_size": 2, "expert_etp_size": 2})
     push = predict_peak(recipe, 2, transport="copy_engine")  # copy-engine gathers, push reduction
     nccl = predict_peak(recipe, 2, transport="nccl")
@@ -365,7 +369,21 @@ def test_default_aliased_recipe_predicts_the_measured_peaks():
 
     measured = {"param": 39.91, "fp8_tensorwise": 44.16}
     for gather_dtype, gib in measured.items():
-        recipe = Recipe.from_yaml(ROOT / "recipes/moe_h200x8.yaml", world_size=2, global_batch_size=8,
+        recipe = Recipe.from_yaml(ROOT / "recipes/moe_flagship.yaml", world_size=2, global_batch_size=8,
                                   etp={"etp_size": 2, "expert_etp_size": 2, "gather_dtype": gather_dtype})
         predicted = predict_peak(recipe, 2, transport="copy_engine")["peak"] / 2**30
         assert abs(predicted - gib) <= 0.03 * gib, (gather_dtype, predicted, gib)
+
+
+def test_cli_refuses_a_memory_size_without_unit_and_creates_output_directories(tmp_path, capsys):
+    from etp.audit.cli import main, parse_memory
+
+    with pytest.raises(ValueError, match="has no unit: write 80GiB"):
+        parse_memory("80")
+    recipe = str(ROOT / "recipes/moe_flagship.yaml")
+    assert main(["--recipe", recipe, "--gpu-memory", "80"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "no unit" in err
+    out = tmp_path / "new" / "dir" / "audit.json"
+    assert main(["--recipe", recipe, "--world-size", "8", "--json", str(out), "--gpu-memory", "80GiB"]) == 0
+    assert json.loads(out.read_text())["world_size"] == 8

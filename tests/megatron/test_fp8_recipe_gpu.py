@@ -1,6 +1,6 @@
 """GPU (NCCL, 2 GPUs): the flagship recipe's real shapes with FP8 gathers, 2 layers, a few steps.
 
-Every weight shape of ``recipes/moe_h200x8.yaml`` (hidden 2048, 64 experts of 1408, the
+Every weight shape of ``recipes/moe_flagship.yaml`` (hidden 2048, 64 experts of 1408, the
 32000-wide vocabulary of the output layer, sequence 2048) goes through the FP8 gather and
 FP8 GEMM path, so a kernel limit on a real shape (the 16384-column rowwise quantization
 that crashed the first FP8 run of the recipe) fails here instead of on a user's job. The
@@ -28,14 +28,14 @@ TWO_LAYERS = dict(num_layers=2, micro_batch_size=1, global_batch_size=4, train_i
 
 def _losses(ctx, gather_dtypes):
     from etp.megatron.recipe import Recipe
-    from etp.megatron.train import train
+    from etp.megatron.trainer import train
 
     out = []
     for gather_dtype in gather_dtypes:
         etp = {"etp_size": 2, "expert_etp_size": 2, "gather_dtype": gather_dtype}
         if gather_dtype == "fp8_blockwise":
             etp["pad_for_alignment"] = 128
-        recipe = Recipe.from_yaml(ROOT / "recipes" / "moe_h200x8.yaml", **TWO_LAYERS, etp=etp)
+        recipe = Recipe.from_yaml(ROOT / "recipes" / "moe_flagship.yaml", **TWO_LAYERS, etp=etp)
         out.append(train(ctx.rank, ctx.world_size, recipe))
         torch.cuda.empty_cache()
     return out

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from etp.megatron.recipe import Recipe, RecipeError
 
-FLAGSHIP = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "moe_h200x8.yaml")
+FLAGSHIP = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "moe_flagship.yaml")
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["index_add", "ordered_sums"])
@@ -41,7 +41,6 @@ def test_capture_safe_embedding_matches_f_embedding_in_float64(deterministic):
 
 @pytest.mark.parametrize("overrides,key", [
     ({"moe_token_dispatcher_type": "alltoall"}, "moe_token_dispatcher_type"),
-    ({"overlap_grad_reduce": True}, "overlap_grad_reduce"),
     ({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
      "recompute_granularity"),
 ])

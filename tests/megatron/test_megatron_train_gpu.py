@@ -26,12 +26,12 @@ SMALL = dict(num_layers=2, hidden_size=256, num_attention_heads=4, num_query_gro
 
 def _losses(ctx, overrides, etp_sizes):
     from etp.megatron.recipe import Recipe
-    from etp.megatron.train import train
+    from etp.megatron.trainer import train
 
     out, keys = [], dict(overrides)
     etp_keys = keys.pop("etp", {})
     for size in etp_sizes:
-        recipe = Recipe.from_yaml(ROOT / "recipes" / "moe_h200x8.yaml", **SMALL, **keys,
+        recipe = Recipe.from_yaml(ROOT / "recipes" / "moe_flagship.yaml", **SMALL, **keys,
                                   etp={**etp_keys, "etp_size": size, "expert_etp_size": size})
         out.append(train(ctx.rank, ctx.world_size, recipe))
     return out

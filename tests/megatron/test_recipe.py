@@ -21,7 +21,7 @@ from etp.megatron.recipe import (
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "recipes" / "tiny_moe_cpu.yaml"
-BIG = ROOT / "recipes" / "moe_h200x8.yaml"
+BIG = ROOT / "recipes" / "moe_flagship.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +31,14 @@ def tiny_values():
 
 # ---------------------------------------------------------------------------- bundled recipes
 def test_tiny_cpu_recipe_validates():
+    from etp.megatron.recipe.auto import Machine, resolve_auto
+
     r = Recipe.from_yaml(TINY)
     r.check_world_size(2)
     assert r.parallel.world_size == 2 and r.parallel.backend == "gloo"
-    assert (r.etp.etp_size, r.etp.expert_etp_size) == (2, 2)
+    assert r.auto == ("cuda_graph", "etp.etp_size", "etp.expert_etp_size", "etp.gather_dtype", "etp.gather_reuse")
+    r, _ = resolve_auto(r, Machine(2, 2))
+    assert (r.etp.etp_size, r.etp.expert_etp_size) == (2, 2) and r.auto == ()
     assert r.model.num_experts == 4 and r.model.moe_router_topk == 2
     assert r.model.vocab_size == 256 and not r.train.bf16
     assert r.train.data == "etp/data/tiny_corpus.txt"
@@ -45,8 +49,10 @@ def test_tiny_cpu_recipe_validates():
     assert r.num_params() == 164_672 and r.num_params(active=True) == 115_520
 
 
-def test_h200_recipe_validates_and_is_over_a_billion_parameters():
-    r = Recipe.from_yaml(BIG)
+def test_flagship_recipe_validates_and_is_over_a_billion_parameters():
+    from etp.megatron.recipe.auto import Machine, resolve_auto
+
+    r, _ = resolve_auto(Recipe.from_yaml(BIG), Machine(8, 8))
     r.check_world_size(8)
     assert r.model.is_moe and r.train.bf16 and r.parallel.world_size == 8
     assert (r.etp.etp_size, r.etp.expert_etp_size) == (8, 8)
@@ -94,7 +100,6 @@ BAD = {
     "beta2 of 1": ({"adam_beta2": 1.0}, None, "adam_beta2", 1.0),
     "dropout above 1": ({"hidden_dropout": 1.5}, None, "hidden_dropout", 1.5),
     "min_lr above lr": ({"min_lr": 1.0}, None, "min_lr", 1.0),
-    "warmup past the end": ({"lr_warmup_iters": 301}, None, "lr_warmup_iters", 301),
     # choices
     "dispatcher": (
         {"moe_token_dispatcher_type": "all2all"}, None, "moe_token_dispatcher_type", "all2all"
@@ -135,7 +140,8 @@ BAD = {
         {"etp": {"gather_dtype": "fp8_tensorwise"}}, None, "etp.gather_dtype", "fp8_tensorwise"
     ),
     "expert ETP on a dense model": (
-        {"num_experts": None, "moe_ffn_hidden_size": None}, None, "etp.expert_etp_size", 2
+        {"num_experts": None, "moe_ffn_hidden_size": None, "etp": {"expert_etp_size": 2}}, None,
+        "etp.expert_etp_size", 2,
     ),
     "moe width on a dense model": (
         {"num_experts": None, "etp": {"expert_etp_size": 1}}, None, "moe_ffn_hidden_size", 64
@@ -307,8 +313,10 @@ def test_overrides(tiny_values):
     r = Recipe.from_yaml(TINY, train_iters=5, lr=1, etp_size=1, etp={"gather_dtype": "fp32"})
     assert r.train.train_iters == 5 and r.train.lr_decay_iters == 5
     assert r.train.lr == 1.0 and isinstance(r.train.lr, float)
-    # etp_size routed to the etp section; etp={...} merged into it, not replacing it
-    assert r.etp == ETPConfig(etp_size=1, expert_etp_size=2, gather_dtype="fp32")
+    # etp_size routed to the etp section; etp={...} merged into it, not replacing it (the
+    # recipe's expert_etp_size and gather_reuse stay auto, at their defaults until resolved)
+    assert r.etp == ETPConfig(etp_size=1, gather_dtype="fp32")
+    assert r.auto == ("cuda_graph", "etp.expert_etp_size", "etp.gather_reuse")
     assert r.source == TINY
     # replace() derives the derived defaults again
     wide = Recipe.from_dict({**tiny_values}).replace(hidden_size=128, world_size=None)
@@ -352,7 +360,7 @@ def test_derived_defaults_follow_megatron_lm(tiny_values):
 
 
 def test_to_dict_round_trip_and_lookup():
-    r = Recipe.from_yaml(BIG)
+    r = Recipe.from_yaml(BIG, etp={"etp_size": 8})
     flat = r.to_dict()
     assert Recipe.from_dict(flat) == r
     assert set(flat) == set(Recipe.keys()) | {"etp"}
@@ -525,15 +533,15 @@ def test_recompute_error_names_the_fix(tiny_values):
 
 
 def test_etp_train_passes_recompute_to_its_transformer_config(monkeypatch):
-    """etp-train's megatron-core builder (etp.megatron.train._build) hands the recipe's recompute
-    keys to TransformerConfig: the config is captured before GPTModel (which needs CUDA and
-    parallel state) is built."""
+    """etp-train's megatron-core builder (etp.megatron.trainer.model_build.build_model) hands the
+    recipe's recompute keys to TransformerConfig: the config is captured before GPTModel (which
+    needs CUDA and parallel state) is built."""
     pytest.importorskip("megatron.core")
     import torch
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer import transformer_config
 
-    from etp.megatron import train
+    from etp.megatron.trainer.model_build import build_model
 
     class Built(Exception):
         pass
@@ -550,7 +558,7 @@ def test_etp_train_passes_recompute_to_its_transformer_config(monkeypatch):
     for overrides in ({}, {"recompute_granularity": "full", "recompute_method": "block",
                            "recompute_num_layers": 1}):
         with pytest.raises(Built):
-            train._build(Recipe.from_yaml(TINY, **overrides), torch.device("meta"))
+            build_model(Recipe.from_yaml(TINY, **overrides), torch.device("meta"))
     default, full = built
     assert default.recompute_granularity is None and default.recompute_method is None
     assert (full.recompute_granularity, full.recompute_method, full.recompute_num_layers) == (
@@ -564,9 +572,9 @@ def test_etp_audit_accepts_recompute_keys(capsys):
 
     sets = ["--set", "recompute_granularity=full", "--set", "recompute_method=uniform",
             "--set", "recompute_num_layers=1"]
-    assert audit_main(["--recipe", str(BIG), "--json", "-", *sets]) == 0
+    assert audit_main(["--recipe", str(BIG), "--world-size", "8", "--json", "-", *sets]) == 0
     assert json.loads(capsys.readouterr().out)["parameters"] > 0
-    assert audit_main(["--recipe", str(BIG), "--set", "recompute_granularity=full"]) != 0
+    assert audit_main(["--recipe", str(BIG), "--world-size", "8", "--set", "recompute_granularity=full"]) != 0
     assert "recompute_method" in capsys.readouterr().err
 
 
@@ -583,7 +591,7 @@ def test_module_doc_lists_every_etp_field():
 
 
 def test_fp8_eager_hint_only_where_a_capture_would_validate():
-    from etp.megatron.train import fp8_eager_hint
+    from etp.megatron.trainer.reporting import fp8_eager_hint
 
     def flagship(**overrides):
         etp = {"gather_dtype": "fp8_tensorwise", "etp_size": 2, "expert_etp_size": 2} | overrides.pop("etp", {})
@@ -600,3 +608,9 @@ def test_fp8_eager_hint_only_where_a_capture_would_validate():
     assert fp8_eager_hint(flagship(moe_token_dispatcher_type="alltoall"), "cuda") is None
     assert fp8_eager_hint(flagship(recompute_granularity="full", recompute_method="uniform",
                                    recompute_num_layers=1), "cuda") is None
+
+
+def test_a_warm_up_longer_than_the_run_is_clipped_and_remembered():
+    recipe = Recipe.from_yaml(TINY, train_iters=4)  # the tiny recipe warms up over 5
+    assert recipe.train.lr_warmup_iters == 4 and recipe.train.warmup_clipped_from == 5
+    assert Recipe.from_yaml(TINY).train.warmup_clipped_from is None

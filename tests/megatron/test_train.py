@@ -152,7 +152,7 @@ def test_enable_determinism_switches_torch(monkeypatch):
 
 
 def test_param_bits_sum_sees_a_one_ulp_change():
-    from etp.megatron.train import param_bits_sum
+    from etp.megatron.trainer.reporting import param_bits_sum
 
     torch.manual_seed(0)
     a = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2).to(torch.bfloat16))

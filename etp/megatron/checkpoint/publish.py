@@ -186,9 +186,15 @@ def _create_staging(root: Path, iteration: int, metadata: dict, lock: _StagingLo
         raise CheckpointError(f"metadata must be a JSON-serializable dict: {exc}") from exc
     final = iteration_dir(root, iteration)
     root.mkdir(parents=True, exist_ok=True)
-    if final.exists() and find_latest(root) == iteration:
+    latest = find_latest(root)
+    if final.exists() and latest == iteration:
         raise CheckpointError(f"{final} exists and {root / LATEST_NAME} points at it; refusing to "
                               "overwrite the checkpoint a restart would load (delete it first)")
+    if latest is not None and iteration < latest:
+        # latest never moves backwards: a restart must never load an older state than the
+        # newest one published (etp-train refuses such a run before it starts).
+        raise CheckpointError(f"{root / LATEST_NAME} names iteration {latest}; saving iteration {iteration} "
+                              "would move it backwards: save into another directory")
     tmp = root / f"{_TMP_PREFIX}{final.name}_{uuid.uuid4().hex}"
     lock.acquire(tmp.with_name(tmp.name + _LOCK_SUFFIX))
     tmp.mkdir()

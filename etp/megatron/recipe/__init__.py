@@ -60,19 +60,24 @@ Parallelism (``recipe.parallel``, :class:`ParallelSpec`):
     tensor_model_parallel_size: 1. pipeline_model_parallel_size: 1.
     expert_model_parallel_size: 1. expert_tensor_parallel_size: None -> tensor size.
     context_parallel_size: 1. sequence_parallel: false. use_distributed_optimizer: false.
-    overlap_grad_reduce: false.
+    overlap_grad_reduce: false. overlap_param_gather: false (needs the distributed optimizer and
+    overlap_grad_reduce; models without ETP weights). grad_reduce_in_bf16: false (fp32 DDP
+    reductions). ddp_bucket_size: None (megatron-core's default).
     world_size: None (etp driver key: ranks the recipe is meant for; the CPU driver spawns
-        this many; under torchrun it must equal WORLD_SIZE).
+        this many; under torchrun None takes the launcher's, a value must equal WORLD_SIZE).
     backend: auto (etp driver key: auto | gloo | nccl; auto is nccl with CUDA, else gloo).
 
 Training (``recipe.train``, :class:`TrainSpec`):
     micro_batch_size, train_iters, lr: required. global_batch_size: None -> micro_batch_size
         * data_parallel_size (one microbatch per step).
-    min_lr: 0.0. lr_warmup_iters: 0. lr_decay_iters: None -> train_iters.
+    min_lr: 0.0. lr_warmup_iters: 0 (longer than train_iters: clipped, and etp-train says so).
+    lr_decay_iters: None -> train_iters.
     lr_decay_style: linear (constant | linear | cosine | inverse-square-root | WSD).
     weight_decay: 0.01. clip_grad: 1.0 (0 = off). adam_beta1: 0.9. adam_beta2: 0.999.
     adam_eps: 1e-08. bf16: false. fp16: false. seed: 1234. log_interval: 100.
-    save: None. save_interval: None (needs save). load: None.
+    save: None. save_interval: None (needs save; unset: one save, after the run's last
+        iteration). load: None. A fresh run refuses a save directory that holds another run's
+        checkpoints (etp-train --resume or --overwrite; see etp.megatron.trainer.checkpointing).
     data: synthetic (etp's own: "synthetic" for random token ids, or the path of a text
         corpus, read as bytes; a relative path is looked up from the working directory, the
         recipe's directory and the directory holding the etp package, see
@@ -84,7 +89,8 @@ Training (``recipe.train``, :class:`TrainSpec`):
     cuda_graph: none (etp's own | step: etp-train captures one micro-batch's forward + backward in
         a CUDA graph with etp.GraphedStep after three eager warm-ups and replays it for every
         micro-batch; needs CUDA, moe_token_dispatcher_type local for MoE models (megatron's
-        dispatchers synchronize with the host), overlap_grad_reduce false, no recompute).
+        dispatchers synchronize with the host), no recompute, TP 1; it turns overlap_grad_reduce
+        off itself | auto: step where the recipe and the machine allow it).
     megatron_fallbacks: fast (etp's own: without apex / TransformerEngine, megatron-core's
         multi-tensor helpers run as torch foreach ops and torch's Adam as its fused kernel,
         etp.megatron.fast_fallbacks; and, with or without apex, the optimizer step keeps the grad
@@ -106,6 +112,10 @@ Training (``recipe.train``, :class:`TrainSpec`):
         mla_up_proj and shared_experts are refused: etp's models have none of those parts).
         ``--set recompute_modules=[core_attn,moe]``.
 
+``auto`` (``AUTO_KEYS``: cuda_graph, etp.etp_size, etp.expert_etp_size, etp.gather_dtype,
+etp.gather_reuse) is chosen at start-up for the machine, each choice printed with its reason:
+see [Note: auto settings] in ``etp/megatron/recipe/auto.py``.
+
 ETP (``recipe.etp``, :class:`etp.ETPConfig`): etp_size, expert_etp_size, pad_for_alignment,
     reduction, gather_dtype, fp8_wgrad, gather_reuse, prefetch, async_reduce, debug_checks,
     transport (defaults in configs/etp.yaml; ``tests/megatron/test_recipe.py`` checks this list
@@ -125,11 +135,12 @@ YAML 1.1 (PyYAML) reads ``3e-3`` as a string; recipes are loaded with a loader t
 as the float it looks like, and duplicate keys are errors.
 """
 from .loading import load_recipe_yaml, parse_overrides
-from .recipe import Recipe
+from .recipe import AUTO_KEYS, Recipe
 from .schema import ModelSpec, ParallelSpec, TrainSpec
 from .validation import RecipeError, check_parallel_layout
 
 __all__ = [
+    "AUTO_KEYS",
     "ModelSpec",
     "ParallelSpec",
     "Recipe",

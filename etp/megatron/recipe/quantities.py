@@ -46,12 +46,15 @@ class RecipeQuantities:
         )
         per_step = t.micro_batch_size * dp
         if t.global_batch_size is not None and t.global_batch_size % per_step:
+            below = t.global_batch_size // per_step * per_step
+            nearest = [n for n in (below, below + per_step) if n > 0]
             raise RecipeError(
                 "global_batch_size",
                 t.global_batch_size,
                 f"recipe key global_batch_size={t.global_batch_size} is not divisible by "
                 f"micro_batch_size x data_parallel_size = {t.micro_batch_size} x {dp} = "
-                f"{per_step} (world_size {world_size})",
+                f"{per_step} (world_size {world_size}): the nearest valid values are "
+                f"{' or '.join(map(str, nearest))} (--set global_batch_size=N)",
             )
 
     def data_parallel_size(self, world_size: int | None = None) -> int:
@@ -102,7 +105,7 @@ class RecipeQuantities:
 
         Example::
 
-            Recipe.from_yaml("recipes/moe_h200x8.yaml").num_params() / 1e9   # ~4.70
+            Recipe.from_yaml("recipes/moe_flagship.yaml").num_params() / 1e9   # ~4.70
         """
         m = self.model
         h, kv = m.hidden_size, m.kv_channels

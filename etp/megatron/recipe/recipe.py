@@ -49,6 +49,11 @@ def _unknown_key_error(key: str, value: Any, *, in_etp: bool) -> RecipeError:
 
 
 
+#: Keys a recipe may set to ``auto``: chosen at start-up for the machine and the launcher
+#: (``etp.megatron.recipe.auto``), each choice printed with its reason.
+AUTO_KEYS = ("cuda_graph", "etp.etp_size", "etp.expert_etp_size", "etp.gather_dtype", "etp.gather_reuse")
+
+
 # ---------------------------------------------------------------------------------- recipe
 @dataclass(frozen=True)
 class Recipe(RecipeQuantities):
@@ -59,7 +64,7 @@ class Recipe(RecipeQuantities):
 
     Example::
 
-        recipe = Recipe.from_yaml("recipes/moe_h200x8.yaml")
+        recipe = Recipe.from_yaml("recipes/moe_flagship.yaml")
         recipe.check_world_size(8)
         baseline = recipe.replace(etp={"etp_size": 1, "expert_etp_size": 1})
         recipe.num_params() / 1e9, recipe.data_parallel_size(8)
@@ -73,6 +78,11 @@ class Recipe(RecipeQuantities):
     source: Path | None = field(default=None, compare=False, repr=False)
     #: the flat mapping it was built from (before derived defaults), for :meth:`replace`
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    #: keys the recipe sets to "auto" (``AUTO_KEYS``), held at their defaults until
+    #: ``etp.megatron.recipe.auto.resolve_auto`` picks them for the machine
+    auto: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    #: what building the recipe adjusted, one sentence each (etp-train prints them)
+    notes: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for name, cls in (*_SECTIONS.items(), ("etp", ETPConfig)):
@@ -80,124 +90,103 @@ class Recipe(RecipeQuantities):
                 raise RecipeError(
                     name, getattr(self, name), f"Recipe.{name} must be a {cls.__name__}"
                 )
-        m, p, t, e = self.model, self.parallel, self.train, self.etp
+        self._check_capture()
+        self._check_tensor_parallel()
+        if self.model.is_moe:
+            self._check_moe()
+        else:
+            self._check_dense()
+        self._check_data()
+        self._check_recompute()
+        if self.parallel.world_size is not None:
+            self.check_world_size(self.parallel.world_size)
+
+    def _check_capture(self) -> None:
+        """What ``cuda_graph: step`` cannot hold."""
+        m, p, t = self.model, self.parallel, self.train
+        if t.cuda_graph != "step":
+            return
+        if p.overlap_grad_reduce:
+            _fail("overlap_grad_reduce", True, "must be false with cuda_graph=step (DDP's bucket "
+                  "hooks run only at capture; the reductions start after the replayed backward)")
+        if t.recompute_granularity is not None:
+            _fail("recompute_granularity", t.recompute_granularity,
+                  "must be unset with cuda_graph=step (not captured yet)")
+        if p.tensor_model_parallel_size != 1:
+            _fail("tensor_model_parallel_size", p.tensor_model_parallel_size,
+                  "must be 1 with cuda_graph=step (capture-safe embedding)")
+        if m.is_moe and m.moe_token_dispatcher_type != "local":
+            _fail("moe_token_dispatcher_type", m.moe_token_dispatcher_type,
+                  "must be local with cuda_graph=step (megatron's dispatchers synchronize with the host)")
+        if p.overlap_param_gather:
+            _fail("overlap_param_gather", True, "must be false with cuda_graph=step (its all-gathers are "
+                  "waited for in forward hooks, which a replay does not run)")
+
+    def _check_tensor_parallel(self) -> None:
+        m, p = self.model, self.parallel
         tp = p.tensor_model_parallel_size
-        if t.cuda_graph == "step":
-            if p.overlap_grad_reduce:
-                _fail("overlap_grad_reduce", True, "must be false with cuda_graph=step (DDP's bucket "
-                      "hooks run only at capture; the reductions start after the replayed backward)")
-            if t.recompute_granularity is not None:
-                _fail("recompute_granularity", t.recompute_granularity,
-                      "must be unset with cuda_graph=step (not captured yet)")
-            if tp != 1:
-                _fail("tensor_model_parallel_size", tp, "must be 1 with cuda_graph=step (capture-safe embedding)")
-            if e.gather_reuse != "chain":
-                _fail("etp.gather_reuse", e.gather_reuse, "must be chain with cuda_graph=step (resident gathers "
-                      "are not tested inside a captured step)")
-        if m.num_attention_heads % tp:
-            _fail(
-                "num_attention_heads",
-                m.num_attention_heads,
-                f"must be divisible by tensor_model_parallel_size={tp}",
-            )
+        for key, value, why in (
+            ("num_attention_heads", m.num_attention_heads, f"must be divisible by tensor_model_parallel_size={tp}"),
+            ("ffn_hidden_size", m.ffn_hidden_size, f"must be divisible by tensor_model_parallel_size={tp}"),
+        ):
+            if value % tp:
+                _fail(key, value, why)
         if m.num_query_groups % tp and tp % m.num_query_groups:
-            _fail(
-                "num_query_groups",
-                m.num_query_groups,
-                f"must be a multiple or a divisor of tensor_model_parallel_size={tp}",
-            )
-        if m.ffn_hidden_size % tp:
-            _fail(
-                "ffn_hidden_size",
-                m.ffn_hidden_size,
-                f"must be divisible by tensor_model_parallel_size={tp}",
-            )
+            _fail("num_query_groups", m.num_query_groups,
+                  f"must be a multiple or a divisor of tensor_model_parallel_size={tp}")
         if m.num_layers % p.pipeline_model_parallel_size:
-            _fail(
-                "num_layers",
-                m.num_layers,
-                f"must be divisible by pipeline_model_parallel_size="
-                f"{p.pipeline_model_parallel_size}",
-            )
+            _fail("num_layers", m.num_layers,
+                  f"must be divisible by pipeline_model_parallel_size={p.pipeline_model_parallel_size}")
         cp = p.context_parallel_size
         if cp > 1 and m.seq_length % (2 * cp):
-            _fail(
-                "seq_length",
-                m.seq_length,
-                f"must be divisible by 2 x context_parallel_size = {2 * cp}",
-            )
+            _fail("seq_length", m.seq_length, f"must be divisible by 2 x context_parallel_size = {2 * cp}")
         if p.sequence_parallel and m.seq_length % tp:
-            _fail(
-                "seq_length",
-                m.seq_length,
-                f"must be divisible by tensor_model_parallel_size={tp} with sequence_parallel",
-            )
-        if m.is_moe:
-            ep, etp_tp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
-            if m.num_experts % ep:
-                _fail(
-                    "num_experts",
-                    m.num_experts,
-                    f"must be divisible by expert_model_parallel_size={ep}",
-                )
-            if m.moe_ffn_hidden_size % etp_tp:
-                _fail(
-                    "moe_ffn_hidden_size",
-                    m.moe_ffn_hidden_size,
-                    f"must be divisible by expert_tensor_parallel_size={etp_tp}",
-                )
-            if t.cuda_graph == "step" and m.moe_token_dispatcher_type != "local":
-                _fail("moe_token_dispatcher_type", m.moe_token_dispatcher_type,
-                      "must be local with cuda_graph=step (megatron's dispatchers synchronize with the host)")
-            if m.moe_token_dispatcher_type == "local":
-                for name, value in (("expert_model_parallel_size", ep), ("tensor_model_parallel_size", tp),
-                                    ("expert_tensor_parallel_size", etp_tp)):
-                    if value != 1:
-                        _fail(name, value, "must be 1 with moe_token_dispatcher_type=local (every expert "
-                              "on its rank); use alltoall for expert or tensor parallelism")
-                if not m.moe_grouped_gemm:
-                    _fail("moe_grouped_gemm", False, "must be true with moe_token_dispatcher_type=local "
-                          "(etp's grouped experts take the device token counts)")
-            if m.moe_token_dispatcher_type == "etp":
-                for name, value in (("tensor_model_parallel_size", tp), ("expert_tensor_parallel_size", etp_tp)):
-                    if value != 1:
-                        _fail(name, value, "must be 1 with moe_token_dispatcher_type=etp (etp.ep's dispatcher "
-                              "moves whole tokens over the expert-parallel group); use alltoall for tensor parallelism")
-            if ep > 1 and tp > 1 and not p.sequence_parallel:
-                _fail(
-                    "sequence_parallel",
-                    False,
-                    f"must be true with expert_model_parallel_size={ep} and "
-                    f"tensor_model_parallel_size={tp} (Megatron-LM's rule)",
-                )
-        else:
-            if p.expert_model_parallel_size > 1:
-                _fail(
-                    "expert_model_parallel_size",
-                    p.expert_model_parallel_size,
-                    "needs num_experts (the model is dense)",
-                )
-            if e.expert_etp_size > 1:
-                _fail(
-                    "etp.expert_etp_size",
-                    e.expert_etp_size,
-                    "needs num_experts (the model is dense)",
-                )
+            _fail("seq_length", m.seq_length,
+                  f"must be divisible by tensor_model_parallel_size={tp} with sequence_parallel")
+
+    def _check_moe(self) -> None:
+        m, p = self.model, self.parallel
+        tp, ep, etp_tp = p.tensor_model_parallel_size, p.expert_model_parallel_size, p.expert_tensor_parallel_size
+        if m.num_experts % ep:
+            _fail("num_experts", m.num_experts, f"must be divisible by expert_model_parallel_size={ep}")
+        if m.moe_ffn_hidden_size % etp_tp:
+            _fail("moe_ffn_hidden_size", m.moe_ffn_hidden_size,
+                  f"must be divisible by expert_tensor_parallel_size={etp_tp}")
+        if m.moe_token_dispatcher_type == "local":
+            for name, value in (("expert_model_parallel_size", ep), ("tensor_model_parallel_size", tp),
+                                ("expert_tensor_parallel_size", etp_tp)):
+                if value != 1:
+                    _fail(name, value, "must be 1 with moe_token_dispatcher_type=local (every expert "
+                          "on its rank); use alltoall for expert or tensor parallelism")
+            if not m.moe_grouped_gemm:
+                _fail("moe_grouped_gemm", False, "must be true with moe_token_dispatcher_type=local "
+                      "(etp's grouped experts take the device token counts)")
+        if m.moe_token_dispatcher_type == "etp":
+            for name, value in (("tensor_model_parallel_size", tp), ("expert_tensor_parallel_size", etp_tp)):
+                if value != 1:
+                    _fail(name, value, "must be 1 with moe_token_dispatcher_type=etp (etp.ep's dispatcher "
+                          "moves whole tokens over the expert-parallel group); use alltoall for tensor parallelism")
+        if ep > 1 and tp > 1 and not p.sequence_parallel:
+            _fail("sequence_parallel", False, f"must be true with expert_model_parallel_size={ep} and "
+                  f"tensor_model_parallel_size={tp} (Megatron-LM's rule)")
+
+    def _check_dense(self) -> None:
+        if self.parallel.expert_model_parallel_size > 1:
+            _fail("expert_model_parallel_size", self.parallel.expert_model_parallel_size,
+                  "needs num_experts (the model is dense)")
+        if self.etp.expert_etp_size > 1:
+            _fail("etp.expert_etp_size", self.etp.expert_etp_size, "needs num_experts (the model is dense)")
+
+    def _check_data(self) -> None:
+        m, t, e = self.model, self.train, self.etp
+        if self.parallel.overlap_param_gather and (e.etp_size > 1 or e.expert_etp_size > 1):
+            _fail("overlap_param_gather", True, "is for models without ETP weights (etp.etp_size and "
+                  "etp.expert_etp_size 1): ETP would prefetch shards whose parameter all-gather is in flight")
         if e.gather_dtype.startswith("fp8") and not t.bf16:
-            _fail(
-                "etp.gather_dtype",
-                e.gather_dtype,
-                "FP8 gathers need bf16: true (the FP8 GEMMs take bf16 activations)",
-            )
+            _fail("etp.gather_dtype", e.gather_dtype,
+                  "FP8 gathers need bf16: true (the FP8 GEMMs take bf16 activations)")
         if not t.is_synthetic and m.vocab_size < 256:
-            _fail(
-                "vocab_size",
-                m.vocab_size,
-                f"must be >= 256 with data={t.data!r}: a text corpus is read as bytes",
-            )
-        self._check_recompute()
-        if p.world_size is not None:
-            self.check_world_size(p.world_size)
+            _fail("vocab_size", m.vocab_size, f"must be >= 256 with data={t.data!r}: a text corpus is read as bytes")
 
     def _check_recompute(self) -> None:
         """Recompute settings against the model (TrainSpec checked the combinations alone)."""
@@ -313,6 +302,16 @@ class Recipe(RecipeQuantities):
         if unknown_etp:
             raise _unknown_key_error(unknown_etp[0], etp_section[unknown_etp[0]], in_etp=True)
 
+        raw = {**flat, "etp": dict(etp_section)}
+        auto = [key for key in AUTO_KEYS if key.startswith("etp.") and etp_section.get(key[4:]) == "auto"]
+        auto += [key for key in AUTO_KEYS if not key.startswith("etp.") and flat.get(key) == "auto"]
+        for key in auto:  # held at their defaults until resolved
+            (etp_section if key.startswith("etp.") else flat).pop(key.removeprefix("etp."))
+        notes = []
+        if flat.get("cuda_graph") == "step" and flat.get("overlap_grad_reduce"):
+            flat["overlap_grad_reduce"] = False
+            notes.append("cuda_graph=step: overlap_grad_reduce turned off (a captured step starts DDP's "
+                         "reductions after its backward)")
         sections = {name: {} for name in _SECTIONS}
         for key, value in flat.items():
             sections[_KEY_SECTION[key]][key] = value
@@ -326,12 +325,13 @@ class Recipe(RecipeQuantities):
             raise RecipeError(
                 f"etp.{key}", value, f"recipe key etp.{key}={value!r}: {error}"
             ) from error
-        raw = {**flat, "etp": etp_section}
         return cls(
             **built,
             etp=etp_config,
             source=Path(source) if source is not None else None,
             raw=raw,
+            auto=tuple(sorted(auto)),
+            notes=tuple(notes),
         )
 
     @classmethod

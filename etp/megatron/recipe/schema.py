@@ -212,6 +212,11 @@ class ParallelSpec:
     sequence_parallel: bool = _key(False, _BOOL, "sequence parallelism (needs TP > 1)")
     use_distributed_optimizer: bool = _key(False, _BOOL, "shard optimizer state over DP")
     overlap_grad_reduce: bool = _key(False, _BOOL, "overlap DDP gradient reduction with backward")
+    overlap_param_gather: bool = _key(
+        False, _BOOL, "distributed optimizer: all-gather the updated parameters during the next forward "
+        "(megatron-core's recommendation for MoE; needs use_distributed_optimizer and overlap_grad_reduce)")
+    grad_reduce_in_bf16: bool = _key(False, _BOOL, "reduce DDP gradients in bf16 instead of fp32 (half the bytes)")
+    ddp_bucket_size: int | None = _positive(None, "elements per DDP gradient bucket (None: megatron-core's default)")
     world_size: int | None = _positive(None, "ranks the recipe is meant for (etp driver key)")
     backend: str = _key("auto", _STR, "process-group backend (etp driver key)", choices=_BACKENDS)
 
@@ -225,6 +230,9 @@ class ParallelSpec:
                 True,
                 "needs tensor_model_parallel_size > 1 (it splits the sequence over the TP group)",
             )
+        if self.overlap_param_gather and not (self.use_distributed_optimizer and self.overlap_grad_reduce):
+            _fail("overlap_param_gather", True, "needs use_distributed_optimizer: true and overlap_grad_reduce: "
+                  "true (megatron-core overlaps the distributed optimizer's parameter all-gather)")
 
     @property
     def model_parallel_size(self) -> int:
@@ -263,7 +271,7 @@ class TrainSpec:
         None, _FLOAT, "peak learning rate", required=True, minimum=0.0, exclusive_minimum=True
     )
     min_lr: float = _key(0.0, _FLOAT, "final learning rate", minimum=0.0)
-    lr_warmup_iters: int = _key(0, _INT, "linear warmup steps", minimum=0)
+    lr_warmup_iters: int = _key(0, _INT, "linear warmup steps (clipped to train_iters)", minimum=0)
     lr_decay_iters: int | None = _positive(None, "decay steps")
     lr_decay_style: str = _key("linear", _STR, "learning-rate decay", choices=_LR_DECAY_STYLES)
     weight_decay: float = _key(0.01, _FLOAT, "AdamW weight decay", minimum=0.0)
@@ -276,7 +284,7 @@ class TrainSpec:
     seed: int = _key(1234, _INT, "random seed", minimum=0)
     log_interval: int = _positive(100, "steps between log lines")
     save: str | None = _key(None, _STR, "checkpoint directory to save to")
-    save_interval: int | None = _positive(None, "steps between checkpoints")
+    save_interval: int | None = _positive(None, "steps between checkpoints (unset: one save, after the last step)")
     load: str | None = _key(None, _STR, "checkpoint directory to load from")
     data: str = _key(SYNTHETIC, _STR, "'synthetic' or a text corpus path")
     deterministic: bool = _key(
@@ -317,16 +325,21 @@ class TrainSpec:
         if self.min_lr > self.lr:
             _fail("min_lr", self.min_lr, f"must be <= lr={self.lr}")
         if self.lr_warmup_iters > self.train_iters:
-            _fail(
-                "lr_warmup_iters",
-                self.lr_warmup_iters,
-                f"must be <= train_iters={self.train_iters}",
-            )
+            # A short run (a smoke test, --train-iters 4) of a recipe with a longer warm-up: the
+            # warm-up is clipped and etp-train says so, rather than refusing the run.
+            object.__setattr__(self, "_warmup_clipped_from", self.lr_warmup_iters)
+            object.__setattr__(self, "lr_warmup_iters", self.train_iters)
         if self.bf16 and self.fp16:
             _fail("fp16", True, "bf16 and fp16 are both true: choose one")
         if self.save_interval is not None and self.save is None:
             _fail("save_interval", self.save_interval, "needs save: a checkpoint directory")
         self._check_recompute()
+
+    @property
+    def warmup_clipped_from(self) -> int | None:
+        """The recipe's ``lr_warmup_iters`` when it was longer than ``train_iters`` (and was
+        clipped to it), else None."""
+        return getattr(self, "_warmup_clipped_from", None)
 
     def _check_recompute(self) -> None:
         """The recompute combinations megatron-core's TransformerConfig refuses (or ignores),

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import json
@@ -437,12 +438,19 @@ def test_refuses_to_overwrite_the_latest_checkpoint(ckpt):
     assert not [p for p in ckpt.iterdir() if p.name.startswith(".tmp_")]
 
 
+def test_latest_never_moves_backwards(ckpt):
+    with pytest.raises(CheckpointError, match="would move it backwards"):
+        save_checkpoint(ckpt, 15, lambda tmp: None, METADATA)
+    assert find_latest(ckpt) == 20 and list_checkpoints(ckpt) == [10, 20]
+    assert not [p for p in ckpt.iterdir() if p.name.startswith(".tmp_")]
+
+
 def test_failing_save_fn_publishes_nothing(ckpt):
     def half_save(tmp_dir):
         (tmp_dir / "__0_0.distcp").write_bytes(b"half")
-        raise OSError("disk full")
+        raise OSError(errno.ENOSPC, "No space left on device")
 
-    with pytest.raises(CheckpointError, match="disk full"):
+    with pytest.raises(CheckpointError, match="No space left on device"):
         save_checkpoint(ckpt, 30, half_save, METADATA)
     assert find_latest(ckpt) == 20 and list_checkpoints(ckpt) == [10, 20]
     assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000010", "iter_0000020", LATEST_NAME]

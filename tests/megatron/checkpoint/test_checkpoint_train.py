@@ -9,6 +9,7 @@
 * Resume: ``etp-train`` for 10 of 20 iterations with a save, then ``--resume``: the losses of
   iterations 11-20 equal the uninterrupted run's.
 """
+import contextlib
 import json
 from pathlib import Path
 
@@ -16,6 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from harness import run_distributed
+
+from etp.megatron.batches import Batches
+from etp.megatron.trainer.model_build import build_model, learning_rate
 
 pytest.importorskip("megatron.core")
 ROOT = Path(__file__).resolve().parents[3]
@@ -62,14 +66,13 @@ def _snapshot(model, optimizer):
 def _build(recipe):
     from megatron.core import parallel_state as ps
 
-    import etp.megatron.train as driver
     from etp.megatron.groups import build_megatron_etp_groups
     from etp.megatron.model import apply_etp
     from etp.megatron.steppers import TorchStep
 
     ps.initialize_model_parallel(tensor_model_parallel_size=recipe.parallel.tensor_model_parallel_size)
     groups = build_megatron_etp_groups(recipe.etp)
-    model, loss_fn, _ = driver._build(recipe, torch.device("cpu"))
+    model, loss_fn, _ = build_model(recipe, torch.device("cpu"))
     apply_etp(model, recipe.etp, groups)
     trainer = TorchStep(recipe, model, groups, ps.get_tensor_model_parallel_group())
     return model, loss_fn, trainer
@@ -78,18 +81,17 @@ def _build(recipe):
 def _save_then_load(ctx, root, saved_layout, load_layouts):
     from megatron.core import parallel_state as ps
 
-    import etp.megatron.train as driver
     from etp.megatron.checkpoint import load_training_checkpoint, save_training_checkpoint
 
     recipe = _recipe(*saved_layout)
     model, loss_fn, trainer = _build(recipe)
-    batches = driver._Batches(recipe, ps.get_data_parallel_rank(), torch.device("cpu"), recipe.num_microbatches(4))
+    batches = Batches(recipe, ps.get_data_parallel_rank(), torch.device("cpu"), recipe.num_microbatches(4))
     for iteration in range(2):
         if saved_layout[0] == 1:
             for index, _context in enumerate(trainer.microbatches(recipe.num_microbatches(4))):
                 loss, objective = loss_fn(model, batches.get(iteration, index))
                 objective.backward()
-            trainer.step(driver._lr(recipe, iteration), driver._no_phase)
+            trainer.step(learning_rate(recipe, iteration), lambda name: contextlib.nullcontext())
         else:  # megatron's TP output gather needs CUDA: Adam steps on gradients made up from the
             # weights (equal on replicas, zero on padding rows like real ones)
             for param in model.parameters():

@@ -1,0 +1,144 @@
+"""How etp-train's ranks start and how their errors reach the user.
+
+* Under torchrun, ``run_rank`` runs this process's rank.
+* Without GPUs, ``spawn_cpu_ranks`` starts ``world_size`` gloo ranks on loopback and collects
+  their reports. A rank that dies without reporting (a signal, a hard crash in native code) is
+  named with how it ended, and the ranks still running are ended after a grace period: a
+  crash always ends the run.
+
+An input error (``TrainError``, ``RecipeError``, ``CheckpointError``, any ``ValueError``: their
+messages name the fix) is reported once, as one line, whichever ranks raised it; anything
+else is a bug and shows its traceback.
+"""
+from __future__ import annotations
+
+import contextlib
+import queue
+import signal
+import socket
+import sys
+import time
+import traceback
+
+import torch.distributed as dist
+
+from .loop import train
+from .options import RunOptions
+
+__all__ = ["is_input_error", "run_rank", "spawn_cpu_ranks", "summarize"]
+
+
+def is_input_error(error: BaseException) -> bool:
+    """Whether ``error`` is the user's to fix (reported as one line) rather than a bug."""
+    from ..checkpoint import CheckpointError
+
+    return isinstance(error, (ValueError, CheckpointError, FileNotFoundError, FloatingPointError))
+
+
+def run_rank(rank: int, world: int, recipe, options: RunOptions) -> int:
+    """This torchrun rank's run; the exit status (input errors: one line from rank 0, 2)."""
+    try:
+        train(rank, world, recipe, options)
+    except Exception as error:
+        if not is_input_error(error):
+            raise
+        if rank == 0:
+            print(f"etp-train: error: {error}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def _spawned(rank, world, recipe, port, results, options) -> None:
+    try:
+        losses = train(rank, world, recipe, options, port)
+        results.put((rank, losses, None))
+    except BaseException as exc:  # noqa: BLE001 - report, then fail the run
+        failure = ("input", str(exc)) if is_input_error(exc) else ("crash", traceback.format_exc())
+        results.put((rank, None, failure))
+        raise SystemExit(2 if is_input_error(exc) else 1) from exc
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _collect(procs, results, grace_s: float = 60.0, poll_s: float = 1.0) -> list[tuple[int, str, str]]:
+    """Every spawned rank's report (``(rank, losses, failure)`` on ``results``, ``failure`` None or
+    ``(kind, text)``); the failures as ``(rank, kind, text)``, kind "input" (an input error's
+    message) or "crash". A rank that dies without reporting is a crash named with how it ended,
+    not a wait that never ends; the ranks still running are then given ``grace_s`` to notice
+    (their collectives fail on the lost peer) before they are terminated."""
+    failures, reported = [], set()
+    deadline = None
+
+    def take(report) -> None:
+        rank, _, failure = report
+        reported.add(rank)
+        if failure:
+            failures.append((rank, *failure))
+
+    while len(reported) < len(procs):
+        try:
+            take(results.get(timeout=poll_s))
+            continue
+        except queue.Empty:
+            pass
+        dead = [r for r, proc in enumerate(procs) if r not in reported and proc.exitcode is not None]
+        if dead:
+            with contextlib.suppress(queue.Empty):  # reports put just before exiting are in the pipe
+                while True:
+                    take(results.get(timeout=poll_s))
+            for r in dead:
+                if r not in reported:
+                    reported.add(r)
+                    failures.append((r, "crash", f"died ({_exit_reason(procs[r].exitcode)}) without a report"))
+                    deadline = deadline or time.monotonic() + grace_s
+        if deadline is not None and time.monotonic() > deadline:
+            for r, proc in enumerate(procs):
+                if r not in reported:
+                    proc.terminate()
+                    reported.add(r)
+                    failures.append((r, "crash", f"terminated {grace_s:.0f} s after a peer died"))
+    return failures
+
+
+def summarize(failures: list[tuple[int, str, str]]) -> tuple[str, int]:
+    """What to print and the exit status: input errors once each, one line (every rank usually
+    raises the same), status 2; with any crash, every failure in full, status 1."""
+    if all(kind == "input" for _, kind, _ in failures):
+        lines = dict.fromkeys(f"etp-train: error: {text}" for _, _, text in failures)
+        return "\n".join(lines), 2
+    return "etp-train failed:\n" + "\n".join(f"rank {rank}: {text}" for rank, _, text in failures), 1
+
+
+def spawn_cpu_ranks(world: int, recipe, options: RunOptions) -> int:
+    """Runs ``world`` gloo ranks on loopback; the exit status (2: an input error, 1: a failure)."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    procs = [context.Process(target=_spawned, args=(r, world, recipe, port, results, options)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    failures = _collect(procs, results)
+    for proc in procs:
+        proc.join()
+    if failures:
+        text, status = summarize(failures)
+        print(text, file=sys.stderr)
+        return status
+    return 0

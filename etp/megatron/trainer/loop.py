@@ -1,0 +1,177 @@
+"""``train()``: one rank of an etp-train run, as a loop over iterations.
+
+Each iteration runs the recipe's micro-batches (eagerly, or replaying the captured step of
+``cuda_graph: step``), the optimizer step, a checkpoint when one is due, and the log window.
+Everything else lives in the components: set-up (``setup.py``), checkpoints
+(``checkpointing.py``), reporting (``reporting.py``).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.autograd.profiler import record_function
+
+from .checkpointing import Checkpointing
+from .model_build import learning_rate
+from .options import RunOptions
+from .reporting import Reporter, fp8_eager_hint, param_bits_sum
+from .setup import Run, quiesce, set_up
+
+__all__ = ["train"]
+
+
+@dataclass
+class _Instruments:
+    """What the options add around the loop: memory audit, timeline, profiler."""
+
+    audit: object = None
+    timeline: object = None
+    profiler: object = None
+
+    def phase(self, name: str):
+        """``etp::<name>`` profiler range + the audit's phase + the timeline's mark."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(record_function(f"etp::{name}"))
+        if self.audit is not None:
+            stack.enter_context(self.audit.phase(name))
+        if self.timeline is not None:
+            stack.enter_context(self.timeline.phase(name))
+        return stack
+
+
+def _instruments(run: Run, options: RunOptions, iterations: int) -> _Instruments:
+    found = _Instruments()
+    if options.audit_path:
+        from ...audit import MemoryAudit
+
+        found.audit = MemoryAudit(run.stepper.model, run.stepper.optimizer, run.device)
+    if options.timeline:
+        from ..timeline import HostLeadTimeline
+
+        found.timeline = HostLeadTimeline(run.device)  # its first window (warm-up) is not reported
+    if options.profile_dir:
+        from ..profile import TrainingProfiler
+
+        found.profiler = TrainingProfiler(options.profile_dir, run.rank, iterations, run.device.type == "cuda",
+                                          run.stepper.model)
+    return found
+
+
+def _announce(run: Run, recipe, flops: float, peak: float | None) -> None:
+    if run.rank != 0:
+        return
+    print(f"etp-train: {recipe.source or 'recipe'} on {run.world} ranks ({run.backend}); {run.summary}; attention "
+          f"{recipe.model.attention_backend}; {flops / 1e12:.2f} TFLOP per iteration per rank, "
+          f"peak {peak or 'unknown'} TFLOP/s" + ("; deterministic" if run.determinism else ""), flush=True)
+    hint = fp8_eager_hint(recipe, run.device.type)
+    if hint:
+        print(hint, flush=True)
+
+
+def _micro_batches(run: Run, recipe, batches, iteration: int, micro: int, tools: _Instruments, graphed):
+    """This iteration's forward and backward passes; the data-parallel-local mean loss."""
+    total = torch.zeros((), device=run.device)
+    contexts = run.stepper.microbatches(micro)  # zeroes the gradients
+    for index, context in enumerate(contexts):
+        if graphed is not None:
+            # The replay adds this micro-batch's gradients into main_grad; DDP's reductions
+            # start in finalize (overlap_grad_reduce is off with graphs), so no no_sync here.
+            total += graphed(batches.get(iteration, index)) / micro
+            continue
+        with context:
+            with tools.phase("forward"):
+                loss, objective = run.loss_fn(run.stepper.model, batches.get(iteration, index))
+            with tools.phase("backward"):
+                (objective / micro).backward()
+        total += loss.detach() / micro
+    return total
+
+
+def train(rank: int, world: int, recipe, options: RunOptions | None = None, port: int | None = None) -> list[float]:
+    """One rank of a run; returns the data-parallel mean loss of every iteration it ran.
+
+    Rank 0 prints a log line every ``log_interval`` iterations and writes the report
+    (``options.json_path``); see ``RunOptions`` for the rest.
+
+    Example::
+
+        losses = train(0, 1, Recipe.from_yaml("recipes/tiny_moe_cpu.yaml", world_size=1), RunOptions())
+    """
+    from megatron.core import parallel_state as ps
+
+    from ..batches import Batches
+    from ..flops import peak_tflops, training_flops
+
+    options = options or RunOptions()
+    run = set_up(recipe, rank, world, port)
+    micro = recipe.num_microbatches(run.world)
+    batches = Batches(recipe, ps.get_data_parallel_rank(), run.device, micro)
+    flops = training_flops(recipe, micro * recipe.train.micro_batch_size * recipe.model.seq_length)
+    peak = recipe.train.peak_tflops or peak_tflops(torch.cuda.get_device_name() if run.device.type == "cuda" else None)
+    _announce(run, recipe, flops, peak)
+    checkpoints = Checkpointing(recipe, options, run.rank, run.world)
+    start = checkpoints.resume(run.stepper) if options.resume else 0
+    checkpoints.prepare(start if options.resume else None)
+    stop = min(recipe.train.train_iters, options.exit_after or recipe.train.train_iters)
+    if start >= stop and run.rank == 0:
+        print(f"etp-train: nothing to do: the run is at iteration {start}, its last is {stop}", flush=True)
+    tools = _instruments(run, options, max(0, stop - start))
+    reporter = Reporter(recipe, run.rank, run.device, flops, peak)
+    graphed = None
+    for iteration in range(start, stop):
+        if recipe.train.cuda_graph == "step" and graphed is None:
+            from ..graph_step import capture_step
+
+            graphed = capture_step(run.stepper.model, run.loss_fn, batches.get(iteration, 0), micro, run.device)
+        total = _micro_batches(run, recipe, batches, iteration, micro, tools, graphed)
+        # The optimizer step (finalize, clip, Adam, FP8 re-quantization): post-step hooks go after it.
+        norm = run.stepper.step(learning_rate(recipe, iteration), tools.phase)
+        if tools.audit is not None:
+            tools.audit.step_done()
+        dist.all_reduce(total, group=ps.get_data_parallel_group())
+        profiled = tools.profiler is not None and tools.profiler.covers(iteration - start)
+        if tools.profiler is not None:
+            tools.profiler.step()
+        if checkpoints.due(iteration + 1, stop):
+            reporter.exclude(checkpoints.save(run.stepper, iteration + 1))
+        reporter.iteration_done(iteration, total / ps.get_data_parallel_world_size(), norm, profiled,
+                                iteration + 1 == stop, tools.timeline)
+    _finish(run, recipe, options, tools, reporter, flops, peak)
+    ps.destroy_model_parallel()
+    return reporter.losses
+
+
+def _finish(run: Run, recipe, options: RunOptions, tools: _Instruments, reporter: Reporter, flops, peak) -> None:
+    """The profiler's breakdown, the timeline, the report and the memory audit."""
+    from ..audit_report import gather_transport_of, write_audit
+
+    breakdown = None
+    if tools.profiler is not None:
+        from ..profile import format_breakdown, kernel_time_plausible
+
+        breakdown = tools.profiler.finish()
+        if breakdown is not None and peak:
+            breakdown["kernel_time_plausible"] = kernel_time_plausible(breakdown, flops, peak)
+        if run.rank == 0 and breakdown is not None:
+            print(format_breakdown(breakdown, f"rank 0, attention {recipe.model.attention_backend}"), flush=True)
+    if run.rank == 0 and tools.timeline is not None:
+        from ..timeline import format_timeline
+
+        print(format_timeline(tools.timeline.summary()), flush=True)
+    quiesce(run)
+    transport = gather_transport_of(run.stepper.model)
+    if options.json_path and run.rank == 0:
+        from ...audit import predict_peak
+
+        extra = {"flops_per_iter_per_rank": flops, "peak_tflops": peak, "determinism": run.determinism,
+                 "attention_backend": recipe.model.attention_backend, "profile": breakdown,
+                 # etp-audit's, to compare (with the gather transport this run chose)
+                 "predicted_peak_gib": predict_peak(recipe, run.world, transport=transport)["peak"] / 2**30,
+                 "param_bits_sum": param_bits_sum(run.stepper.model),
+                 "timeline": tools.timeline.summary() if tools.timeline is not None else None}
+        reporter.write_json(options.json_path, run.world, run.backend, run.summary, extra)
+    if tools.audit is not None:
+        write_audit(options.audit_path, tools.audit, recipe, run.world, run.rank, transport)

@@ -1,0 +1,105 @@
+"""The model a recipe describes, and its learning-rate schedule.
+
+On CPU: etp's ``TinyMoELM`` (megatron-core TP linears, etp grouped experts). On GPUs:
+megatron-core's ``GPTModel`` with etp's grouped experts and attention (bf16 through
+``Float16Module`` when the recipe says ``bf16: true``), with etp's or megatron's token dispatcher.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["build_model", "learning_rate"]
+
+
+def learning_rate(recipe, iteration: int) -> float:
+    """The recipe's learning rate at ``iteration`` (linear warm-up, then its decay style)."""
+    t = recipe.train
+    if t.lr_warmup_iters and iteration < t.lr_warmup_iters:
+        return t.lr * (iteration + 1) / t.lr_warmup_iters
+    span = max(1, (t.lr_decay_iters or t.train_iters) - t.lr_warmup_iters)
+    progress = min(1.0, (iteration - t.lr_warmup_iters) / span)
+    if t.lr_decay_style == "constant":
+        return t.lr
+    if t.lr_decay_style == "cosine":
+        return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))
+    return t.lr - (t.lr - t.min_lr) * progress  # linear (and the rest, approximately)
+
+
+def build_model(recipe, device):
+    """(model, ``loss_fn(module, batch)`` of a [b, s+1] token batch, megatron config or None).
+
+    ``loss_fn`` returns (the language-model loss to report, the objective to differentiate).
+
+    Example::
+
+        model, loss_fn, config = build_model(recipe, torch.device("cuda"))
+    """
+    from ..model import etp_gpt_layer_spec
+
+    m = recipe.model
+    if device.type == "cpu":
+        from ..tiny_lm import TinyMoELM
+
+        torch.manual_seed(recipe.train.seed)
+        model = TinyMoELM(recipe)
+
+        def loss_fn(module, batch):
+            logits = module(batch[:, :-1])
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+            return loss, loss + m.moe_aux_loss_coeff * module.aux_loss()
+
+        return model, loss_fn, None
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = torch.bfloat16 if recipe.train.bf16 else torch.float32
+    model_parallel_cuda_manual_seed(recipe.train.seed)
+    torch.manual_seed(recipe.train.seed)
+    p = recipe.parallel
+    config = TransformerConfig(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups, ffn_hidden_size=m.ffn_hidden_size,
+        num_moe_experts=m.num_experts, moe_router_topk=m.moe_router_topk,
+        moe_ffn_hidden_size=m.moe_ffn_hidden_size, moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+        moe_router_load_balancing_type=m.moe_router_load_balancing_type,
+        # "local" and "etp" are etp's own: megatron builds its alltoall dispatcher, replaced below.
+        moe_token_dispatcher_type=("alltoall" if m.moe_token_dispatcher_type in ("local", "etp")
+                                   else m.moe_token_dispatcher_type),
+        gated_linear_unit=m.swiglu, activation_func=F.silu if m.swiglu else F.gelu,
+        add_bias_linear=m.add_bias_linear, normalization=m.normalization,
+        init_method_std=m.init_method_std, hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout, bf16=recipe.train.bf16, params_dtype=dtype,
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        expert_model_parallel_size=p.expert_model_parallel_size,
+        sequence_parallel=p.sequence_parallel, use_cpu_initialization=device.type == "cpu",
+        deterministic_mode=recipe.train.deterministic, **recipe.recompute_kwargs(),
+    )
+    spec = etp_gpt_layer_spec(num_experts=m.num_experts, normalization=m.normalization,
+                              attention_backend=m.attention_backend)
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=recipe.padded_vocab_size,
+                     max_sequence_length=m.max_position_embeddings or m.seq_length,
+                     position_embedding_type=m.position_embedding_type,
+                     share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights).to(device)
+    if m.moe_token_dispatcher_type == "local":
+        from ..local_dispatcher import install_local_dispatchers
+
+        install_local_dispatchers(model)
+    elif m.moe_token_dispatcher_type == "etp":
+        from ..ep_dispatcher import install_etp_dispatchers
+
+        install_etp_dispatchers(model, max_tokens_per_rank=m.seq_length * recipe.train.micro_batch_size)
+    if recipe.train.bf16:
+        model = Float16Module(config, model)
+
+    def loss_fn(module, batch):
+        tokens = batch[:, :-1]
+        position_ids = torch.arange(tokens.shape[1], device=device).expand_as(tokens)
+        loss = module(tokens, position_ids, None, labels=batch[:, 1:]).float().mean()
+        return loss, loss  # megatron adds the router's aux loss to the gradient itself
+
+    return model, loss_fn, config

@@ -1,0 +1,55 @@
+"""Every check of a run that needs no process group, made before any rank starts work: in the
+launching process for CPU runs, and on every rank before its process group under torchrun
+(rank 0 alone reports). A failure is one line naming what is wrong and the fix.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .checkpointing import check_checkpoint_dirs
+from .options import RunOptions, TrainError
+
+__all__ = ["preflight"]
+
+
+def _output_file(flag: str, path: str | None) -> None:
+    """``path`` can be written: its directory exists (made here) and is a directory."""
+    if path is None:
+        return
+    parent = Path(path).expanduser().resolve().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise TrainError(f"{flag} {path}: cannot create its directory {parent} ({error.strerror or error}): "
+                         "choose another path") from None
+    if Path(path).is_dir():
+        raise TrainError(f"{flag} {path} is a directory: give a file path, e.g. {Path(path) / 'run.json'}")
+
+
+def preflight(recipe, options: RunOptions) -> list[str]:
+    """Checks the recipe's data, the output paths and the checkpoint directories of a run;
+    returns the notes to print before it starts (a clipped warm-up, what ``--overwrite``
+    deletes, where the run resumes). Raises ``TrainError`` / ``RecipeError`` otherwise.
+
+    Example::
+
+        for note in preflight(recipe, RunOptions(resume=True)):
+            print(f"etp-train: {note}")
+    """
+    notes = []
+    recipe.resolve_data_path()  # RecipeError naming `data` when the corpus is missing
+    _output_file("--json", options.json_path)
+    _output_file("--audit", options.audit_path)
+    if options.profile_dir is not None:
+        try:
+            Path(options.profile_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise TrainError(f"--profile {options.profile_dir}: cannot create it ({error.strerror or error})") from None
+    t = recipe.train
+    if t.warmup_clipped_from is not None:
+        notes.append(f"lr_warmup_iters={t.warmup_clipped_from} is longer than train_iters={t.train_iters}: "
+                     f"the warm-up is clipped to {t.lr_warmup_iters} iterations")
+    if options.exit_after is not None and options.exit_after < 1:
+        raise TrainError(f"--exit-after {options.exit_after}: must be >= 1 (the last iteration to run)")
+    notes += check_checkpoint_dirs(recipe, options)
+    return notes

@@ -1,0 +1,94 @@
+"""``auto`` recipe settings ([Note: auto settings]): what each resolves to on a given machine,
+with its reason; explicit values win; a global batch that does not divide names the nearest
+valid values; ``etp-train --tune`` times the candidates and writes the fastest as overrides
+that ``--overrides`` applies."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from etp.megatron.recipe import Recipe, RecipeError
+from etp.megatron.recipe.auto import FP8_EAGER_TOKENS, Machine, resolve_auto
+
+ROOT = Path(__file__).resolve().parents[2]
+FLAGSHIP, WIDE, TINY = (ROOT / "recipes" / name for name in ("moe_flagship.yaml", "moe_wide.yaml", "tiny_moe_cpu.yaml"))
+H100 = dict(cuda=True, gpu_name="NVIDIA H100 80GB HBM3", gpu_memory=80 * 2**30, sm90=True)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_shipped_gpu_recipes_resolve_for_every_gpu_count(world):
+    for path in (FLAGSHIP, WIDE):
+        recipe, notes = resolve_auto(Recipe.from_yaml(path), Machine(world, world, **H100))
+        assert recipe.auto == () and recipe.parallel.world_size == world
+        assert (recipe.etp.etp_size, recipe.etp.expert_etp_size) == (world, world)
+        assert recipe.train.cuda_graph == "step" and not recipe.parallel.overlap_grad_reduce
+        assert recipe.etp.gather_dtype == "fp8_tensorwise"  # captured: FP8 pays
+        assert len(notes) == 5 and all("auto ->" in n for n in notes)
+        recipe.check_world_size(world)
+
+
+def test_a_recipe_that_cannot_be_captured_stays_eager_and_fp8_follows_the_batch():
+    eager = Recipe.from_yaml(FLAGSHIP, moe_token_dispatcher_type="alltoall")
+    recipe, notes = resolve_auto(eager, Machine(4, 4, **H100))
+    assert recipe.train.cuda_graph == "none" and any("cannot be captured" in n for n in notes)
+    assert recipe.etp.gather_dtype == "param"  # 2 x 2048 tokens per micro-batch, eager: host-bound
+    wide = Recipe.from_yaml(WIDE, moe_token_dispatcher_type="alltoall")
+    assert wide.train.micro_batch_size * wide.model.seq_length >= FP8_EAGER_TOKENS
+    assert resolve_auto(wide, Machine(4, 4, **H100))[0].etp.gather_dtype == "fp8_tensorwise"
+
+
+def test_explicit_values_win_and_cpu_resolves_without_gpu_features():
+    recipe, notes = resolve_auto(Recipe.from_yaml(FLAGSHIP, cuda_graph="none", etp={"etp_size": 2}),
+                                 Machine(4, 4, **H100))
+    assert recipe.train.cuda_graph == "none" and recipe.etp.etp_size == 2 and recipe.etp.expert_etp_size == 4
+    assert not any(n.startswith(("cuda_graph", "etp.etp_size ")) for n in notes)
+    cpu, _ = resolve_auto(Recipe.from_yaml(TINY), Machine(2, 2))
+    assert (cpu.train.cuda_graph, cpu.etp.gather_dtype, cpu.etp.gather_reuse) == ("none", "param", "chain")
+
+
+def test_resident_weights_that_do_not_fit_stay_chained():
+    small_gpu = dict(H100, gpu_memory=48 * 2**30)
+    recipe, notes = resolve_auto(Recipe.from_yaml(WIDE), Machine(2, 2, **small_gpu))
+    assert recipe.etp.gather_reuse == "chain" and any("would not fit" in n for n in notes)
+
+
+def test_etp_sizes_stay_inside_one_host():
+    recipe, _ = resolve_auto(Recipe.from_yaml(FLAGSHIP, global_batch_size=64), Machine(16, 8, **H100))
+    assert (recipe.etp.etp_size, recipe.etp.expert_etp_size) == (8, 8)
+
+
+def test_a_global_batch_that_does_not_divide_names_the_nearest_valid_values():
+    with pytest.raises(RecipeError, match="nearest valid values are 24 or 36"):
+        Recipe.from_yaml(FLAGSHIP, world_size=6, global_batch_size=32)
+
+
+def test_capture_turns_off_overlapped_gradient_reduction_instead_of_refusing():
+    recipe = Recipe.from_yaml(FLAGSHIP, cuda_graph="step", overlap_grad_reduce=True)
+    assert not recipe.parallel.overlap_grad_reduce and "overlap_grad_reduce turned off" in recipe.notes[0]
+
+
+def test_tune_times_the_candidates_and_writes_overrides_etp_train_accepts(tmp_path):
+    out = tmp_path / "best.yaml"
+    base = [sys.executable, "-m", "etp.megatron.train", "--recipe", str(TINY), "--set", "global_batch_size=4",
+            "--set", "micro_batch_size=2", "--set", "seq_length=32"]
+    done = subprocess.run([*base, "--tune", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    # CPU: gather_reuse chain / step x micro-batch 2 / 1; cuda_graph and FP8 have one choice here.
+    assert done.stdout.count("etp-train --tune [") == 2 * 4
+    table = [line for line in done.stdout.splitlines() if line.startswith("| ") and "ms/iter" not in line]
+    assert len(table) == 4 and sum("fastest" in line for line in table) == 1
+    assert {"micro_batch_size=1", "micro_batch_size=2"} <= {w for line in table for w in line.split()}
+    best = yaml.safe_load(out.read_text())
+    assert set(best) == {"cuda_graph", "micro_batch_size", "etp"} and best["etp"]["gather_reuse"] in ("chain", "step")
+    ran = subprocess.run([*base, "--overrides", str(out), "--train-iters", "2"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    assert "iter     2/2" in ran.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- not a mapping\n")
+    refused = subprocess.run([*base, "--overrides", str(bad)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "expected a YAML mapping" in refused.stderr
