@@ -32,8 +32,8 @@ from etp.kernels.reference import FP8_E4M3_MAX, amax_to_scale_ref, multi_tensor_
 __all__ = ["FP8_E4M3_MAX", "MultiTensorCastPlan", "amax_to_scale", "multi_tensor_cast_fp8"]
 
 # The cast's own launch shape, not the amax's: it writes as well as reads, so fewer warps and
-# more unrolled iterations per program keep more loads in flight per byte stored (the sweep:
-# tools/bench_kernels.py; results in BENCHMARKS.md, 'Kernels').
+# more unrolled iterations per program keep more loads in flight per byte stored (chosen by a
+# sweep of block, iterations and warps; the kernels' byte rates: BENCHMARKS.md, 'Kernels').
 _FLAT_BLOCK = 2048
 _FLAT_ITERS = 8
 _FLAT_WARPS = 4
