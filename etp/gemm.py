@@ -46,7 +46,7 @@ __all__ = [
 # is a Python attribute, which autograd carries from one Function's backward to the next
 # (the tensor object survives the hand-over); it is trusted only while the tensor's
 # version, address and shape are those it was made for, so an in-place change or a
-# reshaped alias falls back to quantizing. Tested in tests/test_swiglu.py.
+# reshaped alias falls back to quantizing. Tested in tests/kernels/test_swiglu.py.
 # Each row's amax rides along (also when ``quantize_activation`` quantized the tensor itself,
 # then without the FP8 copy, which is not kept alive): the FP8 weight-gradient GEMM makes its
 # per-expert scales from it (``row_amax``) instead of reading the activation for its maxima.

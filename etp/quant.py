@@ -8,7 +8,8 @@ The FP8 shard is made once per optimizer step by ``quantize_shards`` (never per 
 * ``fp8_tensorwise``: one scale per *scale group*, the whole weight for a dense weight and
   each expert for stacked ``[E, out, in]`` experts. One fused multi-tensor amax launch over
   the pieces of all shards, one coalesced all-reduce(MAX) per ETP group (not one per weight
-  or expert: a small all-reduce costs ~79 us on H200), one fused cast. Every rank then holds
+  or expert: a small all-reduce costs about as much as a large one, its latency), one fused
+  cast. Every rank then holds
   the same full set of scales, so the gather moves FP8 bytes only.
 * ``fp8_blockwise``: one scale per 128x128 block. Shards are whole blocks
   (``pad_for_alignment`` a multiple of 128), so each rank quantizes its own shard with no
@@ -255,8 +256,8 @@ class _TensorwisePlan:
 
 
 def _tensorwise_plan(params, quantized) -> _TensorwisePlan:
-    # Rebuilding this each step cost ~1 ms of host time for 128 pieces (slicing), and its
-    # index copy to the device was pageable, which made the host wait for the GPU first.
+    # Kept across steps: rebuilding it slices every piece on the host each step, and its index
+    # copy to the device comes from pageable memory, which makes the host wait for the GPU.
     key = tuple((id(p), p.data_ptr(), quantized[id(p)].data_ptr()) for p in params)
     plans = params[0].etp_runtime.quant_plans
     group_key = (params[0].etp_group.ranks, len(params))

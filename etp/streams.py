@@ -70,9 +70,10 @@ def current_raw_stream(device: torch.device | int | None = None) -> int:
 def current_stream(device: torch.device | int | None = None) -> torch.cuda.Stream:
     """``torch.cuda.current_stream(device)`` for the hot paths: the raw handle is read (well
     under a microsecond) and its ``torch.cuda.Stream`` object made once. Making one each call,
-    as ``torch.cuda.current_stream`` does, costs ~8 us of host (BENCHMARKS.md, session 16), and
-    an eager step asks hundreds of times. The same raw handle is the same stream (torch's
-    pool streams live as long as the process; an external stream's id is its handle).
+    as ``torch.cuda.current_stream`` does, costs several microseconds of host time (measured by
+    ``tools/diag/bench_host_ops.py``), and an eager step asks hundreds of times. The same raw handle
+    is the same stream (torch's pool streams live as long as the process; an external stream's
+    id is its handle).
 
     Example::
 

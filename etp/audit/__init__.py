@@ -1,6 +1,8 @@
 """The memory audit: how many bytes a rank needs, predicted and measured, in the same categories.
 
-* ``predict.py``: ``predict_memory(recipe, world_size)`` from a recipe alone (no GPU).
+* ``predict.py``: ``predict_memory(recipe, world_size)`` from a recipe alone (no GPU), and the
+  peak; it counts ``inventory.py``'s weights, ``activations.py``'s activations and
+  ``buffers.py``'s runtime buffers.
 * ``measure.py``: ``MemoryAudit`` measures a running job by phase and by category.
 * ``cli.py``: ``etp-audit``, the command line over the prediction (with and without ETP).
 

@@ -10,8 +10,8 @@ The runtime half of the memory audit (the prediction is ``etp.audit.predict_memo
   growth of the byte categories below during the phase. For ``forward`` that is the
   activations kept for backward (plus the loss), the measured counterpart of the predicted
   ``activations``. ``retained`` skips the first iteration once ``step_done()`` has marked a
-  later one: the first also allocates one-time buffers (a cuBLAS workspace per thread: 32 MiB
-  more was seen in the first forward and the first backward on H200). Other devices report
+  later one: the first also allocates one-time buffers (a cuBLAS workspace per thread, in the
+  first forward and the first backward). Other devices report
   None: no number rather than a made-up one.
 * Byte categories, taken from tensors at each phase end (any device, so CPU tests see
   them): ``params``; ``main_grad`` (``param.main_grad`` if present, else ``param.grad``);

@@ -22,9 +22,10 @@ first imported.
 """
 
 from etp.kernels.amax import multi_tensor_amax
-from etp.kernels.blockwise import dequantize_fp8, quantize_blockwise, quantize_rowwise
+from etp.kernels.blockwise import quantize_blockwise, quantize_rowwise
 from etp.kernels.cast import MultiTensorCastPlan, amax_to_scale, multi_tensor_cast_fp8
 from etp.kernels.colwise import grouped_colwise_layout, quantize_grouped_colwise
+from etp.kernels.dequantize import dequantize_fp8
 from etp.kernels.embedding import embedding_backward
 from etp.kernels.reference import FP8_E4M3_MAX
 from etp.kernels.swiglu import swiglu, swiglu_backward

@@ -47,12 +47,12 @@ from etp.kernels.reference import FP8_E4M3_MAX, grouped_colwise_layout, quantize
 
 __all__ = ["ALIGN", "grouped_colwise_layout", "quantize_grouped_colwise"]
 
-_TT = 256  # tokens per tile; launch shape from bench_kernels.py's sweep on H200: 256 x 64, 8 warps,
-_TC = 64   # two tiles per loop step: 0.222 ms for [32768, 4096] (128 x 64 x 4 warps x 2: 0.238)
+# Launch shapes: the fastest in a sweep of tile shapes and warps on the expert shapes.
+_TT = 256  # tokens per tile
+_TC = 64   # columns per tile
 _WARPS = 8
 _UNROLL = 2  # independent tiles per loop step: their loads are in flight together
-# Per-expert mode (row_amax given): one program per [padded positions x columns] tile; the
-# fastest of bench_kernels.py's sweep on H200 (0.129 ms for [32768, 4096]; 256 x 64: 0.132).
+# Per-expert mode (row_amax given): one program per [padded positions x columns] tile.
 ALIGN = 16  # tokens each expert's segment is padded to: the GEMM's 16-byte group alignment
 _PE_TP = 128
 _PE_TC = 128
@@ -147,7 +147,7 @@ def _grouped_per_expert_kernel(x_ptr, ends_ptr, pends_ptr, scale_ptr, q_ptr, C, 
                         other=0), DTYPE, SOFT)
     q = _quantize_f32(x, scale[:, None], FP8_MAX, SOFT)
     # Past the last segment x loaded as 0, so the whole width is stored (zeros there): a mask
-    # that varies along p per element would keep the store from vectorising (8x slower).
+    # that varies along p per element would keep the store from vectorising (several times slower).
     tl.store(q_ptr + cols[:, None].to(tl.int64) * T_PAD + p[None, :], tl.trans(q),
              mask=cols_ok[:, None] & (p < T_PAD)[None, :])
 

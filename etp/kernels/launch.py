@@ -1,11 +1,10 @@
 """Triton launches with a small host cost: the compiled launcher, called directly.
 
 [Note: cached launches]
-``kernel[grid](...)`` costs the host 13.5-27 us per launch of a 5-argument kernel on the
-H100 / H200 hosts, of which the compiled launcher itself is 5.5-7.7 us: the rest is Triton
-binding the arguments, computing and looking up the specialization key, and reading the
-current device and stream. An eager FP8 step issues ~400 Triton launches and is bound by its
-host's issue rate.
+``kernel[grid](...)`` costs the host a few times what the compiled launcher itself takes:
+the rest is Triton binding the arguments, computing and looking up the specialization key,
+and reading the current device and stream. An eager FP8 step issues hundreds of Triton
+launches and is bound by its host's issue rate.
 
 ``launch(kernel, grid, *args, **meta)`` keeps each kernel's compiled kernels under a key
 that is at least as fine as Triton's specialization: the device, the launch options
@@ -15,7 +14,7 @@ its value (bools, None) or its type (floats). A key's first launch goes through 
 which compiles or finds the kernel and returns it; later ones call that kernel's launcher
 with the arguments in parameter order and the current raw stream. A key finer than
 Triton's only costs an extra lookup in Triton's own cache; a coarser one would launch a
-kernel specialized for other arguments, which ``tests/test_launch.py`` checks (on a GPU) does not
+kernel specialized for other arguments, which ``tests/kernels/test_launch.py`` checks (on a GPU) does not
 happen, against the kernel Triton itself picks, on every argument pattern etp uses.
 Runtime arguments go positionally: keywords are keyed by value, so a tensor passed by keyword
 would make a key per call (and keep the tensor alive in it); ``launch`` refuses one.
@@ -24,11 +23,11 @@ Every launch goes through Triton (the slow path) under the Triton interpreter, w
 Triton launch hook is installed (a profiler such as proton), for a wrapped kernel, and for
 good on a Triton whose launcher this was not checked against (the order of the compiled
 launcher's leading arguments is Triton's internal business: checked on 3.6, the GPU
-machine's, by ``tests/test_launch.py``; another minor version is logged once and served by
+machine's, by ``tests/kernels/test_launch.py``; another minor version is logged once and served by
 Triton's own launch until checked and added to ``_CHECKED``).
 
-Measured (BENCHMARKS.md, session 17), each pair in one process (processes differ by up to
-2x): this 12-14 us against Triton's 13.5-20 us; most of what is left over the launcher alone is
+What this saves per launch is measured by ``tools/diag/bench_host_ops.py`` (BENCHMARKS.md,
+'Host cost per launch and per stream lookup'); most of what is left over the launcher alone is
 building the key.
 
 Example::

@@ -4,7 +4,7 @@ The routed experts compute ``h = silu(g) * u`` (times the router probability of 
 between their two grouped GEMMs, ``[g | u] = x W1^T`` and ``y = h W2^T``. In eager torch that
 is 4 kernels forward (silu, mul, mul, and a cast) and 6 backward (two muls, silu_backward, a
 mul, a cat and the probability's reduction), each a full pass over ``[T, ffn]``
-activations: about a fifth of the expert stack's step on H200 (BENCHMARKS.md). Here each
+activations: a large share of the expert stack's step, all of it memory traffic. Here each
 direction is one pass, computed in float32 and rounded once.
 
 With FP8 expert GEMMs the next GEMM's operand is the FP8 rowwise quantization of this

@@ -19,7 +19,7 @@ family each, and ``fuse_adam(optimizer)`` switches torch's Adam inside megatron'
 its fused CUDA kernel (``fused=True``: one pass over params, grads and both moments). Both do
 nothing when apex or TransformerEngine provide the real kernels. Numerics: the l2 norm is
 the same sum of squares (fp32, different summation order); the scale is the same product.
-``tests/test_megatron_fallbacks.py`` compares each against megatron's own helper.
+``tests/megatron/test_megatron_fallbacks.py`` compares each against megatron's own helper.
 
 Example::
 

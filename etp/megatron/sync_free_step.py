@@ -5,8 +5,8 @@ megatron-core 0.16's ``optimizer.step()`` clips through ``get_grad_norm_fp32``, 
 ``total_norm.item()``, and ``clip_grad_by_total_norm_fp32`` then branches on the Python float.
 The host therefore waits, every step, for the whole backward and the gradient reductions to
 finish before it issues Adam; and etp-train waited once more for the loss. Each wait empties
-the device's queue: the next forward starts with the device idle while the host issues it.
-On the flagship recipe the host spent 42 ms per iteration in such waits (profiled, session 12).
+the device's queue: the next forward starts with the device idle while the host issues it,
+and on a large recipe these waits are a visible share of every iteration.
 
 ``step(optimizer)`` is the same step with every decision on the device:
 

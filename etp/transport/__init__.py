@@ -2,8 +2,8 @@
 ``etp/transport/base.py`` and docs/transport.md.
 
 ``choose_transports(config, group, device)`` picks the gather and reduce transports of one
-shard group once, at wrap time (a collective over the group on CUDA: it may compare host
-names, rendezvous symmetric memory or create a capped communicator).
+shard group once, at wrap time (a collective over the group on CUDA: it compares host names
+and may rendezvous symmetric memory).
 """
 from __future__ import annotations
 

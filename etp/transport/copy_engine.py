@@ -13,21 +13,20 @@ current (AG side) stream::
 The fences are stream flag operations (``FlagBarrier``: a fenced write into each peer's pad,
 a wait on this rank's own; no kernel), and the copies run on the copy engines, so a GEMM
 beside the gather keeps all its SMs. While a CUDA graph is being captured the fences are
-symmetric-memory barrier kernels instead (one CTA each, spinning until the peers arrive:
-7.1 ms per step of them beside the expert stack's GEMMs on 2 x H200, session 9), since flag
-values would be baked into the graph. Each stream that gathers gets its own channel
+symmetric-memory barrier kernels instead (one CTA each, spinning on an SM until the peers
+arrive, beside the GEMMs), since flag values would be baked into the graph. Each stream that gathers gets its own channel
 (assigned in first-use order, the same on every rank), so a synchronous gather on the
 compute stream never pairs with a prefetch's fence.
 
 [Note: the own-rows copy takes the SMs]
 Only the peers' rows move on copy engines. This rank's own rows are a device-local copy, and
-the driver runs a device-local ``cudaMemcpyAsync`` on the SMs (1.44 TB/s for 201 MB on an
-H100, which no copy engine reaches): a grouped GEMM issued beside it does not start until it
-ends (``tools/probe_local_copy.py``: GEMM + copy beside 1232.7 us, the two serialized
-1233.5). Neither another stream, ``cudaMemcpyPeerAsync`` within one device, nor
-``cuMemcpyBatchAsync``'s ``PREFER_OVERLAP_WITH_COMPUTE`` hint changes that (session 12). On the
-bf16 expert stack these copies are ~3 ms of the compute stream per step (131 us per fc1
-shard, 66 us per fc2, forward and backward). Aliased buffers remove them: the gather buffer's
+the driver runs a device-local ``cudaMemcpyAsync`` on the SMs (at a byte rate no copy engine
+reaches): a grouped GEMM issued beside it does not start until it ends, so the two run
+serialized (``tools/diag/probe_local_copy.py`` shows it). Neither another stream,
+``cudaMemcpyPeerAsync`` within one device, nor ``cuMemcpyBatchAsync``'s
+``PREFER_OVERLAP_WITH_COMPUTE`` hint changes that. On the bf16 expert stack these copies, one
+per shard in forward and backward, stall the compute stream every step. Aliased buffers
+remove them: the gather buffer's
 own rows are the shard itself ([Note: aliased own rows] in etp/transport/vmm.py). They need
 the ranks to share allocations through ``pidfd_getfd``; where they cannot
 (``vmm.handle_sharing_status``), the own rows are copied and the wrap-time log line says why.

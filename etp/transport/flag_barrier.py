@@ -1,8 +1,8 @@
 """FlagBarrier: a barrier over a process group built from stream memory operations.
 
 A symmetric-memory barrier (``handle.barrier``) is a one-CTA kernel that spins on an SM until
-every peer arrives; the copy-engine gather needs two per gather, and on 2 x H200 the expert
-stack's 56 of them spun 7.1 ms per step beside the GEMMs (BENCHMARKS.md, session 9). Here a
+every peer arrives; the copy-engine gather needs two per gather, so an expert stack's dozens
+of them would each hold an SM beside the GEMMs while they spin. Here a
 barrier is, on the current stream, one fenced flag write into every peer's pad ("this rank
 reached barrier ``n`` of channel ``c``") and one flag wait per peer on this rank's own pad
 ("peer ``p`` reached it"): ``cuStreamWriteValue32`` / ``cuStreamWaitValue32``, the stream's

@@ -41,7 +41,7 @@ ahead of its slowest consumer. The staging holds ``SLOTS * (world - 1)`` shards 
 largest weight (reserved at wrap time); the wgrad buffers themselves are plain memory, since
 no peer reads them.
 
-A hazard of waiting on a flag (found on an H200): with CUDA's lazy module loading (the default),
+A hazard of waiting on a flag: with CUDA's lazy module loading (the default),
 the first launch of a kernel loads its module, and that blocks the host until the device can
 take it, which a stream parked on an unsatisfied flag may delay. If what satisfies the flag is
 enqueued by this same host later, that is a deadlock. So no kernel is launched for the first

@@ -15,7 +15,7 @@ by piece onto physical memory:
   [Note: ETP buffer keys]); the gather's peer copies land there.
 
 The driver maps only whole allocations (a piece of one, or one at an offset, is refused with
-CUDA_ERROR_NOT_SUPPORTED on H100, driver 580: session 12), so such a shard cannot be a slot of
+CUDA_ERROR_NOT_SUPPORTED), so such a shard cannot be a slot of
 torch's symmetric pool. It is an allocation of its own, exported to the peers as a file
 descriptor (taken from this process with ``pidfd_getfd``, as torch's symmetric memory does)
 and mapped there for their pulls (``SymmetricPool`` with ``granularity``: shards whose size is

@@ -153,12 +153,12 @@ def test_deepseek_sized_recipe_in_under_a_minute(tmp_path):
 
 
 def test_wgrad_pool_doubles_shapes_reduced_back_to_back():
-    from etp.audit.predict import _wgrad_pool_bytes
+    from etp.audit.buffers import wgrad_pool_bytes
 
     # Backward order c, b, b, a: b's two weights are adjacent, so two b buffers are live.
     a, b, c = (4, 2), (8, 2), (16, 2)
-    assert _wgrad_pool_bytes([a, b, b, c]) == 4 * (8 + 2 * 16 + 32)
-    assert _wgrad_pool_bytes([b, a, b, c]) == 4 * (8 + 16 + 32)  # not adjacent: one each
+    assert wgrad_pool_bytes([a, b, b, c]) == 4 * (8 + 2 * 16 + 32)
+    assert wgrad_pool_bytes([b, a, b, c]) == 4 * (8 + 16 + 32)  # not adjacent: one each
 
 
 # Measured peaks allocated (GiB) of the flagship recipe with megatron-core's local attention,
@@ -252,13 +252,8 @@ def test_symmetric_memory_is_outside_the_allocator_peak_but_inside_the_fit():
 
     # Symmetric memory (outside the allocator) with copy-engine transports: the bf16 shards
     # themselves, the aliased tickets' peer rows and the push reduction's staging.
-    from etp.audit.predict import (
-        FRAGMENTATION,
-        RESERVED_OUTSIDE,
-        _push_staging_bytes,
-        gather_buffer_bytes,
-        weight_inventory,
-    )
+    from etp.audit.buffers import gather_buffer_bytes, push_staging_bytes
+    from etp.audit.predict import FRAGMENTATION, RESERVED_OUTSIDE, weight_inventory
 
     recipe = Recipe.from_yaml(ROOT / "recipes/moe_flagship.yaml", world_size=2, global_batch_size=8,
                               etp={"etp_size": 2, "expert_etp_size": 2})
@@ -268,7 +263,7 @@ def test_symmetric_memory_is_outside_the_allocator_peak_but_inside_the_fit():
     # weights (all but embeddings, output layer, norms and routers) halved, 2 bytes each.
     shards = sum(w.numel for w in weight_inventory(recipe) if w.chain is not None) // 2 * 2
     aliased = sum(part for _, part in gather_buffer_bytes(recipe, recipe.etp, "copy_engine").values())
-    staging = _push_staging_bytes(recipe, recipe.etp)
+    staging = push_staging_bytes(recipe, recipe.etp)
     assert nccl["outside_allocator"] == 0 and aliased > 0 and staging > 0
     assert ce["outside_allocator"] == shards + aliased + staging
     assert ce["device_peak"] == ce["peak"] + ce["outside_allocator"]
@@ -292,7 +287,8 @@ def test_symmetric_memory_is_outside_the_allocator_peak_but_inside_the_fit():
 
 def test_aliased_gather_buffers_keep_the_peers_rows_outside_the_allocator():
     from etp.audit import predict_memory
-    from etp.audit.predict import MAPPING_GRANULARITY, gather_buffer_bytes, weight_inventory
+    from etp.audit.buffers import MAPPING_GRANULARITY, gather_buffer_bytes
+    from etp.audit.predict import weight_inventory
 
     def recipe(**etp):
         return Recipe.from_yaml(ROOT / "recipes/moe_flagship.yaml", world_size=2, global_batch_size=8,
@@ -347,7 +343,8 @@ def test_recompute_shrinks_activations_and_adds_its_gather_buffers():
 
 def test_push_reduction_halves_the_wgrad_pool_and_stages_outside_the_allocator():
     from etp.audit import predict_peak
-    from etp.audit.predict import _push_staging_bytes, weight_inventory
+    from etp.audit.buffers import push_staging_bytes
+    from etp.audit.predict import weight_inventory
 
     recipe = Recipe.from_yaml(ROOT / "recipes/moe_flagship.yaml", world_size=2, global_batch_size=8,
                               etp={"etp_size": 2, "expert_etp_size": 2})
@@ -359,7 +356,7 @@ def test_push_reduction_halves_the_wgrad_pool_and_stages_outside_the_allocator()
     # 64 x (2 x 1408) x 2048 elements halved over 2 ranks (256-byte aligned already).
     largest = max(w.numel for w in weight_inventory(recipe) if w.chain is not None)
     assert largest == 64 * 2 * 1408 * 2048
-    assert _push_staging_bytes(recipe, recipe.etp) == 2 * 1 * (largest // 2) * 2
+    assert push_staging_bytes(recipe, recipe.etp) == 2 * 1 * (largest // 2) * 2
 
 
 def test_default_aliased_recipe_predicts_the_measured_peaks():

@@ -4,6 +4,8 @@ verification and safe loading.
 * ``training.py``: ``save_training_checkpoint`` / ``load_training_checkpoint`` (the entry points);
   see [Note: ETP training checkpoints].
 * ``model_state.py``: ETP weights as pieces of megatron's full logical tensors.
+  ``pieces.py`` cuts a shard into those pieces; ``stock_segments.py`` reads megatron's own
+  description of a weight.
 * ``optimizer_state.py``: optimizer state described like its parameters.
 * ``publish.py``: crash-safe publishing and verified loading; see [Note: crash-safe checkpoints].
 * ``manifest.py``: directories, manifests and verification.

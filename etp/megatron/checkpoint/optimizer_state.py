@@ -85,15 +85,16 @@ def _optimizer_sharded_state(model_sd: dict, states: dict[int, _ParamState], gro
 
     A whole-param state tensor is described exactly like its param (megatron's
     ``make_sharded_optimizer_tensor``). A distributed-optimizer slice becomes the boxes of
-    the full logical weight that its valid elements fill (``etp.megatron.checkpoint.model_state.
-    pieces_of``), written by this rank unless an equal copy elsewhere writes it: each rank of
+    the full logical weight that its valid elements fill (``etp.megatron.checkpoint.
+    stock_segments.pieces_of``), written by this rank unless an equal copy elsewhere writes it: each rank of
     a replicate group owns a distinct slice, ETP peers own equal slices of replicated params
     (``etp_copy_index``). So the checkpoint holds the same logical tensors whichever
     optimizer saved it, and either kind loads it."""
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
     from ..optimizer import etp_copy_index
-    from .model_state import _with_replica, pieces_of
+    from .model_state import _with_replica
+    from .stock_segments import pieces_of
 
     entries = _model_entries(model_sd)
     sharded, steps = {}, {}

@@ -351,7 +351,7 @@ def test_checkpoint_tp2_etp2_and_ep2_load_at_tp1_ep1():
 
 
 def test_boxes_cover_flat_ranges_in_order():
-    from etp.megatron.checkpoint.model_state import _boxes
+    from etp.megatron.checkpoint.pieces import _boxes
 
     shape = (3, 4, 5)
     index = torch.arange(60).view(shape)
@@ -364,7 +364,7 @@ def test_boxes_cover_flat_ranges_in_order():
 
 def test_pieces_of_a_flattened_range():
     """The distributed optimizer's convention: data is a 1-D slice of the flattened shard."""
-    from etp.megatron.checkpoint.model_state import ETPPieces, _Segment
+    from etp.megatron.checkpoint.pieces import ETPPieces, _Segment
 
     glob = torch.arange(6 * 4 * 5, dtype=torch.float32).view(6, 4, 5)
     logical = glob[3:]  # this TP rank's [3, 4, 5] weight sits at offset 3 of the global one
