@@ -12,14 +12,9 @@ Operations (each through ``etp.transport``, exactly as the runtime calls it):
   (uint8 bytes) shard on etp's AG communicator;
 * ``gather/copy_engine`` and ``gather/copy_engine fp8``: peer copies out of a symmetric-memory
   pool, between two flag fences (stream memory operations, no kernel);
-  ``gather/copy_engine kernel-fenced``: the same between two symmetric-memory barrier kernels;
-* ``reduce/nccl fp32`` (the megatron path: fp32 wgrad, divide, add into fp32 ``main_grad``),
-  ``reduce/nccl bf16`` (bf16 wgrad, as in bench_expert_stack), ``reduce/nccl_capped`` (its
-  own communicator with ``max_ctas`` = each of ``--reduce-ctas``), ``reduce/symm_triton``
-  (bf16 wire, fp32 sums added into ``main_grad`` on each of ``--reduce-ctas`` CTAs),
-  ``reduce/copy_engine`` (bf16 peer slices pulled by the copy engines, fp32 adds into
-  ``main_grad`` on the side stream), ``reduce/copy_engine_push`` (copy-engine pushes fenced by
-  flags, then the fp32 sum kernel, here on the side stream too).
+* ``reduce/nccl fp32`` (fp32 wgrad, divide, add into fp32 ``main_grad``), ``reduce/nccl bf16``
+  (bf16 wgrad), ``reduce/copy_engine_push`` (copy-engine pushes fenced by flags, then the fp32
+  sum kernel, here on the side stream too: the worst case for the GEMM).
 
 For each: *alone* is the median over ``--iters`` of the operation on its side stream (the
 device otherwise idle); *beside* runs ``K`` GEMMs back to back on the compute stream while the
@@ -32,12 +27,11 @@ the symmetric-memory barrier's one-CTA signal kernel is counted separately).
 
 Run (2 GPUs)::
 
-    torchrun --nproc-per-node=2 tools/bench_overlap.py --out $OUT/bench_overlap.json \\
-        --md $OUT/BENCHMARKS_overlap.md
+    torchrun --nproc-per-node=2 tools/diag/bench_overlap.py --out $OUT/bench_overlap.json
 
 CPU check of the script itself (gloo, tiny shapes; symmetric transports are skipped)::
 
-    torchrun --nproc-per-node=2 tools/bench_overlap.py --cpu-smoke --out /tmp/overlap.json
+    torchrun --nproc-per-node=2 tools/diag/bench_overlap.py --cpu-smoke --out /tmp/overlap.json
 """
 from __future__ import annotations
 
@@ -55,12 +49,14 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: bench_provenance
+
+from bench_provenance import provenance  # noqa: E402 - puts this checkout's etp first on the path
 
 import etp  # noqa: E402
 from etp.gemm import GroupedGemm  # noqa: E402
 from etp.layout import ShardLayout  # noqa: E402
-from etp.transport.nccl import NCCLGather, NCCLReduce, capped_nccl_group  # noqa: E402
+from etp.transport.nccl import NCCLGather, NCCLReduce  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 
@@ -71,7 +67,6 @@ def parse_args(argv):
     p.add_argument("--tokens-per-expert", type=int, default=2048)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--out-features", type=int, default=3072, help="fc1 rows per expert (2*ffn)")
-    p.add_argument("--reduce-ctas", type=str, default="4,8,16", help="CTA counts of the capped reductions")
     p.add_argument("--gemms", type=int, default=20, help="K: GEMMs per beside measurement")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--rounds", type=int, default=5,
@@ -85,7 +80,6 @@ def parse_args(argv):
     if args.cpu_smoke:
         args.experts, args.tokens_per_expert, args.hidden, args.out_features = 2, 8, 32, 16
         args.gemms, args.iters, args.warmup, args.rounds = 2, 2, 1, 1
-    args.reduce_ctas = [int(c) for c in args.reduce_ctas.split(",") if c]
     return args
 
 
@@ -221,17 +215,6 @@ def build_ops(args, device, group):
         ops["gather/copy_engine"] = (lambda: ce.gather(home_bf16, group, full_bf16, False).wait(),
                                      received(torch.bfloat16))
         ops["gather/copy_engine fp8"] = (lambda: ce.gather(home_fp8, group, full_fp8, False).wait(), received(FP8))
-        # The same gathers fenced by symmetric-memory barrier kernels (CopyEngineGather.fence =
-        # "kernel", what runs under CUDA-graph capture) instead of stream flag operations.
-        ce_kernel = CopyEngineGather(group.ag_group, device)
-        ce_kernel.fence = "kernel"
-        owner_k = SimpleNamespace(etp_layout=layout)
-        ce_kernel.register(owner_k, torch.bfloat16)
-        ce_kernel.materialize()
-        home_k = ce_kernel.home(owner_k)
-        home_k.copy_(shard_bf16)
-        ops["gather/copy_engine kernel-fenced"] = (lambda: ce_kernel.gather(home_k, group, full_bf16, False).wait(),
-                                                   received(torch.bfloat16))
 
     wgrad32 = torch.randn(full_shape, generator=gen).to(device)
     wgrad16 = wgrad32.to(torch.bfloat16)
@@ -242,13 +225,6 @@ def build_ops(args, device, group):
     ops["reduce/nccl bf16"] = (lambda: reduce.reduce_scatter(wgrad16, group, None, True, False).wait(),
                                received(torch.bfloat16))
     if device.type == "cuda":
-        from etp.transport.symm_reduce import CopyEngineReduce, SymmTritonReduce
-
-        pull = CopyEngineReduce(group.rs_group, device, 0)
-        pulled = pull.allocator()(full_shape, torch.bfloat16, device)
-        pulled.copy_(wgrad16)
-        ops["reduce/copy_engine"] = (lambda: pull.reduce_scatter(pulled, group, main_grad, True, False).wait(),
-                                     received(torch.bfloat16))
         from etp.transport.push_reduce import CopyEnginePushReduce
 
         push = CopyEnginePushReduce(group.rs_group, device)
@@ -259,18 +235,6 @@ def build_ops(args, device, group):
         ops["reduce/copy_engine_push (sum beside too)"] = (
             lambda: push.reduce_scatter(wgrad16, group, main_grad, True, False).wait(), received(torch.bfloat16))
 
-        for ctas in args.reduce_ctas:
-            capped = NCCLReduce(capped_nccl_group(group, ctas), name="nccl_capped")
-            ops[f"reduce/nccl_capped fp32 ctas={ctas}"] = (
-                lambda c=capped: c.reduce_scatter(wgrad32, group, main_grad, True, False).wait(), received(torch.float32))
-            ops[f"reduce/nccl_capped bf16 ctas={ctas}"] = (
-                lambda c=capped: c.reduce_scatter(wgrad16, group, None, True, False).wait(), received(torch.bfloat16))
-            symm = SymmTritonReduce(group.rs_group, device, ctas)
-            wire = symm.allocator()(full_shape, torch.bfloat16, device)
-            wire.copy_(wgrad16)
-            ops[f"reduce/symm_triton ctas={ctas}"] = (
-                lambda s=symm, w=wire: s.reduce_scatter(w, group, main_grad, True, False).wait(),
-                received(torch.bfloat16))
     return ops
 
 
@@ -306,9 +270,8 @@ def main(argv):
             row["alone_GBps"] = received / (row["alone_ms"] * 1e-3) / 1e9
             if device.type == "cuda":
                 # Rounds of (K GEMMs alone, K GEMMs beside the op), back to back, and the median
-                # of each round's ratio: clocks drift over a run (a single GEMM-alone figure read
-                # 1224 us at the start and 1326-1651 us before later rows, 2xH100, session 11),
-                # and a pair taken moments apart shares the clock.
+                # of each round's ratio: clocks drift over a run (a single GEMM-alone figure
+                # moved by a third within one run), and a pair taken moments apart shares the clock.
                 pairs = []
                 for _ in range(args.rounds):
                     paired_alone = timer.gemms_alone(gemm, args.gemms)
@@ -330,7 +293,7 @@ def main(argv):
             row["status"] = f"failed: {type(exc).__name__}: {exc}"[:300]
         rows.append(row)
     result = {
-        "command": "torchrun --nproc-per-node=%d tools/bench_overlap.py %s" % (dist.get_world_size(), " ".join(argv)),
+        "provenance": provenance(),
         "world": dist.get_world_size(), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None,
@@ -357,7 +320,7 @@ def table(result) -> str:
         f"## bench_overlap ({result['device']}, world {result['world']}, torch {result['torch']}, "
         f"NCCL {result['nccl']})",
         "",
-        f"`{result['command']}`",
+        f"`{result['provenance']['command']}`",
         "",
         f"Weight {result['weight']} bf16; grouped GEMM alone {result['gemm_alone_ms'] * 1e3:.0f} µs "
         f"({result['gemm_tflops']:.0f} TFLOP/s).",

@@ -2,22 +2,28 @@
 """The expert stack's six grouped GEMMs (tools/bench_expert_stack.py shapes: 16 experts x 2048
 tokens, hidden 4096, ffn 1536) in bf16 (``torch._grouped_mm``) and FP8
 (``torch._scaled_grouped_mm``, rowwise activation scales, per-expert weight scales) with the
-promoted accumulation and with fast accumulation (``ETPConfig.fp8_fast_accum``), the weight
+promoted accumulation and with fast accumulation (what etp's FP8 GEMMs always use), the weight
 gradients also as FP8 2-D x 2-D GEMMs on per-(expert, column) scaled operands
 (``ETPConfig.fp8_wgrad``; etp's operand quantization per column and per expert, timed and
 with its error, also on inputs with outlier features). Each: median device ms of 20 after 5 warm-up, TFLOP/s, and the
 relative error (Frobenius) of expert 0's result against float64 on the unquantized inputs.
 Also the eager SwiGLU and a copy of the same bytes, for scale.
 
-    python3 tools/bench_fp8_gemms.py --out $OUT/bench_fp8_gemms.json      # one sm90 GPU
+    python3 tools/diag/bench_fp8_gemms.py --out $OUT/bench_fp8_gemms.json      # one sm90 GPU
 """
 import argparse
 import json
 import os
+import sys
+from pathlib import Path
 
 import torch
 
-from etp.kernels import quantize_grouped_colwise
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: bench_provenance
+
+from bench_provenance import provenance  # noqa: E402 - puts this checkout's etp first on the path
+
+from etp.kernels import quantize_grouped_colwise  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
 parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_fp8_gemms.json"))
@@ -157,8 +163,7 @@ gu = torch.randn(T, 2 * FFN, device=dev, dtype=torch.bfloat16)
 res["swiglu_eager_ms"] = timed(lambda: torch.nn.functional.silu(gu[:, :FFN]) * gu[:, FFN:])
 res["copy_gu_ms"] = timed(gu.clone)
 print("swiglu", res["swiglu_eager_ms"], "copy", res["copy_gu_ms"], flush=True)
-res["device"] = torch.cuda.get_device_name()
-res["versions"] = {"torch": torch.__version__}
+res["provenance"] = provenance()
 with open(args.out, "w") as f:
     json.dump(res, f, indent=1)
 print("JSON:", args.out)

@@ -1,7 +1,7 @@
 """Does a device-local copy block a grouped GEMM beside it? (1 GPU)
 
-Session 12 found in traces of the bf16 expert stack that the compute stream sat idle for
-exactly the length of each copy-engine gather's own-rows copy (``Memcpy DtoD``, 131 us for an
+Traces of the bf16 expert stack showed the compute stream idle for exactly the length of each
+copy-engine gather's own-rows copy (``Memcpy DtoD``, 131 us for an
 fc1 shard on H100), see [Note: the own-rows copy takes the SMs] in
 etp/transport/copy_engine.py. This probe times 201 MB copied within one GPU in several ways:
 the copy alone (its bandwidth hints at the engine: copy engines do not reach ~1.4 TB/s), and
@@ -18,10 +18,10 @@ the copy issued on a high-priority side stream at the same time. "serialized" is
 
 Run (prints a table; a path argument also writes the figures as JSON)::
 
-    python3 tools/probe_local_copy.py [out.json]
+    python3 tools/diag/probe_local_copy.py [out.json]
 
-Measured on H100 (session 12): every way serialized (e.g. ``copy_`` 1232.7 us against 1233.5
-serialized; the overlap hint 1234.4 against 1238.1), 16 chunks overlapped ~100 us of 198.
+On H100 every way serialized (16 chunks overlapped about half of their copy): a device-local
+copy runs on the SMs, which is why copy-engine gathers read their own rows in place.
 """
 import ctypes
 import json

@@ -17,7 +17,7 @@ Steps:
 Per step: kernel names with their grids, memcpy count, median ms of the gather of an
 fc1-sized shard (``--mb`` MB gathered). JSON to ``--out``.
 
-    torchrun --nproc-per-node=2 tools/probe_nccl_ce.py --out $OUT/probe_nccl_ce.json
+    torchrun --nproc-per-node=2 tools/diag/probe_nccl_ce.py --out $OUT/probe_nccl_ce.json
 """
 from __future__ import annotations
 
@@ -29,9 +29,14 @@ import statistics
 import sys
 import tempfile
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: bench_provenance
+
+from bench_provenance import provenance  # noqa: E402
 
 
 def profile_kernels(fn) -> dict:
@@ -70,6 +75,19 @@ def step(report, name, fn):
                         "trace": traceback.format_exc()[-1500:]}
 
 
+def _write(report: dict, out: str | None) -> None:
+    """One line per probe step on stdout; the whole report as JSON to ``out``."""
+    for key, value in report.items():
+        if isinstance(value, dict) and "ok" in value:
+            brief = {k: v for k, v in value.items() if k != "trace"}
+            print(f"[probe] {key}: {json.dumps(brief)[:700]}")
+        else:
+            print(f"[probe] {key}: {value}")
+    if out:
+        with open(out, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+
+
 def main(argv) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--mb", type=float, default=402.7, help="MB gathered (fc1 bf16 = 402.7)")
@@ -80,7 +98,7 @@ def main(argv) -> int:
     device = torch.device("cuda", local)
     dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(minutes=3))
     world, rank = dist.get_world_size(), dist.get_rank()
-    report: dict = {"torch": torch.__version__, "world": world}
+    report: dict = {"provenance": provenance(), "world": world}
     pg_nccl = getattr(dist, "ProcessGroupNCCL", None)
 
     def versions():
@@ -144,15 +162,7 @@ def main(argv) -> int:
     step(report, "zero_cta_nccl_symmetric_window", zero_symm)
     report["baseline_default_all_gather_ms"] = time_ms(lambda: dist.all_gather_into_tensor(out, shard))
     if rank == 0:
-        for key, value in report.items():
-            if isinstance(value, dict) and "ok" in value:
-                brief = {k: v for k, v in value.items() if k != "trace"}
-                print(f"[probe] {key}: {json.dumps(brief)[:700]}")
-            else:
-                print(f"[probe] {key}: {value}")
-        if args.out:
-            with open(args.out, "w", encoding="utf-8") as f:
-                json.dump(report, f, indent=2)
+        _write(report, args.out)
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -3,7 +3,7 @@
 # command runs; writes the samples and a per-GPU summary (median clock and power, throttled
 # share) next to them. Used to ask whether a variant's kernels run slower because the chip
 # clocks down (power), not because of what runs beside them:
-#   bash tools/gpu_clocks.sh $OUT/clocks_replicated torchrun ... tools/bench_expert_stack.py --variants replicated
+#   bash tools/diag/gpu_clocks.sh $OUT/clocks_replicated torchrun ... tools/bench_expert_stack.py --variants replicated
 set -uo pipefail
 PREFIX=$1; shift
 nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw,clocks_throttle_reasons.active \

@@ -2,7 +2,7 @@
 
 Answers "which GEMMs run slower in variant B than in variant A, and is it where something
 runs beside them?" Both traces must launch the same sequence of matching kernels (the same
-model and steps, e.g. ``replicated`` and ``etp_async_ce_push`` of
+model and steps, e.g. ``replicated`` and ``etp_default`` of
 ``tools/bench_expert_stack.py --trace``). Kernels whose name matches ``--match`` and that last
 at least ``--min-us`` are paired by their order of start; for each pair, B's duration over
 A's. The pairs are split by how much of B's kernel a copy (``gpu_memcpy``: the copy engines)
@@ -11,8 +11,8 @@ and the summed kernel time per step.
 
 Example::
 
-    python3 tools/trace_kernels_compare.py $OUT/trace/replicated_trace.json \\
-        $OUT/trace/etp_async_ce_push_trace.json --steps 3 --json $OUT/gemm_compare.json
+    python3 tools/diag/trace_kernels_compare.py $OUT/trace/replicated_trace.json \\
+        $OUT/trace/etp_default_trace.json --steps 3 --json $OUT/gemm_compare.json
 """
 from __future__ import annotations
 

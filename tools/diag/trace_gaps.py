@@ -12,7 +12,7 @@ Prints (and with ``--json`` writes) for one trace:
 
 Example::
 
-    python3 tools/trace_gaps.py $OUT/trace/replicated_fp8_wgrad_trace.json --top 15
+    python3 tools/diag/trace_gaps.py $OUT/trace/replicated_fp8_trace.json --top 15
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # runnable from a checkout
 
 from etp.megatron.profile import _union  # noqa: E402 - the one interval union
 

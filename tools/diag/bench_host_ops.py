@@ -4,10 +4,10 @@ An eager step at micro-batch 2 is issue-bound (BENCHMARKS.md: the device waits f
 host), so what each call costs the *host* decides its speed. Here each operation runs
 ``--calls`` times back to back on tiny operands (the device finishes each in microseconds, so
 the launch queue never fills and nothing waits on the device) and the host's wall time per
-call is reported, median of ``--rounds`` rounds. Compare with ``tools/host_sampler.py``'s
+call is reported, median of ``--rounds`` rounds. Compare with ``tools/diag/host_sampler.py``'s
 in-run attribution: a call far slower in the run than here waits on something there.
 
-    python3 tools/bench_host_ops.py --out host_ops.json
+    python3 tools/diag/bench_host_ops.py --out host_ops.json
 
 Needs CUDA (FP8 GEMMs: sm90+).
 """
@@ -23,7 +23,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: bench_provenance
+
+from bench_provenance import provenance  # noqa: E402 - puts this checkout's etp first on the path
 
 
 def parse_args(argv=None):
@@ -59,14 +61,14 @@ def cases():
     w = torch.randn(256, 256, device=dev, dtype=torch.bfloat16)
     scale = torch.ones(1, device=dev)
     wq = w.to(torch.float8_e4m3fn)
-    fp8w = FP8Weight(wq, scale, scale.clone(), False, wq, 256, True)
+    fp8w = FP8Weight(wq, scale, scale.clone(), False, wq, 256)
     experts = 4
     xg = torch.randn(experts * 16, 256, device=dev, dtype=torch.bfloat16)
     wg = torch.randn(experts, 256, 256, device=dev, dtype=torch.bfloat16)
     counts = torch.full((experts,), 16, device=dev, dtype=torch.int64)
     wgq = wg.to(torch.float8_e4m3fn)
     fp8wg = FP8Weight(wgq, torch.ones(experts, device=dev), torch.ones(experts, device=dev), False,
-                      wgq.view(-1, 256), experts * 256, True)
+                      wgq.view(-1, 256), experts * 256)
     xq, x_inv = quantize_rowwise(x, inverse=True)
     w_rows = fp8w.scale_rows(1, 256)
     xgq, xg_inv = quantize_rowwise(xg, inverse=True)
@@ -81,37 +83,7 @@ def cases():
     def fresh(t):  # a new tensor each call, as activations are (costs the "x + 0" case)
         return t + 0
 
-    # What a Triton launch costs inside Triton, against its compiled launcher called directly
-    # (the kernel looked up once): the part a cached launch could save per call.
-    from etp.kernels.transpose import _TILE, _transpose_kernel
-    t_in = wq.view(torch.uint8).reshape(1, 256, 256)
-    t_out = torch.empty_like(t_in)
-    grid = (256 // _TILE, 256 // _TILE, 1)
-    compiled = _transpose_kernel[grid](t_in, t_out, 256, 256, TILE=_TILE, num_warps=4)
-
-    def direct_run():
-        compiled.run(grid[0], grid[1], grid[2], torch.cuda.current_stream().cuda_stream, compiled.function,
-                     compiled.packed_metadata, None, None, None, t_in, t_out, 256, 256, _TILE)
-
-    extra = {}
-    try:  # this tree's launch seam and stream lookups (absent from older trees run for an A/B)
-        from etp.kernels.launch import launch
-        from etp.streams import current_raw_stream, current_stream
-
-        extra = {
-            "launch(_transpose_kernel, ...) (etp's cached launch)":
-                lambda: launch(_transpose_kernel, grid, t_in, t_out, 256, 256, TILE=_TILE, num_warps=4),
-            "etp.streams.current_stream()": current_stream,
-            "etp.streams.current_raw_stream()": current_raw_stream,
-        }
-    except ImportError:
-        pass
-
-    def direct_run_raw_stream():
-        compiled.run(grid[0], grid[1], grid[2], handle, compiled.function,
-                     compiled.packed_metadata, None, None, None, t_in, t_out, 256, 256, _TILE)
-
-    return extra | {
+    return _launch_cases(wq) | {
         "torch.empty": lambda: torch.empty(64, 256, device=dev, dtype=torch.bfloat16),
         "x + 0 (one elementwise launch)": lambda: x + 0,
         "torch.cuda.current_stream()": torch.cuda.current_stream,
@@ -139,12 +111,38 @@ def cases():
         "x + 0 then DenseGemm.forward FP8": lambda: DenseGemm.forward(fresh(x), fp8w, None),
         "x + 0 then DenseGemm.dgrad FP8 (transposes the weight)": lambda: DenseGemm.dgrad(fresh(x), fp8w, None),
         "transpose_last2 (Triton launch)": lambda: transpose_last2(wq),
-        "_transpose_kernel[grid](...) (Triton's launch path, no wrapper)":
-            lambda: _transpose_kernel[grid](t_in, t_out, 256, 256, TILE=_TILE, num_warps=4),
-        "compiled.run(...) (the compiled launcher, current stream looked up)": direct_run,
-        "compiled.run(...) (the compiled launcher, raw stream handle)": direct_run_raw_stream,
         "torch._grouped_mm bf16 (offsets cached)": lambda: GroupedGemm.forward(xg, wg, counts),
         "x + 0 then GroupedGemm.forward FP8": lambda: GroupedGemm.forward(fresh(xg), fp8wg, counts),
+    }
+
+
+def _launch_cases(wq: torch.Tensor) -> dict:
+    """What a Triton launch costs inside Triton, against its compiled launcher called directly
+    (the kernel looked up once) and etp's cached launch: the part a cached launch saves per call."""
+    from etp.kernels.launch import launch
+    from etp.kernels.transpose import _TILE, _transpose_kernel
+    from etp.streams import current_raw_stream, current_stream
+
+    t_in = wq.view(torch.uint8).reshape(1, 256, 256)
+    t_out = torch.empty_like(t_in)
+    grid = (256 // _TILE, 256 // _TILE, 1)
+    compiled = _transpose_kernel[grid](t_in, t_out, 256, 256, TILE=_TILE, num_warps=4)
+    handle = torch.cuda.current_stream().cuda_stream
+
+    def run(stream_handle):
+        compiled.run(grid[0], grid[1], grid[2], stream_handle, compiled.function,
+                     compiled.packed_metadata, None, None, None, t_in, t_out, 256, 256, _TILE)
+
+    return {
+        "launch(_transpose_kernel, ...) (etp's cached launch)":
+            lambda: launch(_transpose_kernel, grid, t_in, t_out, 256, 256, TILE=_TILE, num_warps=4),
+        "etp.streams.current_stream()": current_stream,
+        "etp.streams.current_raw_stream()": current_raw_stream,
+        "_transpose_kernel[grid](...) (Triton's launch path, no wrapper)":
+            lambda: _transpose_kernel[grid](t_in, t_out, 256, 256, TILE=_TILE, num_warps=4),
+        "compiled.run(...) (the compiled launcher, current stream looked up)":
+            lambda: run(torch.cuda.current_stream().cuda_stream),
+        "compiled.run(...) (the compiled launcher, raw stream handle)": lambda: run(handle),
     }
 
 
@@ -162,8 +160,7 @@ def main(argv=None) -> int:
         print(f"{name:58s} {results[name]} us", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({
-            "benchmark": "host_ops", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "command": " ".join(["python3"] + sys.argv), "calls": args.calls, "rounds": args.rounds,
+            "benchmark": "host_ops", "provenance": provenance(), "calls": args.calls, "rounds": args.rounds,
             "host_us_per_call": results}, indent=1))
     return 0
 

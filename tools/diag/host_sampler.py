@@ -18,7 +18,7 @@ Only a window is sampled, so start-up and the first iterations' compilation stay
 while the local ``iteration`` of ``etp/megatron/train.py``'s ``train`` is in ``[A, B)``. Each rank writes ``host_samples_rank{R}.json``
 (rank from ``RANK``) with the counts as milliseconds of wall time.
 
-    torchrun --standalone --nproc-per-node 2 tools/host_sampler.py --out /tmp/hs --iterations 10:30 \\
+    torchrun --standalone --nproc-per-node 2 tools/diag/host_sampler.py --out /tmp/hs --iterations 10:30 \\
         -m etp.megatron.train --recipe recipes/moe_h200x8.yaml --set world_size=2 ...
 """
 from __future__ import annotations
