@@ -163,6 +163,7 @@ def main() -> None:
                         "in [A, B) (instead of --after-s / --for-s)")
     parser.add_argument("--top", type=int, default=80)
     parser.add_argument("-m", dest="module", required=True, help="the module to run, then its arguments")
+    launched = list(sys.argv)
     args, rest = parser.parse_known_args()
     if args.interval_ms <= 0 or args.for_s <= 0 or args.after_s < 0:
         raise ValueError(f"--interval-ms {args.interval_ms}, --after-s {args.after_s}, --for-s {args.for_s}: "
@@ -188,8 +189,11 @@ def main() -> None:
             print(f"host_sampler: rank {rank}: the program ended before the window closed "
                   f"({sampler.samples} samples)", file=sys.stderr)
         path = os.path.join(args.out, f"host_samples_rank{rank}.json")
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/
+        from bench_provenance import provenance
+
         with open(path, "w") as f:
-            json.dump(sampler.report(args.top), f, indent=1)
+            json.dump({"provenance": provenance(launched), **sampler.report(args.top)}, f, indent=1)
         print(f"host_sampler: rank {rank}: {sampler.samples} samples -> {path}", file=sys.stderr)
 
 

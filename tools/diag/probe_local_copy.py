@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # runnable from a checkout
-from bench_overlap import back_to_back_ms  # noqa: E402 - one timing loop for both tools
+from bench_overlap import back_to_back_ms, provenance  # noqa: E402 - one timing loop for both tools
 
 MB_201 = 201 * 2**20
 SRC_ORDER_STREAM, LOCATION_DEVICE, PREFER_OVERLAP_WITH_COMPUTE = 0x1, 0x1, 0x1
@@ -128,7 +128,7 @@ def main() -> None:
 
     for _ in range(3):
         _timed(gemm)
-    result = {"device": torch.cuda.get_device_name(dev), "bytes": MB_201}
+    result = {"provenance": provenance(), "bytes": MB_201}
     print(f"{'way':34s} | copy alone us | GB/s | GEMM alone us | GEMM + copy beside us | serialized us")
     for name, copy in _ways(dst, src).items():
         try:

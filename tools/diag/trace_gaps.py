@@ -25,7 +25,9 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # runnable from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: bench_provenance
+
+from bench_provenance import provenance  # noqa: E402 - puts this checkout's etp first on the path
 
 from etp.megatron.profile import _union  # noqa: E402 - the one interval union
 
@@ -164,7 +166,7 @@ def main(argv=None) -> None:
                       f"on stream {x['stream']} ends")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=1)
+            json.dump({"provenance": provenance(), "traces": results}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # trace_gaps beside this file
 
-from trace_gaps import device_spans, load  # noqa: E402
+from trace_gaps import device_spans, load, provenance  # noqa: E402
 
 
 def kernels(events: list[dict], pattern: str, min_us: float) -> list[tuple[float, float]]:
@@ -89,7 +89,7 @@ def main(argv=None) -> None:
         ratio = "–" if part["median_ratio"] is None else f"{part['median_ratio']:.3f}"
         print(f"  {what}: {part['kernels']} kernels, median B/A {ratio}")
     if args.json:
-        Path(args.json).write_text(json.dumps(r, indent=1))
+        Path(args.json).write_text(json.dumps({"provenance": provenance(), **r}, indent=1))
 
 
 if __name__ == "__main__":
