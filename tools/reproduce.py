@@ -49,10 +49,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", help="print every command (with its environment) and exit")
     p.add_argument("--tar", type=Path, default=None, help="also pack the --out folder into this .tgz at the end")
     args = p.parse_args(argv)
+    present = present_gpus()
     if args.gpus is None:
-        args.gpus = present_gpus() or (4 if args.dry_run or args.list else 0)
+        args.gpus = present or (4 if args.dry_run or args.list else 0)
     if args.gpus < 2:
         p.error(f"--gpus {args.gpus}: the report's tables need 2 GPUs or more")
+    if not (args.dry_run or args.list) and args.gpus > present:
+        p.error(f"--gpus {args.gpus}: this machine shows {present} (nvidia-smi -L)")
     return args
 
 
