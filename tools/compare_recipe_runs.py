@@ -8,13 +8,18 @@ Example::
 
     python tools/compare_recipe_runs.py --etp etp.json --baseline plain.json --tolerance 0.03 \
         --command "torchrun --nproc-per-node 8 -m etp.megatron.train --recipe recipes/moe_h200x8.yaml" \
-        --out benchmarks/moe_h200x8.json
+        --out compare.json
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/: bench_provenance
+
+from bench_provenance import provenance  # noqa: E402 - puts this checkout's etp first on the path
 
 
 def _moving_average(values: list[float], window: int) -> list[float]:
@@ -73,7 +78,8 @@ def main(argv=None) -> int:
     print(table(etp, baseline))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"command": args.command, "verdict": verdict, "etp": etp, "baseline": baseline}, f, indent=1)
+            json.dump({"provenance": provenance(), "command": args.command, "verdict": verdict, "etp": etp,
+                       "baseline": baseline}, f, indent=1)
     return 0 if verdict["within_tolerance"] else 1
 
 

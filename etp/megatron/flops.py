@@ -16,8 +16,11 @@ Training FLOPs per token = 6 x GEMM weights per token + 12 x L x (heads x kv_cha
   the half the causal kernels compute (``6 x L x heads x kv_channels x s``), reported beside.
   Softmax, norms and activations are not counted.
 
-MFU = achieved model TFLOP/s per GPU / the GPU's bf16 dense peak (``PEAK_TFLOPS``: 798 for
-H200, etp's measured bf16 GEMM 8192^3 in shared/anchors.md; datasheet figures for the rest).
+MFU = achieved model TFLOP/s per GPU / the GPU's *datasheet* dense bf16 peak (``PEAK_TFLOPS``:
+989 for H100 SXM and H200 alike, the same tensor cores). A measured GEMM ceiling (about 800 on
+H200 for a bf16 8192^3 GEMM) is not a peak: dividing by it would inflate MFU by a quarter and
+make figures incomparable with anyone else's. ``achievable_fraction`` is the other ratio, labelled
+as such where a report shows it beside MFU.
 
 Example::
 
@@ -28,12 +31,13 @@ Example::
 """
 from __future__ import annotations
 
-__all__ = ["PEAK_TFLOPS", "attention_flops_per_token", "gemm_weights_per_token", "mfu", "peak_tflops",
-           "training_flops"]
+__all__ = ["PEAK_TFLOPS", "achievable_fraction", "attention_flops_per_token", "gemm_weights_per_token", "mfu",
+           "peak_tflops", "training_flops"]
 
-#: bf16 dense peak TFLOP/s per GPU by a substring of ``torch.cuda.get_device_name()``, first match wins.
+#: Datasheet bf16 dense peak TFLOP/s per GPU by a substring of ``torch.cuda.get_device_name()``,
+#: first match wins. Never a measured figure (see [Note: FLOP count]).
 PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
-    ("H200", 798.0),   # measured: bf16 GEMM 8192^3 (shared/anchors.md); the datasheet says 989
+    ("H200", 989.0),   # datasheet, dense (the H100 SXM's tensor cores)
     ("H100", 989.0),   # datasheet, SXM dense
     ("H800", 989.0),   # datasheet
     ("A100", 312.0),   # datasheet
@@ -82,7 +86,26 @@ def peak_tflops(device_name: str | None) -> float | None:
 
 
 def mfu(tflops: float, peak: float | None) -> float | None:
-    """Model FLOPs utilization (0..1), None without a peak."""
+    """Model FLOPs utilization (0..1) against the datasheet peak, None without a peak.
+
+    Example::
+
+        mfu(356.0, peak_tflops("NVIDIA H100 80GB HBM3"))   # 0.36
+    """
     if not peak:
         return None
     return tflops / peak
+
+
+def achievable_fraction(tflops: float, gemm_ceiling_tflops: float | None) -> float | None:
+    """Achieved TFLOP/s over a *measured* bf16 GEMM ceiling of the same GPU: how close a step
+    comes to what its GEMMs can reach. Not MFU (which divides by the datasheet peak); a report
+    that shows it labels it so. None without a ceiling.
+
+    Example::
+
+        achievable_fraction(356.0, 798.0)   # 0.45 of the measured 8192^3 bf16 GEMM
+    """
+    if not gemm_ceiling_tflops:
+        return None
+    return tflops / gemm_ceiling_tflops

@@ -4,7 +4,15 @@ from pathlib import Path
 
 import pytest
 
-from etp.megatron.flops import attention_flops_per_token, gemm_weights_per_token, mfu, peak_tflops, training_flops
+from etp.megatron.flops import (
+    PEAK_TFLOPS,
+    achievable_fraction,
+    attention_flops_per_token,
+    gemm_weights_per_token,
+    mfu,
+    peak_tflops,
+    training_flops,
+)
 from etp.megatron.recipe import Recipe
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
@@ -38,8 +46,16 @@ def test_flagship_recipe_attention_share():
 
 
 def test_peak_and_mfu():
-    assert peak_tflops("NVIDIA H200") == 798.0
     assert peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
     assert peak_tflops(None) is None and peak_tflops("cpu") is None
-    assert mfu(399.0, 798.0) == pytest.approx(0.5)
+    assert mfu(494.5, 989.0) == pytest.approx(0.5)
     assert mfu(1.0, None) is None
+
+
+def test_mfu_divides_by_the_datasheet_peak_not_a_measured_gemm():
+    # H200 and H100 SXM share the tensor cores: 989 dense bf16 TFLOP/s on the datasheet. A
+    # measured GEMM ceiling (798 on H200) in its place inflates every MFU by 24%.
+    assert peak_tflops("NVIDIA H200") == 989.0
+    assert all(peak != 798.0 for _, peak in PEAK_TFLOPS)
+    assert achievable_fraction(399.0, 798.0) == pytest.approx(0.5)
+    assert achievable_fraction(1.0, None) is None

@@ -1,4 +1,4 @@
-"""tools/host_sampler.py: samples only the asked iterations, and attributes them to the right lines."""
+"""tools/diag/host_sampler.py: samples only the asked iterations, and attributes them to the right lines."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-SAMPLER = Path(__file__).resolve().parents[2] / "tools" / "host_sampler.py"
+SAMPLER = Path(__file__).resolve().parents[2] / "tools" / "diag" / "host_sampler.py"
 
 # A stand-in for etp-train: the sampler's gate reads the local ``iteration`` of ``train`` in a
 # file ending etp/megatron/train.py. Iterations 3-5 spin in ``inside``, the others in ``outside``.

@@ -1,10 +1,10 @@
-"""tools/trace_gaps.py on a hand-made chrome trace: overlapping kernels count once, the gap is
+"""tools/diag/trace_gaps.py on a hand-made chrome trace: overlapping kernels count once, the gap is
 found with the host op open at its start, runtime calls are summed."""
 import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "diag"))
 
 import trace_gaps  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""tools/trace_kernels_compare.py on hand-made traces: kernels paired in start order, split by
+"""tools/diag/trace_kernels_compare.py on hand-made traces: kernels paired in start order, split by
 whether a copy covers them, short and non-matching kernels ignored, mismatched traces refused."""
 import gzip
 import json
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "diag"))
 
 import trace_kernels_compare  # noqa: E402
 

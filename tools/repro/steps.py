@@ -1,0 +1,171 @@
+"""The steps of ``tools/reproduce.py``: one per table of BENCHMARKS.md (and the GPU test
+suites), each a few commands with an estimate and a timeout, built for the GPUs at hand.
+
+A step named ``..._{k}gpu`` runs on the first k GPUs (``CUDA_VISIBLE_DEVICES``), so one
+machine of N GPUs produces the 2-GPU rows and the N-GPU rows. Commands are written as
+BENCHMARKS.md prints them (``torchrun ...``, ``python3 ...``); the runner starts them with
+this interpreter.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import headlines
+
+__all__ = ["Run", "Step", "build_steps"]
+
+TRAIN = "torchrun --standalone --nproc-per-node {k} -m etp.megatron.train"
+FLAGSHIP = "--recipe recipes/moe_h200x8.yaml"
+WIDE = "--recipe recipes/moe_h200x2_wide.yaml"
+DISTOPT = "--set use_distributed_optimizer=true"  # the peer: ETP off (etp size 1), megatron's distributed optimizer
+FP8_STEP = "--set etp.gather_dtype=fp8_tensorwise --set etp.gather_reuse=step"
+CAPTURED = "--set cuda_graph=step --set overlap_grad_reduce=false"
+
+
+@dataclass(frozen=True)
+class Run:
+    """One command of a step: its output files are named after it in the step's folder."""
+
+    name: str
+    command: str          # as BENCHMARKS.md prints it; {json} / {log} / {dir} filled in by the runner
+    gpus: int             # visible GPUs (CUDA_VISIBLE_DEVICES=0..gpus-1)
+    est_s: int            # what it took on 4xH100, start-up included
+    timeout_s: int
+    env: tuple[str, ...] = ()  # extra KEY=VALUE
+
+
+@dataclass(frozen=True)
+class Step:
+    """A table of BENCHMARKS.md (or a GPU test suite): its runs, and the figure it reports."""
+
+    name: str
+    section: str
+    runs: tuple[Run, ...]
+    headline: object = field(default=headlines.none, repr=False)  # (step, folder) -> str
+    stop_on_failure: bool = False  # later runs need the earlier ones (a resume needs its save)
+
+    @property
+    def est_s(self) -> int:
+        return sum(r.est_s for r in self.runs)
+
+
+def _layout(k: int, etp: int) -> str:
+    return f"--set world_size={k} --set etp.etp_size={etp} --set etp.expert_etp_size={etp}"
+
+
+def _train(k: int, recipe: str, extra: str, iters: int = 20, etp: int | None = None) -> str:
+    """etp-train on k GPUs at ETP ``etp`` (default k: dense and expert weights over the world)."""
+    layout = _layout(k, k if etp is None else etp)
+    return (f"{TRAIN.format(k=k)} {recipe} {layout} {extra} --train-iters {iters} --log-interval 1 "
+            "--json {json}").replace("  ", " ")
+
+
+def expert_stack(k: int) -> Step:
+    cmd = f"torchrun --standalone --nproc-per-node {k} tools/bench_expert_stack.py --rounds 2 --out {{json}}"
+    return Step(f"expert_stack_{k}gpu", "Expert stack against its peers",
+                (Run("expert_stack", cmd, k, 200, 420),), headlines.expert_stack)
+
+
+def recipes_wide(k: int) -> Step:
+    batch = f"--set global_batch_size={16 * k}"
+    runs = (Run("etp_bf16", _train(k, WIDE, batch), k, 45, 180),
+            Run("etp_fp8_step", _train(k, WIDE, f"{batch} {FP8_STEP}"), k, 45, 180),
+            Run("distopt", _train(k, WIDE, f"{batch} {DISTOPT}", etp=1), k, 50, 180))
+    return Step(f"recipes_wide_{k}gpu", "The recipes against their peers", runs, headlines.recipes)
+
+
+def recipes_flagship(k: int) -> Step:
+    batch = f"--set global_batch_size={8 * k} --set micro_batch_size=2"
+    runs = (Run("etp_bf16", _train(k, FLAGSHIP, batch), k, 45, 180),
+            Run("distopt", _train(k, FLAGSHIP, f"{batch} {DISTOPT}", etp=1), k, 50, 180))
+    return Step(f"recipes_flagship_{k}gpu", "The recipes against their peers", runs, headlines.recipes)
+
+
+def graphs_flagship(k: int) -> Step:
+    batch = f"--set global_batch_size={8 * k} --set micro_batch_size=2"
+    runs = (Run("captured_bf16", _train(k, FLAGSHIP, f"{batch} {CAPTURED}"), k, 45, 180),
+            Run("captured_fp8", _train(k, FLAGSHIP, f"{batch} {CAPTURED} --set etp.gather_dtype=fp8_tensorwise"),
+                k, 45, 180))
+    return Step(f"graphs_flagship_{k}gpu", "CUDA graphs", runs, headlines.recipes)
+
+
+def memory_audit(k: int) -> Step:
+    audit = "--audit {dir}/{name}_audit.json"
+    flagship = f"--set global_batch_size={8 * k} --set micro_batch_size=2 {audit}"
+    runs = (Run("flagship", _train(k, FLAGSHIP, flagship, iters=10), k, 35, 150),
+            Run("wide", _train(k, WIDE, f"--set global_batch_size={16 * k} {audit}", iters=10), k, 35, 150),
+            Run("flagship_distopt", _train(k, FLAGSHIP, f"{flagship} {DISTOPT}", iters=10, etp=1), k, 40, 150))
+    return Step(f"memory_audit_{k}gpu", "The memory audit against measured peaks", runs, headlines.memory_audit)
+
+
+def checkpoint(k: int) -> Step:
+    """Saved at ETP k, resumed from iteration 10 at three other layouts (2 layers, 16 experts)."""
+    small = "--set num_layers=2 --set num_experts=16 --set global_batch_size=16 --set save_interval=10"
+    resume = "--set load={scratch}/saved --set save={scratch}/{name} --resume 10"
+    half = max(1, k // 2)
+    runs = (Run("saved", _train(k, FLAGSHIP, f"{small} --set save={{scratch}}/saved"), k, 45, 180),
+            Run(f"etp{half}_{half}gpu", _train(half, FLAGSHIP, f"{small} {resume}"), half, 45, 180),
+            Run(f"etp{half}_distopt_{k}gpu", _train(k, FLAGSHIP, f"{small} {DISTOPT} {resume}", etp=half), k, 45, 180),
+            Run(f"etp1_{k}gpu", _train(k, FLAGSHIP, f"{small} {resume}", etp=1), k, 45, 180))
+    return Step(f"checkpoint_{k}gpu", "Checkpoint resharding", runs, headlines.checkpoint, stop_on_failure=True)
+
+
+def kernels() -> Step:
+    return Step("kernels_1gpu", "FP8 kernels against copy bandwidth",
+                (Run("kernels", "python3 tools/bench_kernels.py --out {json}", 1, 60, 240),), headlines.kernels)
+
+
+def expert_parallel(k: int) -> list[Step]:
+    moves = f"torchrun --standalone --nproc-per-node {k} tools/bench_ep.py --workloads sonicmoe,deepseek_v3 --out {{json}}"
+    dispatcher = (f"torchrun --standalone --nproc-per-node {k} tools/bench_ep_megatron.py "
+                  "--workloads sonicmoe,deepseek_v3 --etp-backends symm_dedup --out {json}")
+    return [Step(f"ep_moves_{k}gpu", "Expert parallelism", (Run("ep_moves", moves, k, 90, 240),), headlines.ep_moves),
+            Step(f"ep_dispatcher_{k}gpu", "Expert parallelism", (Run("ep_dispatcher", dispatcher, k, 90, 240),),
+                 headlines.ep_dispatcher)]
+
+
+def gpu_tests(n: int) -> list[Step]:
+    """The test files that need a GPU (``needs CUDA`` skips, ``ETP_TEST_BACKEND=nccl``)."""
+    nccl = ("ETP_TEST_BACKEND=nccl", "ETP_TEST_TIMEOUT=240")
+    suites = (
+        ("tests_kernels", 1, (), "tests/kernels tests/test_fp8.py tests/test_gemm.py", 240),
+        ("tests_transport", n, nccl, "tests/transport/test_transport_gpu.py tests/transport/test_stream_ops_gpu.py "
+                                     "tests/test_graphs_gpu.py", 300),
+        ("tests_megatron", n, nccl, "tests/megatron/test_fp8_recipe_gpu.py tests/megatron/test_megatron_train_gpu.py "
+                                    "tests/megatron/test_attention_gpu.py tests/megatron/test_local_dispatcher.py "
+                                    "tests/megatron/test_megatron_fallbacks.py tests/audit/test_memory_audit.py", 300),
+        ("tests_ep", n, nccl, "tests/ep/test_ep_gpu.py tests/megatron/test_ep_megatron.py", 180),
+        (f"tests_parity_{n}gpu", n, (*nccl, f"ETP_TEST_SIZES=2,{n}"),
+         "tests/test_parity.py tests/megatron/test_megatron_linears.py", 300),
+        ("tests_graph_step", n, nccl, "tests/megatron/test_graph_step.py", 420),
+    )
+    return [Step(name, "GPU test suites", (Run(name, f"python3 -m pytest -q -p no:cacheprovider {files}", gpus,
+                                               est, 2 * est, env),), headlines.pytest)
+            for name, gpus, env, files, est in suites]
+
+
+def build_steps(n: int) -> list[Step]:
+    """Every step for a machine of ``n`` GPUs, in the report's order: the 2-GPU and the n-GPU
+    rows of each table (one set when n is 2).
+
+    Example::
+
+        [s.name for s in build_steps(4)][:3]   # ['expert_stack_2gpu', 'expert_stack_4gpu', 'recipes_wide_2gpu']
+    """
+    sizes = sorted({2, n})
+    steps = [expert_stack(k) for k in sizes]
+    steps += [make(k) for make in (recipes_wide, recipes_flagship) for k in sizes]
+    steps.append(kernels())
+    steps += [s for k in sizes for s in expert_parallel(k)]
+    steps += [memory_audit(k) for k in sizes]
+    steps.append(checkpoint(n))
+    steps += [graphs_flagship(k) for k in sizes]
+    steps += gpu_tests(n)
+    return steps
+
+
+def fill(command: str, folder: Path, run: Run, scratch: Path) -> str:
+    """The command with its output paths: ``{json}`` and ``{dir}`` in the step's folder."""
+    return (command.replace("{json}", str(folder / f"{run.name}.json")).replace("{dir}", str(folder))
+            .replace("{scratch}", str(scratch)).replace("{name}", run.name))
