@@ -7,7 +7,7 @@ bytes per rank for both runs; ``--out`` writes both runs and the verdict as one 
 Example::
 
     python tools/compare_recipe_runs.py --etp etp.json --baseline plain.json --tolerance 0.03 \
-        --command "torchrun --nproc-per-node 8 -m etp.megatron.train --recipe recipes/moe_h200x8.yaml" \
+        --command "torchrun --nproc-per-node 8 -m etp.megatron.train --recipe recipes/moe_flagship.yaml" \
         --out compare.json
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Same as the ``etp-audit`` console script: predicted per-rank memory with and without ETP.
 
-    python tools/memory_audit.py --recipe recipes/moe_h200x8.yaml --plot audit.png
+    python tools/memory_audit.py --recipe recipes/moe_flagship.yaml --plot audit.png
 """
 import os
 import sys

@@ -24,7 +24,7 @@ as such where a report shows it beside MFU.
 
 Example::
 
-    recipe = Recipe.from_yaml("recipes/moe_h200x8.yaml")
+    recipe = Recipe.from_yaml("recipes/moe_flagship.yaml")
     flops = training_flops(recipe, tokens=8 * 2048)   # one iteration of 8 samples
     tflops = flops / step_seconds / 1e12
     mfu(tflops, peak_tflops("NVIDIA H200"))

@@ -40,7 +40,7 @@ def test_tied_embeddings_count_the_logits_gemm_once():
 
 
 def test_flagship_recipe_attention_share():
-    r = Recipe.from_yaml(RECIPES / "moe_h200x8.yaml")
+    r = Recipe.from_yaml(RECIPES / "moe_flagship.yaml")
     assert gemm_weights_per_token(r) == 543_197_184 - 65_536_000
     assert attention_flops_per_token(r) == 12 * 8 * 2048 * 2048  # 402.7 M FLOPs per token
 

@@ -69,6 +69,8 @@ def _run(tmp_path, graph: str, *extra: str, iters: int = 6, report: bool = False
            "-m", "etp.megatron.train", "--recipe", FLAGSHIP, "--set", f"world_size={world}",
            "--set", "num_layers=2", "--set", f"etp.etp_size={world}", "--set", f"etp.expert_etp_size={world}",
            "--set", "global_batch_size=4", "--set", "lr_warmup_iters=2", "--set", "overlap_grad_reduce=false",
+           # eager and captured runs compare the same gathers (auto would pick FP8 for a captured step only)
+           "--set", "etp.gather_dtype=param", "--set", "etp.gather_reuse=chain",
            "--set", f"cuda_graph={graph}", "--train-iters", str(iters), "--log-interval", str(iters), "--json", str(out),
            *[arg for setting in extra for arg in ("--set", setting)]]
     subprocess.run(cmd, check=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})

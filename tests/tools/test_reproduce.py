@@ -35,9 +35,9 @@ def test_list_and_dry_run_name_every_step(tmp_path):
             "memory_audit_4gpu", "checkpoint_4gpu", "graphs_flagship_4gpu", "tests_kernels"} <= set(names)
     dry = subprocess.run([*REPRODUCE, "--dry-run", "--gpus", "4", "--out", str(tmp_path), "--only", "^recipes_wide"],
                          capture_output=True, text=True, check=True).stdout
-    assert dry.count("-m etp.megatron.train") == 6  # 3 runs at 2 and at 4 GPUs
+    assert dry.count("-m etp.megatron.train") == 8  # 4 runs at 2 and at 4 GPUs
     assert "CUDA_VISIBLE_DEVICES=0,1 torchrun --standalone --nproc-per-node 2" in dry
-    assert f"--json {tmp_path}/recipes_wide_4gpu/etp_bf16.json" in dry
+    assert f"--json {tmp_path}/recipes_wide_4gpu/etp_defaults.json" in dry
     assert not list(tmp_path.iterdir())  # a dry run writes nothing
 
 
@@ -51,6 +51,7 @@ def test_two_gpus_give_one_set_of_rows():
 def test_every_etp_train_command_runs_today(n):
     from etp.megatron import train
     from etp.megatron.recipe import Recipe, parse_overrides
+    from etp.megatron.recipe.auto import Machine, resolve_auto
 
     found = 0
     for command in _commands(n):
@@ -60,7 +61,11 @@ def test_every_etp_train_command_runs_today(n):
         args = train._parse(argv[argv.index("etp.megatron.train") + 1:])  # unknown flags exit here
         overrides = {**parse_overrides(args.set), "train_iters": args.train_iters, "log_interval": args.log_interval}
         recipe = Recipe.from_yaml(ROOT / args.recipe, **overrides)  # removed or invalid keys raise here
-        assert recipe.parallel.world_size == int(argv[argv.index("--nproc-per-node") + 1]), command
+        world = int(argv[argv.index("--nproc-per-node") + 1])
+        # as etp-train resolves it under torchrun on one host of 80 GiB sm90 GPUs
+        recipe, _ = resolve_auto(recipe, Machine(world, world, cuda=True, gpu_memory=80 * 2**30, sm90=True))
+        assert recipe.parallel.world_size == world, command
+        recipe.check_world_size(world)
         found += 1
     assert found >= 12
 

@@ -19,7 +19,7 @@ while the local ``iteration`` of ``etp/megatron/train.py``'s ``train`` is in ``[
 (rank from ``RANK``) with the counts as milliseconds of wall time.
 
     torchrun --standalone --nproc-per-node 2 tools/diag/host_sampler.py --out /tmp/hs --iterations 10:30 \\
-        -m etp.megatron.train --recipe recipes/moe_h200x8.yaml --set world_size=2 ...
+        -m etp.megatron.train --recipe recipes/moe_flagship.yaml --set world_size=2 ...
 """
 from __future__ import annotations
 

@@ -16,11 +16,15 @@ from . import headlines
 __all__ = ["Run", "Step", "build_steps"]
 
 TRAIN = "torchrun --standalone --nproc-per-node {k} -m etp.megatron.train"
-FLAGSHIP = "--recipe recipes/moe_h200x8.yaml"
-WIDE = "--recipe recipes/moe_h200x2_wide.yaml"
-DISTOPT = "--set use_distributed_optimizer=true"  # the peer: ETP off (etp size 1), megatron's distributed optimizer
-FP8_STEP = "--set etp.gather_dtype=fp8_tensorwise --set etp.gather_reuse=step"
-CAPTURED = "--set cuda_graph=step --set overlap_grad_reduce=false"
+FLAGSHIP = "--recipe recipes/moe_flagship.yaml"
+WIDE = "--recipe recipes/moe_wide.yaml"
+# The peer at megatron-core's recommended MoE settings: ETP off, the distributed optimizer with
+# overlapped parameter all-gather and gradient reduction (which cannot be captured).
+DISTOPT = ("--set etp.etp_size=1 --set etp.expert_etp_size=1 --set use_distributed_optimizer=true "
+           "--set overlap_grad_reduce=true --set overlap_param_gather=true --set cuda_graph=none")
+# The hand-written best of the wide recipe before auto settings: FP8 gathers kept for the step, eager.
+FP8_STEP_EAGER = "--set etp.gather_dtype=fp8_tensorwise --set etp.gather_reuse=step --set cuda_graph=none"
+CAPTURED = "--set cuda_graph=step"
 
 
 @dataclass(frozen=True)
@@ -50,14 +54,9 @@ class Step:
         return sum(r.est_s for r in self.runs)
 
 
-def _layout(k: int, etp: int) -> str:
-    return f"--set world_size={k} --set etp.etp_size={etp} --set etp.expert_etp_size={etp}"
-
-
-def _train(k: int, recipe: str, extra: str, iters: int = 20, etp: int | None = None) -> str:
-    """etp-train on k GPUs at ETP ``etp`` (default k: dense and expert weights over the world)."""
-    layout = _layout(k, k if etp is None else etp)
-    return (f"{TRAIN.format(k=k)} {recipe} {layout} {extra} --train-iters {iters} --log-interval 1 "
+def _train(k: int, recipe: str, extra: str = "", iters: int = 20) -> str:
+    """etp-train on k GPUs: the recipe's own settings (auto) plus ``extra``."""
+    return (f"{TRAIN.format(k=k)} {recipe} {extra} --train-iters {iters} --log-interval 1 "
             "--json {json}").replace("  ", " ")
 
 
@@ -68,34 +67,33 @@ def expert_stack(k: int) -> Step:
 
 
 def recipes_wide(k: int) -> Step:
-    batch = f"--set global_batch_size={16 * k}"
-    runs = (Run("etp_bf16", _train(k, WIDE, batch), k, 45, 180),
-            Run("etp_fp8_step", _train(k, WIDE, f"{batch} {FP8_STEP}"), k, 45, 180),
-            Run("distopt", _train(k, WIDE, f"{batch} {DISTOPT}", etp=1), k, 50, 180))
+    runs = (Run("etp_defaults", _train(k, WIDE), k, 50, 180),
+            Run("etp_fp8_step_eager", _train(k, WIDE, FP8_STEP_EAGER), k, 45, 180),
+            Run("distopt_mb16", _train(k, WIDE, DISTOPT), k, 50, 180),
+            Run("distopt_mb8", _train(k, WIDE, f"{DISTOPT} --set micro_batch_size=8"), k, 50, 180))
     return Step(f"recipes_wide_{k}gpu", "The recipes against their peers", runs, headlines.recipes)
 
 
 def recipes_flagship(k: int) -> Step:
-    batch = f"--set global_batch_size={8 * k} --set micro_batch_size=2"
-    runs = (Run("etp_bf16", _train(k, FLAGSHIP, batch), k, 45, 180),
-            Run("distopt", _train(k, FLAGSHIP, f"{batch} {DISTOPT}", etp=1), k, 50, 180))
+    runs = (Run("etp_defaults", _train(k, FLAGSHIP), k, 50, 180),
+            Run("distopt_mb2", _train(k, FLAGSHIP, DISTOPT), k, 50, 180),
+            Run("distopt_mb4", _train(k, FLAGSHIP, f"{DISTOPT} --set micro_batch_size=4"), k, 50, 180))
     return Step(f"recipes_flagship_{k}gpu", "The recipes against their peers", runs, headlines.recipes)
 
 
 def graphs_flagship(k: int) -> Step:
-    batch = f"--set global_batch_size={8 * k} --set micro_batch_size=2"
-    runs = (Run("captured_bf16", _train(k, FLAGSHIP, f"{batch} {CAPTURED}"), k, 45, 180),
-            Run("captured_fp8", _train(k, FLAGSHIP, f"{batch} {CAPTURED} --set etp.gather_dtype=fp8_tensorwise"),
-                k, 45, 180))
+    """The flagship eager and captured, bf16 gathers (the defaults would pick FP8 when captured)."""
+    bf16 = "--set etp.gather_dtype=param --set etp.gather_reuse=chain"
+    runs = (Run("eager_bf16", _train(k, FLAGSHIP, f"{bf16} --set cuda_graph=none"), k, 45, 180),
+            Run("captured_bf16", _train(k, FLAGSHIP, f"{bf16} {CAPTURED}"), k, 45, 180))
     return Step(f"graphs_flagship_{k}gpu", "CUDA graphs", runs, headlines.recipes)
 
 
 def memory_audit(k: int) -> Step:
-    audit = "--audit {dir}/{name}_audit.json"
-    flagship = f"--set global_batch_size={8 * k} --set micro_batch_size=2 {audit}"
-    runs = (Run("flagship", _train(k, FLAGSHIP, flagship, iters=10), k, 35, 150),
-            Run("wide", _train(k, WIDE, f"--set global_batch_size={16 * k} {audit}", iters=10), k, 35, 150),
-            Run("flagship_distopt", _train(k, FLAGSHIP, f"{flagship} {DISTOPT}", iters=10, etp=1), k, 40, 150))
+    audit = "--audit {dir}/{name}_audit.json --set lr_warmup_iters=2"
+    runs = (Run("flagship", _train(k, FLAGSHIP, audit, iters=10), k, 35, 150),
+            Run("wide", _train(k, WIDE, audit, iters=10), k, 35, 150),
+            Run("flagship_distopt", _train(k, FLAGSHIP, f"{audit} {DISTOPT}", iters=10), k, 40, 150))
     return Step(f"memory_audit_{k}gpu", "The memory audit against measured peaks", runs, headlines.memory_audit)
 
 
@@ -104,10 +102,13 @@ def checkpoint(k: int) -> Step:
     small = "--set num_layers=2 --set num_experts=16 --set global_batch_size=16 --set save_interval=10"
     resume = "--set load={scratch}/saved --set save={scratch}/{name} --resume 10"
     half = max(1, k // 2)
+    at = "--set etp.etp_size={e} --set etp.expert_etp_size={e}"
+    distopt = "--set use_distributed_optimizer=true"
     runs = (Run("saved", _train(k, FLAGSHIP, f"{small} --set save={{scratch}}/saved"), k, 45, 180),
             Run(f"etp{half}_{half}gpu", _train(half, FLAGSHIP, f"{small} {resume}"), half, 45, 180),
-            Run(f"etp{half}_distopt_{k}gpu", _train(k, FLAGSHIP, f"{small} {DISTOPT} {resume}", etp=half), k, 45, 180),
-            Run(f"etp1_{k}gpu", _train(k, FLAGSHIP, f"{small} {resume}", etp=1), k, 45, 180))
+            Run(f"etp{half}_distopt_{k}gpu", _train(k, FLAGSHIP, f"{small} {distopt} {at.format(e=half)} {resume}"),
+                k, 45, 180),
+            Run(f"etp1_{k}gpu", _train(k, FLAGSHIP, f"{small} {at.format(e=1)} {resume}"), k, 45, 180))
     return Step(f"checkpoint_{k}gpu", "Checkpoint resharding", runs, headlines.checkpoint, stop_on_failure=True)
 
 

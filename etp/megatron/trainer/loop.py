@@ -106,6 +106,7 @@ def train(rank: int, world: int, recipe, options: RunOptions | None = None, port
     from ..flops import peak_tflops, training_flops
 
     options = options or RunOptions()
+    recipe = _resolved(recipe, rank, world)
     run = set_up(recipe, rank, world, port)
     micro = recipe.num_microbatches(run.world)
     batches = Batches(recipe, ps.get_data_parallel_rank(), run.device, micro)
@@ -142,6 +143,21 @@ def train(rank: int, world: int, recipe, options: RunOptions | None = None, port
     _finish(run, recipe, options, tools, reporter, flops, peak)
     ps.destroy_model_parallel()
     return reporter.losses
+
+
+def _resolved(recipe, rank: int, world: int):
+    """The recipe with its ``auto`` keys chosen for this machine (etp-train's command line has
+    done it already; a caller of ``train`` may not have). [Note: auto settings]"""
+    if not recipe.auto and recipe.parallel.world_size is not None:
+        return recipe
+    from ..recipe.auto import Machine, resolve_auto
+
+    gpus = torch.cuda.is_available() and recipe.parallel.backend != "gloo"
+    recipe, notes = resolve_auto(recipe, Machine.detect(world) if gpus else Machine(world, world))
+    if rank == 0:
+        for note in notes:
+            print(f"etp-train: {note}", flush=True)
+    return recipe
 
 
 def _finish(run: Run, recipe, options: RunOptions, tools: _Instruments, reporter: Reporter, flops, peak) -> None:
