@@ -37,18 +37,23 @@ def _torchrun(world: int, *argv) -> list[str]:
 
 
 def _workers(pid: int) -> list[int]:
-    """The rank processes torchrun started (its children running etp.megatron.train)."""
-    found = []
+    """The rank processes torchrun started: its descendants running etp.megatron.train."""
+    parent, cmdlines = {}, {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                cmdline = (entry / "cmdline").read_bytes()
+                parent[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                cmdlines[int(entry.name)] = (entry / "cmdline").read_bytes()
             except OSError:
                 continue
-            if ppid == pid and b"etp.megatron.train" in cmdline:
-                found.append(int(entry.name))
-    return sorted(found)
+
+    def descends(p: int) -> bool:
+        while p in parent and p != pid:
+            p = parent[p]
+        return p == pid
+
+    return sorted(p for p in parent if p != pid and descends(p) and b"etp.megatron.train" in cmdlines.get(p, b"")
+                  and b"torch.distributed.run" not in cmdlines.get(p, b""))
 
 
 @pytest.mark.parametrize("world", SIZES)
