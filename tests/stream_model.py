@@ -39,12 +39,16 @@ waiting on the handle reads garbage). No interleaving is more hostile.
 
 What it does not model
 ----------------------
+* Bytes: the unit is a storage, so two tensors in one storage conflict even where their bytes
+  do not (a pool of shard homes: the copy-engine transports' gloo fake in
+  tests/transport/test_transport_fake.py all-gathers its whole pool on the AG stream, and under
+  this model the next staging of any home in it is reported).
 * The caching allocator: a freed storage is gone and a new one is new, so a buffer reused
   across streams without ``record_stream`` is not caught.
-* The host: host reads outside torch ops (``tolist`` goes through an op and is checked as a
-  compute-stream read, pickling is not), device-wide synchronization, and more than one host
-  thread (the process has one current stream; the autograd engine runs CPU backward on the
-  calling thread).
+* The host: reads that are no torch op (``tolist``, ``numpy``, pickling; ``item`` is one and is
+  checked as a read on the current stream), device-wide synchronization, and more than one
+  host thread (the process has one current stream; the autograd engine runs CPU backward on
+  the calling thread).
 * Copy engines and stream memory operations (flag waits and writes) of the copy-engine
   transports: tests/transport/test_push_protocol.py models those. ``current_raw_stream`` is
   left alone.
