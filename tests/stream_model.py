@@ -124,7 +124,7 @@ _READ, _WRITE, _VIEW = "read", "write", "view"
 
 
 def _argument_kinds(func) -> dict[str, str]:
-    """How ``func`` accesses each argument, by name (see the module doc)."""
+    """How ``func`` accesses each argument, by name in schema order (see the module doc)."""
     collective = func.namespace == "c10d"
     kinds = {}
     for argument in func._schema.arguments:
@@ -253,9 +253,8 @@ class StreamModel(TorchDispatchMode):
         self._ops += 1
         stream.ops += 1
         stream.clock[stream] = self._ops
-        names = [a.name for a in func._schema.arguments]
         accesses = []
-        for name, value in [*zip(names, args), *kwargs.items()]:
+        for name, value in [*zip(kinds, args), *kwargs.items()]:  # positional: schema order
             kind = kinds.get(name, _READ)
             if kind != _VIEW:
                 accesses.extend((kind, t) for t in _tensors(value))
