@@ -62,10 +62,12 @@ def pull_pairs_ref(srcs, pair_row, pair_rank, out):
 def select_rows_ref(src, src_map, out, tokens_per_expert, totals, local=None, local_first=0):
     total, prev = int(tokens_per_expert.sum()), int(totals[0])
     if src_map is not None:
-        out[:total] = src[src_map[:total]]
-        if local is not None:
-            own = (src_map[:total] >= local_first) & (src_map[:total] < local_first + local.shape[0])
-            out[:total][own] = local[src_map[:total][own] - local_first]
+        for r in range(total):
+            q = int(src_map[r])
+            if local is not None and local_first <= q < local_first + local.shape[0]:
+                out[r] = local[q - local_first]
+            else:
+                out[r] = src[q] if q >= 0 else 0
     out[total:max(total, prev)] = 0
     totals[0] = total
 
@@ -78,7 +80,8 @@ def gather_tokens_ref(srcs, tokens, out, t_max, skip=-1):
         out[s * t_max: s * t_max + n] = src[:n]
 
 
-def local_reduce_ref(y, red, tokens, out, t_max):
+def local_reduce_ref(y, red, tokens, out, t_max, *, push_to=None, me=0):
+    """``push_to``: the sources' buffers (``push_to[s]``); the sum goes to slot me*t_max + t."""
     for q in range(red.shape[0]):
         s, t = divmod(q, t_max)
         rows = [int(r) for r in red[q] if r >= 0]
@@ -86,7 +89,10 @@ def local_reduce_ref(y, red, tokens, out, t_max):
             acc = torch.zeros(y.shape[1], dtype=torch.float32, device=y.device)
             for r in rows:
                 acc += y[r].float()
-            out[q] = acc.to(out.dtype)
+            if push_to is None:
+                out[q] = acc.to(out.dtype)
+            else:
+                push_to[s][me * t_max + t] = acc.to(push_to[s].dtype)
 
 
 def push_meta_ref(pair_row, pair_rank, map_bufs, red_bufs, me, t_max, topk):

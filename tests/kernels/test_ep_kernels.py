@@ -88,8 +88,10 @@ def _check_all_moves(case, world, capacity, expert_capacity=None, *, topk=3, hid
         km.zero_tail(out, torch.zeros_like(layouts[d].tokens_per_expert), totals, **ctas(2))
         assert bool((out[:total] == 0).all()) and bool((out[total:] == 9.0).all()) and totals[0] == 0
         want_out, want_totals = out.clone(), totals.clone()
-        km.select_rows(tok[d], maps[d], out, layouts[d].tokens_per_expert, totals, **ctas(3))
-        ref.select_rows_ref(tok[d], maps[d], want_out, layouts[d].tokens_per_expert, want_totals)
+        holes = maps[d].clone()
+        holes[::3] = -1  # rows nothing arrived for: zeroed
+        km.select_rows(tok[d], holes, out, layouts[d].tokens_per_expert, totals, **ctas(3))
+        ref.select_rows_ref(tok[d], holes, want_out, layouts[d].tokens_per_expert, want_totals)
         assert torch.equal(out, want_out) and totals[0] == want_totals[0]
         out.fill_(9.0)
         totals = torch.tensor([capacity, 0], dtype=torch.int64, device=DEVICE)
@@ -99,9 +101,9 @@ def _check_all_moves(case, world, capacity, expert_capacity=None, *, topk=3, hid
     # 3. all-gather of the token rows (all, and all but one rank's).
     staged = [torch.cat([x, torch.full((t_max - x.shape[0], hidden), 3.0, device=DEVICE)]) for x in xs]
     tokens = layouts[0].tokens
-    for skip in (-1, world - 1):
+    for skip, rotate in ((-1, False), (world - 1, True)):
         got, want = _bufs(1, world * t_max, hidden, fill=-1.0)[0], _bufs(1, world * t_max, hidden, fill=-1.0)[0]
-        km.gather_tokens(tab(staged), tokens, got, t_max, skip=skip, **ctas(4))
+        km.gather_tokens(tab(staged), tokens, got, t_max, skip=skip, rotate=rotate, **ctas(4))
         ref.gather_tokens_ref(staged, tokens, want, t_max, skip=skip)
         assert torch.equal(got, want)
     # 4. combine: pull-reduce, and local reduce + de-duplicated pull; per-pair scalars.
@@ -109,10 +111,16 @@ def _check_all_moves(case, world, capacity, expert_capacity=None, *, topk=3, hid
     ys = [torch.randn(capacity, hidden, generator=gen).to(DEVICE) for _ in range(world)]
     # Slots without a row here must keep what they held: start from 5, not 0.
     partial, want_partial = _bufs(world, world * t_max, hidden, fill=5.0), _bufs(world, world * t_max, hidden, fill=5.0)
+    # The pushed variant: rank d writes source s's partial sums into s's slot d*t_max + t.
+    pushed, want_pushed = _bufs(world, world * t_max, hidden, fill=5.0), _bufs(world, world * t_max, hidden, fill=5.0)
     for d in range(world):
-        km.local_reduce(ys[d], red[d], tokens, partial[d], t_max, **ctas(3))
+        km.local_reduce(ys[d], red[d], tokens, partial[d], t_max, rotate=d % 2 == 0, **ctas(3))
         ref.local_reduce_ref(ys[d], red[d], tokens, want_partial[d], t_max)
         assert torch.equal(partial[d], want_partial[d])
+        km.local_reduce(ys[d], red[d], tokens, tab(pushed), t_max, push=True, me=d, rotate=d % 2 == 1, **ctas(3))
+        ref.local_reduce_ref(ys[d], red[d], tokens, None, t_max, push_to=want_pushed, me=d)
+    for s in range(world):
+        assert torch.equal(pushed[s], want_pushed[s]), f"pushed partial sums of source {s}"
     for r, lay in enumerate(layouts):
         T = xs[r].shape[0]
         out, want = torch.empty(T, hidden, device=DEVICE), torch.empty(T, hidden, device=DEVICE)
@@ -130,6 +138,11 @@ def _check_all_moves(case, world, capacity, expert_capacity=None, *, topk=3, hid
         ref.pull_reduce_ref(partial, lay.pair_row, lay.pair_rank, want2, dedup=True, me=r, t_max=t_max)
         assert torch.equal(out2, want2)
         torch.testing.assert_close(out2, out, rtol=1e-6, atol=1e-6)  # same sum, other order
+        # The source's local reduction of what was pushed to it: the same sum, bit for bit.
+        out3 = torch.empty(T, hidden, device=DEVICE)
+        km.pull_reduce(km.slot_table(pushed[r], world), lay.pair_row, lay.pair_rank, out3, dedup=True, me=0,
+                       t_max=t_max, **ctas(2))
+        assert torch.equal(out3, want2), "pushed combine differs from the pulled one"
         pairs, want_pairs = torch.empty(T * topk, device=DEVICE), torch.empty(T * topk, device=DEVICE)
         km.pull_pairs(tab(recv_w), lay.pair_row, lay.pair_rank, pairs, **ctas(2))
         ref.pull_pairs_ref(recv_w, lay.pair_row, lay.pair_rank, want_pairs)
@@ -254,8 +267,11 @@ def _symm_on_cpu(ctx, name):
                                                                                   "backend": "reference"}))
     gen = torch.Generator().manual_seed(1)
     errors = []
-    # Correctness against reference, T shrinking so that stale rows must be zeroed.
-    for tokens in (6, 3, 0, 5):
+    # Correctness against reference, T shrinking so that stale rows must be zeroed; the last
+    # steps with the combine that pulls from the peers, walking them in rank order.
+    for tokens in (6, 3, 0, 5, 4):
+        if tokens == 4:
+            disp.combine_backend.tune(combine="pull", peer_order="sequential")
         idx = torch.rand(tokens, 4, generator=gen).topk(2, dim=1).indices
         x, w = torch.randn(tokens, 8, generator=gen), torch.rand(tokens, 2, generator=gen)
         got, want = [], []
@@ -296,6 +312,7 @@ def _symm_on_cpu(ctx, name):
                  for _, _, kw in launches}
         if tuned != {(3, 1, 4, 1)}:
             errors.append(f"launches after tune(): {tuned}")
+        disp.combine_backend.tune(combine="push", peer_order="rotated")
     return errors, per_step, allocs, sorted(mode.seen)
 
 

@@ -38,9 +38,12 @@ Algorithms (all share the layout of [Note: receive layout] and produce the same 
 * ``symm_dedup``: a token crosses to a rank once however many of its experts live there:
   dispatch pushes it into the receiver's per-token slot and the receiver expands it into
   its rows locally (its own tokens straight from ``x``: they skip the slot); combine first
-  sums each source token's rows locally, so one partial sum per (token, rank) crosses back
-  (summation order differs from ``reference``: per rank first, then over ranks; bf16
-  partial sums).
+  sums each source token's rows locally and pushes that one partial sum per (token, rank)
+  into the source's slot, where the source reduces its slots locally (summation order
+  differs from ``reference``: per rank first, then over ranks in the order of the token's
+  first pair to each; bf16 partial sums). Both moves write to peers and walk the peers in
+  rotation ([Note: peer order] in ``etp.kernels.ep_move``; ``tune(combine="pull")`` keeps
+  the older combine that reads the partial sums from the peers, for comparison).
 * ``symm_allgather``: every rank pulls every peer's tokens (all-gather), then selects its
   rows locally (its own from ``x``); combine as ``symm_dedup``. Moves tokens routed nowhere
   here too, and wins where nearly every token has an expert on every rank (large K, few
@@ -80,6 +83,8 @@ class _SymmBackend(Backend):
         # Launch parameters of every kernel (the same on every call: see [Note: graph-safe moves]).
         self._launch = dict(num_ctas=cfg.num_ctas, rows=cfg.tile_rows, num_warps=cfg.num_warps,
                             stages=cfg.num_stages)
+        # How the de-duplicated combine moves partial sums, and whether per-peer loops rotate.
+        self._push_combine, self._rotate = True, True
         self._stage = self.alloc_rows(ctx.capacity, cfg.hidden_size)
         self._stage_w = self.alloc_rows(ctx.capacity, None, cfg.weight_dtype)
 
@@ -94,12 +99,24 @@ class _SymmBackend(Backend):
         self._buffers[t.data_ptr()] = (t, handle, table, totals)
         return t
 
-    def tune(self, *, num_ctas=None, tile_rows=None, num_warps=None, num_stages=None) -> None:
+    def tune(self, *, num_ctas=None, tile_rows=None, num_warps=None, num_stages=None, combine=None,
+             peer_order=None) -> None:
         """Changes the copy kernels' launch parameters (``EPConfig``'s fields of those names;
         None keeps one) from the next move on, e.g. to sweep them in a benchmark without
-        reallocating the buffers. A CUDA graph captured before keeps the old ones."""
+        reallocating the buffers. A CUDA graph captured before keeps the old ones.
+        ``combine``: ``"push"`` (default) or ``"pull"``, how ``symm_dedup`` / ``symm_allgather``
+        move the partial sums back; ``peer_order``: ``"rotated"`` (default) or ``"sequential"``
+        (see [Note: peer order] in ``etp.kernels.ep_move``)."""
         new = dict(num_ctas=num_ctas, rows=tile_rows, num_warps=num_warps, stages=num_stages)
         self._launch.update({key: value for key, value in new.items() if value is not None})
+        if combine is not None:
+            if combine not in ("push", "pull"):
+                raise ValueError(f"combine={combine!r}: expected 'push' or 'pull'")
+            self._push_combine = combine == "push"
+        if peer_order is not None:
+            if peer_order not in ("rotated", "sequential"):
+                raise ValueError(f"peer_order={peer_order!r}: expected 'rotated' or 'sequential'")
+            self._rotate = peer_order == "rotated"
 
     def _table(self, t):
         entry = self._buffers.get(t.data_ptr())
@@ -175,6 +192,8 @@ class SymmDedupBackend(_SymmBackend):
         # Receive row -> source slot, and source slot -> its rows here (-1: none), pushed by prepare.
         self._map = self.alloc_rows(ctx.capacity, None, torch.int64)
         self._red = self.alloc_rows(world * self._t_max * cfg.topk, None, torch.int64)
+        # This rank's slots as W blocks: the partial sums the peers push back in combine.
+        self._slots = km.slot_table(self._tokens, world)
 
     def on_prepare(self, handle):
         lay, ctx = handle.layout, self.ctx
@@ -204,15 +223,24 @@ class SymmDedupBackend(_SymmBackend):
             self._select(out_w, None, out_w, lay.tokens_per_expert, identity=True, zero_only=True)
 
     def combine(self, y, handle, out):
-        lay = handle.layout
+        lay, me, red = handle.layout, self.ctx.rank, self._red.view(-1, self.ctx.cfg.topk)
         self._barrier()
+        if self._push_combine:
+            with record_function("etp::ep_symm_reduce_push"):
+                km.local_reduce(y.contiguous(), red, lay.tokens, self._table(self._tokens), self._t_max, push=True,
+                                me=me, rotate=self._rotate, **self._launch)
+            self._barrier()
+            with record_function("etp::ep_symm_slot_reduce"):
+                km.pull_reduce(self._slots, lay.pair_row, lay.pair_rank, out, dedup=True, me=0, t_max=self._t_max,
+                               **self._launch)
+            return
         with record_function("etp::ep_symm_local_reduce"):
-            km.local_reduce(y.contiguous(), self._red.view(-1, self.ctx.cfg.topk), lay.tokens, self._tokens,
-                            self._t_max, **self._launch)
+            km.local_reduce(y.contiguous(), red, lay.tokens, self._tokens, self._t_max, rotate=self._rotate,
+                            **self._launch)
         self._barrier()
         with record_function("etp::ep_symm_pull_reduce"):
-            km.pull_reduce(self._table(self._tokens), lay.pair_row, lay.pair_rank, out, dedup=True,
-                           me=self.ctx.rank, t_max=self._t_max, **self._launch)
+            km.pull_reduce(self._table(self._tokens), lay.pair_row, lay.pair_rank, out, dedup=True, me=me,
+                           t_max=self._t_max, **self._launch)
 
 
 class SymmAllGatherBackend(SymmDedupBackend):
@@ -237,7 +265,7 @@ class SymmAllGatherBackend(SymmDedupBackend):
         self._barrier()
         with record_function("etp::ep_symm_all_gather"):
             km.gather_tokens(self._table(self._x_stage), lay.tokens, self._tokens, self._t_max, skip=self.ctx.rank,
-                             **self._launch)
+                             rotate=self._rotate, **self._launch)
         with record_function("etp::ep_symm_expand"):
             self._select(self._tokens, self._map, out_x, lay.tokens_per_expert, local=x)
         if w is not None:
