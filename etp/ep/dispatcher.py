@@ -205,7 +205,8 @@ class ExpertDispatcher:
             ValueError: expert indices outside ``[0, num_experts)`` reached ``prepare`` (they
                 were left out of the exchange).
             RuntimeError: a rank's receive buffer overflowed (the rows past the capacity
-                were not exchanged and contribute nothing to ``combine``).
+                were not exchanged and contribute nothing to ``combine``), or a backend's own
+                capacity did (``nccl_padded``'s rows per peer).
 
         Example::
 
@@ -227,6 +228,8 @@ class ExpertDispatcher:
                 "the rows past the capacity were not exchanged. Raise capacity_factor, set it to None "
                 "(never overflows), or set drop_tokens=True"
             )
+        for backend in {id(b): b for b in (self.dispatch_backend, self.combine_backend)}.values():
+            backend.check(self.name)
 
     @property
     def backend(self) -> str:

@@ -1,5 +1,5 @@
-"""Pure-torch references of ``etp.kernels.ep_move``: the same moves over lists of per-rank
-tensors (``bufs[d]`` is rank d's buffer) instead of pointer tables. They define the results
+"""Pure-torch references of ``etp.kernels.ep_move`` and ``etp.kernels.ep_pack``: the same
+moves over lists of per-rank tensors (``bufs[d]`` is rank d's buffer) instead of pointer tables. They define the results
 the kernels are tested against (bit for bit: the sums accumulate in fp32 in the same order).
 """
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["push_rows_ref", "pull_reduce_ref", "pull_pairs_ref", "select_rows_ref", "gather_tokens_ref",
-           "local_reduce_ref", "push_meta_ref"]
+           "local_reduce_ref", "push_meta_ref", "copy_rows_ref"]
 
 
 def _first_of_rank(pair_row, pair_rank, topk):
@@ -102,3 +102,14 @@ def push_meta_ref(pair_row, pair_rank, map_bufs, red_bufs, me, t_max, topk):
             red_bufs[d].view(-1)[me * t_max * topk + p] = row if (to_d and row >= 0) else -1
             if to_d and row >= 0:
                 map_bufs[d][row] = me * t_max + p // topk
+
+
+def copy_rows_ref(src, idx, dst, start, end, *, scatter):
+    for i in range(start, end):
+        q = int(idx[i])
+        if q < 0:
+            continue
+        if scatter:
+            dst[q] = src[i]
+        else:
+            dst[i] = src[q]

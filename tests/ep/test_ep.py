@@ -15,7 +15,7 @@ from harness import run_distributed
 
 from etp import ep
 
-CPU_BACKENDS = ("reference", "nccl")
+CPU_BACKENDS = ("reference", "nccl", "nccl_padded")
 CASES = ("uniform", "skewed", "empty_experts", "zero_tokens", "one_rank")
 
 
@@ -159,9 +159,29 @@ def _bad_input(ctx):
     return caught
 
 
+def _padded_overflow(ctx):
+    """Every rank routes to the other's experts only: no receive buffer overflows (capacity
+    21 rows, 21 arrive), but 21 rows to one peer exceed nccl_padded's 11 per peer."""
+    gen = torch.Generator().manual_seed(ctx.rank)
+    other = 1 - ctx.rank
+    idx = torch.stack([torch.randperm(4, generator=gen)[:3] + 4 * other for _ in range(7)])
+    x, w = torch.randn(7, 5, dtype=torch.float64), torch.ones(7, 3, dtype=torch.float64)
+    disp = ep.ExpertDispatcher(_config(2, backend="nccl_padded", capacity_factor=1.0), name="layer5")
+    handle = disp.prepare(idx)
+    out = disp.combine(disp.dispatch(x, w, handle)[0], handle)
+    try:
+        disp.check()
+    except RuntimeError as exc:
+        message = str(exc)
+    else:
+        message = None
+    sent = (out.sum(1) / x.sum(1)).round()  # identity experts: the number of the token's pairs that went
+    return message, sent.tolist()
+
+
 def _misc(ctx, cache_dir):
     kw = dict(capacity_factor=0.5, drop_tokens=True)
-    return dict(bad_input=_bad_input(ctx), overflow=_overflow(ctx, CPU_BACKENDS),
+    return dict(bad_input=_bad_input(ctx), overflow=_overflow(ctx, CPU_BACKENDS), padded=_padded_overflow(ctx),
                 dropping=_layer_vs_model(ctx, CPU_BACKENDS, ("uniform", "skewed"), kw),
                 cache=_profile_cache(ctx, cache_dir))
 
@@ -218,6 +238,13 @@ def test_overflow_is_reported(misc_results):
         for name, msg in messages.items():
             assert msg is not None, f"rank {r} {name}: overflow not reported"
             assert "layer3" in msg and "rank(s) [0]" in msg and "capacity 19" in msg and "{0: 21}" in msg, msg
+
+
+def test_padded_overflow_is_reported(misc_results):
+    for result in misc_results[0]:
+        message, sent_per_token = result["padded"]
+        assert message is not None and "layer5" in message and "at most 11 rows" in message and "needed 21" in message
+        assert sum(sent_per_token) == 11, sent_per_token  # the first 11 rows went, the rest contribute nothing
 
 
 def _profile_cache(ctx, cache_dir):

@@ -5,7 +5,8 @@ Run with ``ETP_TEST_BACKEND=nccl`` on a machine with 2 GPUs (tools/gpu_ep.sh); s
 otherwise.
 
 Tolerances: dispatch is a copy and is compared bit for bit; so is combine for
-``reference``, ``nccl`` and ``symm_push`` (all sum a token's K rows in fp32 in k order).
+``reference``, ``nccl``, ``nccl_padded`` and ``symm_push`` (all sum a token's K rows in fp32
+in k order).
 ``symm_dedup`` / ``symm_allgather`` combine sums per rank first and sends bf16 partial
 sums: compared within 2 bf16 ulps of the row magnitude (rtol 1.6e-2, atol 1.6e-2 * max).
 """
@@ -21,7 +22,7 @@ from etp import ep
 
 pytestmark = pytest.mark.skipif(backend() != "nccl" or torch.cuda.device_count() < 2,
                                 reason="needs ETP_TEST_BACKEND=nccl and 2 GPUs")
-EXACT_COMBINE = ("reference", "nccl", "symm_push")
+EXACT_COMBINE = ("reference", "nccl", "nccl_padded", "symm_push")
 
 
 def _cfg(**kw):
@@ -82,7 +83,8 @@ def _compare(got, want, name, dedup_combine):
 
 def _backends_vs_reference(ctx):
     names = ep.available_backends(None)
-    pairs = [(n, n) for n in names] + [("symm_dedup", "symm_push"), ("symm_push", "symm_dedup"), ("nccl", "symm_push")]
+    pairs = [(n, n) for n in names] + [("symm_dedup", "symm_push"), ("symm_push", "symm_dedup"), ("nccl", "symm_push"),
+                                       ("nccl_padded", "symm_dedup")]
     errors = []
     for case, tokens in (("uniform", 600 - 37 * ctx.rank), ("skewed", 512), ("one_rank", 300 * ctx.rank)):
         cfg = _cfg()
@@ -105,7 +107,7 @@ def _backends_vs_reference(ctx):
 
 def test_every_backend_matches_reference():
     for errors, names in run_distributed(_backends_vs_reference, 2):
-        assert {"symm_push", "symm_dedup", "symm_allgather", "nccl"} <= set(names), names
+        assert {"symm_push", "symm_dedup", "symm_allgather", "nccl", "nccl_padded"} <= set(names), names
         assert not errors, errors
 
 
@@ -144,7 +146,7 @@ def _graph_replay(ctx, name):
     return errors
 
 
-@pytest.mark.parametrize("name", ["symm_push", "symm_dedup", "symm_allgather"])
+@pytest.mark.parametrize("name", ["symm_push", "symm_dedup", "symm_allgather", "nccl_padded"])
 def test_cuda_graph_replay_equals_eager(name):
     for errors in run_distributed(_graph_replay, 2, name):
         assert not errors, errors
@@ -175,7 +177,7 @@ def _allocations(ctx, name):
     return counts, torch.cuda.memory_reserved() - reserved
 
 
-@pytest.mark.parametrize("name", ["symm_push", "symm_dedup", "symm_allgather"])
+@pytest.mark.parametrize("name", ["symm_push", "symm_dedup", "symm_allgather", "nccl", "nccl_padded"])
 def test_moves_allocate_nothing(name):
     for counts, reserved_growth in run_distributed(_allocations, 2, name):
         assert counts == [0, 0, 0], counts

@@ -336,3 +336,78 @@ def test_symm_backend_on_cpu_is_graph_safe_and_allocation_free(name):
                "aten.empty.memory_format", "aten.set_.source_Storage", "aten.set_.source_Storage_storage_offset",
                "aten.alias.default", "aten.as_strided.default"}
     assert {op for op in ops if not op.startswith("profiler.")} <= allowed, ops
+
+
+# ---------------------------------------------------------------- the nccl backends' kernels on CPU
+# Two gloo ranks; the pack / unpack steps forced onto the Triton kernels (the interpreter),
+# which is what runs on a GPU (CPU tensors otherwise take the torch path).
+def _nccl_on_cpu(ctx, name, chunks):
+    from dataclasses import replace
+
+    from etp import ep
+    from etp.ep.backends import pack
+    from etp.kernels import ep_move
+
+    launches = []
+
+    def recorder(module, fn_name):
+        fn = getattr(module, fn_name)
+
+        def record(*args, **kwargs):
+            kw = tuple(sorted((k, _describe(v)) for k, v in kwargs.items()))
+            launches.append((fn_name, tuple(map(_describe, args)), kw))
+            return fn(*args, **kwargs)
+        setattr(module, fn_name, record)
+
+    for fn_name in ("push_rows", "pull_reduce", "pull_pairs", "zero_tail"):
+        recorder(ep_move, fn_name)
+    recorder(pack, "copy_rows")
+    cfg = ep.EPConfig(num_experts=4, topk=2, hidden_size=8, max_tokens_per_rank=6, dtype=torch.float32,
+                      num_ctas=2, tile_rows=4, num_stages=2, backend=name)
+    disp, ref_disp = ep.ExpertDispatcher(cfg), ep.ExpertDispatcher(replace(cfg, backend="reference"))
+    disp.dispatch_backend.tune(kernels="triton", chunks=chunks)
+    gen = torch.Generator().manual_seed(7 + ctx.rank)
+    errors = []
+    for tokens in (6, 3 + ctx.rank, 0, 5):  # shrinking: stale rows must be zeroed
+        idx = torch.rand(tokens, 4, generator=gen).topk(2, dim=1).indices
+        x, w = torch.randn(tokens, 8, generator=gen), torch.rand(tokens, 2, generator=gen)
+        got, want = [], []
+        for d, out in ((disp, got), (ref_disp, want)):
+            xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+            h = d.prepare(idx)
+            recv_x, recv_w, tpe = d.dispatch(xg, wg, h)
+            y = d.combine(recv_x * 2 * recv_w[:, None], h)
+            gx, gw = torch.autograd.grad(y, (xg, wg), torch.ones_like(y))
+            out += [t.detach().clone() for t in (recv_x, recv_w, tpe, y, gx, gw)]
+        for key, a, b in zip(("recv_x", "recv_w", "tokens_per_expert", "out", "grad_x", "grad_w"), got, want):
+            if not torch.equal(a, b):
+                errors.append(f"{name} chunks={chunks} T={tokens}: {key} differs from reference")
+    idx = torch.rand(6, 4, generator=gen).topk(2, dim=1).indices
+    x, w = torch.randn(6, 8, generator=gen), torch.rand(6, 2, generator=gen)
+    handle = disp.prepare(idx)
+    per_step, allocs = [], []
+    with torch.no_grad():
+        for _ in range(3):
+            launches.clear()
+            with _Allocations() as mode:
+                recv_x, _, _ = disp.dispatch(x, w, handle)
+                disp.combine(recv_x, handle)
+                disp._move_dispatch(x, None, handle, backward=True)
+                disp._move_combine(recv_x, handle, backward=True)
+                disp._move_combine_pairs(disp._recv_w, handle)
+            per_step.append(list(launches))
+            allocs.append(mode.ops)
+    return errors, per_step, allocs
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton interpreter on CPU tensors")
+@pytest.mark.parametrize("name, chunks", [("nccl", 3), ("nccl_padded", 2)])
+def test_nccl_backend_kernels_match_reference_without_allocating(name, chunks):
+    from harness import run_distributed
+
+    for errors, per_step, allocs in run_distributed(_nccl_on_cpu, 2, name, chunks):
+        assert not errors, errors
+        assert per_step[0] and all(step == per_step[0] for step in per_step[1:]), "launch arguments changed"
+        assert {fn for fn, _, _ in per_step[0]} == {"push_rows", "pull_reduce", "pull_pairs", "zero_tail",
+                                                    "copy_rows"}
+        assert allocs == [[], [], []], allocs

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 from etp.ep.backends.base import Backend, EPContext
-from etp.ep.backends.nccl import NcclBackend
+from etp.ep.backends.nccl import NcclBackend, NcclPaddedBackend
 from etp.ep.backends.reference import ReferenceBackend
 
 __all__ = ["Backend", "EPContext", "available_backends", "backend_class", "ALL_BACKENDS"]
 
 #: Every backend name, in the order the profiler tries them.
-ALL_BACKENDS = ("reference", "nccl", "symm_push", "symm_allgather", "symm_dedup")
+ALL_BACKENDS = ("reference", "nccl", "nccl_padded", "symm_push", "symm_allgather", "symm_dedup")
 
 
 def _symm_available(group) -> tuple[bool, str]:
@@ -49,6 +49,8 @@ def backend_class(name: str, group) -> type:
         return ReferenceBackend
     if name == "nccl":
         return NcclBackend
+    if name == "nccl_padded":
+        return NcclPaddedBackend
     from etp.ep.backends.symm import SYMM_BACKENDS
 
     return SYMM_BACKENDS[name]

@@ -50,6 +50,15 @@ class Backend:
     def on_prepare(self, handle) -> None:
         """Called at the end of ``prepare`` (e.g. to push metadata to peers)."""
 
+    def check(self, layer: str) -> None:
+        """Raises what this backend saw on device since the last call (``ExpertDispatcher.check``,
+        a host sync point), naming ``layer``."""
+
+    def tune(self, **options) -> None:
+        """Changes launch options from the next move on (see each backend); none here."""
+        if options:
+            raise ValueError(f"EP backend {self.name!r} takes no tune() options, got {sorted(options)}")
+
     def dispatch(self, x: torch.Tensor, w: Optional[torch.Tensor], handle, out_x: torch.Tensor,
                  out_w: Optional[torch.Tensor]) -> None:
         """Writes row ``pair_row[t*K+k]`` of rank ``pair_rank[...]``'s ``out_x`` with ``x[t]``
