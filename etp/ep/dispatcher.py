@@ -86,7 +86,7 @@ class ExpertDispatcher:
         self.capacity = cfg.capacity(world)
         self.ctx = EPContext(cfg, group, rank, world, local, self.capacity, self.device)
         self.backend_names = _resolve_backends(cfg, group, type(self))
-        dispatch_cls, combine_cls = (backend_class(n, group) for n in self.backend_names)
+        dispatch_cls, combine_cls = (backend_class(n, group, cfg.ranks_per_host) for n in self.backend_names)
         self.dispatch_backend = dispatch_cls(self.ctx)
         self.combine_backend = (self.dispatch_backend if combine_cls is dispatch_cls else combine_cls(self.ctx))
         self.validate = cfg.validate if cfg.validate is not None else self.device.type == "cpu"

@@ -37,8 +37,11 @@ def _device_name(group) -> str:
 
 
 def cache_key(cfg: EPConfig, group) -> str:
-    return "|".join(str(v) for v in (_device_name(group), dist.get_world_size(group), cfg.max_tokens_per_rank,
-                                     cfg.hidden_size, cfg.topk, cfg.num_experts, cfg.dtype))
+    fields = [_device_name(group), dist.get_world_size(group), cfg.max_tokens_per_rank, cfg.hidden_size, cfg.topk,
+              cfg.num_experts, cfg.dtype]
+    if cfg.ranks_per_host is not None:  # declared hosts: other backends are available
+        fields.append(f"ranks_per_host={cfg.ranks_per_host}")
+    return "|".join(str(v) for v in fields)
 
 
 def _timer(device):
@@ -85,7 +88,7 @@ def profile(cfg: EPConfig, group: Optional[dist.ProcessGroup] = None, *, iters: 
     global PROFILE_RUNS
     PROFILE_RUNS += 1
     group = group or dist.group.WORLD
-    names = candidates or available_backends(group)
+    names = candidates or available_backends(group, cfg.ranks_per_host)
     rank = dist.get_rank(group)
     best: dict[str, tuple[float, str]] = {}
     for name in names:

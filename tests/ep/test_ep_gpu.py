@@ -111,6 +111,32 @@ def test_every_backend_matches_reference():
         assert not errors, errors
 
 
+def _hierarchical_vs_reference(ctx):
+    """Hosts declared on one machine: 2 GPUs as 2 hosts x 1, 4 as 2 x 2 (symmetric memory
+    within a host, NCCL between)."""
+    errors = []
+    for case, tokens in (("uniform", 600 - 37 * ctx.rank), ("skewed", 512), ("one_rank", 300 * ctx.rank)):
+        cfg = _cfg(ranks_per_host=ctx.world_size // 2)
+        idx, w, x = _routing(ctx, case, cfg, tokens)
+        scale = torch.linspace(0.5, 1.5, cfg.hidden_size, device=ctx.device)
+        grad_out = torch.randn(tokens, cfg.hidden_size, device=ctx.device).to(cfg.dtype)
+        want = _step(ep.ExpertDispatcher(replace(cfg, backend="reference")), idx, w, x, scale, grad_out)
+        disp = ep.ExpertDispatcher(replace(cfg, backend="hierarchical"))
+        if type(disp.dispatch_backend._intra).__name__ != "SymmIntra":
+            errors.append("hierarchical does not use symmetric memory within a host")
+        for _ in range(2):
+            got = _step(disp, idx, w, x, scale, grad_out)
+        errors += _compare(got, want, f"{case} hierarchical", True)
+        errors += _compare(_step(disp, idx, w, x, scale, grad_out, trim=True), want, f"{case} hierarchical trim", True)
+    return errors
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_hierarchical_over_declared_hosts_matches_reference(world):
+    for errors in run_distributed(_hierarchical_vs_reference, world):
+        assert not errors, errors
+
+
 def _graph_replay(ctx, name):
     cfg = _cfg(backend=name, max_tokens_per_rank=512)
     eager_disp, graph_disp = ep.ExpertDispatcher(cfg), ep.ExpertDispatcher(cfg)

@@ -213,7 +213,7 @@ def _fake_symmetric_memory(monkeypatch_like):
 
     import etp.ep.backends as backends
 
-    monkeypatch_like(backends, "_symm_available", lambda group: (True, ""))
+    monkeypatch_like(backends, "symm_unavailable_reason", lambda group: "")
     monkeypatch_like(symm_mem, "empty", lambda *shape, dtype, device: torch.empty(shape, dtype=dtype, device=device))
     monkeypatch_like(symm_mem, "rendezvous", lambda t, group: _FakeSymmHandle(t))
     monkeypatch_like(symm_mem, "enable_symm_mem_for_group", lambda name: None)
@@ -411,3 +411,54 @@ def test_nccl_backend_kernels_match_reference_without_allocating(name, chunks):
         assert {fn for fn, _, _ in per_step[0]} == {"push_rows", "pull_reduce", "pull_pairs", "zero_tail",
                                                     "copy_rows"}
         assert allocs == [[], [], []], allocs
+
+
+# ---------------------------------------------------------------- hierarchical, its symmetric-memory side on CPU
+# Two gloo ranks declared as 2 hosts x 1: the rail exchange on gloo, the within-host moves on
+# the (stand-in) symmetric memory of each one-rank host, the kernels in the interpreter.
+def _hierarchical_on_cpu(ctx):
+    from dataclasses import replace
+
+    from etp import ep
+
+    _fake_symmetric_memory(setattr)
+    cfg = ep.EPConfig(num_experts=4, topk=2, hidden_size=8, max_tokens_per_rank=6, dtype=torch.float32,
+                      num_ctas=2, tile_rows=4, num_stages=2, backend="hierarchical", ranks_per_host=1)
+    disp, ref_disp = ep.ExpertDispatcher(cfg), ep.ExpertDispatcher(replace(cfg, backend="reference"))
+    gen = torch.Generator().manual_seed(3 + ctx.rank)
+    errors = [] if type(disp.dispatch_backend._intra).__name__ == "SymmIntra" else ["not on symmetric memory"]
+    for tokens in (6, 2 + ctx.rank, 0, 5):
+        idx = torch.rand(tokens, 4, generator=gen).topk(2, dim=1).indices
+        x, w = torch.randn(tokens, 8, generator=gen), torch.rand(tokens, 2, generator=gen)
+        got, want = [], []
+        for d, out in ((disp, got), (ref_disp, want)):
+            xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+            h = d.prepare(idx)
+            recv_x, recv_w, tpe = d.dispatch(xg, wg, h)
+            y = d.combine(recv_x * 2 * recv_w[:, None], h)
+            gx, gw = torch.autograd.grad(y, (xg, wg), torch.ones_like(y))
+            out += [t.detach().clone() for t in (recv_x, recv_w, tpe, y, gx, gw)]
+        for key, a, b in zip(("recv_x", "recv_w", "tokens_per_expert", "out", "grad_x", "grad_w"), got, want):
+            if not torch.allclose(a, b, rtol=1e-6, atol=1e-6):  # per-host sums: another summation order
+                errors.append(f"T={tokens}: {key} differs from reference")
+    idx = torch.rand(6, 4, generator=gen).topk(2, dim=1).indices
+    x, w = torch.randn(6, 8, generator=gen), torch.rand(6, 2, generator=gen)
+    handle = disp.prepare(idx)
+    allocs = []
+    with torch.no_grad():
+        for _ in range(2):
+            with _Allocations() as mode:
+                recv_x, _, _ = disp.dispatch(x, w, handle)
+                disp.combine(recv_x, handle)
+                disp._move_combine_pairs(disp._recv_w, handle)
+            allocs.append(mode.ops)
+    return errors, allocs
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton interpreter on CPU tensors")
+def test_hierarchical_symmetric_side_matches_reference_without_allocating():
+    from harness import run_distributed
+
+    for errors, allocs in run_distributed(_hierarchical_on_cpu, 2):
+        assert not errors, errors
+        assert allocs == [[], []], allocs
