@@ -262,17 +262,24 @@ def _profile_cache(ctx, cache_dir):
     first = ep.ExpertDispatcher(cfg)
     runs_after_first = profiler.PROFILE_RUNS
     second = ep.ExpertDispatcher(cfg)
-    return runs_after_first, profiler.PROFILE_RUNS, first.backend_names, second.backend_names
+    return runs_after_first, profiler.PROFILE_RUNS, first.backend_report, second.backend_report
 
 
-def test_profiler_caches_its_choice(misc_results):
+def test_profiler_chooses_each_move_and_caches_its_choice(misc_results):
     results = [result["cache"] for result in misc_results[0]]
     tmp_path = misc_results[1]
     for first_runs, second_runs, first, second in results:
         assert (first_runs, second_runs) == (1, 1)
-        assert first == second and set(first) <= set(CPU_BACKENDS)
-    assert len({r[2] for r in results}) == 1  # all ranks agree
+        assert (first["source"], second["source"]) == ("profiled", "cache")
+        assert {k: first[k] for k in ("dispatch", "combine")} == {k: second[k] for k in ("dispatch", "combine")}
+    assert len({(r[2]["dispatch"], r[2]["combine"]) for r in results}) == 1  # all ranks agree
     import json
 
     table = json.loads((tmp_path / "ep_backends.json").read_text())
     assert list(table) == ["cpu|2|7|5|3|8|torch.float64"]
+    entry = table["cpu|2|7|5|3|8|torch.float64"]
+    ms = entry["ms"]
+    assert set(ms) == set(CPU_BACKENDS) and all(len(t) == 4 for t in ms.values())
+    # Each side is the fastest of its own moves: forward plus the backward that runs on it.
+    assert entry["dispatch"] == min(ms, key=lambda n: ms[n]["dispatch"] + ms[n]["combine_backward"])
+    assert entry["combine"] == min(ms, key=lambda n: ms[n]["combine"] + ms[n]["dispatch_backward"])
