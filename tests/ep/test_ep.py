@@ -187,9 +187,41 @@ def _padded_overflow(ctx):
     return message, sent.tolist()
 
 
+def _wire_rows(ctx):
+    ranks, _, _ = make_case("uniform", ctx.world_size, seed=2)
+    rows = {}
+    for name in LAYER_BACKENDS:
+        disp = ep.ExpertDispatcher(_backend_config(_config(ctx.world_size), name, ctx.world_size))
+        rows[name] = disp.dispatch_backend.wire_rows(disp.prepare(ranks[ctx.rank][0]), "dispatch")
+    return rows
+
+
+def test_wire_rows_count_what_each_backend_moves(misc_results):
+    """The benchmark's byte counts, against counts taken from the routing itself (2 ranks,
+    4 experts each): a row per pair to the other rank; nccl_padded its whole per-peer
+    capacity (7 tokens x min(K=3, 4 local experts)); hierarchical (2 hosts x 1) a row per
+    token with any expert on the other host."""
+    ranks, _, _ = make_case("uniform", 2, seed=2)
+    for r, rows in enumerate(result["wire"] for result in misc_results[0]):
+        to_other = ranks[r][0] // 4 == 1 - r
+        want = {"reference": int(to_other.sum()), "nccl": int(to_other.sum()), "nccl_padded": 21,
+                "hierarchical": int(to_other.any(1).sum())}
+        for name, n in want.items():
+            assert rows[name][1 - r] == n and rows[name][r] == 0, (name, rows[name], n)
+
+
+def test_first_pairs_marks_each_tokens_first_pair_per_destination():
+    from etp.ep.backends.base import first_pairs
+
+    key = torch.tensor([[1, 0, 1, 1], [2, 2, 2, 0], [0, 1, 2, 3]])
+    sent = torch.tensor([[True, True, True, True], [False, True, True, True], [True, True, False, True]])
+    want = torch.tensor([[True, True, False, False], [False, True, False, True], [True, True, False, True]])
+    assert torch.equal(first_pairs(key, sent), want)
+
+
 def _misc(ctx, cache_dir):
     kw = dict(capacity_factor=0.5, drop_tokens=True)
-    return dict(bad_input=_bad_input(ctx), overflow=_overflow(ctx, CPU_BACKENDS), padded=_padded_overflow(ctx),
+    return dict(wire=_wire_rows(ctx), bad_input=_bad_input(ctx), overflow=_overflow(ctx, CPU_BACKENDS), padded=_padded_overflow(ctx),
                 dropping=_layer_vs_model(ctx, CPU_BACKENDS, ("uniform", "skewed"), kw),
                 cache=_profile_cache(ctx, cache_dir))
 

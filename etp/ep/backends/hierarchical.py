@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from etp.ep.backends.base import Backend, sum_pairs
+from etp.ep.backends.base import Backend, first_pairs, sum_pairs
 from etp.ep.backends.hosts import host_groups
 from etp.ep.backends.intra import GlooIntra, SymmIntra
 from etp.kernels import ep_move as km
@@ -49,14 +49,6 @@ class _Plan(NamedTuple):
     relay_row: torch.Tensor  # [R*K] the same for the relayed rows
     relay_rank: torch.Tensor
     sum_row: torch.Tensor  # [T*K] row of the partial-sum buffer to add at this pair (first per host), else -1
-
-
-def _first_per_host(host, sent):
-    """[T, K] bool: the pair is sent and is its token's first pair to that host."""
-    K = host.shape[1]
-    same = (host[:, :, None] == host[:, None, :]) & sent[:, None, :]
-    earlier = torch.ones(K, K, dtype=torch.bool, device=host.device).tril(-1)
-    return sent & ~(same & earlier).any(2)
 
 
 class HierarchicalBackend(Backend):
@@ -105,7 +97,7 @@ class HierarchicalBackend(Backend):
         T, K, t_max = handle.tokens, handle.topk, self.ctx.cfg.max_tokens_per_rank
         sent = (lay.pair_row >= 0).view(T, K)
         host = torch.where(sent, lay.pair_rank.view(T, K) // g.ranks_per_host, -1)
-        first = _first_per_host(host, sent)
+        first = first_pairs(host, sent)
         away = (first & (host != g.host)).reshape(-1)
         pairs = torch.nonzero(away).reshape(-1)
         to_host = host.reshape(-1)[pairs]
@@ -128,6 +120,19 @@ class HierarchicalBackend(Backend):
         sum_row = torch.where((first & mine).reshape(-1), token, torch.where(away, t_max + position, -1))
         return _Plan(send_tok, send_splits, recv_splits, torch.where(mine, lay.pair_row.view(T, K), -1).reshape(-1),
                      local_rank.reshape(-1), relay[:, :K].reshape(-1), relay[:, K:].reshape(-1), sum_row)
+
+    def wire_rows(self, handle, move):
+        """Rows to each rail peer (one per token and host), plus the pairs pushed to the other
+        ranks of this host (of this rank's tokens and of those relayed to it); the same both ways."""
+        plan, g = handle.backend_state[self.name], self.groups
+        counts = [0] * self.ctx.world_size
+        for host, n in enumerate(plan.send_splits):
+            counts[host * g.ranks_per_host + g.local] += n
+        for row, rank in ((plan.own_row, plan.own_rank), (plan.relay_row, plan.relay_rank)):
+            for local, n in enumerate(torch.bincount(rank[row >= 0], minlength=g.ranks_per_host).tolist()):
+                if local != g.local:
+                    counts[g.host * g.ranks_per_host + local] += n
+        return counts
 
     def dispatch(self, x, w, handle, out_x, out_w):
         plan = handle.backend_state[self.name]

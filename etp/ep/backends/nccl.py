@@ -163,6 +163,10 @@ class NcclPaddedBackend(NcclBackend):
         self._peer_counts = torch.tensor(counts, dtype=torch.int64, device=ctx.device)
         self._needed = torch.zeros((), dtype=torch.int64, device=ctx.device)  # sticky until check()
 
+    def wire_rows(self, handle, move):
+        """The padded exchange moves every peer's whole capacity."""
+        return [0 if d == self.ctx.rank else self._peer_rows for d in range(self.ctx.world_size)]
+
     def _regions(self):
         rows = (self.ctx.world_size - 1) * peer_capacity(self.ctx.cfg, self.ctx.world_size)
         return rows, rows

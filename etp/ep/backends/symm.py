@@ -56,7 +56,7 @@ import warnings
 import torch
 from torch.autograd.profiler import record_function
 
-from etp.ep.backends.base import Backend
+from etp.ep.backends.base import Backend, first_pairs
 from etp.kernels import ep_move as km
 
 __all__ = ["SYMM_BACKENDS"]
@@ -195,6 +195,15 @@ class SymmDedupBackend(_SymmBackend):
         # This rank's slots as W blocks: the partial sums the peers push back in combine.
         self._slots = km.slot_table(self._tokens, world)
 
+    def wire_rows(self, handle, move):
+        """One row per token and other rank it has experts on (a partial sum in combine)."""
+        lay, T, K = handle.layout, handle.tokens, handle.topk
+        sent = (lay.pair_row >= 0).view(T, K)
+        rank = lay.pair_rank.view(T, K)
+        counts = torch.bincount(rank[first_pairs(rank, sent)], minlength=self.ctx.world_size)
+        counts[self.ctx.rank] = 0
+        return counts.tolist()
+
     def on_prepare(self, handle):
         lay, ctx = handle.layout, self.ctx
         self._barrier()
@@ -249,6 +258,12 @@ class SymmAllGatherBackend(SymmDedupBackend):
     def __init__(self, ctx):
         super().__init__(ctx)
         self._x_stage = self.alloc_rows(self._t_max, ctx.cfg.hidden_size)
+
+    def wire_rows(self, handle, move):
+        """Dispatch: every peer reads all of this rank's tokens; combine as ``symm_dedup``."""
+        if move == "combine":
+            return super().wire_rows(handle, move)
+        return [0 if d == self.ctx.rank else handle.tokens for d in range(self.ctx.world_size)]
 
     def _send_tokens(self, x, w, handle, out_w):
         lay = handle.layout
