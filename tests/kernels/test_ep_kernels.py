@@ -401,7 +401,7 @@ def _nccl_on_cpu(ctx, name, chunks):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton interpreter on CPU tensors")
-@pytest.mark.parametrize("name, chunks", [("nccl", 3), ("nccl_padded", 2)])
+@pytest.mark.parametrize("name, chunks", [pytest.param("nccl", 3, marks=pytest.mark.slow), ("nccl_padded", 2)])
 def test_nccl_backend_kernels_match_reference_without_allocating(name, chunks):
     from harness import run_distributed
 
