@@ -18,15 +18,16 @@ For every backend and move (dispatch, combine, dispatch backward, combine backwa
 De-duplication is reported as what it is: ``dedup`` = bytes of every (token, expert) row to
 another rank / the bytes moved, with ``a2a every pair`` the all-to-all of all those rows.
 
-A backend may carry ``tune()`` options: ``nccl@chunks=4``, ``symm_dedup@combine=pull``
-(a row of its own). ``--ranks-per-host 2`` declares hosts (``EPConfig.ranks_per_host``: the
-``hierarchical`` backend over 2 hosts x 2 on one 4-GPU machine; the ``symm_*`` backends are
-then unavailable). ``--sweep`` times forward dispatch and combine over a grid of launch
+A backend may carry ``tune()`` options and ``EPConfig`` fields, ``/``-separated, in a row of
+its own: ``nccl@chunks=4``, ``symm_dedup@combine=pull/peer_order=sequential`` (the combine
+that pulls, peers in rank order: what it was before pushing), ``hierarchical@ranks_per_host=2``
+(hosts declared: 2 hosts x 2 on one 4-GPU machine). ``--ranks-per-host`` declares them for
+every backend (the ``symm_*`` backends are then unavailable). ``--sweep`` times forward dispatch and combine over a grid of launch
 options instead (``--sweep-*``; symm backends: also ``--sweep-combine`` push / pull and
 ``--sweep-order`` rotated / sequential peers; nccl backends: ``--sweep-chunks``).
 
     torchrun --nproc-per-node=4 tools/bench_ep.py --out ep.json --benchmarks-md ep.md
-    torchrun --nproc-per-node=4 tools/bench_ep.py --ranks-per-host 2 --backends nccl,hierarchical
+    torchrun --nproc-per-node=4 tools/bench_ep.py --backends nccl,symm_dedup,hierarchical@ranks_per_host=2
     torchrun --nproc-per-node=4 tools/bench_ep.py --workloads sonicmoe --backends symm_dedup --sweep
 """
 from __future__ import annotations
@@ -113,13 +114,14 @@ def _mean_bytes(matrix, hidden, dtype):
 
 
 def _parse_backend(spec):
-    """``name@key=value,...`` -> (name, tune options)."""
+    """``name@key=value/key=value`` -> (name, EPConfig fields, tune options)."""
     name, _, rest = spec.partition("@")
-    options = {}
-    for item in filter(None, rest.split(",")):
+    fields, options = {}, {}
+    for item in filter(None, rest.split("/")):
         key, _, value = item.partition("=")
-        options[key] = int(value) if value.lstrip("-").isdigit() else value
-    return name, options
+        value = int(value) if value.lstrip("-").isdigit() else value
+        (fields if key in ep.EPConfig.__dataclass_fields__ else options)[key] = value
+    return name, fields, options
 
 
 @torch.no_grad()
@@ -209,11 +211,11 @@ def bench_workload(name, spec, args):
                 megatron_error=megatron.get("error"))
     rows = []
     for backend in args.backends.split(","):
-        base, options = _parse_backend(backend)
+        base, fields, options = _parse_backend(backend)
         if args.sweep and not (base.startswith("symm_") or base.startswith("nccl")):
             continue
         try:
-            disp = ep.ExpertDispatcher(replace(cfg, backend=base), name=f"bench:{backend}", device=DEVICE)
+            disp = ep.ExpertDispatcher(replace(cfg, backend=base, **fields), name=f"bench:{backend}", device=DEVICE)
             for b in {id(b): b for b in (disp.dispatch_backend, disp.combine_backend)}.values():
                 b.tune(**options)
         except (ValueError, RuntimeError, TypeError, torch.OutOfMemoryError) as exc:
@@ -307,6 +309,52 @@ def _sweep_markdown(results, command):
     return "\n".join(lines) + "\n"
 
 
+TARGETS = {"symm_": ("x a2a >= 1.1 and x megatron >= 1.5", lambda r, m: r[f"{m}_x_a2a"] >= 1.1 and
+                      r.get(f"{m}_x_megatron", 0) >= 1.5),
+           "nccl": ("x a2a >= 0.85", lambda r, m: r[f"{m}_x_a2a"] >= 0.85)}
+
+
+def targets(labelled_paths):
+    """The issue's targets from benchmark JSON (this script's) and etp-train JSON files, given
+    as ``label=path``: per world size, workload, backend and move, whether it meets its target;
+    hierarchical against the nccl backend of the same run; recipe ratios (``ep4_alltoall`` /
+    ``ep4_etp`` etc. by label). Prints a table; returns it as lines."""
+    lines, recipes = [], {}
+    for item in labelled_paths:
+        label, _, path = item.rpartition("=")
+        data = json.loads(Path(path).read_text())
+        if "ms_per_iter" in data:  # an etp-train run
+            recipes[label or path] = data["ms_per_iter"]
+            continue
+        lines += [f"### {label or path}: {data['world_size']}x {data['device']}", "",
+                  "| workload | backend | move | ms | x a2a | x megatron | target | met |", "|---|---|---|---:|---:|---:|---|---|"]
+        by_key = {(r["workload"], r["backend"]): r for r in data["rows"] if "error" not in r}
+        for (workload, backend), r in by_key.items():
+            rule = next((v for k, v in TARGETS.items() if backend.startswith(k)), None)
+            nccl = by_key.get((workload, "nccl"))
+            for move in MOVES:
+                if backend.startswith("hierarchical") and nccl:
+                    text, met = f"<= nccl {nccl[f'{move}_ms']:.3f} ms", r[f"{move}_ms"] <= nccl[f"{move}_ms"]
+                elif rule:
+                    text, met = rule[0], rule[1](r, move)
+                else:
+                    text, met = "-", None
+                xm = r.get(f"{move}_x_megatron")
+                lines.append(f"| {workload} | {backend} | {move} | {r[f'{move}_ms']:.3f} | {r[f'{move}_x_a2a']:.2f} | "
+                             f"{'-' if xm is None else f'{xm:.2f}'} | {text} | {'' if met is None else 'yes' if met else 'NO'} |")
+        lines.append("")
+    for label, ms in recipes.items():
+        lines.append(f"- recipe {label}: {ms:.1f} ms/iter")
+    for base, other, goal in (("ep4_alltoall", "ep4_etp", 1.3), ("ep1_xetp4", "ep2_xetp2", None),
+                              ("ep4_etp", "ep2_xetp2", None)):
+        if base in recipes and other in recipes:
+            ratio = recipes[base] / recipes[other]
+            lines.append(f"- {base} / {other} = {ratio:.3f}" + (f" (target >= {goal}: {'yes' if ratio >= goal else 'NO'})"
+                                                                 if goal else ""))
+    print("\n".join(lines))
+    return lines
+
+
 def _parser():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="sonicmoe,deepseek_v3")
@@ -331,6 +379,8 @@ def _parser():
     parser.add_argument("--sweep-chunks", default="1,2,4")
     parser.add_argument("--out", default=None)
     parser.add_argument("--benchmarks-md", default=None)
+    parser.add_argument("--targets", nargs="+", metavar="LABEL=JSON",
+                        help="no run: the issue's targets from these benchmark / etp-train JSON files")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="gloo on CPU, the tiny 'smoke' workload, the CPU backends: checks the script, times nothing")
     return parser
@@ -339,6 +389,8 @@ def _parser():
 def main(argv=None):
     global DEVICE
     args = _parser().parse_args(argv)
+    if args.targets:
+        return targets(args.targets)
     if args.cpu_smoke:
         DEVICE = torch.device("cpu")
         if not dist.is_initialized():

@@ -17,8 +17,8 @@ def _smoke(ctx, out):
     sys.path.insert(0, str(TOOLS))
     import bench_ep
 
-    backends = "reference,nccl,nccl@chunks=3,nccl_padded,hierarchical"
-    bench_ep.main(["--cpu-smoke", "--ranks-per-host", "1", "--backends", backends, "--out", out])
+    backends = "reference,nccl,nccl@chunks=3,nccl_padded,hierarchical@ranks_per_host=1"
+    bench_ep.main(["--cpu-smoke", "--backends", backends, "--out", out])
     spec = bench_ep.WORKLOADS["smoke"]
     return spec
 
@@ -30,7 +30,7 @@ def test_bench_ep_cpu_smoke(tmp_path):
     assert results["provenance"]["command"] and results["world_size"] == 2
     [info] = results["workloads"]
     rows = {row["backend"]: row for row in results["rows"]}
-    assert set(rows) == {"reference", "nccl", "nccl@chunks=3", "nccl_padded", "hierarchical"}, rows
+    assert set(rows) == {"reference", "nccl", "nccl@chunks=3", "nccl_padded", "hierarchical@ranks_per_host=1"}, rows
     for name, row in rows.items():
         assert "error" not in row, row
         for move in ("dispatch", "combine", "dispatch_bwd", "combine_bwd"):
@@ -43,4 +43,17 @@ def test_bench_ep_cpu_smoke(tmp_path):
     capacity = math.ceil(1.25 * spec["tokens"] * spec["topk"] / 2)
     assert math.isclose(rows["nccl_padded"]["dispatch_MB"], capacity * spec["hidden"] * 4 / 1e6)
     # hierarchical over 2 hosts x 1: a row per token with an expert on the other host, fewer.
-    assert rows["hierarchical"]["dedup"] > 1.0
+    assert rows["hierarchical@ranks_per_host=1"]["dedup"] > 1.0
+    # The targets report over that JSON and two etp-train results.
+    sys.path.insert(0, str(TOOLS))
+    import bench_ep
+
+    for name, ms in (("ep4_etp", 200.0), ("ep4_alltoall", 300.0)):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"ms_per_iter": ms}))
+    lines = bench_ep.targets([f"cpu2={out}", f"ep4_etp={tmp_path / 'ep4_etp.json'}",
+                              f"ep4_alltoall={tmp_path / 'ep4_alltoall.json'}"])
+    assert "- ep4_alltoall / ep4_etp = 1.500 (target >= 1.3: yes)" in lines
+    nccl = [line for line in lines if line.startswith("| smoke | nccl | dispatch |")]
+    assert len(nccl) == 1 and "x a2a >= 0.85" in nccl[0]
+    hier = [line for line in lines if line.startswith("| smoke | hierarchical@ranks_per_host=1 | combine |")]
+    assert len(hier) == 1 and "<= nccl" in hier[0]
