@@ -11,9 +11,10 @@
 # (b) beside (a), on GPUs 2,3: tools/bench_ep.py at 2 ranks, both workloads, every backend,
 #     NCCL all_to_all_single of the same bytes and megatron's alltoall dispatcher in the run
 # (c) 4 GPUs: hierarchical over 2 declared hosts x 2 against reference
-# (d) 4 GPUs: tools/bench_ep.py at 4 ranks, the same plus hierarchical over 2 hosts x 2; the
-#     symm_dedup row "@combine=pull/peer_order=sequential" is the combine as it was (pulled,
-#     peers in rank order) beside the pushed, rotated one
+# (d) 4 GPUs: tools/bench_ep.py at 4 ranks, the same plus hierarchical over 2 hosts x 2. In (b)
+#     and (d) the rows "symm_push@combine=pull" and "symm_dedup@combine=pull/peer_order=sequential"
+#     are the combines as they were (pulled from the peers, peers in rank order) beside the
+#     pushed, rotated ones
 # (e) 4 GPUs: the flagship recipe at world 4 (global batch 16, dense ETP 4, 15 iterations):
 #     EP 4 with the etp dispatcher / megatron's alltoall, EP 2 x expert ETP 2 (etp
 #     dispatcher), EP 1 x expert ETP 4 (the recipe's own local dispatcher)
@@ -21,7 +22,7 @@
 source tools/gpu_lib.sh
 budget_begin /tmp/etp_ep 600
 export ETP_CACHE_DIR="$OUT/ep_cache" ETP_TEST_TIMEOUT=120
-BACKENDS="nccl,nccl@chunks=4,nccl_padded,symm_push,symm_allgather,symm_dedup,symm_dedup@combine=pull/peer_order=sequential"
+BACKENDS="nccl,nccl@chunks=4,nccl_padded,symm_push,symm_push@combine=pull,symm_allgather,symm_dedup,symm_dedup@combine=pull/peer_order=sequential"
 python3 -c "import torch, triton, megatron.core as m; print('torch', torch.__version__, 'triton', triton.__version__, 'nccl', torch.cuda.nccl.version(), 'megatron-core', m.__version__)"
 
 # (a) and (b) side by side, two GPUs each

@@ -104,12 +104,17 @@ def push_meta_ref(pair_row, pair_rank, map_bufs, red_bufs, me, t_max, topk):
                 map_bufs[d][row] = me * t_max + p // topk
 
 
-def copy_rows_ref(src, idx, dst, start, end, *, scatter):
+def copy_rows_ref(src, idx, dst, start, end, *, scatter, tokens_per_expert=None, slot_rows=0):
+    """``slot_rows``: ``dst`` is the list of the peers' buffers (``dst[rank]``)."""
+    if tokens_per_expert is not None:
+        end = min(end, int(tokens_per_expert.sum()))
     for i in range(start, end):
         q = int(idx[i])
         if q < 0:
             continue
-        if scatter:
+        if slot_rows:
+            dst[q // slot_rows][q % slot_rows] = src[i]
+        elif scatter:
             dst[q] = src[i]
         else:
             dst[i] = src[q]

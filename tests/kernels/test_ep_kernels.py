@@ -177,6 +177,30 @@ def test_move_kernels_tiles_with_ragged_tails(case, world, topk, hidden, launch)
     _check_all_moves(case, world, capacity=world * 7 * topk - 3, topk=topk, hidden=hidden, launch=launch)
 
 
+@pytest.mark.parametrize("hidden, rows", [(5, 4), (4136, None)], ids=["narrow-rows4", "two-col-blocks"])
+def test_copy_rows_matches_reference(hidden, rows):
+    """Gather, scatter, scatter bounded by device counts, scatter into peers' buffers."""
+    from etp.kernels.ep_pack import copy_rows
+
+    gen = torch.Generator().manual_seed(4)
+    src = torch.randn(11, hidden, generator=gen).to(DEVICE)
+    idx = torch.randperm(14, generator=gen)[:11].to(DEVICE)
+    idx[[2, 7]] = -1  # skipped rows
+    launch = dict(num_ctas=3, rows=rows)
+    for scatter, counts in ((False, None), (True, None), (True, torch.tensor([3, 5], device=DEVICE))):
+        n_dst = 11 if not scatter else 14
+        got, want = torch.full((n_dst, hidden), 7.0, device=DEVICE), torch.full((n_dst, hidden), 7.0, device=DEVICE)
+        gather_src = torch.randn(14, hidden, generator=gen).to(DEVICE) if not scatter else src
+        copy_rows(gather_src, idx, got, 1, 10, scatter=scatter, tokens_per_expert=counts, **launch)
+        ref.copy_rows_ref(gather_src, idx, want, 1, 10, scatter=scatter, tokens_per_expert=counts)
+        assert torch.equal(got, want), (scatter, counts)
+    peers = _bufs(2, 7, hidden, fill=7.0)
+    want_peers = [p.clone() for p in peers]
+    copy_rows(src, idx, km.table_of(peers, DEVICE), 0, 11, scatter=True, slot_rows=7, **launch)
+    ref.copy_rows_ref(src, idx, want_peers, 0, 11, scatter=True, slot_rows=7)
+    assert all(torch.equal(a, b) for a, b in zip(peers, want_peers))
+
+
 def test_tile_shapes():
     assert km.row_block(5) == 16 and km.row_block(4096) == 4096 and km.row_block(4136) == 4096
     assert km.row_block(7168) == 1024  # a divisor: no masked-off tail
@@ -260,6 +284,9 @@ def _symm_on_cpu(ctx, name):
 
     for fn_name in _MOVE_KERNELS:
         setattr(ep_move, fn_name, recorder(fn_name, getattr(ep_move, fn_name)))
+    from etp.ep.backends import symm
+
+    symm.copy_rows = recorder("copy_rows", symm.copy_rows)
     # 4-row tiles: T = 6, 3, 5 leave ragged tails; 2 programs loop over several tiles.
     cfg = ep.EPConfig(num_experts=4, topk=2, hidden_size=8, max_tokens_per_rank=6, dtype=torch.float32,
                       num_ctas=2, tile_rows=4, num_stages=2, backend=name)
@@ -286,6 +313,7 @@ def _symm_on_cpu(ctx, name):
             if not torch.equal(a, b):
                 errors.append(f"T={tokens}: {key} differs from reference")
     # The moves of one handle, step after step: identical launches, nothing allocated.
+    disp.combine_backend.tune(combine="push", peer_order="rotated")
     idx = torch.rand(6, 4, generator=gen).topk(2, dim=1).indices
     x, w = torch.randn(6, 8, generator=gen), torch.rand(6, 2, generator=gen)
     handle = disp.prepare(idx)
@@ -312,7 +340,6 @@ def _symm_on_cpu(ctx, name):
                  for _, _, kw in launches}
         if tuned != {(3, 1, 4, 1)}:
             errors.append(f"launches after tune(): {tuned}")
-        disp.combine_backend.tune(combine="push", peer_order="rotated")
     return errors, per_step, allocs, sorted(mode.seen)
 
 
@@ -325,6 +352,10 @@ def test_symm_backend_on_cpu_is_graph_safe_and_allocation_free(name):
     [(errors, per_step, allocs, ops)] = run_distributed(_symm_on_cpu, 1, name)
     assert not errors, errors
     assert per_step[0], "no kernel launch recorded"
+    # The combines push: symm_push its rows back to per-pair slots, the others their partial sums.
+    launched = {fn: kw for fn, _, kw in per_step[0]}
+    assert ("copy_rows" in launched) == (name == "symm_push")
+    assert name == "symm_push" or dict(launched["local_reduce"])["push"] is True
     # A CUDA graph replays the launches of its capture: every call must launch the same.
     for step in per_step[1:]:
         assert step == per_step[0], "a move's kernel arguments changed between steps"

@@ -28,9 +28,9 @@ class SymmIntra:
     """Within-host moves over symmetric memory (``ctx``: the host group's context)."""
 
     def __init__(self, ctx):
-        from etp.ep.backends.symm import SymmPushBackend
+        from etp.ep.backends.symm import _SymmBackend
 
-        self.symm = SymmPushBackend(ctx)
+        self.symm = _SymmBackend(ctx)  # the buffers, tables, barriers and row selection of every symm backend
 
     def alloc_rows(self, rows, width=None, dtype=None):
         return self.symm.alloc_rows(rows, width, dtype)

@@ -32,9 +32,10 @@ Algorithms (all share the layout of [Note: receive layout] and produce the same 
 
 * ``symm_push``: dispatch writes each (token, expert) row straight into its row of the
   receiver's buffer (the permutation into expert order fused into the transfer); combine
-  stages ``expert_out`` in symmetric memory (skipped when it already is one of this
-  backend's buffers) and every source pulls its K rows and sums them (fp32, k order:
-  bit-identical to ``reference``).
+  writes each row of ``expert_out`` back into its source's slot for that pair and every
+  source sums its K slots locally (fp32, k order: bit-identical to ``reference``).
+  ``tune(combine="pull")``: combine stages ``expert_out`` in symmetric memory and the
+  sources pull their K rows instead.
 * ``symm_dedup``: a token crosses to a rank once however many of its experts live there:
   dispatch pushes it into the receiver's per-token slot and the receiver expands it into
   its rows locally (its own tokens straight from ``x``: they skip the slot); combine first
@@ -58,6 +59,7 @@ from torch.autograd.profiler import record_function
 
 from etp.ep.backends.base import Backend, first_pairs
 from etp.kernels import ep_move as km
+from etp.kernels.ep_pack import copy_rows
 
 __all__ = ["SYMM_BACKENDS"]
 
@@ -164,6 +166,30 @@ class _SymmBackend(Backend):
 class SymmPushBackend(_SymmBackend):
     name = "symm_push"
 
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        cfg, world = ctx.cfg, ctx.world_size
+        self._slots = cfg.max_tokens_per_rank * cfg.topk
+        # Per pair of this rank's tokens: the expert row its destination pushes back in combine.
+        self._pairs = self.alloc_rows(self._slots, cfg.hidden_size)
+        # Receive row -> (source rank, pair) slot, pushed by prepare (and push_meta's per-source
+        # table, which this backend does not read).
+        self._pair_map = self.alloc_rows(ctx.capacity, None, torch.int64)
+        self._pair_red = self.alloc_rows(world * self._slots, None, torch.int64)
+        self._pairs_here = km.table_of([self._pairs], ctx.device)
+        self._zeros = torch.zeros(self._slots, dtype=torch.int64, device=ctx.device)
+
+    def on_prepare(self, handle):
+        lay, ctx = handle.layout, self.ctx
+        self._barrier()
+        with record_function("etp::ep_symm_push_meta"):
+            # One "token" per pair (topk 1): slot me * T*K + p of each pair's destination.
+            km.push_meta(lay.pair_row, lay.pair_rank, self._table(self._pair_map), self._table(self._pair_red),
+                         ctx.world_size, ctx.rank, self._slots, 1, **self._launch)
+        self._barrier()
+        sent = lay.pair_row >= 0
+        handle.backend_state[self.name] = torch.where(sent, torch.arange(sent.numel(), device=sent.device), -1)
+
     def dispatch(self, x, w, handle, out_x, out_w):
         lay = handle.layout
         self._barrier()
@@ -175,6 +201,22 @@ class SymmPushBackend(_SymmBackend):
         self._select(out_x, None, out_x, lay.tokens_per_expert, identity=True, zero_only=True)
         if w is not None:
             self._select(out_w, None, out_w, lay.tokens_per_expert, identity=True, zero_only=True)
+
+    def combine(self, y, handle, out):
+        """Each destination pushes its rows back into their sources' per-pair slots (posted
+        writes, see [Note: peer order]); each source sums its K slots locally (fp32, k order:
+        bit-identical to ``reference``). ``tune(combine="pull")``: the sources pull instead."""
+        if not self._push_combine:
+            return super().combine(y, handle, out)
+        lay = handle.layout
+        self._barrier()
+        with record_function("etp::ep_symm_push_back"):
+            copy_rows(y.contiguous(), self._pair_map, self._table(self._pairs), 0, y.shape[0], scatter=True,
+                      tokens_per_expert=lay.tokens_per_expert, slot_rows=self._slots, **self._launch)
+        self._barrier()
+        pairs = handle.backend_state[self.name]
+        with record_function("etp::ep_symm_slot_reduce"):
+            km.pull_reduce(self._pairs_here, pairs, self._zeros[:pairs.numel()], out, **self._launch)
 
 
 class SymmDedupBackend(_SymmBackend):
