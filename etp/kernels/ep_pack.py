@@ -29,12 +29,23 @@ def _copy_rows_kernel(src_ptr, idx_ptr, dst_ptr, tpe_ptr, start, end, H, slot_ro
     ``dst[i] = src[idx[i]]``; rows with a negative index are left as they are. COUNTED: ``end``
     is at most ``sum(tokens_per_expert)`` (read on device). TABLE (with SCATTER): ``dst_ptr``
     is a pointer table and ``idx[i]`` names row ``idx[i] % slot_rows`` of rank
-    ``idx[i] // slot_rows``'s buffer."""
+    ``idx[i] // slot_rows``'s buffer; each program then copies a contiguous share of the rows."""
     if COUNTED:
         e = tl.arange(0, E_PAD)
         end = tl.minimum(end, tl.sum(tl.load(tpe_ptr + e, mask=e < E_LOCAL, other=0), axis=0))
     n_h = tl.cdiv(H, BLOCK_H)
-    for it in tl.range(tl.program_id(0), tl.cdiv(end - start, ROWS) * n_h, tl.num_programs(0), num_stages=STAGES):
+    n_it = tl.cdiv(end - start, ROWS) * n_h
+    if TABLE:
+        # Each program takes a contiguous share of the rows: programs running at once are
+        # spread over the whole range, hence over every source rank's blocks of rows, instead
+        # of all writing to the one rank whose rows come next (see [Note: peer order]).
+        per = tl.cdiv(n_it, tl.num_programs(0))
+        first, step, count = tl.program_id(0) * per, 1, per
+    else:
+        first, step = tl.program_id(0), tl.num_programs(0)
+        count = tl.cdiv(n_it - first, step)
+    for m in tl.range(0, count, num_stages=STAGES):
+        it = first + m * step
         i = (start + (it // n_h) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
         h = (it % n_h) * BLOCK_H + tl.arange(0, BLOCK_H)
         live = i < end
