@@ -99,14 +99,17 @@ class NcclBackend(Backend):
                 peer_counts=self._peer_counts)
 
     def _exchange(self, buf, plan, c: int, *, forward: bool):
-        """Chunk c's ``all_to_all_single`` (async): send region -> peers' arrival regions
-        (dispatch) or back (combine)."""
+        """Chunk c's ``all_to_all_single``: send region -> peers' arrival regions (dispatch)
+        or back (combine)."""
         (s0, s1), (r0, r1) = plan.send_range[c], plan.recv_range[c]
         out, inp, out_splits, in_splits = buf[r0:r1], buf[s0:s1], plan.recv_splits[c], plan.send_splits[c]
         if not forward:
             out, inp, out_splits, in_splits = inp, out, in_splits, out_splits
+        # One chunk: a plain (synchronous) collective; several: async, waited for chunk by chunk.
+        several = len(plan.send_range) > 1
         with record_function("etp::ep_all_to_all_single"):
-            return dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.ctx.group, async_op=True)
+            work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.ctx.group, async_op=several)
+        return work if several else _Done()
 
     def dispatch(self, x, w, handle, out_x, out_w):
         plan, x = handle.backend_state[self.name], x.contiguous()
@@ -150,6 +153,14 @@ class NcclBackend(Backend):
         self._return(v, self._w, plan)
         with record_function("etp::ep_nccl_unpack"):
             self._pack.pairs(v, plan, out.view(-1))
+
+
+class _Done:
+    """The work of a collective issued synchronously: nothing left to wait for."""
+
+    @staticmethod
+    def wait():
+        return True
 
 
 class NcclPaddedBackend(NcclBackend):
