@@ -1,8 +1,9 @@
 """GPU (NCCL, 2 GPUs): every etp.ep backend against ``reference``, CUDA-graph replay of a
-whole forward + backward step, and no allocation by the symmetric-memory moves.
+whole forward + backward step (symm_*, nccl_padded), no allocation by the moves, and
+``hierarchical`` over hosts declared on one machine (2 GPUs as 2 x 1, 4 as 2 x 2).
 
-Run with ``ETP_TEST_BACKEND=nccl`` on a machine with 2 GPUs (tools/gpu_ep.sh); skipped
-otherwise.
+Run with ``ETP_TEST_BACKEND=nccl`` on a machine with 2 GPUs (4 for the 2 x 2 test;
+``tools/gpu_ep_check.sh``); skipped otherwise.
 
 Tolerances: dispatch is a copy and is compared bit for bit; so is combine for
 ``reference``, ``nccl``, ``nccl_padded`` and ``symm_push`` (all sum a token's K rows in fp32

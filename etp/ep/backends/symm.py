@@ -23,8 +23,8 @@ built from a Python value that changes per call. State that carries from one cal
 next (how many rows of a receive buffer the last step left valid, which the next one must
 zero) lives on device in a tensor allocated with the buffer (``alloc_rows``) and is updated
 by stream-ordered kernels; the barriers are device-side signal exchanges on the buffers'
-signal pads. ``tests/test_ep.py`` checks the invariant on CPU (launch arguments identical
-step to step, no tensor allocated by a move). The copy kernels are persistent and take
+signal pads. ``tests/kernels/test_ep_kernels.py`` checks the invariant on CPU (launch
+arguments identical step to step, no tensor allocated by a move). The copy kernels are persistent and take
 ``EPConfig.num_ctas`` thread blocks, each moving ``[tile_rows, H]`` tiles (see [Note: row
 tiles] in ``etp.kernels.ep_move``, where the kernels are).
 
