@@ -1,18 +1,34 @@
-"""Expert-parallel dispatch / combine benchmark (torchrun, any GPU count).
+"""Expert-parallel moves against two baselines of the same routing, in one run (torchrun, any
+GPU count).
 
-Per backend: prepare, dispatch and combine forward and backward times (median over
-``--iters``) and effective bandwidth = bytes of the (token, expert) rows leaving the rank
-(pairs routed to other ranks x H x element size) / time, side by side with NCCL
-``all_to_all_single`` of the same bytes (the same split sizes) in the same run.
+For every backend and move (dispatch, combine, dispatch backward, combine backward):
 
-``--sweep`` instead times forward dispatch and combine of each symm backend over a grid of
-the copy kernels' launch parameters (``--sweep-ctas`` x ``--sweep-rows`` x
-``--sweep-warps`` x ``--sweep-stages``; see [Note: row tiles] in ``etp.kernels.ep_move``),
-one dispatcher per backend re-tuned in place, and prints one table row per setting and the
-best one per move. Each (rows, warps, stages) compiles the kernels anew: keep the grid small.
+* its time (median over ``--iters``, the slowest rank's), and ``prepare``'s;
+* the bytes it actually moves over the interconnect (``Backend.wire_rows``: rows of width H
+  leaving / reaching each rank, this rank's own rows excluded; a de-duplicating backend
+  counts one row per token and destination rank, ``nccl_padded`` its padding, the routing
+  weights' 4 bytes per pair are left out) and their bandwidth (mean bytes per rank / time);
+* NCCL ``all_to_all_single`` of exactly those bytes (the same per-peer split sizes, in that
+  move's direction), timed in the same run: ``x a2a`` = its time / the move's time;
+* megatron-core's ``alltoall`` dispatcher on the same routing, each of its moves timed alone
+  (``tools/bench_ep_megatron.py: megatron_moves``): ``x megatron`` = its time / the move's
+  (for dispatch, against ``prepare`` + dispatch: megatron's dispatch includes its own count
+  exchange and permutation).
 
-    torchrun --nproc-per-node=2 tools/bench_ep.py --out ep.json --benchmarks-md ep.md
-    torchrun --nproc-per-node=2 tools/bench_ep.py --workloads sonicmoe --backends symm_dedup --sweep
+De-duplication is reported as what it is: ``dedup`` = bytes of every (token, expert) row to
+another rank / the bytes moved, with ``a2a every pair`` the all-to-all of all those rows.
+
+A backend may carry ``tune()`` options and ``EPConfig`` fields, ``/``-separated, in a row of
+its own: ``nccl@chunks=4``, ``symm_dedup@combine=pull/peer_order=sequential`` (the combine
+that pulls, peers in rank order: what it was before pushing), ``hierarchical@ranks_per_host=2``
+(hosts declared: 2 hosts x 2 on one 4-GPU machine). ``--ranks-per-host`` declares them for
+every backend (the ``symm_*`` backends are then unavailable). ``--sweep`` times forward dispatch and combine over a grid of launch
+options instead (``--sweep-*``; symm backends: also ``--sweep-combine`` push / pull and
+``--sweep-order`` rotated / sequential peers; nccl backends: ``--sweep-chunks``).
+
+    torchrun --nproc-per-node=4 tools/bench_ep.py --out ep.json --benchmarks-md ep.md
+    torchrun --nproc-per-node=4 tools/bench_ep.py --backends nccl,symm_dedup,hierarchical@ranks_per_host=2
+    torchrun --nproc-per-node=4 tools/bench_ep.py --workloads sonicmoe --backends symm_dedup --sweep
 """
 from __future__ import annotations
 
@@ -22,6 +38,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,76 +46,222 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from etp import ep  # noqa: E402
+from etp.provenance import run_provenance  # noqa: E402
 
 WORKLOADS = {
     # SonicMoE's shape; DeepSeek-V3-like (T chosen so every backend's buffers fit at 2 GPUs).
     "sonicmoe": dict(tokens=32768, hidden=4096, topk=8, experts=128),
     "deepseek_v3": dict(tokens=16384, hidden=7168, topk=8, experts=256),
+    "smoke": dict(tokens=64, hidden=16, topk=4, experts=8),  # --cpu-smoke
 }
+MOVES = ("dispatch", "combine", "dispatch_bwd", "combine_bwd")
+# Which side's traffic a move has: dispatch's backward is a combine, combine's a dispatch.
+DIRECTION = {"dispatch": "dispatch", "combine": "combine", "dispatch_bwd": "combine", "combine_bwd": "dispatch"}
+
+
+DEVICE = torch.device("cuda")  # CPU with --cpu-smoke
 
 
 def _time(fn, iters, warmup):
     times = []
     for i in range(warmup + iters):
         dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
+        if DEVICE.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+        else:
+            began = time.perf_counter()
+            fn()
+            seconds = time.perf_counter() - began
         if i >= warmup:
-            times.append(start.elapsed_time(end) / 1e3)
-    t = torch.tensor([statistics.median(times)], device="cuda")
+            times.append(seconds)
+    t = torch.tensor([statistics.median(times)], device=DEVICE)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's time
     return float(t)
 
 
-def _time_a2a(splits_in, splits_out, hidden, args):
-    a2a_in = torch.empty(sum(splits_in), hidden, dtype=torch.bfloat16, device="cuda")
-    a2a_out = torch.empty(sum(splits_out), hidden, dtype=torch.bfloat16, device="cuda")
-    return _time(lambda: dist.all_to_all_single(a2a_out, a2a_in, splits_out, splits_in), args.iters, args.warmup)
+def _gather(vector):
+    """Every rank's [W] row counts: matrix[s][d] = rows rank s moves to rank d."""
+    t = torch.tensor(vector, dtype=torch.int64, device=DEVICE)
+    rows = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, t)
+    return [r.tolist() for r in rows]
+
+
+def _a2a(matrix, hidden, args, cache):
+    """NCCL all_to_all_single moving ``matrix`` (rows of ``hidden`` elements of the moves'
+    dtype), timed; cached."""
+    key = (tuple(map(tuple, matrix)), hidden)
+    if key not in cache:
+        me = dist.get_rank()
+        send, recv = matrix[me], [row[me] for row in matrix]
+        inp = torch.empty(sum(send), hidden, dtype=args.dtype, device=DEVICE)
+        out = torch.empty(sum(recv), hidden, dtype=args.dtype, device=DEVICE)
+        with torch.autograd.profiler.record_function("etp::bench_all_to_all_single"):
+            cache[key] = _time(lambda: dist.all_to_all_single(out, inp, recv, send), args.iters, args.warmup)
+        del inp, out
+    return cache[key]
+
+
+def _mean_bytes(matrix, hidden, dtype):
+    return sum(map(sum, matrix)) / len(matrix) * hidden * dtype.itemsize
+
+
+def _parse_backend(spec):
+    """``name@key=value/key=value`` -> (name, EPConfig fields, tune options)."""
+    name, _, rest = spec.partition("@")
+    fields, options = {}, {}
+    for item in filter(None, rest.split("/")):
+        key, _, value = item.partition("=")
+        value = int(value) if value.lstrip("-").isdigit() else value
+        (fields if key in ep.EPConfig.__dataclass_fields__ else options)[key] = value
+    return name, fields, options
 
 
 @torch.no_grad()
-def _time_backend(disp, idx, weights, x, args):
-    """Forward and backward moves of one dispatcher (backward: the moves autograd runs)."""
+def _time_moves(disp, idx, weights, x, args):
+    """Every move of one dispatcher (the backward moves as autograd calls them)."""
     state = {"handle": disp.prepare(idx)}
 
     def prepare():
         state["handle"] = disp.prepare(idx)
 
-    grad = torch.randn_like(x)
     times = {"prepare_s": _time(prepare, args.iters, args.warmup)}
-    handle, recv_x = state["handle"], disp._recv_x
+    handle, recv_x, recv_w = state["handle"], disp._recv_x, disp._recv_w
+    grad = torch.randn_like(x)
     times["dispatch_s"] = _time(lambda: disp.dispatch(x, weights, handle), args.iters, args.warmup)
     times["combine_s"] = _time(lambda: disp.combine(recv_x, handle), args.iters, args.warmup)
-    times["dispatch_bwd_s"] = _time(lambda: disp._move_combine(recv_x, handle, backward=True), args.iters,
-                                    args.warmup)
+
+    def dispatch_bwd():
+        disp._move_combine(recv_x, handle, backward=True)
+        disp._move_combine_pairs(recv_w, handle)
+
+    times["dispatch_bwd_s"] = _time(dispatch_bwd, args.iters, args.warmup)
     times["combine_bwd_s"] = _time(lambda: disp._move_dispatch(grad, None, handle, backward=True), args.iters,
                                    args.warmup)
     disp.check()
-    return times
+    return times, handle
+
+
+def _wire(disp, handle):
+    """Per direction, matrix[s][d] of rows that cross (combine: the transpose of what each
+    rank's tokens get back)."""
+    dispatch = _gather(disp.dispatch_backend.wire_rows(handle, "dispatch"))
+    combine = _gather(disp.combine_backend.wire_rows(handle, "combine"))
+    return {"dispatch": dispatch, "combine": [list(col) for col in zip(*combine)]}
+
+
+def _row(name, spec, times, wire, megatron, args, a2a_cache):
+    row = dict(workload=name, backend=spec, prepare_ms=times["prepare_s"] * 1e3)
+    for move in MOVES:
+        seconds, matrix = times[f"{move}_s"], wire[DIRECTION[move]]
+        moved = _mean_bytes(matrix, args.hidden, args.dtype)
+        t_a2a = _a2a(matrix, args.hidden, args, a2a_cache)
+        row.update({f"{move}_ms": seconds * 1e3, f"{move}_MB": moved / 1e6, f"{move}_GBps": moved / seconds / 1e9,
+                    f"{move}_a2a_ms": t_a2a * 1e3, f"{move}_x_a2a": t_a2a / seconds})
+        if f"{move}_s" in megatron:
+            mine = seconds + (times["prepare_s"] if move == "dispatch" else 0.0)
+            row[f"{move}_x_megatron"] = megatron[f"{move}_s"] / mine
+    return row
+
+
+def _megatron(spec, idx, weights, x, args):
+    if args.no_megatron:
+        return {"error": "--no-megatron"}
+    try:
+        from bench_ep_megatron import megatron_moves
+
+        return megatron_moves(spec, idx, weights, x, lambda fn: _time(fn, args.iters, args.warmup))
+    except Exception as exc:  # noqa: BLE001 - a baseline that cannot run is reported, the rest goes on
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
+def _pairs_matrix(idx, experts):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    counts = torch.bincount((idx // (experts // world)).reshape(-1), minlength=world)
+    counts[rank] = 0
+    return _gather(counts.tolist())
+
+
+def bench_workload(name, spec, args):
+    rank = dist.get_rank()
+    args.hidden = spec["hidden"]
+    dtype = args.dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    cfg = ep.EPConfig(num_experts=spec["experts"], topk=spec["topk"], hidden_size=spec["hidden"],
+                      max_tokens_per_rank=spec["tokens"], dtype=dtype, capacity_factor=args.capacity_factor,
+                      num_ctas=args.num_ctas, tile_rows=args.tile_rows or None, num_warps=args.num_warps,
+                      num_stages=args.num_stages, validate=False, ranks_per_host=args.ranks_per_host or None)
+    gen = torch.Generator(device=DEVICE).manual_seed(rank)
+    scores = torch.rand(spec["tokens"], spec["experts"], generator=gen, device=DEVICE)
+    weights, idx = scores.topk(spec["topk"], dim=1)
+    x = torch.randn(spec["tokens"], spec["hidden"], generator=gen, device=DEVICE).to(dtype)
+    a2a_cache = {}
+    pairs = _pairs_matrix(idx, spec["experts"])
+    t_pairs = _a2a(pairs, spec["hidden"], args, a2a_cache)
+    megatron = _megatron(spec, idx, weights, x, args)
+    info = dict(workload=name, **spec, a2a_every_pair_ms=t_pairs * 1e3,
+                every_pair_MB=_mean_bytes(pairs, spec["hidden"], dtype) / 1e6,
+                megatron_ms={k.replace("_s", "_ms"): v * 1e3 for k, v in megatron.items() if k.endswith("_s")},
+                megatron_error=megatron.get("error"))
+    rows = []
+    for backend in args.backends.split(","):
+        base, fields, options = _parse_backend(backend)
+        if args.sweep and not (base.startswith("symm_") or base.startswith("nccl")):
+            continue
+        try:
+            disp = ep.ExpertDispatcher(replace(cfg, backend=base, **fields), name=f"bench:{backend}", device=DEVICE)
+            for b in {id(b): b for b in (disp.dispatch_backend, disp.combine_backend)}.values():
+                b.tune(**options)
+        except (ValueError, RuntimeError, TypeError, torch.OutOfMemoryError) as exc:
+            rows.append(dict(workload=name, backend=backend, error=str(exc)[:300]))
+            continue
+        if args.sweep:
+            rows += _sweep_backend(disp, backend, name, idx, weights, x, args, a2a_cache)
+        else:
+            times, handle = _time_moves(disp, idx, weights, x, args)
+            rows.append(_row(name, backend, times, _wire(disp, handle), megatron, args, a2a_cache))
+            rows[-1]["dedup"] = info["every_pair_MB"] / max(rows[-1]["dispatch_MB"], 1e-9)
+        disp = None
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
+        if rank == 0 and rows:
+            print(json.dumps(rows[-1]), flush=True)
+    return info, rows
 
 
 @torch.no_grad()
-def _sweep_backend(disp, idx, weights, x, bytes_out, t_a2a, args):
-    """Forward dispatch and combine times of one dispatcher at every grid point."""
-    handle = disp.prepare(idx)
+def _sweep_backend(disp, backend, workload, idx, weights, x, args, a2a_cache):
+    """Forward dispatch and combine of one dispatcher at every grid point of its kind."""
+    symm = backend.startswith("symm_")
+    grid = (dict(num_ctas=_ints(args.sweep_ctas), tile_rows=_ints(args.sweep_rows), num_warps=_ints(args.sweep_warps),
+                 num_stages=_ints(args.sweep_stages), combine=args.sweep_combine.split(","),
+                 peer_order=args.sweep_order.split(","))
+            if symm else dict(chunks=_ints(args.sweep_chunks), num_ctas=_ints(args.sweep_ctas)))
     backends = {id(b): b for b in (disp.dispatch_backend, disp.combine_backend)}.values()
     rows = []
-    for num_ctas, tile_rows, num_warps, num_stages in itertools.product(
-            _ints(args.sweep_ctas), _ints(args.sweep_rows), _ints(args.sweep_warps), _ints(args.sweep_stages)):
-        setting = dict(num_ctas=num_ctas, tile_rows=tile_rows or None, num_warps=num_warps, num_stages=num_stages)
-        for backend in backends:
-            backend.tune(**setting)
-        t_disp = _time(lambda: disp.dispatch(x, weights, handle), args.iters, args.warmup)
-        t_comb = _time(lambda: disp.combine(disp._recv_x, handle), args.iters, args.warmup)
-        rows.append(dict(backend=disp.backend, **setting, dispatch_s=t_disp, combine_s=t_comb,
-                         dispatch_GBps=bytes_out / t_disp / 1e9, combine_GBps=bytes_out / t_comb / 1e9,
-                         vs_a2a_dispatch=t_a2a / t_disp, vs_a2a_combine=t_a2a / t_comb))
+    for values in itertools.product(*grid.values()):
+        setting = dict(zip(grid, values))
+        if "tile_rows" in setting:
+            setting["tile_rows"] = setting["tile_rows"] or None
+        for b in backends:
+            b.tune(**setting)
+        handle = disp.prepare(idx)  # the nccl backends' chunking is part of the plan
+        wire = _wire(disp, handle)
+        row = dict(workload=workload, backend=backend, **setting)
+        for move, fn in (("dispatch", lambda h=handle: disp.dispatch(x, weights, h)),
+                         ("combine", lambda h=handle: disp.combine(disp._recv_x, h))):
+            seconds, t_a2a = _time(fn, args.iters, args.warmup), _a2a(wire[move], args.hidden, args, a2a_cache)
+            row.update({f"{move}_ms": seconds * 1e3, f"{move}_x_a2a": t_a2a / seconds,
+                        f"{move}_GBps": _mean_bytes(wire[move], args.hidden, args.dtype) / seconds / 1e9})
+        rows.append(row)
         if dist.get_rank() == 0:
-            print(json.dumps(rows[-1]), flush=True)
+            print(json.dumps(row), flush=True)
     disp.check()
     return rows
 
@@ -107,126 +270,145 @@ def _ints(csv):
     return [int(v) for v in csv.split(",")]
 
 
-def bench_workload(name, spec, backends, args):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = ep.EPConfig(num_experts=spec["experts"], topk=spec["topk"], hidden_size=spec["hidden"],
-                      max_tokens_per_rank=spec["tokens"], dtype=torch.bfloat16, capacity_factor=args.capacity_factor,
-                      num_ctas=args.num_ctas, tile_rows=args.tile_rows or None, num_warps=args.num_warps,
-                      num_stages=args.num_stages, validate=False)
-    gen = torch.Generator(device="cuda").manual_seed(rank)
-    scores = torch.rand(spec["tokens"], spec["experts"], generator=gen, device="cuda")
-    weights, idx = scores.topk(spec["topk"], dim=1)
-    x = torch.randn(spec["tokens"], spec["hidden"], generator=gen, device="cuda").to(torch.bfloat16)
-    elem = 2
-    local = spec["experts"] // world
-    dest = idx // local
-    send_rows = torch.bincount(dest.reshape(-1), minlength=world)
-    remote_rows = int(send_rows.sum() - send_rows[rank])
-    bytes_out = remote_rows * spec["hidden"] * elem
-    # NCCL all_to_all_single of the same rows (same split sizes).
-    splits_all = [torch.zeros_like(send_rows) for _ in range(world)]
-    dist.all_gather(splits_all, send_rows)
-    t_a2a = _time_a2a(send_rows.tolist(), [int(s[rank]) for s in splits_all], spec["hidden"], args)
-    rows = [dict(workload=name, backend="nccl all_to_all_single (same bytes)", dispatch_s=t_a2a, combine_s=t_a2a,
-                 dispatch_GBps=bytes_out / t_a2a / 1e9, combine_GBps=bytes_out / t_a2a / 1e9)]
-    for backend in backends:
-        if args.sweep and not backend.startswith("symm_"):
-            continue  # only the symm backends have launch parameters to sweep
-        try:
-            disp = ep.ExpertDispatcher(replace(cfg, backend=backend), name=f"bench:{backend}")
-        except (ValueError, RuntimeError, torch.OutOfMemoryError) as exc:
-            rows.append(dict(workload=name, backend=backend, error=str(exc)[:200]))
-            continue
-        if args.sweep:
-            swept = _sweep_backend(disp, idx, weights, x, bytes_out, t_a2a, args)
-            rows += [dict(workload=name, **row) for row in swept]
-            disp = None
-            torch.cuda.empty_cache()
-            continue
-        times = _time_backend(disp, idx, weights, x, args)
-        rows.append(dict(workload=name, backend=disp.backend, **times,
-                         dispatch_GBps=bytes_out / times["dispatch_s"] / 1e9,
-                         combine_GBps=bytes_out / times["combine_s"] / 1e9,
-                         vs_a2a_dispatch=t_a2a / times["dispatch_s"], vs_a2a_combine=t_a2a / times["combine_s"]))
-        disp = None
-        torch.cuda.empty_cache()
-        if rank == 0:
-            print(json.dumps(rows[-1]), flush=True)
-    return dict(workload=name, world_size=world, bytes_leaving_rank=bytes_out, **spec), rows
-
-
 def _markdown(results, command):
-    lines = [f"### EP dispatch / combine, {results['world_size']}x {results['device']}", "", f"`{command}`", "",
-             "| workload | backend | prepare ms | dispatch ms | combine ms | dispatch bwd ms | combine bwd ms |"
-             " dispatch GB/s | combine GB/s | x a2a (disp / comb) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    ms = lambda r, k: f"{r[k] * 1e3:.3f}" if k in r else "-"  # noqa: E731
-    for row in results["rows"]:
-        if "error" in row:
-            lines.append(f"| {row['workload']} | {row['backend']} | error: {row['error']} |")
-            continue
-        ratio = (f"{row['vs_a2a_dispatch']:.2f} / {row['vs_a2a_combine']:.2f}" if "vs_a2a_dispatch" in row else "1")
-        lines.append(f"| {row['workload']} | {row['backend']} | {ms(row, 'prepare_s')} | {ms(row, 'dispatch_s')} | "
-                     f"{ms(row, 'combine_s')} | {ms(row, 'dispatch_bwd_s')} | {ms(row, 'combine_bwd_s')} | "
-                     f"{row['dispatch_GBps']:.1f} | {row['combine_GBps']:.1f} | {ratio} |")
-    return "\n".join(lines) + "\n"
+    lines = [f"### EP moves, {results['world_size']}x {results['device']}", "", f"`{command}`", ""]
+    for info in results["workloads"]:
+        mega = info["megatron_ms"]
+        lines += [f"**{info['workload']}** (T {info['tokens']}, H {info['hidden']}, K {info['topk']}, E "
+                  f"{info['experts']}): all-to-all of every (token, expert) row to another rank "
+                  f"{info['every_pair_MB']:.1f} MB/rank in {info['a2a_every_pair_ms']:.3f} ms; megatron alltoall "
+                  + (", ".join(f"{k} {v:.3f}" for k, v in mega.items()) + " ms" if mega else
+                     f"not run ({info['megatron_error']})"), "",
+                  "| backend | move | ms | MB/rank moved | GB/s | a2a same bytes ms | x a2a | x megatron | dedup |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for row in (r for r in results["rows"] if r["workload"] == info["workload"]):
+            if "error" in row:
+                lines.append(f"| {row['backend']} | error: {row['error']} | | | | | | | |")
+                continue
+            for move in MOVES:
+                xm = row.get(f"{move}_x_megatron")
+                lines.append(f"| {row['backend']} | {move} | {row[f'{move}_ms']:.3f} | {row[f'{move}_MB']:.1f} | "
+                             f"{row[f'{move}_GBps']:.0f} | {row[f'{move}_a2a_ms']:.3f} | {row[f'{move}_x_a2a']:.2f} | "
+                             f"{'-' if xm is None else f'{xm:.2f}'} | {row['dedup']:.2f} |")
+            lines.append(f"| {row['backend']} | prepare | {row['prepare_ms']:.3f} | | | | | | |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def _sweep_markdown(results, command):
-    lines = [f"### EP launch-parameter sweep, {results['world_size']}x {results['device']}", "", f"`{command}`", "",
-             "| workload | backend | num_ctas | tile_rows | num_warps | num_stages | dispatch ms | combine ms |"
-             " dispatch GB/s | combine GB/s | x a2a (disp / comb) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for row in results["rows"]:
-        if "error" in row:
-            lines.append(f"| {row['workload']} | {row['backend']} | error: {row['error']} |")
-        elif "num_ctas" not in row:  # the NCCL all-to-all of the same bytes
-            lines.append(f"| {row['workload']} | {row['backend']} | | | | | {row['dispatch_s'] * 1e3:.3f} | "
-                         f"{row['combine_s'] * 1e3:.3f} | {row['dispatch_GBps']:.1f} | {row['combine_GBps']:.1f} | 1 |")
-        else:
-            lines.append(f"| {row['workload']} | {row['backend']} | {row['num_ctas']} | {row['tile_rows'] or 'auto'} | "
-                         f"{row['num_warps']} | {row['num_stages']} | {row['dispatch_s'] * 1e3:.3f} | "
-                         f"{row['combine_s'] * 1e3:.3f} | {row['dispatch_GBps']:.1f} | {row['combine_GBps']:.1f} | "
-                         f"{row['vs_a2a_dispatch']:.2f} / {row['vs_a2a_combine']:.2f} |")
-    lines.append("")
-    swept = [row for row in results["rows"] if "num_ctas" in row]
-    for move in ("dispatch", "combine"):
-        for key in sorted({(row["workload"], row["backend"]) for row in swept}):
-            best = min((row for row in swept if (row["workload"], row["backend"]) == key),
-                       key=lambda row: row[f"{move}_s"])
-            lines.append(f"- best {move}, {key[0]} {key[1]}: num_ctas={best['num_ctas']} "
-                         f"tile_rows={best['tile_rows'] or 'auto'} num_warps={best['num_warps']} "
-                         f"num_stages={best['num_stages']}: {best[f'{move}_s'] * 1e3:.3f} ms, "
-                         f"{best[f'vs_a2a_{move}']:.2f}x a2a")
+    rows = [r for r in results["rows"] if "error" not in r]
+    keys = [k for k in rows[0] if k not in ("workload", "backend") and not k.endswith(("_ms", "_x_a2a", "_GBps"))] \
+        if rows else []
+    lines = [f"### EP launch sweep, {results['world_size']}x {results['device']}", "", f"`{command}`", "",
+             "| workload | backend | " + " | ".join(keys) + " | dispatch ms | combine ms | x a2a (disp / comb) |",
+             "|---|---|" + "---|" * len(keys) + "---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['workload']} | {r['backend']} | " + " | ".join(str(r.get(k)) for k in keys)
+                     + f" | {r['dispatch_ms']:.3f} | {r['combine_ms']:.3f} | {r['dispatch_x_a2a']:.2f} / "
+                     f"{r['combine_x_a2a']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
-def main():
+TARGETS = {"symm_": ("x a2a >= 1.1 and x megatron >= 1.5", lambda r, m: r[f"{m}_x_a2a"] >= 1.1 and
+                      r.get(f"{m}_x_megatron", 0) >= 1.5),
+           "nccl": ("x a2a >= 0.85", lambda r, m: r[f"{m}_x_a2a"] >= 0.85)}
+
+
+def targets(labelled_paths):
+    """The issue's targets from benchmark JSON (this script's) and etp-train JSON files, given
+    as ``label=path``: per world size, workload, backend and move, whether it meets its target;
+    hierarchical against the nccl backend of the same run; recipe ratios (``ep4_alltoall`` /
+    ``ep4_etp`` etc. by label). Prints a table; returns it as lines."""
+    lines, recipes = [], {}
+    for item in labelled_paths:
+        label, _, path = item.rpartition("=")
+        data = json.loads(Path(path).read_text())
+        if "ms_per_iter" in data:  # an etp-train run
+            recipes[label or path] = data["ms_per_iter"]
+            continue
+        lines += [f"### {label or path}: {data['world_size']}x {data['device']}", "",
+                  "| workload | backend | move | ms | x a2a | x megatron | target | met |", "|---|---|---|---:|---:|---:|---|---|"]
+        by_key = {(r["workload"], r["backend"]): r for r in data["rows"] if "error" not in r}
+        for (workload, backend), r in by_key.items():
+            rule = next((v for k, v in TARGETS.items() if backend.startswith(k)), None)
+            nccl = by_key.get((workload, "nccl"))
+            for move in MOVES:
+                if backend.startswith("hierarchical") and nccl:
+                    text, met = f"<= nccl {nccl[f'{move}_ms']:.3f} ms", r[f"{move}_ms"] <= nccl[f"{move}_ms"]
+                elif rule:
+                    text, met = rule[0], rule[1](r, move)
+                else:
+                    text, met = "-", None
+                xm = r.get(f"{move}_x_megatron")
+                lines.append(f"| {workload} | {backend} | {move} | {r[f'{move}_ms']:.3f} | {r[f'{move}_x_a2a']:.2f} | "
+                             f"{'-' if xm is None else f'{xm:.2f}'} | {text} | {'' if met is None else 'yes' if met else 'NO'} |")
+        lines.append("")
+    for label, ms in recipes.items():
+        lines.append(f"- recipe {label}: {ms:.1f} ms/iter")
+    for base, other, goal in (("ep4_alltoall", "ep4_etp", 1.3), ("ep1_xetp4", "ep2_xetp2", None),
+                              ("ep4_etp", "ep2_xetp2", None)):
+        if base in recipes and other in recipes:
+            ratio = recipes[base] / recipes[other]
+            lines.append(f"- {base} / {other} = {ratio:.3f}" + (f" (target >= {goal}: {'yes' if ratio >= goal else 'NO'})"
+                                                                 if goal else ""))
+    print("\n".join(lines))
+    return lines
+
+
+def _parser():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="sonicmoe,deepseek_v3")
-    parser.add_argument("--backends", default="nccl,symm_push,symm_allgather,symm_dedup")
+    parser.add_argument("--backends", default="nccl,nccl@chunks=4,nccl_padded,symm_push,symm_allgather,symm_dedup")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--capacity-factor", type=float, default=1.25)
+    parser.add_argument("--ranks-per-host", type=int, default=0, help="EPConfig.ranks_per_host (0: detected)")
     parser.add_argument("--num-ctas", type=int, default=132, help="EPConfig.num_ctas (132)")
     parser.add_argument("--tile-rows", type=int, default=0, help="EPConfig.tile_rows (0: automatic)")
     parser.add_argument("--num-warps", type=int, default=8)
     parser.add_argument("--num-stages", type=int, default=3)
-    parser.add_argument("--sweep", action="store_true", help="time the symm backends over the grid below instead")
-    # num_ctas costs no compile; every (rows, warps, stages) compiles each kernel once.
-    parser.add_argument("--sweep-ctas", default="32,64,132")
-    parser.add_argument("--sweep-rows", default="0,8", help="0: automatic")
+    parser.add_argument("--no-megatron", action="store_true", help="skip megatron-core's dispatcher baseline")
+    parser.add_argument("--sweep", action="store_true", help="time forward moves over the grids below instead")
+    # num_ctas and chunks cost no compile; every (rows, warps, stages) compiles each kernel once.
+    parser.add_argument("--sweep-ctas", default="132")
+    parser.add_argument("--sweep-rows", default="0", help="0: automatic")
     parser.add_argument("--sweep-warps", default="8")
-    parser.add_argument("--sweep-stages", default="2,3,4")
+    parser.add_argument("--sweep-stages", default="3")
+    parser.add_argument("--sweep-combine", default="push,pull")
+    parser.add_argument("--sweep-order", default="rotated,sequential")
+    parser.add_argument("--sweep-chunks", default="1,2,4")
     parser.add_argument("--out", default=None)
     parser.add_argument("--benchmarks-md", default=None)
-    args = parser.parse_args()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
-    results = dict(device=torch.cuda.get_device_name(), world_size=dist.get_world_size(), torch=torch.__version__,
-                   args=vars(args), workloads=[], rows=[])
+    parser.add_argument("--targets", nargs="+", metavar="LABEL=JSON",
+                        help="no run: the issue's targets from these benchmark / etp-train JSON files")
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help="gloo on CPU, the tiny 'smoke' workload, the CPU backends: checks the script, times nothing")
+    return parser
+
+
+def main(argv=None):
+    global DEVICE
+    args = _parser().parse_args(argv)
+    if args.targets:
+        return targets(args.targets)
+    if args.cpu_smoke:
+        DEVICE = torch.device("cpu")
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        args.workloads, args.iters, args.warmup, args.no_megatron = "smoke", 2, 1, True
+        if args.backends == _parser().get_default("backends"):
+            args.backends = "reference,nccl,nccl@chunks=3,nccl_padded"
+    else:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    if not args.no_megatron:
+        import megatron.core.parallel_state as ps
+
+        ps.initialize_model_parallel(expert_model_parallel_size=dist.get_world_size())
+    results = dict(device=torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu", world_size=dist.get_world_size(), args=vars(args),
+                   provenance=run_provenance(), workloads=[], rows=[])
     for name in args.workloads.split(","):
-        info, rows = bench_workload(name, WORKLOADS[name], args.backends.split(","), args)
+        info, rows = bench_workload(name, WORKLOADS[name], args)
         results["workloads"].append(info)
         results["rows"] += rows
     if dist.get_rank() == 0:
@@ -234,10 +416,12 @@ def main():
         md = (_sweep_markdown if args.sweep else _markdown)(results, command)
         print(md)
         if args.out:
-            Path(args.out).write_text(json.dumps(results, indent=1))
+            Path(args.out).write_text(json.dumps(results, indent=1, default=str))
         if args.benchmarks_md:
             Path(args.benchmarks_md).write_text(md)
-    dist.destroy_process_group()
+    if not args.cpu_smoke:
+        dist.destroy_process_group()
+    return results
 
 
 if __name__ == "__main__":

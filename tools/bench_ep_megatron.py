@@ -1,8 +1,8 @@
 """megatron-core's ``alltoall`` token dispatcher against etp's ``EtpTokenDispatcher`` end to end.
 
-Issue 16's second target: the etp dispatcher at >= 2x megatron-core's ``alltoall`` dispatcher,
-permutation included. Both run megatron's dispatcher call sequence on the same routing
-(``dispatch_preprocess`` -> ``token_dispatch`` -> ``dispatch_postprocess`` -> identity experts
+The round trip of one MoE layer's tokens through each dispatcher, permutation included (the
+per-move comparison is in ``tools/bench_ep.py``, which imports ``megatron_moves`` from here).
+Both run megatron's dispatcher call sequence on the same routing (``dispatch_preprocess`` -> ``token_dispatch`` -> ``dispatch_postprocess`` -> identity experts
 -> ``combine_preprocess`` -> ``token_combine`` -> ``combine_postprocess``), forward and
 backward, timed per iteration (median over ``--iters``, the slowest rank). Any world size:
 
@@ -76,6 +76,52 @@ def _time(fn, iters, warmup, cuda):
     t = torch.tensor([statistics.median(times)], device="cuda" if cuda else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's time
     return float(t)
+
+
+def megatron_moves(spec, idx, weights, x, time_fn):
+    """megatron-core's ``alltoall`` dispatcher on the routing ``idx`` / ``weights`` [T, K] of
+    ``x`` [T, H] (this rank's), each move timed alone by ``time_fn(fn) -> seconds``:
+    ``dispatch`` (dispatch_preprocess + token_dispatch + dispatch_postprocess: its count
+    exchange, permutation and all-to-all, with the host sync of its split sizes),
+    ``combine`` (combine_preprocess + token_combine + combine_postprocess), and the backward
+    of each (``torch.autograd.grad`` of its output, the graph kept). For ``tools/bench_ep.py``:
+    needs CUDA and megatron's parallel state initialized with EP = the world.
+
+    Example::
+
+        times = megatron_moves(WORKLOADS["sonicmoe"], idx, weights, x, lambda fn: _time(fn, 10, 3))
+    """
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    local = spec["experts"] // world
+    d = MoEAlltoAllTokenDispatcher(local, list(range(rank * local, (rank + 1) * local)), _config(spec, x.dtype),
+                                   _groups())
+    routing_map = torch.zeros(x.shape[0], spec["experts"], dtype=torch.bool, device=x.device).scatter_(1, idx, True)
+    probs = torch.zeros(x.shape[0], spec["experts"], device=x.device).scatter(1, idx, weights.float())
+
+    def dispatch(inp):
+        tokens, p = d.dispatch_preprocess(inp, routing_map, probs)
+        tokens, p = d.token_dispatch(tokens, p)
+        return d.dispatch_postprocess(tokens, p)[0]
+
+    def combine(h):
+        return d.combine_postprocess(d.token_combine(d.combine_preprocess(h)))
+
+    times = {}
+    with torch.no_grad():
+        times["dispatch_s"] = time_fn(lambda: dispatch(x))
+        h = dispatch(x)
+        times["combine_s"] = time_fn(lambda: combine(h))
+    x_grad = x.detach().requires_grad_(True)
+    h = dispatch(x_grad)
+    grad_h = torch.randn_like(h)
+    times["dispatch_bwd_s"] = time_fn(lambda: torch.autograd.grad(h, x_grad, grad_h, retain_graph=True))
+    h_grad = h.detach().requires_grad_(True)
+    out = combine(h_grad)
+    grad_out = torch.randn_like(out)
+    times["combine_bwd_s"] = time_fn(lambda: torch.autograd.grad(out, h_grad, grad_out, retain_graph=True))
+    return times
 
 
 def _profile(fn, title, rows=18):
@@ -174,8 +220,11 @@ def main():
             ratio = row.get("speedup_vs_megatron", 1.0)
             print(f"| {row['workload']} | {row['dispatcher']} | {ms} | {'-' if ratio is None else f'{ratio:.2f}'} |")
         if args.out:
+            from etp.provenance import run_provenance
+
             Path(args.out).write_text(json.dumps(dict(command=command, world_size=dist.get_world_size(),
-                                                      device=str(device), rows=rows), indent=1))
+                                                      device=str(device), rows=rows,
+                                                      provenance=run_provenance()), indent=1))
     dist.destroy_process_group()
 
 

@@ -25,7 +25,7 @@ __all__ = ["EPConfig"]
 # keeps at most ``capacity // experts_per_rank`` rows, earlier source ranks and earlier
 # tokens first, the rest contribute nothing to ``combine``).
 
-_BACKEND_PREFIXES = ("auto", "reference", "nccl", "symm_")
+_BACKEND_PREFIXES = ("auto", "reference", "nccl", "symm_", "hierarchical")
 
 
 def _is_power_of_two(value) -> bool:
@@ -42,8 +42,9 @@ class EPConfig:
         hidden_size: row width H of the tokens moved.
         max_tokens_per_rank: largest T a rank passes to ``prepare``; sizes every buffer.
         dtype: dtype of the token rows (``x`` and ``expert_out``).
-        backend: ``"auto"`` (profile once, cached), ``"reference"``, ``"nccl"``, a
-            ``"symm_<algo>"`` name, or ``"<dispatch>+<combine>"`` to mix two.
+        backend: ``"auto"`` (profile once, cached), ``"reference"``, ``"nccl"``,
+            ``"nccl_padded"``, a ``"symm_<algo>"`` name, ``"hierarchical"``, or
+            ``"<dispatch>+<combine>"`` to mix two.
         capacity_factor: receive buffer as a multiple of the average load; ``None`` sizes
             it so that it cannot overflow. See [Note: receive capacity].
         drop_tokens: drop the rows beyond each local expert's capacity instead of
@@ -55,8 +56,8 @@ class EPConfig:
         num_ctas: thread blocks the Triton copy kernels use (the symm backends). 132 (an
             H100 / H200's SMs): on 2 x H200 ``symm_dedup`` moves SonicMoE's workload at 1.50x /
             1.70x NCCL's all-to-all bandwidth (dispatch / combine) on 132, 1.40x / 1.09x on 66,
-            0.79x / 0.56x on 32 (BENCHMARKS.md, session 7); fewer leave SMs to compute that
-            runs beside the move, at that cost.
+            0.79x / 0.56x on 32 (BENCHMARKS.md); fewer leave SMs to compute that runs beside
+            the move, at that cost.
         tile_rows: rows each of those blocks copies per loop iteration (a power of two;
             the reductions, which read K rows per row they write, take ``tile_rows // K``).
             ``None``: about 32 KB of bf16 rows per iteration. See [Note: row tiles] in
@@ -66,6 +67,11 @@ class EPConfig:
             pipelining through shared memory; lowered per kernel to what fits).
         cache_dir: where ``backend="auto"`` caches its choice (default
             ``$ETP_CACHE_DIR`` or ``~/.cache/etp``).
+        ranks_per_host: ranks of the group per host, in contiguous blocks (None: detected
+            from the host names). Which ranks share NVLink: the ``symm_*`` backends need one
+            host, ``hierarchical`` more than one. Declaring fewer than a machine has runs the
+            cross-host code on one machine (the tests' 4 ranks as 2 hosts x 2). See [Note:
+            host groups] in ``etp.ep.backends.hosts``.
 
     Example::
 
@@ -88,6 +94,7 @@ class EPConfig:
     num_warps: int = 8
     num_stages: int = 3
     cache_dir: Optional[str] = None
+    ranks_per_host: Optional[int] = None
 
     def __post_init__(self):
         for name in ("num_experts", "topk", "hidden_size", "max_tokens_per_rank", "num_ctas", "num_stages"):
@@ -109,9 +116,13 @@ class EPConfig:
             part.startswith(_BACKEND_PREFIXES) for part in self.backend.split("+")
         ):
             raise ValueError(
-                f"EPConfig.backend={self.backend!r}: expected auto, reference, nccl, symm_<algo> "
-                "or '<dispatch>+<combine>'"
+                f"EPConfig.backend={self.backend!r}: expected auto, reference, nccl, nccl_padded, symm_<algo>, "
+                "hierarchical or '<dispatch>+<combine>'"
             )
+        if self.ranks_per_host is not None and (not isinstance(self.ranks_per_host, int)
+                                                or isinstance(self.ranks_per_host, bool) or self.ranks_per_host < 1):
+            raise ValueError(f"EPConfig.ranks_per_host={self.ranks_per_host!r}: expected a positive int or None "
+                             "(detected)")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"EPConfig.capacity_factor={self.capacity_factor!r}: expected > 0 or None")
         if self.drop_tokens and self.capacity_factor is None:

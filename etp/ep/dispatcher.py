@@ -40,13 +40,15 @@ __all__ = ["ExpertDispatcher"]
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _resolve_backends(cfg: EPConfig, group, dispatcher_cls) -> tuple[str, str]:
+def _resolve_backends(cfg: EPConfig, group, dispatcher_cls) -> dict:
+    """``{"dispatch": name, "combine": name, "source": ...}``: the profiler's cached choice for
+    ``auto`` (with every candidate's times), else the configured names."""
     if cfg.backend == "auto":
         return choose(cfg, group, dispatcher_cls)
     names = cfg.backend.split("+")
     if len(names) > 2:
         raise ValueError(f"EPConfig.backend={cfg.backend!r}: at most '<dispatch>+<combine>'")
-    return names[0], names[-1]
+    return {"dispatch": names[0], "combine": names[-1], "source": "config"}
 
 
 class ExpertDispatcher:
@@ -85,8 +87,11 @@ class ExpertDispatcher:
         self.cfg, self.group, self.name, self.device = cfg, group, name, torch.device(device)
         self.capacity = cfg.capacity(world)
         self.ctx = EPContext(cfg, group, rank, world, local, self.capacity, self.device)
-        self.backend_names = _resolve_backends(cfg, group, type(self))
-        dispatch_cls, combine_cls = (backend_class(n, group) for n in self.backend_names)
+        #: How the backends were chosen: ``{"dispatch", "combine", "source"}`` and, for
+        #: ``backend="auto"``, every candidate's times (``"ms"``, see ``etp.ep.profile``).
+        self.backend_report = _resolve_backends(cfg, group, type(self))
+        self.backend_names = (self.backend_report["dispatch"], self.backend_report["combine"])
+        dispatch_cls, combine_cls = (backend_class(n, group, cfg.ranks_per_host) for n in self.backend_names)
         self.dispatch_backend = dispatch_cls(self.ctx)
         self.combine_backend = (self.dispatch_backend if combine_cls is dispatch_cls else combine_cls(self.ctx))
         self.validate = cfg.validate if cfg.validate is not None else self.device.type == "cpu"
@@ -205,7 +210,8 @@ class ExpertDispatcher:
             ValueError: expert indices outside ``[0, num_experts)`` reached ``prepare`` (they
                 were left out of the exchange).
             RuntimeError: a rank's receive buffer overflowed (the rows past the capacity
-                were not exchanged and contribute nothing to ``combine``).
+                were not exchanged and contribute nothing to ``combine``), or a backend's own
+                capacity did (``nccl_padded``'s rows per peer).
 
         Example::
 
@@ -227,6 +233,8 @@ class ExpertDispatcher:
                 "the rows past the capacity were not exchanged. Raise capacity_factor, set it to None "
                 "(never overflows), or set drop_tokens=True"
             )
+        for backend in {id(b): b for b in (self.dispatch_backend, self.combine_backend)}.values():
+            backend.check(self.name)
 
     @property
     def backend(self) -> str:

@@ -7,6 +7,7 @@ the choice, so all ranks of a group always agree.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import replace
@@ -20,6 +21,8 @@ from etp.ep.backends import available_backends
 from etp.ep.config import EPConfig
 
 __all__ = ["profile", "choose", "cache_path", "cache_key"]
+
+log = logging.getLogger(__name__)
 
 #: How many times ``profile`` ran in this process (tests read it).
 PROFILE_RUNS = 0
@@ -37,8 +40,11 @@ def _device_name(group) -> str:
 
 
 def cache_key(cfg: EPConfig, group) -> str:
-    return "|".join(str(v) for v in (_device_name(group), dist.get_world_size(group), cfg.max_tokens_per_rank,
-                                     cfg.hidden_size, cfg.topk, cfg.num_experts, cfg.dtype))
+    fields = [_device_name(group), dist.get_world_size(group), cfg.max_tokens_per_rank, cfg.hidden_size, cfg.topk,
+              cfg.num_experts, cfg.dtype]
+    if cfg.ranks_per_host is not None:  # declared hosts: other backends are available
+        fields.append(f"ranks_per_host={cfg.ranks_per_host}")
+    return "|".join(str(v) for v in fields)
 
 
 def _timer(device):
@@ -57,12 +63,49 @@ def _max_over_ranks(seconds: float, group, device) -> float:
     return float(t)
 
 
-def profile(cfg: EPConfig, group: Optional[dist.ProcessGroup] = None, *, iters: int = 5, warmup: int = 2,
-            candidates: Optional[list[str]] = None, dispatcher_cls=None) -> tuple[str, str]:
-    """Times dispatch and combine of every available backend; returns the fastest pair.
+def _time_moves(disp, cfg, group, iters, warmup) -> dict:
+    """Seconds per move of one dispatcher (the slowest rank's mean): ``dispatch`` (with
+    ``prepare``) and ``combine_backward`` run on its dispatch backend, ``combine`` and
+    ``dispatch_backward`` (with the routing weights') on its combine backend."""
+    rank = dist.get_rank(group)
+    gen = torch.Generator(device=disp.device).manual_seed(1234 + rank)
+    T, K = cfg.max_tokens_per_rank, cfg.topk
+    scores = torch.rand(T, cfg.num_experts, generator=gen, device=disp.device)
+    topk_w, topk_idx = scores.topk(K, dim=1)
+    x = torch.randn(T, cfg.hidden_size, generator=gen, device=disp.device).to(cfg.dtype)
+    now = _timer(disp.device)
+    times = dict.fromkeys(("dispatch", "combine", "dispatch_backward", "combine_backward"), 0.0)
+    with torch.no_grad():
+        for step in range(warmup + iters):
+            dist.barrier(group=group)
+            stamps = [now()]
+            handle = disp.prepare(topk_idx)
+            recv_x, recv_w, _ = disp.dispatch(x, topk_w.to(cfg.weight_dtype), handle)
+            stamps.append(now())
+            disp.combine(recv_x, handle)
+            stamps.append(now())
+            disp._move_combine(recv_x, handle, backward=True)
+            disp._move_combine_pairs(recv_w, handle)
+            stamps.append(now())
+            disp._move_dispatch(x, None, handle, backward=True)
+            stamps.append(now())
+            if step >= warmup:
+                for key, t0, t1 in zip(times, stamps, stamps[1:]):
+                    times[key] += t1 - t0
+    disp.check()
+    return {key: _max_over_ranks(seconds / iters, group, disp.device) for key, seconds in times.items()}
 
-    The workload is ``max_tokens_per_rank`` tokens routed uniformly at random. Each time is
-    the slowest rank's; collective over ``group`` (every rank must call it).
+
+def profile(cfg: EPConfig, group: Optional[dist.ProcessGroup] = None, *, iters: int = 5, warmup: int = 2,
+            candidates: Optional[list[str]] = None, dispatcher_cls=None, report: Optional[dict] = None
+            ) -> tuple[str, str]:
+    """Times the moves of every available backend; returns the fastest for each side.
+
+    The workload is ``max_tokens_per_rank`` tokens routed uniformly at random. A dispatch
+    backend is scored by its forward dispatch (with ``prepare``) plus the dispatch that
+    combine's backward runs on it; a combine backend by its forward combine plus the combines
+    of dispatch's backward. The two are chosen separately (a dispatcher may mix them). Each
+    time is the slowest rank's; collective over ``group`` (every rank must call it).
 
     Args:
         cfg: the layer's config (its ``backend`` is ignored).
@@ -72,6 +115,8 @@ def profile(cfg: EPConfig, group: Optional[dist.ProcessGroup] = None, *, iters: 
         dispatcher_cls: the dispatcher class to time (``etp.ep.profile`` passes
             ``ExpertDispatcher``; passed in because the dispatcher resolves ``backend="auto"``
             through this module, which therefore must not import it).
+        report: if given, filled with the choice and every backend's times in ms
+            (``{"dispatch": name, "combine": name, "ms": {backend: {move: ms}}}``).
 
     Returns:
         ``(dispatch_backend, combine_backend)`` names.
@@ -85,41 +130,24 @@ def profile(cfg: EPConfig, group: Optional[dist.ProcessGroup] = None, *, iters: 
     global PROFILE_RUNS
     PROFILE_RUNS += 1
     group = group or dist.group.WORLD
-    names = candidates or available_backends(group)
-    rank = dist.get_rank(group)
-    best: dict[str, tuple[float, str]] = {}
+    names = candidates or available_backends(group, cfg.ranks_per_host)
+    measured = {}
     for name in names:
         disp = dispatcher_cls(replace(cfg, backend=name, validate=False), group, name=f"profile:{name}")
-        gen = torch.Generator(device=disp.device).manual_seed(1234 + rank)
-        T, K = cfg.max_tokens_per_rank, cfg.topk
-        scores = torch.rand(T, cfg.num_experts, generator=gen, device=disp.device)
-        topk_w, topk_idx = scores.topk(K, dim=1)
-        x = torch.randn(T, cfg.hidden_size, generator=gen, device=disp.device).to(cfg.dtype)
-        now = _timer(disp.device)
-        times = {"dispatch": 0.0, "combine": 0.0}
-        with torch.no_grad():
-            for step in range(warmup + iters):
-                dist.barrier(group=group)
-                t0 = now()
-                handle = disp.prepare(topk_idx)
-                recv_x, _, _ = disp.dispatch(x, topk_w.to(cfg.weight_dtype), handle)
-                t1 = now()
-                disp.combine(recv_x, handle)
-                t2 = now()
-                if step >= warmup:
-                    times["dispatch"] += t1 - t0
-                    times["combine"] += t2 - t1
-        disp.check()
-        for op, seconds in times.items():
-            seconds = _max_over_ranks(seconds / iters, group, disp.device)
-            if op not in best or seconds < best[op][0]:
-                best[op] = (seconds, name)
-        del disp, recv_x, handle
-    return best["dispatch"][1], best["combine"][1]
+        measured[name] = _time_moves(disp, cfg, group, iters, warmup)
+        del disp
+    score = {"dispatch": lambda t: t["dispatch"] + t["combine_backward"],
+             "combine": lambda t: t["combine"] + t["dispatch_backward"]}
+    chosen = {side: min(names, key=lambda n: fn(measured[n])) for side, fn in score.items()}
+    if report is not None:
+        report.update(chosen, ms={n: {k: round(v * 1e3, 4) for k, v in t.items()} for n, t in measured.items()})
+    return chosen["dispatch"], chosen["combine"]
 
 
-def choose(cfg: EPConfig, group: Optional[dist.ProcessGroup] = None, dispatcher_cls=None) -> tuple[str, str]:
-    """The cached choice for this workload, profiling (and caching) on a miss."""
+def choose(cfg: EPConfig, group: Optional[dist.ProcessGroup] = None, dispatcher_cls=None) -> dict:
+    """The cached choice for this workload, profiling (and caching) on a miss: the cache
+    entry, ``{"dispatch": name, "combine": name, "ms": {...}, "source": "cache" | "profiled"}``
+    (``ms``: every candidate's times, see ``profile``). Logged once per process and key."""
     group = group or dist.group.WORLD
     key, path = cache_key(cfg, group), cache_path(cfg)
     cached = [None]
@@ -127,13 +155,27 @@ def choose(cfg: EPConfig, group: Optional[dist.ProcessGroup] = None, dispatcher_
         cached[0] = json.loads(path.read_text()).get(key)
     dist.broadcast_object_list(cached, src=dist.get_global_rank(group, 0), group=group)
     if cached[0] is not None:
-        return cached[0]["dispatch"], cached[0]["combine"]
-    dispatch_name, combine_name = profile(cfg, group, dispatcher_cls=dispatcher_cls)
+        return _log_choice(key, {**cached[0], "source": "cache"}, group)
+    entry: dict = {}
+    profile(cfg, group, dispatcher_cls=dispatcher_cls, report=entry)
     if dist.get_rank(group) == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         table = json.loads(path.read_text()) if path.exists() else {}
-        table[key] = {"dispatch": dispatch_name, "combine": combine_name}
+        table[key] = entry
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
         tmp.replace(path)
-    return dispatch_name, combine_name
+    return _log_choice(key, {**entry, "source": "profiled"}, group)
+
+
+_LOGGED: set = set()
+
+
+def _log_choice(key: str, entry: dict, group) -> dict:
+    if dist.get_rank(group) == 0 and key not in _LOGGED:
+        _LOGGED.add(key)
+        ms = entry.get("ms", {})
+        detail = ", ".join(f"{n} {t.get('dispatch', 0):.3f} / {t.get('combine', 0):.3f} ms" for n, t in ms.items())
+        log.info("etp.ep backend auto (%s, %s): dispatch %s, combine %s%s", key, entry["source"], entry["dispatch"],
+                 entry["combine"], f" (dispatch / combine: {detail})" if detail else "")
+    return entry

@@ -24,6 +24,18 @@ overlap. No load or store sits behind a data-dependent ``if``: masks only. Addre
 from pointer tables, about which the compiler knows nothing: ``ALIGN`` tells it that rows
 start 16-byte aligned, or it issues one 2-byte access per element.
 
+[Note: peer order]
+Over NVLink a store is posted (the program moves on) while a load waits a round trip, so a
+move that writes to its peers keeps more bytes in flight per program than one that reads
+from them: the combines therefore push (``local_reduce(push=True)``: each rank sums the rows
+it holds per source token and writes one partial sum into the source's slot; the source
+then reduces its slots locally) instead of pulling. A kernel that walks per-source slots
+must also not walk them source by source: every program of every rank would write to (or
+read from) rank 0 first, then rank 1, ..., so one peer's link carries all the traffic at a
+time. ``ROTATE`` interleaves the sources (iteration i takes rank ``me + 1 + i mod W``), so
+at any moment each rank's programs spread over all peers and different ranks start at
+different peers.
+
 ``rows`` (a power of two), ``num_warps`` and ``stages`` are launch parameters (the
 ``EPConfig`` fields ``tile_rows`` / ``num_warps`` / ``num_stages``). ``rows`` counts rows of
 a copy; a reduction over K rows takes ``rows // K`` output rows, so one setting reads about
@@ -39,7 +51,7 @@ import triton.language as tl
 from etp.kernels.launch import launch
 
 __all__ = ["push_rows", "pull_reduce", "pull_pairs", "select_rows", "gather_tokens", "local_reduce",
-           "push_meta", "zero_tail", "tile_rows", "row_block"]
+           "push_meta", "zero_tail", "slot_table", "tile_rows", "row_block"]
 
 # Modes of _push_kernel's x rows.
 X_NONE, X_ROWS, X_DEDUP = 0, 1, 2
@@ -185,7 +197,8 @@ def _select_kernel(src_ptr, map_ptr, local_ptr, out_ptr, tpe_ptr, totals_ptr, H,
                    E_LOCAL: tl.constexpr, E_PAD: tl.constexpr, IDENTITY: tl.constexpr, ZERO_ONLY: tl.constexpr,
                    HAS_LOCAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr):
     """``out[r] = src[map[r]]`` (IDENTITY: ``src[r]``; HAS_LOCAL: ``local[map[r] - local_first]``
-    where ``map[r] - local_first`` lies in ``[0, local_rows)``) for r < sum(tokens_per_expert),
+    where ``map[r] - local_first`` lies in ``[0, local_rows)``; 0 where ``map[r] < 0``) for
+    r < sum(tokens_per_expert),
     skipped with ZERO_ONLY; rows in ``[that, totals[0])`` are zeroed (they held the previous
     step's rows). Program 0 stores the new total in ``totals[1]`` (every program reads
     ``totals[0]``, so it cannot be overwritten here; the launcher copies [1] to [0] after)."""
@@ -212,6 +225,7 @@ def _select_kernel(src_ptr, map_ptr, local_ptr, out_ptr, tpe_ptr, totals_ptr, H,
                 q = r64
             else:
                 q = tl.load(map_ptr + r64, mask=copy, other=0)
+                copy = copy & (q >= 0)  # a row nothing arrived for (-1) is zeroed
             ptrs = src_ptr + (tl.where(copy, q, 0) * H)[:, None] + h[None, :]
             if HAS_LOCAL:
                 # This rank's own tokens never went through src: read them where they are
@@ -224,27 +238,35 @@ def _select_kernel(src_ptr, map_ptr, local_ptr, out_ptr, tpe_ptr, totals_ptr, H,
 
 
 @triton.jit
-def _slot_tile(it, n_h, W, T_max, tokens_ptr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+def _slot_tile(it, n_h, W, T_max, tokens_ptr, me, ROTATE: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
     """Loop iteration ``it`` over the W * T_max per-token slots (``n_h`` column blocks per
-    slot): the slots, the columns, each slot's source rank and token, and whether that token
-    exists (``t < tokens[s]``)."""
-    q = (it // n_h) * ROWS + tl.arange(0, ROWS)
+    slot, tiles of ROWS tokens of one source rank): the slots, the columns, the tile's
+    source rank s (a scalar), the tokens, and whether each token exists (``t < tokens[s]``).
+    ROTATE: consecutive iterations take ranks ``me + 1, me + 2, ...`` in turn, see [Note: peer
+    order]; else all of rank 0's tiles, then rank 1's, ..."""
+    n_t = tl.cdiv(T_max, ROWS)
+    rest = it // n_h
+    if ROTATE:
+        s = (me + 1 + rest % W) % W
+        tile = rest // W
+    else:
+        s = rest // n_t
+        tile = rest % n_t
+    t = tile * ROWS + tl.arange(0, ROWS)
     h = (it % n_h) * BLOCK_H + tl.arange(0, BLOCK_H)
-    inside = q < W * T_max
-    s = q // T_max
-    t = q % T_max
-    return q, h, s, t, inside & (t < tl.load(tokens_ptr + s, mask=inside, other=0))
+    q = s * T_max + t
+    return q, h, s, t, (t < T_max) & (t < tl.load(tokens_ptr + s))
 
 
 @triton.jit
-def _gather_tokens_kernel(table, tokens_ptr, out_ptr, W, T_max, H, skip, ROWS: tl.constexpr,
+def _gather_tokens_kernel(table, tokens_ptr, out_ptr, W, T_max, H, skip, ROTATE: tl.constexpr, ROWS: tl.constexpr,
                           BLOCK_H: tl.constexpr, ALIGN: tl.constexpr, STAGES: tl.constexpr):
     """``out[s*T_max + t] = src_s[t]`` for every rank s != skip and t < tokens[s]."""
     n_h = tl.cdiv(H, BLOCK_H)
-    for it in tl.range(tl.program_id(0), tl.cdiv(W * T_max, ROWS) * n_h, tl.num_programs(0), num_stages=STAGES):
-        q, h, s, t, live = _slot_tile(it, n_h, W, T_max, tokens_ptr, ROWS, BLOCK_H)
-        live = live & (s != skip)
-        src = tl.load(table + tl.where(live, s, 0)).to(tl.pointer_type(out_ptr.dtype.element_ty))
+    for it in tl.range(tl.program_id(0), W * tl.cdiv(T_max, ROWS) * n_h, tl.num_programs(0), num_stages=STAGES):
+        q, h, s, t, live = _slot_tile(it, n_h, W, T_max, tokens_ptr, skip, ROTATE, ROWS, BLOCK_H)
+        live = live & ((t * 0 + s) != skip)  # a vector compare: the interpreter masks with vectors only
+        src = tl.load(table + s).to(tl.pointer_type(out_ptr.dtype.element_ty))
         src = tl.multiple_of(src + tl.where(live, t, 0).to(tl.int64) * H, ALIGN)
         mask = live[:, None] & (h < H)[None, :]
         vals = tl.load(src[:, None] + h[None, :], mask=mask)
@@ -252,14 +274,17 @@ def _gather_tokens_kernel(table, tokens_ptr, out_ptr, W, T_max, H, skip, ROWS: t
 
 
 @triton.jit
-def _local_reduce_kernel(y_ptr, red_ptr, tokens_ptr, out_ptr, W, T_max, H, K: tl.constexpr, ROWS: tl.constexpr,
-                         BLOCK_H: tl.constexpr, STAGES: tl.constexpr):
+def _local_reduce_kernel(y_ptr, red_ptr, tokens_ptr, out_ptr, W, T_max, H, me, K: tl.constexpr, PUSH: tl.constexpr,
+                         ROTATE: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr,
+                         STAGES: tl.constexpr):
     """``out[q] = sum_k y[red[q, k]]`` (red >= 0, k order, fp32; the K loads of a tile issued
     together) for slots q = s*T_max + t, t < tokens[s], that have at least one row here;
-    other slots are left as they are."""
+    other slots are left as they are. PUSH: ``out_ptr`` is a pointer table and the sum goes
+    to rank s's slot ``me*T_max + t`` instead (the local reads and one remote write per
+    token of a combine that pushes, see [Note: peer order])."""
     n_h = tl.cdiv(H, BLOCK_H)
-    for it in tl.range(tl.program_id(0), tl.cdiv(W * T_max, ROWS) * n_h, tl.num_programs(0), num_stages=STAGES):
-        q, h, s, t, live = _slot_tile(it, n_h, W, T_max, tokens_ptr, ROWS, BLOCK_H)
+    for it in tl.range(tl.program_id(0), W * tl.cdiv(T_max, ROWS) * n_h, tl.num_programs(0), num_stages=STAGES):
+        q, h, s, t, live = _slot_tile(it, n_h, W, T_max, tokens_ptr, me, ROTATE, ROWS, BLOCK_H)
         hmask = h < H
         q64 = q.to(tl.int64)
         acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
@@ -270,8 +295,12 @@ def _local_reduce_kernel(y_ptr, red_ptr, tokens_ptr, out_ptr, W, T_max, H, K: tl
             found = found | take
             offs = (tl.where(take, row, 0) * H)[:, None] + h[None, :]
             acc += tl.load(y_ptr + offs, mask=take[:, None] & hmask[None, :], other=0.0).to(tl.float32)
-        tl.store(out_ptr + (q64 * H)[:, None] + h[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=found[:, None] & hmask[None, :])
+        if PUSH:
+            dst = tl.load(out_ptr + s).to(tl.pointer_type(y_ptr.dtype.element_ty))
+            dst = tl.multiple_of(dst + (me * T_max + t.to(tl.int64)) * H, ALIGN)
+        else:
+            dst = tl.multiple_of(out_ptr + q64 * H, ALIGN)
+        tl.store(dst[:, None] + h[None, :], acc.to(y_ptr.dtype.element_ty), mask=found[:, None] & hmask[None, :])
 
 
 @triton.jit
@@ -399,24 +428,39 @@ def select_rows(src, src_map, out, tokens_per_expert, totals, *, identity: bool 
     totals[0:1].copy_(totals[1:2])
 
 
-def gather_tokens(table, tokens, out, t_max: int, *, skip: int = -1, num_ctas: int = 32, rows=None,
-                  num_warps: int = DEFAULT_NUM_WARPS, stages: int = DEFAULT_STAGES) -> None:
-    """``out [W*T_max, H]``: every rank's token rows (all-gather), but rank ``skip``'s."""
+def gather_tokens(table, tokens, out, t_max: int, *, skip: int = -1, rotate: bool = True, num_ctas: int = 32,
+                  rows=None, num_warps: int = DEFAULT_NUM_WARPS, stages: int = DEFAULT_STAGES) -> None:
+    """``out [W*T_max, H]``: every rank's token rows (all-gather), but rank ``skip``'s.
+    ``rotate``: the peers in turn from ``skip + 1`` (see [Note: peer order])."""
     H = out.shape[1]
     ROWS = tile_rows(rows, H)
-    launch(_gather_tokens_kernel, _grid(num_ctas), table, tokens, out, tokens.numel(), t_max, H, skip, ROWS=ROWS,
-           BLOCK_H=row_block(H), ALIGN=_row_align(out),
+    launch(_gather_tokens_kernel, _grid(num_ctas), table, tokens, out, tokens.numel(), t_max, H, skip, ROTATE=rotate,
+           ROWS=ROWS, BLOCK_H=row_block(H), ALIGN=_row_align(out),
            STAGES=_stages(stages, ROWS, H, out.element_size()), num_warps=num_warps)
 
 
-def local_reduce(y, red, tokens, out, t_max: int, *, num_ctas: int = 32, rows=None,
-                 num_warps: int = DEFAULT_NUM_WARPS, stages: int = DEFAULT_STAGES) -> None:
-    """``out [W*T_max, H]``: per source token, the sum of its rows held here."""
-    H, K = out.shape[1], red.shape[-1]
+def local_reduce(y, red, tokens, out, t_max: int, *, push: bool = False, me: int = 0, rotate: bool = True,
+                 num_ctas: int = 32, rows=None, num_warps: int = DEFAULT_NUM_WARPS,
+                 stages: int = DEFAULT_STAGES) -> None:
+    """``out [W*T_max, H]``: per source token, the sum of its rows held here. ``push``:
+    ``out`` is the pointer table of the sources' ``[W*T_max, H]`` buffers and the sum of
+    source s's token t goes to rank s's slot ``me*T_max + t``. ``rotate``: the sources in
+    turn from ``me + 1`` (see [Note: peer order])."""
+    H, K = y.shape[1], red.shape[-1]
     ROWS = tile_rows(rows, H, K)
-    launch(_local_reduce_kernel, _grid(num_ctas), y, red, tokens, out, tokens.numel(), t_max, H, K=K, ROWS=ROWS,
-           BLOCK_H=row_block(H), STAGES=_stages(stages, ROWS, H, y.element_size(), K),
-           num_warps=num_warps)
+    launch(_local_reduce_kernel, _grid(num_ctas), y, red, tokens, out, tokens.numel(), t_max, H, me, K=K, PUSH=push,
+           ROTATE=rotate, ROWS=ROWS, BLOCK_H=row_block(H), ALIGN=_row_align(y),
+           STAGES=_stages(stages, ROWS, H, y.element_size(), K), num_warps=num_warps)
+
+
+def slot_table(buffer: torch.Tensor, world: int) -> torch.Tensor:
+    """Pointer table of the W ``[T_max, H]`` slot blocks of one local ``[W*T_max, H]`` buffer:
+    ``pull_reduce(slot_table(buf, W), ..., dedup=True, me=0, t_max=T_max)`` then reads
+    ``buf[d*T_max + t]`` for each destination rank d of token t (the partial sums that rank
+    d pushed here), in the same order and with the same fp32 sum as the pull from the peers."""
+    step = buffer.shape[0] // world * buffer.stride(0) * buffer.element_size()
+    return torch.tensor([buffer.data_ptr() + d * step for d in range(world)], dtype=torch.int64,
+                        device=buffer.device)
 
 
 def push_meta(pair_row, pair_rank, map_table, red_table, world: int, me: int, t_max: int, topk: int, *,

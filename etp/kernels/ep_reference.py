@@ -1,5 +1,5 @@
-"""Pure-torch references of ``etp.kernels.ep_move``: the same moves over lists of per-rank
-tensors (``bufs[d]`` is rank d's buffer) instead of pointer tables. They define the results
+"""Pure-torch references of ``etp.kernels.ep_move`` and ``etp.kernels.ep_pack``: the same
+moves over lists of per-rank tensors (``bufs[d]`` is rank d's buffer) instead of pointer tables. They define the results
 the kernels are tested against (bit for bit: the sums accumulate in fp32 in the same order).
 """
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["push_rows_ref", "pull_reduce_ref", "pull_pairs_ref", "select_rows_ref", "gather_tokens_ref",
-           "local_reduce_ref", "push_meta_ref"]
+           "local_reduce_ref", "push_meta_ref", "copy_rows_ref"]
 
 
 def _first_of_rank(pair_row, pair_rank, topk):
@@ -62,10 +62,12 @@ def pull_pairs_ref(srcs, pair_row, pair_rank, out):
 def select_rows_ref(src, src_map, out, tokens_per_expert, totals, local=None, local_first=0):
     total, prev = int(tokens_per_expert.sum()), int(totals[0])
     if src_map is not None:
-        out[:total] = src[src_map[:total]]
-        if local is not None:
-            own = (src_map[:total] >= local_first) & (src_map[:total] < local_first + local.shape[0])
-            out[:total][own] = local[src_map[:total][own] - local_first]
+        for r in range(total):
+            q = int(src_map[r])
+            if local is not None and local_first <= q < local_first + local.shape[0]:
+                out[r] = local[q - local_first]
+            else:
+                out[r] = src[q] if q >= 0 else 0
     out[total:max(total, prev)] = 0
     totals[0] = total
 
@@ -78,7 +80,8 @@ def gather_tokens_ref(srcs, tokens, out, t_max, skip=-1):
         out[s * t_max: s * t_max + n] = src[:n]
 
 
-def local_reduce_ref(y, red, tokens, out, t_max):
+def local_reduce_ref(y, red, tokens, out, t_max, *, push_to=None, me=0):
+    """``push_to``: the sources' buffers (``push_to[s]``); the sum goes to slot me*t_max + t."""
     for q in range(red.shape[0]):
         s, t = divmod(q, t_max)
         rows = [int(r) for r in red[q] if r >= 0]
@@ -86,7 +89,10 @@ def local_reduce_ref(y, red, tokens, out, t_max):
             acc = torch.zeros(y.shape[1], dtype=torch.float32, device=y.device)
             for r in rows:
                 acc += y[r].float()
-            out[q] = acc.to(out.dtype)
+            if push_to is None:
+                out[q] = acc.to(out.dtype)
+            else:
+                push_to[s][me * t_max + t] = acc.to(push_to[s].dtype)
 
 
 def push_meta_ref(pair_row, pair_rank, map_bufs, red_bufs, me, t_max, topk):
@@ -96,3 +102,19 @@ def push_meta_ref(pair_row, pair_rank, map_bufs, red_bufs, me, t_max, topk):
             red_bufs[d].view(-1)[me * t_max * topk + p] = row if (to_d and row >= 0) else -1
             if to_d and row >= 0:
                 map_bufs[d][row] = me * t_max + p // topk
+
+
+def copy_rows_ref(src, idx, dst, start, end, *, scatter, tokens_per_expert=None, slot_rows=0):
+    """``slot_rows``: ``dst`` is the list of the peers' buffers (``dst[rank]``)."""
+    if tokens_per_expert is not None:
+        end = min(end, int(tokens_per_expert.sum()))
+    for i in range(start, end):
+        q = int(idx[i])
+        if q < 0:
+            continue
+        if slot_rows:
+            dst[q // slot_rows][q % slot_rows] = src[i]
+        elif scatter:
+            dst[q] = src[i]
+        else:
+            dst[i] = src[q]

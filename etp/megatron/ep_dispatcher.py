@@ -20,8 +20,15 @@ weights and runs ``ExpertDispatcher.prepare`` (its small count all-gather); the 
   (rows past the valid ones are zero with zero probability): no host sync, capturable in
   a CUDA graph with a ``symm_*`` backend, for experts that take padded input.
 
-Not supported: expert tensor parallelism (``expert_tensor_parallel_size > 1``), token
-dropping with padding (``moe_pad_expert_input_to_capacity``), shared-expert overlap.
+Composes with ETP's sharding of the expert weights (``etp.expert_etp_size``: the weights of
+this rank's experts sharded over its expert-data-parallel ranks, e.g. EP 2 x expert ETP 2 at
+world 4): the dispatcher moves tokens over the EP group, the ETP engine gathers weights over
+the other axis, and neither knows of the other (``tests/megatron/test_ep_megatron.py`` trains
+it against EP 1 with megatron's dispatcher). ``dispatcher.backend_report`` says which backends
+``backend="auto"`` chose for each move.
+
+Not supported: megatron's expert tensor parallelism (``expert_tensor_parallel_size > 1``),
+token dropping with padding (``moe_pad_expert_input_to_capacity``), shared-expert overlap.
 """
 from __future__ import annotations
 

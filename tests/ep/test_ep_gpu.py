@@ -1,11 +1,13 @@
 """GPU (NCCL, 2 GPUs): every etp.ep backend against ``reference``, CUDA-graph replay of a
-whole forward + backward step, and no allocation by the symmetric-memory moves.
+whole forward + backward step (symm_*, nccl_padded), no allocation by the moves, and
+``hierarchical`` over hosts declared on one machine (2 GPUs as 2 x 1, 4 as 2 x 2).
 
-Run with ``ETP_TEST_BACKEND=nccl`` on a machine with 2 GPUs (tools/gpu_ep.sh); skipped
-otherwise.
+Run with ``ETP_TEST_BACKEND=nccl`` on a machine with 2 GPUs (4 for the 2 x 2 test;
+``tools/gpu_ep_check.sh``); skipped otherwise.
 
 Tolerances: dispatch is a copy and is compared bit for bit; so is combine for
-``reference``, ``nccl`` and ``symm_push`` (all sum a token's K rows in fp32 in k order).
+``reference``, ``nccl``, ``nccl_padded`` and ``symm_push`` (all sum a token's K rows in fp32
+in k order).
 ``symm_dedup`` / ``symm_allgather`` combine sums per rank first and sends bf16 partial
 sums: compared within 2 bf16 ulps of the row magnitude (rtol 1.6e-2, atol 1.6e-2 * max).
 """
@@ -21,7 +23,7 @@ from etp import ep
 
 pytestmark = pytest.mark.skipif(backend() != "nccl" or torch.cuda.device_count() < 2,
                                 reason="needs ETP_TEST_BACKEND=nccl and 2 GPUs")
-EXACT_COMBINE = ("reference", "nccl", "symm_push")
+EXACT_COMBINE = ("reference", "nccl", "nccl_padded", "symm_push")
 
 
 def _cfg(**kw):
@@ -82,7 +84,8 @@ def _compare(got, want, name, dedup_combine):
 
 def _backends_vs_reference(ctx):
     names = ep.available_backends(None)
-    pairs = [(n, n) for n in names] + [("symm_dedup", "symm_push"), ("symm_push", "symm_dedup"), ("nccl", "symm_push")]
+    pairs = [(n, n) for n in names] + [("symm_dedup", "symm_push"), ("symm_push", "symm_dedup"), ("nccl", "symm_push"),
+                                       ("nccl_padded", "symm_dedup")]
     errors = []
     for case, tokens in (("uniform", 600 - 37 * ctx.rank), ("skewed", 512), ("one_rank", 300 * ctx.rank)):
         cfg = _cfg()
@@ -105,7 +108,33 @@ def _backends_vs_reference(ctx):
 
 def test_every_backend_matches_reference():
     for errors, names in run_distributed(_backends_vs_reference, 2):
-        assert {"symm_push", "symm_dedup", "symm_allgather", "nccl"} <= set(names), names
+        assert {"symm_push", "symm_dedup", "symm_allgather", "nccl", "nccl_padded"} <= set(names), names
+        assert not errors, errors
+
+
+def _hierarchical_vs_reference(ctx):
+    """Hosts declared on one machine: 2 GPUs as 2 hosts x 1, 4 as 2 x 2 (symmetric memory
+    within a host, NCCL between)."""
+    errors = []
+    for case, tokens in (("uniform", 600 - 37 * ctx.rank), ("skewed", 512), ("one_rank", 300 * ctx.rank)):
+        cfg = _cfg(ranks_per_host=ctx.world_size // 2)
+        idx, w, x = _routing(ctx, case, cfg, tokens)
+        scale = torch.linspace(0.5, 1.5, cfg.hidden_size, device=ctx.device)
+        grad_out = torch.randn(tokens, cfg.hidden_size, device=ctx.device).to(cfg.dtype)
+        want = _step(ep.ExpertDispatcher(replace(cfg, backend="reference")), idx, w, x, scale, grad_out)
+        disp = ep.ExpertDispatcher(replace(cfg, backend="hierarchical"))
+        if type(disp.dispatch_backend._intra).__name__ != "SymmIntra":
+            errors.append("hierarchical does not use symmetric memory within a host")
+        for _ in range(2):
+            got = _step(disp, idx, w, x, scale, grad_out)
+        errors += _compare(got, want, f"{case} hierarchical", True)
+        errors += _compare(_step(disp, idx, w, x, scale, grad_out, trim=True), want, f"{case} hierarchical trim", True)
+    return errors
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_hierarchical_over_declared_hosts_matches_reference(world):
+    for errors in run_distributed(_hierarchical_vs_reference, world):
         assert not errors, errors
 
 
@@ -144,7 +173,7 @@ def _graph_replay(ctx, name):
     return errors
 
 
-@pytest.mark.parametrize("name", ["symm_push", "symm_dedup", "symm_allgather"])
+@pytest.mark.parametrize("name", ["symm_push", "symm_dedup", "symm_allgather", "nccl_padded"])
 def test_cuda_graph_replay_equals_eager(name):
     for errors in run_distributed(_graph_replay, 2, name):
         assert not errors, errors
@@ -175,7 +204,7 @@ def _allocations(ctx, name):
     return counts, torch.cuda.memory_reserved() - reserved
 
 
-@pytest.mark.parametrize("name", ["symm_push", "symm_dedup", "symm_allgather"])
+@pytest.mark.parametrize("name", ["symm_push", "symm_dedup", "symm_allgather", "nccl", "nccl_padded"])
 def test_moves_allocate_nothing(name):
     for counts, reserved_growth in run_distributed(_allocations, 2, name):
         assert counts == [0, 0, 0], counts

@@ -88,8 +88,10 @@ def _check_all_moves(case, world, capacity, expert_capacity=None, *, topk=3, hid
         km.zero_tail(out, torch.zeros_like(layouts[d].tokens_per_expert), totals, **ctas(2))
         assert bool((out[:total] == 0).all()) and bool((out[total:] == 9.0).all()) and totals[0] == 0
         want_out, want_totals = out.clone(), totals.clone()
-        km.select_rows(tok[d], maps[d], out, layouts[d].tokens_per_expert, totals, **ctas(3))
-        ref.select_rows_ref(tok[d], maps[d], want_out, layouts[d].tokens_per_expert, want_totals)
+        holes = maps[d].clone()
+        holes[::3] = -1  # rows nothing arrived for: zeroed
+        km.select_rows(tok[d], holes, out, layouts[d].tokens_per_expert, totals, **ctas(3))
+        ref.select_rows_ref(tok[d], holes, want_out, layouts[d].tokens_per_expert, want_totals)
         assert torch.equal(out, want_out) and totals[0] == want_totals[0]
         out.fill_(9.0)
         totals = torch.tensor([capacity, 0], dtype=torch.int64, device=DEVICE)
@@ -99,9 +101,9 @@ def _check_all_moves(case, world, capacity, expert_capacity=None, *, topk=3, hid
     # 3. all-gather of the token rows (all, and all but one rank's).
     staged = [torch.cat([x, torch.full((t_max - x.shape[0], hidden), 3.0, device=DEVICE)]) for x in xs]
     tokens = layouts[0].tokens
-    for skip in (-1, world - 1):
+    for skip, rotate in ((-1, False), (world - 1, True)):
         got, want = _bufs(1, world * t_max, hidden, fill=-1.0)[0], _bufs(1, world * t_max, hidden, fill=-1.0)[0]
-        km.gather_tokens(tab(staged), tokens, got, t_max, skip=skip, **ctas(4))
+        km.gather_tokens(tab(staged), tokens, got, t_max, skip=skip, rotate=rotate, **ctas(4))
         ref.gather_tokens_ref(staged, tokens, want, t_max, skip=skip)
         assert torch.equal(got, want)
     # 4. combine: pull-reduce, and local reduce + de-duplicated pull; per-pair scalars.
@@ -109,10 +111,16 @@ def _check_all_moves(case, world, capacity, expert_capacity=None, *, topk=3, hid
     ys = [torch.randn(capacity, hidden, generator=gen).to(DEVICE) for _ in range(world)]
     # Slots without a row here must keep what they held: start from 5, not 0.
     partial, want_partial = _bufs(world, world * t_max, hidden, fill=5.0), _bufs(world, world * t_max, hidden, fill=5.0)
+    # The pushed variant: rank d writes source s's partial sums into s's slot d*t_max + t.
+    pushed, want_pushed = _bufs(world, world * t_max, hidden, fill=5.0), _bufs(world, world * t_max, hidden, fill=5.0)
     for d in range(world):
-        km.local_reduce(ys[d], red[d], tokens, partial[d], t_max, **ctas(3))
+        km.local_reduce(ys[d], red[d], tokens, partial[d], t_max, rotate=d % 2 == 0, **ctas(3))
         ref.local_reduce_ref(ys[d], red[d], tokens, want_partial[d], t_max)
         assert torch.equal(partial[d], want_partial[d])
+        km.local_reduce(ys[d], red[d], tokens, tab(pushed), t_max, push=True, me=d, rotate=d % 2 == 1, **ctas(3))
+        ref.local_reduce_ref(ys[d], red[d], tokens, None, t_max, push_to=want_pushed, me=d)
+    for s in range(world):
+        assert torch.equal(pushed[s], want_pushed[s]), f"pushed partial sums of source {s}"
     for r, lay in enumerate(layouts):
         T = xs[r].shape[0]
         out, want = torch.empty(T, hidden, device=DEVICE), torch.empty(T, hidden, device=DEVICE)
@@ -130,6 +138,11 @@ def _check_all_moves(case, world, capacity, expert_capacity=None, *, topk=3, hid
         ref.pull_reduce_ref(partial, lay.pair_row, lay.pair_rank, want2, dedup=True, me=r, t_max=t_max)
         assert torch.equal(out2, want2)
         torch.testing.assert_close(out2, out, rtol=1e-6, atol=1e-6)  # same sum, other order
+        # The source's local reduction of what was pushed to it: the same sum, bit for bit.
+        out3 = torch.empty(T, hidden, device=DEVICE)
+        km.pull_reduce(km.slot_table(pushed[r], world), lay.pair_row, lay.pair_rank, out3, dedup=True, me=0,
+                       t_max=t_max, **ctas(2))
+        assert torch.equal(out3, want2), "pushed combine differs from the pulled one"
         pairs, want_pairs = torch.empty(T * topk, device=DEVICE), torch.empty(T * topk, device=DEVICE)
         km.pull_pairs(tab(recv_w), lay.pair_row, lay.pair_rank, pairs, **ctas(2))
         ref.pull_pairs_ref(recv_w, lay.pair_row, lay.pair_rank, want_pairs)
@@ -162,6 +175,30 @@ def test_move_kernels_with_dropping_and_overflow():
 ], ids=["rows8", "rows16-zero-tokens", "rows4-k1", "rows1-4ranks", "two-col-blocks", "two-col-blocks-auto"])
 def test_move_kernels_tiles_with_ragged_tails(case, world, topk, hidden, launch):
     _check_all_moves(case, world, capacity=world * 7 * topk - 3, topk=topk, hidden=hidden, launch=launch)
+
+
+@pytest.mark.parametrize("hidden, rows", [(5, 4), (4136, None)], ids=["narrow-rows4", "two-col-blocks"])
+def test_copy_rows_matches_reference(hidden, rows):
+    """Gather, scatter, scatter bounded by device counts, scatter into peers' buffers."""
+    from etp.kernels.ep_pack import copy_rows
+
+    gen = torch.Generator().manual_seed(4)
+    src = torch.randn(11, hidden, generator=gen).to(DEVICE)
+    idx = torch.randperm(14, generator=gen)[:11].to(DEVICE)
+    idx[[2, 7]] = -1  # skipped rows
+    launch = dict(num_ctas=3, rows=rows)
+    for scatter, counts in ((False, None), (True, None), (True, torch.tensor([3, 5], device=DEVICE))):
+        n_dst = 11 if not scatter else 14
+        got, want = torch.full((n_dst, hidden), 7.0, device=DEVICE), torch.full((n_dst, hidden), 7.0, device=DEVICE)
+        gather_src = torch.randn(14, hidden, generator=gen).to(DEVICE) if not scatter else src
+        copy_rows(gather_src, idx, got, 1, 10, scatter=scatter, tokens_per_expert=counts, **launch)
+        ref.copy_rows_ref(gather_src, idx, want, 1, 10, scatter=scatter, tokens_per_expert=counts)
+        assert torch.equal(got, want), (scatter, counts)
+    peers = _bufs(2, 7, hidden, fill=7.0)
+    want_peers = [p.clone() for p in peers]
+    copy_rows(src, idx, km.table_of(peers, DEVICE), 0, 11, scatter=True, slot_rows=7, **launch)
+    ref.copy_rows_ref(src, idx, want_peers, 0, 11, scatter=True, slot_rows=7)
+    assert all(torch.equal(a, b) for a, b in zip(peers, want_peers))
 
 
 def test_tile_shapes():
@@ -200,7 +237,7 @@ def _fake_symmetric_memory(monkeypatch_like):
 
     import etp.ep.backends as backends
 
-    monkeypatch_like(backends, "_symm_available", lambda group: (True, ""))
+    monkeypatch_like(backends, "symm_unavailable_reason", lambda group: "")
     monkeypatch_like(symm_mem, "empty", lambda *shape, dtype, device: torch.empty(shape, dtype=dtype, device=device))
     monkeypatch_like(symm_mem, "rendezvous", lambda t, group: _FakeSymmHandle(t))
     monkeypatch_like(symm_mem, "enable_symm_mem_for_group", lambda name: None)
@@ -247,6 +284,9 @@ def _symm_on_cpu(ctx, name):
 
     for fn_name in _MOVE_KERNELS:
         setattr(ep_move, fn_name, recorder(fn_name, getattr(ep_move, fn_name)))
+    from etp.ep.backends import symm
+
+    symm.copy_rows = recorder("copy_rows", symm.copy_rows)
     # 4-row tiles: T = 6, 3, 5 leave ragged tails; 2 programs loop over several tiles.
     cfg = ep.EPConfig(num_experts=4, topk=2, hidden_size=8, max_tokens_per_rank=6, dtype=torch.float32,
                       num_ctas=2, tile_rows=4, num_stages=2, backend=name)
@@ -254,8 +294,11 @@ def _symm_on_cpu(ctx, name):
                                                                                   "backend": "reference"}))
     gen = torch.Generator().manual_seed(1)
     errors = []
-    # Correctness against reference, T shrinking so that stale rows must be zeroed.
-    for tokens in (6, 3, 0, 5):
+    # Correctness against reference, T shrinking so that stale rows must be zeroed; the last
+    # steps with the combine that pulls from the peers, walking them in rank order.
+    for tokens in (6, 3, 0, 5, 4):
+        if tokens == 4:
+            disp.combine_backend.tune(combine="pull", peer_order="sequential")
         idx = torch.rand(tokens, 4, generator=gen).topk(2, dim=1).indices
         x, w = torch.randn(tokens, 8, generator=gen), torch.rand(tokens, 2, generator=gen)
         got, want = [], []
@@ -270,6 +313,7 @@ def _symm_on_cpu(ctx, name):
             if not torch.equal(a, b):
                 errors.append(f"T={tokens}: {key} differs from reference")
     # The moves of one handle, step after step: identical launches, nothing allocated.
+    disp.combine_backend.tune(combine="push", peer_order="rotated")
     idx = torch.rand(6, 4, generator=gen).topk(2, dim=1).indices
     x, w = torch.randn(6, 8, generator=gen), torch.rand(6, 2, generator=gen)
     handle = disp.prepare(idx)
@@ -308,6 +352,10 @@ def test_symm_backend_on_cpu_is_graph_safe_and_allocation_free(name):
     [(errors, per_step, allocs, ops)] = run_distributed(_symm_on_cpu, 1, name)
     assert not errors, errors
     assert per_step[0], "no kernel launch recorded"
+    # The combines push: symm_push its rows back to per-pair slots, the others their partial sums.
+    launched = {fn: kw for fn, _, kw in per_step[0]}
+    assert ("copy_rows" in launched) == (name == "symm_push")
+    assert name == "symm_push" or dict(launched["local_reduce"])["push"] is True
     # A CUDA graph replays the launches of its capture: every call must launch the same.
     for step in per_step[1:]:
         assert step == per_step[0], "a move's kernel arguments changed between steps"
@@ -319,3 +367,129 @@ def test_symm_backend_on_cpu_is_graph_safe_and_allocation_free(name):
                "aten.empty.memory_format", "aten.set_.source_Storage", "aten.set_.source_Storage_storage_offset",
                "aten.alias.default", "aten.as_strided.default"}
     assert {op for op in ops if not op.startswith("profiler.")} <= allowed, ops
+
+
+# ---------------------------------------------------------------- the nccl backends' kernels on CPU
+# Two gloo ranks; the pack / unpack steps forced onto the Triton kernels (the interpreter),
+# which is what runs on a GPU (CPU tensors otherwise take the torch path).
+def _nccl_on_cpu(ctx, name, chunks):
+    from dataclasses import replace
+
+    from etp import ep
+    from etp.ep.backends import pack
+    from etp.kernels import ep_move
+
+    launches = []
+
+    def recorder(module, fn_name):
+        fn = getattr(module, fn_name)
+
+        def record(*args, **kwargs):
+            kw = tuple(sorted((k, _describe(v)) for k, v in kwargs.items()))
+            launches.append((fn_name, tuple(map(_describe, args)), kw))
+            return fn(*args, **kwargs)
+        setattr(module, fn_name, record)
+
+    for fn_name in ("push_rows", "pull_reduce", "pull_pairs", "zero_tail"):
+        recorder(ep_move, fn_name)
+    recorder(pack, "copy_rows")
+    cfg = ep.EPConfig(num_experts=4, topk=2, hidden_size=8, max_tokens_per_rank=6, dtype=torch.float32,
+                      num_ctas=2, tile_rows=4, num_stages=2, backend=name)
+    disp, ref_disp = ep.ExpertDispatcher(cfg), ep.ExpertDispatcher(replace(cfg, backend="reference"))
+    disp.dispatch_backend.tune(kernels="triton", chunks=chunks)
+    gen = torch.Generator().manual_seed(7 + ctx.rank)
+    errors = []
+    for tokens in (6, 3 + ctx.rank, 0, 5):  # shrinking: stale rows must be zeroed
+        idx = torch.rand(tokens, 4, generator=gen).topk(2, dim=1).indices
+        x, w = torch.randn(tokens, 8, generator=gen), torch.rand(tokens, 2, generator=gen)
+        got, want = [], []
+        for d, out in ((disp, got), (ref_disp, want)):
+            xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+            h = d.prepare(idx)
+            recv_x, recv_w, tpe = d.dispatch(xg, wg, h)
+            y = d.combine(recv_x * 2 * recv_w[:, None], h)
+            gx, gw = torch.autograd.grad(y, (xg, wg), torch.ones_like(y))
+            out += [t.detach().clone() for t in (recv_x, recv_w, tpe, y, gx, gw)]
+        for key, a, b in zip(("recv_x", "recv_w", "tokens_per_expert", "out", "grad_x", "grad_w"), got, want):
+            if not torch.equal(a, b):
+                errors.append(f"{name} chunks={chunks} T={tokens}: {key} differs from reference")
+    idx = torch.rand(6, 4, generator=gen).topk(2, dim=1).indices
+    x, w = torch.randn(6, 8, generator=gen), torch.rand(6, 2, generator=gen)
+    handle = disp.prepare(idx)
+    per_step, allocs = [], []
+    with torch.no_grad():
+        for _ in range(3):
+            launches.clear()
+            with _Allocations() as mode:
+                recv_x, _, _ = disp.dispatch(x, w, handle)
+                disp.combine(recv_x, handle)
+                disp._move_dispatch(x, None, handle, backward=True)
+                disp._move_combine(recv_x, handle, backward=True)
+                disp._move_combine_pairs(disp._recv_w, handle)
+            per_step.append(list(launches))
+            allocs.append(mode.ops)
+    return errors, per_step, allocs
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton interpreter on CPU tensors")
+@pytest.mark.parametrize("name, chunks", [pytest.param("nccl", 3, marks=pytest.mark.slow), ("nccl_padded", 2)])
+def test_nccl_backend_kernels_match_reference_without_allocating(name, chunks):
+    from harness import run_distributed
+
+    for errors, per_step, allocs in run_distributed(_nccl_on_cpu, 2, name, chunks):
+        assert not errors, errors
+        assert per_step[0] and all(step == per_step[0] for step in per_step[1:]), "launch arguments changed"
+        assert {fn for fn, _, _ in per_step[0]} == {"push_rows", "pull_reduce", "pull_pairs", "zero_tail",
+                                                    "copy_rows"}
+        assert allocs == [[], [], []], allocs
+
+
+# ---------------------------------------------------------------- hierarchical, its symmetric-memory side on CPU
+# Two gloo ranks declared as 2 hosts x 1: the rail exchange on gloo, the within-host moves on
+# the (stand-in) symmetric memory of each one-rank host, the kernels in the interpreter.
+def _hierarchical_on_cpu(ctx):
+    from dataclasses import replace
+
+    from etp import ep
+
+    _fake_symmetric_memory(setattr)
+    cfg = ep.EPConfig(num_experts=4, topk=2, hidden_size=8, max_tokens_per_rank=6, dtype=torch.float32,
+                      num_ctas=2, tile_rows=4, num_stages=2, backend="hierarchical", ranks_per_host=1)
+    disp, ref_disp = ep.ExpertDispatcher(cfg), ep.ExpertDispatcher(replace(cfg, backend="reference"))
+    gen = torch.Generator().manual_seed(3 + ctx.rank)
+    errors = [] if type(disp.dispatch_backend._intra).__name__ == "SymmIntra" else ["not on symmetric memory"]
+    for tokens in (6, 2 + ctx.rank, 0, 5):
+        idx = torch.rand(tokens, 4, generator=gen).topk(2, dim=1).indices
+        x, w = torch.randn(tokens, 8, generator=gen), torch.rand(tokens, 2, generator=gen)
+        got, want = [], []
+        for d, out in ((disp, got), (ref_disp, want)):
+            xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+            h = d.prepare(idx)
+            recv_x, recv_w, tpe = d.dispatch(xg, wg, h)
+            y = d.combine(recv_x * 2 * recv_w[:, None], h)
+            gx, gw = torch.autograd.grad(y, (xg, wg), torch.ones_like(y))
+            out += [t.detach().clone() for t in (recv_x, recv_w, tpe, y, gx, gw)]
+        for key, a, b in zip(("recv_x", "recv_w", "tokens_per_expert", "out", "grad_x", "grad_w"), got, want):
+            if not torch.allclose(a, b, rtol=1e-6, atol=1e-6):  # per-host sums: another summation order
+                errors.append(f"T={tokens}: {key} differs from reference")
+    idx = torch.rand(6, 4, generator=gen).topk(2, dim=1).indices
+    x, w = torch.randn(6, 8, generator=gen), torch.rand(6, 2, generator=gen)
+    handle = disp.prepare(idx)
+    allocs = []
+    with torch.no_grad():
+        for _ in range(2):
+            with _Allocations() as mode:
+                recv_x, _, _ = disp.dispatch(x, w, handle)
+                disp.combine(recv_x, handle)
+                disp._move_combine_pairs(disp._recv_w, handle)
+            allocs.append(mode.ops)
+    return errors, allocs
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton interpreter on CPU tensors")
+def test_hierarchical_symmetric_side_matches_reference_without_allocating():
+    from harness import run_distributed
+
+    for errors, allocs in run_distributed(_hierarchical_on_cpu, 2):
+        assert not errors, errors
+        assert allocs == [[], []], allocs

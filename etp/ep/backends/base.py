@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["EPContext", "Backend", "sum_pairs"]
+__all__ = ["EPContext", "Backend", "first_pairs", "sum_pairs"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,25 @@ class Backend:
     def on_prepare(self, handle) -> None:
         """Called at the end of ``prepare`` (e.g. to push metadata to peers)."""
 
+    def check(self, layer: str) -> None:
+        """Raises what this backend saw on device since the last call (``ExpertDispatcher.check``,
+        a host sync point), naming ``layer``."""
+
+    def wire_rows(self, handle, move: str) -> list[int]:
+        """Rows of width H this rank's tokens move between it and each rank over the
+        interconnect in ``move`` (``"dispatch"``: sent to that rank; ``"combine"``: received
+        from it), this rank's own entry 0: what benchmarks count as the bytes a move moves
+        (host values; not for the step). Here: one row per pair to another rank."""
+        lay = handle.layout
+        counts = torch.bincount(lay.pair_rank[lay.pair_row >= 0], minlength=self.ctx.world_size)
+        counts[self.ctx.rank] = 0
+        return counts.tolist()
+
+    def tune(self, **options) -> None:
+        """Changes launch options from the next move on (see each backend); none here."""
+        if options:
+            raise ValueError(f"EP backend {self.name!r} takes no tune() options, got {sorted(options)}")
+
     def dispatch(self, x: torch.Tensor, w: Optional[torch.Tensor], handle, out_x: torch.Tensor,
                  out_w: Optional[torch.Tensor]) -> None:
         """Writes row ``pair_row[t*K+k]`` of rank ``pair_rank[...]``'s ``out_x`` with ``x[t]``
@@ -73,3 +92,12 @@ def sum_pairs(per_pair: torch.Tensor, out: torch.Tensor) -> None:
     for k in range(1, per_pair.shape[1]):
         acc = acc + per_pair[:, k].to(acc_dtype)
     out.copy_(acc)
+
+
+def first_pairs(key: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
+    """[T, K] bool: the pair is sent and is the first of its token (in k order) with its
+    ``key`` (the destination rank, or host): where a de-duplicated move sends the token."""
+    K = key.shape[1]
+    same = (key[:, :, None] == key[:, None, :]) & sent[:, None, :]
+    earlier = torch.ones(K, K, dtype=torch.bool, device=key.device).tril(-1)
+    return sent & ~(same & earlier).any(2)

@@ -23,8 +23,8 @@ built from a Python value that changes per call. State that carries from one cal
 next (how many rows of a receive buffer the last step left valid, which the next one must
 zero) lives on device in a tensor allocated with the buffer (``alloc_rows``) and is updated
 by stream-ordered kernels; the barriers are device-side signal exchanges on the buffers'
-signal pads. ``tests/test_ep.py`` checks the invariant on CPU (launch arguments identical
-step to step, no tensor allocated by a move). The copy kernels are persistent and take
+signal pads. ``tests/kernels/test_ep_kernels.py`` checks the invariant on CPU (launch
+arguments identical step to step, no tensor allocated by a move). The copy kernels are persistent and take
 ``EPConfig.num_ctas`` thread blocks, each moving ``[tile_rows, H]`` tiles (see [Note: row
 tiles] in ``etp.kernels.ep_move``, where the kernels are).
 
@@ -32,15 +32,19 @@ Algorithms (all share the layout of [Note: receive layout] and produce the same 
 
 * ``symm_push``: dispatch writes each (token, expert) row straight into its row of the
   receiver's buffer (the permutation into expert order fused into the transfer); combine
-  stages ``expert_out`` in symmetric memory (skipped when it already is one of this
-  backend's buffers) and every source pulls its K rows and sums them (fp32, k order:
-  bit-identical to ``reference``).
+  writes each row of ``expert_out`` back into its source's slot for that pair and every
+  source sums its K slots locally (fp32, k order: bit-identical to ``reference``).
+  ``tune(combine="pull")``: combine stages ``expert_out`` in symmetric memory and the
+  sources pull their K rows instead.
 * ``symm_dedup``: a token crosses to a rank once however many of its experts live there:
   dispatch pushes it into the receiver's per-token slot and the receiver expands it into
   its rows locally (its own tokens straight from ``x``: they skip the slot); combine first
-  sums each source token's rows locally, so one partial sum per (token, rank) crosses back
-  (summation order differs from ``reference``: per rank first, then over ranks; bf16
-  partial sums).
+  sums each source token's rows locally and pushes that one partial sum per (token, rank)
+  into the source's slot, where the source reduces its slots locally (summation order
+  differs from ``reference``: per rank first, then over ranks in the order of the token's
+  first pair to each; bf16 partial sums). Both moves write to peers and walk the peers in
+  rotation ([Note: peer order] in ``etp.kernels.ep_move``; ``tune(combine="pull")`` keeps
+  the older combine that reads the partial sums from the peers, for comparison).
 * ``symm_allgather``: every rank pulls every peer's tokens (all-gather), then selects its
   rows locally (its own from ``x``); combine as ``symm_dedup``. Moves tokens routed nowhere
   here too, and wins where nearly every token has an expert on every rank (large K, few
@@ -53,8 +57,9 @@ import warnings
 import torch
 from torch.autograd.profiler import record_function
 
-from etp.ep.backends.base import Backend
+from etp.ep.backends.base import Backend, first_pairs
 from etp.kernels import ep_move as km
+from etp.kernels.ep_pack import copy_rows
 
 __all__ = ["SYMM_BACKENDS"]
 
@@ -80,6 +85,8 @@ class _SymmBackend(Backend):
         # Launch parameters of every kernel (the same on every call: see [Note: graph-safe moves]).
         self._launch = dict(num_ctas=cfg.num_ctas, rows=cfg.tile_rows, num_warps=cfg.num_warps,
                             stages=cfg.num_stages)
+        # How the de-duplicated combine moves partial sums, and whether per-peer loops rotate.
+        self._push_combine, self._rotate = True, True
         self._stage = self.alloc_rows(ctx.capacity, cfg.hidden_size)
         self._stage_w = self.alloc_rows(ctx.capacity, None, cfg.weight_dtype)
 
@@ -94,12 +101,24 @@ class _SymmBackend(Backend):
         self._buffers[t.data_ptr()] = (t, handle, table, totals)
         return t
 
-    def tune(self, *, num_ctas=None, tile_rows=None, num_warps=None, num_stages=None) -> None:
+    def tune(self, *, num_ctas=None, tile_rows=None, num_warps=None, num_stages=None, combine=None,
+             peer_order=None) -> None:
         """Changes the copy kernels' launch parameters (``EPConfig``'s fields of those names;
         None keeps one) from the next move on, e.g. to sweep them in a benchmark without
-        reallocating the buffers. A CUDA graph captured before keeps the old ones."""
+        reallocating the buffers. A CUDA graph captured before keeps the old ones.
+        ``combine``: ``"push"`` (default) or ``"pull"``, how ``symm_dedup`` / ``symm_allgather``
+        move the partial sums back; ``peer_order``: ``"rotated"`` (default) or ``"sequential"``
+        (see [Note: peer order] in ``etp.kernels.ep_move``)."""
         new = dict(num_ctas=num_ctas, rows=tile_rows, num_warps=num_warps, stages=num_stages)
         self._launch.update({key: value for key, value in new.items() if value is not None})
+        if combine is not None:
+            if combine not in ("push", "pull"):
+                raise ValueError(f"combine={combine!r}: expected 'push' or 'pull'")
+            self._push_combine = combine == "push"
+        if peer_order is not None:
+            if peer_order not in ("rotated", "sequential"):
+                raise ValueError(f"peer_order={peer_order!r}: expected 'rotated' or 'sequential'")
+            self._rotate = peer_order == "rotated"
 
     def _table(self, t):
         entry = self._buffers.get(t.data_ptr())
@@ -147,6 +166,30 @@ class _SymmBackend(Backend):
 class SymmPushBackend(_SymmBackend):
     name = "symm_push"
 
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        cfg, world = ctx.cfg, ctx.world_size
+        self._slots = cfg.max_tokens_per_rank * cfg.topk
+        # Per pair of this rank's tokens: the expert row its destination pushes back in combine.
+        self._pairs = self.alloc_rows(self._slots, cfg.hidden_size)
+        # Receive row -> (source rank, pair) slot, pushed by prepare (and push_meta's per-source
+        # table, which this backend does not read).
+        self._pair_map = self.alloc_rows(ctx.capacity, None, torch.int64)
+        self._pair_red = self.alloc_rows(world * self._slots, None, torch.int64)
+        self._pairs_here = km.table_of([self._pairs], ctx.device)
+        self._zeros = torch.zeros(self._slots, dtype=torch.int64, device=ctx.device)
+
+    def on_prepare(self, handle):
+        lay, ctx = handle.layout, self.ctx
+        self._barrier()
+        with record_function("etp::ep_symm_push_meta"):
+            # One "token" per pair (topk 1): slot me * T*K + p of each pair's destination.
+            km.push_meta(lay.pair_row, lay.pair_rank, self._table(self._pair_map), self._table(self._pair_red),
+                         ctx.world_size, ctx.rank, self._slots, 1, **self._launch)
+        self._barrier()
+        sent = lay.pair_row >= 0
+        handle.backend_state[self.name] = torch.where(sent, torch.arange(sent.numel(), device=sent.device), -1)
+
     def dispatch(self, x, w, handle, out_x, out_w):
         lay = handle.layout
         self._barrier()
@@ -158,6 +201,22 @@ class SymmPushBackend(_SymmBackend):
         self._select(out_x, None, out_x, lay.tokens_per_expert, identity=True, zero_only=True)
         if w is not None:
             self._select(out_w, None, out_w, lay.tokens_per_expert, identity=True, zero_only=True)
+
+    def combine(self, y, handle, out):
+        """Each destination pushes its rows back into their sources' per-pair slots (posted
+        writes, see [Note: peer order]); each source sums its K slots locally (fp32, k order:
+        bit-identical to ``reference``). ``tune(combine="pull")``: the sources pull instead."""
+        if not self._push_combine:
+            return super().combine(y, handle, out)
+        lay = handle.layout
+        self._barrier()
+        with record_function("etp::ep_symm_push_back"):
+            copy_rows(y.contiguous(), self._pair_map, self._table(self._pairs), 0, y.shape[0], scatter=True,
+                      tokens_per_expert=lay.tokens_per_expert, slot_rows=self._slots, **self._launch)
+        self._barrier()
+        pairs = handle.backend_state[self.name]
+        with record_function("etp::ep_symm_slot_reduce"):
+            km.pull_reduce(self._pairs_here, pairs, self._zeros[:pairs.numel()], out, **self._launch)
 
 
 class SymmDedupBackend(_SymmBackend):
@@ -175,6 +234,17 @@ class SymmDedupBackend(_SymmBackend):
         # Receive row -> source slot, and source slot -> its rows here (-1: none), pushed by prepare.
         self._map = self.alloc_rows(ctx.capacity, None, torch.int64)
         self._red = self.alloc_rows(world * self._t_max * cfg.topk, None, torch.int64)
+        # This rank's slots as W blocks: the partial sums the peers push back in combine.
+        self._slots = km.slot_table(self._tokens, world)
+
+    def wire_rows(self, handle, move):
+        """One row per token and other rank it has experts on (a partial sum in combine)."""
+        lay, T, K = handle.layout, handle.tokens, handle.topk
+        sent = (lay.pair_row >= 0).view(T, K)
+        rank = lay.pair_rank.view(T, K)
+        counts = torch.bincount(rank[first_pairs(rank, sent)], minlength=self.ctx.world_size)
+        counts[self.ctx.rank] = 0
+        return counts.tolist()
 
     def on_prepare(self, handle):
         lay, ctx = handle.layout, self.ctx
@@ -204,15 +274,24 @@ class SymmDedupBackend(_SymmBackend):
             self._select(out_w, None, out_w, lay.tokens_per_expert, identity=True, zero_only=True)
 
     def combine(self, y, handle, out):
-        lay = handle.layout
+        lay, me, red = handle.layout, self.ctx.rank, self._red.view(-1, self.ctx.cfg.topk)
         self._barrier()
+        if self._push_combine:
+            with record_function("etp::ep_symm_reduce_push"):
+                km.local_reduce(y.contiguous(), red, lay.tokens, self._table(self._tokens), self._t_max, push=True,
+                                me=me, rotate=self._rotate, **self._launch)
+            self._barrier()
+            with record_function("etp::ep_symm_slot_reduce"):
+                km.pull_reduce(self._slots, lay.pair_row, lay.pair_rank, out, dedup=True, me=0, t_max=self._t_max,
+                               **self._launch)
+            return
         with record_function("etp::ep_symm_local_reduce"):
-            km.local_reduce(y.contiguous(), self._red.view(-1, self.ctx.cfg.topk), lay.tokens, self._tokens,
-                            self._t_max, **self._launch)
+            km.local_reduce(y.contiguous(), red, lay.tokens, self._tokens, self._t_max, rotate=self._rotate,
+                            **self._launch)
         self._barrier()
         with record_function("etp::ep_symm_pull_reduce"):
-            km.pull_reduce(self._table(self._tokens), lay.pair_row, lay.pair_rank, out, dedup=True,
-                           me=self.ctx.rank, t_max=self._t_max, **self._launch)
+            km.pull_reduce(self._table(self._tokens), lay.pair_row, lay.pair_rank, out, dedup=True, me=me,
+                           t_max=self._t_max, **self._launch)
 
 
 class SymmAllGatherBackend(SymmDedupBackend):
@@ -221,6 +300,12 @@ class SymmAllGatherBackend(SymmDedupBackend):
     def __init__(self, ctx):
         super().__init__(ctx)
         self._x_stage = self.alloc_rows(self._t_max, ctx.cfg.hidden_size)
+
+    def wire_rows(self, handle, move):
+        """Dispatch: every peer reads all of this rank's tokens; combine as ``symm_dedup``."""
+        if move == "combine":
+            return super().wire_rows(handle, move)
+        return [0 if d == self.ctx.rank else handle.tokens for d in range(self.ctx.world_size)]
 
     def _send_tokens(self, x, w, handle, out_w):
         lay = handle.layout
@@ -237,7 +322,7 @@ class SymmAllGatherBackend(SymmDedupBackend):
         self._barrier()
         with record_function("etp::ep_symm_all_gather"):
             km.gather_tokens(self._table(self._x_stage), lay.tokens, self._tokens, self._t_max, skip=self.ctx.rank,
-                             **self._launch)
+                             rotate=self._rotate, **self._launch)
         with record_function("etp::ep_symm_expand"):
             self._select(self._tokens, self._map, out_x, lay.tokens_per_expert, local=x)
         if w is not None:
