@@ -25,10 +25,14 @@ SIZES = [int(s) for s in os.environ.get("ETP_TEST_SIZES", "2,4").split(",") if i
 pytestmark = pytest.mark.skipif(backend() != "nccl" or torch.cuda.device_count() < 2,
                                 reason="needs ETP_TEST_BACKEND=nccl and 2 GPUs")
 
-# Two layers of the flagship, one schedule of 400 iterations for every run (the uninterrupted
-# and the resumed ones stop at 4), a checkpoint every 2, bitwise-reproducible kernels.
-ARGS = ["--recipe", str(ROOT / "recipes" / "moe_flagship.yaml"), "--set", "num_layers=2", "--train-iters", "400",
-        "--log-interval", "1", "--set", "save_interval=2", "--set", "deterministic=true", "--set", "cuda_graph=none"]
+# A small model of the flagship's kind (its checkpoints ~1.4 GB: a save is seconds, not minutes),
+# one schedule of 400 iterations for every run (the uninterrupted and the resumed ones stop at 4),
+# a checkpoint every 2, bitwise-reproducible kernels.
+SMALL = {"num_layers": 2, "hidden_size": 1024, "num_attention_heads": 8, "num_query_groups": 8,
+         "ffn_hidden_size": 2816, "num_experts": 8, "moe_ffn_hidden_size": 512}
+ARGS = ["--recipe", str(ROOT / "recipes" / "moe_flagship.yaml"),
+        *(arg for key, value in SMALL.items() for arg in ("--set", f"{key}={value}")),
+        "--train-iters", "400", "--log-interval", "1", "--set", "save_interval=2", "--set", "deterministic=true", "--set", "cuda_graph=none"]
 
 
 def _torchrun(world: int, *argv) -> list[str]:

@@ -74,9 +74,10 @@ def ep_moves(step, folder: Path) -> str:
     report = _load(folder / "ep_moves.json")
     if not report:
         return "no JSON"
-    parts = [f"{r['workload']} {r['backend']} {r['vs_a2a_dispatch']:.2f}/{r['vs_a2a_combine']:.2f}"
-             for r in report.get("rows", []) if "vs_a2a_dispatch" in r and r.get("backend") != "nccl"]
-    return "x a2a (dispatch/combine): " + ", ".join(parts)
+    moves = ("dispatch", "combine", "dispatch_bwd", "combine_bwd")
+    parts = [f"{r['workload']} {r['backend']} " + "/".join(f"{r[m + '_x_a2a']:.2f}" for m in moves)
+             for r in report.get("rows", []) if "dispatch_x_a2a" in r]
+    return "x all-to-all of the same bytes (dispatch/combine/their backwards): " + ", ".join(parts)
 
 
 def ep_dispatcher(step, folder: Path) -> str:

@@ -121,7 +121,7 @@ def expert_parallel(k: int) -> list[Step]:
     moves = f"torchrun --standalone --nproc-per-node {k} tools/bench_ep.py --workloads sonicmoe,deepseek_v3 --out {{json}}"
     dispatcher = (f"torchrun --standalone --nproc-per-node {k} tools/bench_ep_megatron.py "
                   "--workloads sonicmoe,deepseek_v3 --etp-backends symm_dedup --out {json}")
-    return [Step(f"ep_moves_{k}gpu", "Expert parallelism", (Run("ep_moves", moves, k, 90, 240),), headlines.ep_moves),
+    return [Step(f"ep_moves_{k}gpu", "Expert parallelism", (Run("ep_moves", moves, k, 150, 300),), headlines.ep_moves),
             Step(f"ep_dispatcher_{k}gpu", "Expert parallelism", (Run("ep_dispatcher", dispatcher, k, 90, 240),),
                  headlines.ep_dispatcher)]
 
