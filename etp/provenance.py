@@ -23,12 +23,30 @@ def _git(*args: str) -> str | None:
     return done.stdout.strip() if done.returncode == 0 else None
 
 
+def _command(argv: list[str] | None) -> str:
+    """The command that reproduces this run: under torchrun the launcher as typed (a worker's
+    own argv is ``python script ...``), and ``-m package.module`` rather than the module's path."""
+    args = list(sys.argv if argv is None else argv)
+    root = Path(__file__).resolve().parents[1]
+    if args and args[0].endswith(".py"):
+        script = Path(args[0]).resolve()
+        if root in script.parents and script.parts[len(root.parts)] == "etp":
+            args[:1] = ["-m", ".".join(script.relative_to(root).with_suffix("").parts)]
+        elif root in script.parents:
+            args[0] = str(script.relative_to(root))
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun in every worker
+        return shlex.join(["torchrun", "--standalone", f"--nproc-per-node={os.environ.get('LOCAL_WORLD_SIZE', '1')}",
+                           *args])
+    return shlex.join([Path(sys.executable).name, *args])
+
+
 def run_provenance(argv: list[str] | None = None) -> dict:
     """The command line, GPU name and count, commit (and whether the tree had uncommitted
     changes to tracked files), date, torch and Python versions of this process's run.
 
     ``world_size`` is the launcher's (``WORLD_SIZE``, else 1); ``gpu_count`` the GPUs this host
-    shows. Outside a git checkout (an installed wheel) ``commit`` is None.
+    shows. Outside a git checkout (an installed wheel) ``commit`` is None; ``dirty`` True means
+    the code that ran is not exactly ``commit``.
 
     Example::
 
@@ -39,7 +57,7 @@ def run_provenance(argv: list[str] | None = None) -> dict:
     cuda = torch.cuda.is_available()
     status = _git("status", "--porcelain", "--untracked-files=no")
     return {
-        "command": shlex.join([Path(sys.executable).name, *(sys.argv if argv is None else argv)]),
+        "command": _command(argv),
         "gpu_name": torch.cuda.get_device_name() if cuda else None,
         "gpu_count": torch.cuda.device_count() if cuda else 0,
         "world_size": int(os.environ.get("WORLD_SIZE", "1")),

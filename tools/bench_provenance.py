@@ -1,11 +1,7 @@
-"""The ``provenance`` block every tool writes into its JSON: ``etp.provenance.run_provenance()``
-with, under torchrun, the command as typed (``torchrun ... tools/x.py ...``) rather than the
-worker's own ``python3 tools/x.py ...``, so the block's command reproduces the run.
-"""
+"""The ``provenance`` block every tool writes into its JSON (``etp.provenance.run_provenance``),
+importable from tools/ with this checkout's etp first on the path."""
 from __future__ import annotations
 
-import os
-import shlex
 import sys
 from pathlib import Path
 
@@ -17,15 +13,10 @@ __all__ = ["provenance"]
 
 
 def provenance(argv: list[str] | None = None) -> dict:
-    """``run_provenance()`` of this process, its command rewritten for a torchrun worker.
+    """``etp.provenance.run_provenance()`` (the command as typed, under torchrun too).
 
     Example::
 
         report = {"results": ..., "provenance": provenance()}
     """
-    found = run_provenance(argv)
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun in every worker
-        args = sys.argv if argv is None else argv
-        launcher = ["torchrun", "--standalone", f"--nproc-per-node={os.environ.get('LOCAL_WORLD_SIZE', '1')}"]
-        found["command"] = shlex.join([*launcher, *args])
-    return found
+    return run_provenance(argv)
