@@ -262,6 +262,27 @@ class _Allocations(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
+def _steady_moves(disp, gen, launches):
+    """Every move of one handle, three times: the launches and allocations of each step, the ops
+    the last step ran, and the handle, inputs and last dispatch (for what a caller checks next)."""
+    idx = torch.rand(6, 4, generator=gen).topk(2, dim=1).indices
+    x, w = torch.randn(6, 8, generator=gen), torch.rand(6, 2, generator=gen)
+    handle = disp.prepare(idx)
+    per_step, allocs = [], []
+    with torch.no_grad():
+        for _ in range(3):
+            launches.clear()
+            with _Allocations() as mode:
+                recv_x, _, _ = disp.dispatch(x, w, handle)
+                disp.combine(recv_x, handle)
+                disp._move_dispatch(x, None, handle, backward=True)
+                disp._move_combine(recv_x, handle, backward=True)
+                disp._move_combine_pairs(disp._recv_w, handle)
+            per_step.append(list(launches))
+            allocs.append(mode.ops)
+    return per_step, allocs, sorted(mode.seen), handle, x, w, recv_x
+
+
 def _describe(value):
     if isinstance(value, torch.Tensor):
         return ("tensor", value.data_ptr(), tuple(value.shape), tuple(value.stride()), value.dtype)
@@ -314,21 +335,8 @@ def _symm_on_cpu(ctx, name):
                 errors.append(f"T={tokens}: {key} differs from reference")
     # The moves of one handle, step after step: identical launches, nothing allocated.
     disp.combine_backend.tune(combine="push", peer_order="rotated")
-    idx = torch.rand(6, 4, generator=gen).topk(2, dim=1).indices
-    x, w = torch.randn(6, 8, generator=gen), torch.rand(6, 2, generator=gen)
-    handle = disp.prepare(idx)
-    per_step, allocs = [], []
+    per_step, allocs, seen, handle, x, w, recv_x = _steady_moves(disp, gen, launches)
     with torch.no_grad():
-        for _ in range(3):
-            launches.clear()
-            with _Allocations() as mode:
-                recv_x, _, _ = disp.dispatch(x, w, handle)
-                disp.combine(recv_x, handle)
-                disp._move_dispatch(x, None, handle, backward=True)
-                disp._move_combine(recv_x, handle, backward=True)
-                disp._move_combine_pairs(disp._recv_w, handle)
-            per_step.append(list(launches))
-            allocs.append(mode.ops)
         # tune() changes the launches of the next moves, not their results.
         before = recv_x.clone()
         disp.dispatch_backend.tune(num_ctas=3, tile_rows=1, num_warps=4, num_stages=1)
@@ -340,7 +348,7 @@ def _symm_on_cpu(ctx, name):
                  for _, _, kw in launches}
         if tuned != {(3, 1, 4, 1)}:
             errors.append(f"launches after tune(): {tuned}")
-    return errors, per_step, allocs, sorted(mode.seen)
+    return errors, per_step, allocs, seen
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs the kernels on CPU tensors: needs the "
@@ -413,21 +421,7 @@ def _nccl_on_cpu(ctx, name, chunks):
         for key, a, b in zip(("recv_x", "recv_w", "tokens_per_expert", "out", "grad_x", "grad_w"), got, want):
             if not torch.equal(a, b):
                 errors.append(f"{name} chunks={chunks} T={tokens}: {key} differs from reference")
-    idx = torch.rand(6, 4, generator=gen).topk(2, dim=1).indices
-    x, w = torch.randn(6, 8, generator=gen), torch.rand(6, 2, generator=gen)
-    handle = disp.prepare(idx)
-    per_step, allocs = [], []
-    with torch.no_grad():
-        for _ in range(3):
-            launches.clear()
-            with _Allocations() as mode:
-                recv_x, _, _ = disp.dispatch(x, w, handle)
-                disp.combine(recv_x, handle)
-                disp._move_dispatch(x, None, handle, backward=True)
-                disp._move_combine(recv_x, handle, backward=True)
-                disp._move_combine_pairs(disp._recv_w, handle)
-            per_step.append(list(launches))
-            allocs.append(mode.ops)
+    per_step, allocs, *_ = _steady_moves(disp, gen, launches)
     return errors, per_step, allocs
 
 
