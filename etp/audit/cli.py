@@ -55,6 +55,31 @@ def _local_gpu_memory() -> int | None:
     return parse_memory("local") if torch.cuda.is_available() else None
 
 
+def _load(recipe_path, world_size, etp_size, expert_etp_size, gather_dtype, overrides, gpu_memory):
+    """The recipe with the command line's overrides and its ``auto`` settings chosen as etp-train
+    would choose them on one host of sm90 GPUs of ``gpu_memory``; and the notes of those choices."""
+    from ..megatron.recipe import Recipe
+    from ..megatron.recipe.auto import Machine, resolve_auto
+
+    if etp_size is not None and expert_etp_size is None:
+        expert_etp_size = etp_size
+    etp = {k: v for k, v in (("etp_size", etp_size), ("expert_etp_size", expert_etp_size),
+                              ("gather_dtype", gather_dtype)) if v is not None}
+    overrides = {**(overrides or {})}
+    if etp:
+        overrides["etp"] = {**overrides.get("etp", {}), **etp}
+    if world_size is not None:
+        overrides["world_size"] = world_size
+    recipe = Recipe.from_yaml(recipe_path, **overrides)
+    world = recipe.parallel.world_size
+    if world is None:
+        raise ValueError("the recipe sets no world_size: pass --world-size")
+    recipe, notes = resolve_auto(recipe, Machine(world, world, cuda=gpu_memory is not None, gpu_memory=gpu_memory,
+                                                 sm90=gpu_memory is not None))
+    recipe.check_world_size(world)
+    return recipe, notes
+
+
 def audit(recipe_path: str, world_size: int | None = None, etp_size: int | None = None,
           expert_etp_size: int | None = None, gather_dtype: str | None = None,
           distributed_optimizer: bool | None = None, overrides: dict | None = None,
@@ -74,27 +99,9 @@ def audit(recipe_path: str, world_size: int | None = None, etp_size: int | None 
         report = audit("recipes/moe_flagship.yaml", overrides={"num_layers": 16})
         report["layouts"]["with_etp"]["total"] / 2**30
     """
-    from ..megatron.recipe import Recipe
-
-    if etp_size is not None and expert_etp_size is None:
-        expert_etp_size = etp_size
-    etp = {k: v for k, v in (("etp_size", etp_size), ("expert_etp_size", expert_etp_size),
-                              ("gather_dtype", gather_dtype)) if v is not None}
-    overrides = {**(overrides or {})}
-    if etp:
-        overrides["etp"] = {**overrides.get("etp", {}), **etp}
-    if world_size is not None:
-        overrides["world_size"] = world_size
-    from ..megatron.recipe.auto import Machine, resolve_auto
-
-    recipe = Recipe.from_yaml(recipe_path, **overrides)
+    recipe, auto_notes = _load(recipe_path, world_size, etp_size, expert_etp_size, gather_dtype, overrides,
+                               gpu_memory)
     world = recipe.parallel.world_size
-    if world is None:
-        raise ValueError("the recipe sets no world_size: pass --world-size")
-    # ``auto`` settings as etp-train would choose them on one host of sm90 GPUs of this memory.
-    recipe, auto_notes = resolve_auto(recipe, Machine(world, world, cuda=gpu_memory is not None,
-                                                      gpu_memory=gpu_memory, sm90=gpu_memory is not None))
-    recipe.check_world_size(world)
     without = recipe.etp.replace(etp_size=1, expert_etp_size=1)
     layouts = {"without_etp": predict_memory(recipe, world, without, distributed_optimizer),
                "with_etp": predict_memory(recipe, world, recipe.etp, distributed_optimizer)}

@@ -54,6 +54,22 @@ def _unknown_key_error(key: str, value: Any, *, in_etp: bool) -> RecipeError:
 AUTO_KEYS = ("cuda_graph", "etp.etp_size", "etp.expert_etp_size", "etp.gather_dtype", "etp.gather_reuse")
 
 
+def _hold_auto_keys(flat: dict, etp_section: dict) -> tuple[list[str], list[str]]:
+    """Takes the keys set to ``auto`` out of ``flat`` / ``etp_section`` (they keep their defaults
+    until resolved) and lets a capture turn ``overlap_grad_reduce`` off; returns (the auto keys,
+    the notes of what was adjusted)."""
+    auto = [key for key in AUTO_KEYS if key.startswith("etp.") and etp_section.get(key[4:]) == "auto"]
+    auto += [key for key in AUTO_KEYS if not key.startswith("etp.") and flat.get(key) == "auto"]
+    for key in auto:
+        (etp_section if key.startswith("etp.") else flat).pop(key.removeprefix("etp."))
+    notes = []
+    if flat.get("cuda_graph") == "step" and flat.get("overlap_grad_reduce"):
+        flat["overlap_grad_reduce"] = False
+        notes.append("cuda_graph=step: overlap_grad_reduce turned off (a captured step starts DDP's "
+                     "reductions after its backward)")
+    return auto, notes
+
+
 # ---------------------------------------------------------------------------------- recipe
 @dataclass(frozen=True)
 class Recipe(RecipeQuantities):
@@ -303,15 +319,7 @@ class Recipe(RecipeQuantities):
             raise _unknown_key_error(unknown_etp[0], etp_section[unknown_etp[0]], in_etp=True)
 
         raw = {**flat, "etp": dict(etp_section)}
-        auto = [key for key in AUTO_KEYS if key.startswith("etp.") and etp_section.get(key[4:]) == "auto"]
-        auto += [key for key in AUTO_KEYS if not key.startswith("etp.") and flat.get(key) == "auto"]
-        for key in auto:  # held at their defaults until resolved
-            (etp_section if key.startswith("etp.") else flat).pop(key.removeprefix("etp."))
-        notes = []
-        if flat.get("cuda_graph") == "step" and flat.get("overlap_grad_reduce"):
-            flat["overlap_grad_reduce"] = False
-            notes.append("cuda_graph=step: overlap_grad_reduce turned off (a captured step starts DDP's "
-                         "reductions after its backward)")
+        auto, notes = _hold_auto_keys(flat, etp_section)
         sections = {name: {} for name in _SECTIONS}
         for key, value in flat.items():
             sections[_KEY_SECTION[key]][key] = value
