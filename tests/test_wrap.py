@@ -9,8 +9,10 @@ from torch import nn
 
 from etp import (
     ETPConfig,
+    ETPGroups,
     ETPShardedParam,
     GroupedSwiGLUExperts,
+    ShardGroup,
     build_etp_groups,
     shard_parameter,
     wrap_module_params_etp,
@@ -167,3 +169,14 @@ def _disagreeing(ctx, which):
 def test_debug_checks_name_the_first_parameter_that_differs_across_ranks(which, name):
     for message in run_distributed(_disagreeing, 2, which):
         assert message is not None and f"parameter '{name}' differs between the ranks" in message
+
+
+def test_a_megatron_linear_without_its_integration_is_an_error_not_left_replicated():
+    """Without ``import etp.megatron`` a megatron-core TP linear would silently stay replicated:
+    wrapping refuses it, naming what to import (a stand-in class from megatron's module)."""
+    stand_in = type("ColumnParallelLinear", (nn.Linear,), {"__module__": "megatron.core.tensor_parallel.layers"})
+    model = nn.Sequential(stand_in(4, 4))
+    group = ShardGroup(None, None, (0, 1), 0)
+    groups = ETPGroups(dense=group, expert=group, dense_replicate=None, expert_replicate=None)
+    with pytest.raises(ValueError, match="import etp.megatron before wrapping"):
+        wrap_module_params_etp(model, ETPConfig(etp_size=2), groups)

@@ -73,15 +73,16 @@ def test_capture_turns_off_overlapped_gradient_reduction_instead_of_refusing():
 
 def test_tune_times_the_candidates_and_writes_overrides_etp_train_accepts(tmp_path):
     out = tmp_path / "best.yaml"
-    base = [sys.executable, "-m", "etp.megatron.train", "--recipe", str(TINY), "--set", "global_batch_size=4",
-            "--set", "micro_batch_size=2", "--set", "seq_length=32"]
+    base = [sys.executable, "-m", "etp.megatron.train", "--recipe", str(TINY), "--set", "global_batch_size=2",
+            "--set", "micro_batch_size=1", "--set", "seq_length=32"]
     done = subprocess.run([*base, "--tune", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
-    # CPU: gather_reuse chain / step x micro-batch 2 / 1; cuda_graph and FP8 have one choice here.
-    assert done.stdout.count("etp-train --tune [") == 2 * 4
+    # CPU: gather_reuse chain / step at micro-batch 1 (the only size under a global batch of 2 on
+    # 2 ranks); cuda_graph and FP8 have one choice here.
+    assert done.stdout.count("etp-train --tune [") == 2 * 2
     table = [line for line in done.stdout.splitlines() if line.startswith("| ") and "ms/iter" not in line]
-    assert len(table) == 4 and sum("fastest" in line for line in table) == 1
-    assert {"micro_batch_size=1", "micro_batch_size=2"} <= {w for line in table for w in line.split()}
+    assert len(table) == 2 and sum("fastest" in line for line in table) == 1
+    assert {"etp.gather_reuse=chain", "etp.gather_reuse=step"} <= {w for line in table for w in line.split()}
     best = yaml.safe_load(out.read_text())
     assert set(best) == {"cuda_graph", "micro_batch_size", "etp"} and best["etp"]["gather_reuse"] in ("chain", "step")
     ran = subprocess.run([*base, "--overrides", str(out), "--train-iters", "2"], cwd=ROOT, capture_output=True,

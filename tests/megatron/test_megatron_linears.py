@@ -25,6 +25,7 @@ def _mlp_parity(ctx, tp: int, sequence_parallel: bool, etp_alone: bool = False):
     from megatron.core import ModelParallelConfig, parallel_state
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
+    import etp.megatron  # noqa: F401  (registers megatron-core's TP linears with the wrapping helper)
     from etp import ETPConfig, ETPGroups, ETPShardedParam, finalize_grads, wrap_module_params_etp
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
