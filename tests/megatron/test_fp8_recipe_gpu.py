@@ -49,6 +49,6 @@ def test_recipe_shapes_train_in_fp8(gather_dtype):
     # Step 0 runs the same weights on the same tokens: only FP8 rounding of the forward
     # separates the two losses (0.07% on the full recipe, 2026-11-23). Later steps follow
     # trajectories that diverge while the loss falls fast (bf16 runs differ among themselves
-    # there); the windowed comparison of tools/gpu_checks.sh fp8recipe judges those.
+    # there); tools/compare_recipe_runs.py judges those over a window of a longer run.
     assert abs(fp8[0] - bf16[0]) <= 5e-3 * abs(bf16[0]), (fp8[0], bf16[0])
     assert fp8[-1] < 0.8 * fp8[0] and bf16[-1] < 0.8 * bf16[0], (fp8, bf16)  # both learn

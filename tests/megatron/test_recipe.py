@@ -1,4 +1,4 @@
-"""Recipes and flags (etp/megatron/recipe.py, etp/megatron/args.py): the bundled recipes
+"""Recipes and flags (etp/megatron/recipe/, etp/megatron/args.py): the bundled recipes
 validate, every kind of bad value fails before any process group exists with a message
 naming the key and the value, overrides, YAML details, and the Megatron-LM flags."""
 import argparse
