@@ -41,8 +41,7 @@ def weight_inventory(recipe) -> list[WeightSpec]:
         sharded = [w.name for w in weight_inventory(recipe) if w.chain is not None]
     """
     m, p = recipe.model, recipe.parallel
-    tp, ep = p.tensor_model_parallel_size, p.expert_model_parallel_size
-    etp_tp = p.expert_tensor_parallel_size or tp
+    tp = p.tensor_model_parallel_size
     h, kv = m.hidden_size, m.kv_channels
     gated = 2 if m.swiglu else 1
     layer_norm = m.normalization == "LayerNorm"
@@ -53,10 +52,10 @@ def weight_inventory(recipe) -> list[WeightSpec]:
         out.append(WeightSpec("embedding.position_embeddings.weight",
                               (m.max_position_embeddings or m.seq_length, h), None))
 
-    def norm(prefix):
-        out.append(WeightSpec(prefix + ".weight", (h,), None))
+    def norm(prefix, width=h):
+        out.append(WeightSpec(prefix + ".weight", (width,), None))
         if layer_norm:
-            out.append(WeightSpec(prefix + ".bias", (h,), None))
+            out.append(WeightSpec(prefix + ".bias", (width,), None))
 
     def linear(name, rows, cols, chain, expert=False, bias_rows=None):
         out.append(WeightSpec(name + ".weight", (rows, cols), chain, expert))
@@ -64,26 +63,18 @@ def weight_inventory(recipe) -> list[WeightSpec]:
             out.append(WeightSpec(name + ".bias", (bias_rows or rows,), None, expert))
 
     qkv_out = (m.num_attention_heads + 2 * m.num_query_groups) * kv
-    for layer in range(m.num_layers // p.pipeline_model_parallel_size):
+    for layer, moe in enumerate(m.moe_layers[: m.num_layers // p.pipeline_model_parallel_size]):
         pre = f"decoder.layers.{layer}."
         norm(pre + "input_layernorm")
         linear(pre + "self_attention.linear_qkv", qkv_out // tp, h, "dense")
+        if m.qk_layernorm:  # over one head's width, replicated
+            norm(pre + "self_attention.q_layernorm", kv)
+            norm(pre + "self_attention.k_layernorm", kv)
         linear(pre + "self_attention.linear_proj", h, m.num_attention_heads * kv // tp, "dense",
                bias_rows=h)
         norm(pre + "pre_mlp_layernorm")
-        if m.is_moe:
-            out.append(WeightSpec(pre + "mlp.router.weight", (m.num_experts, h), None))
-            local, ffn = m.num_experts // ep, m.moe_ffn_hidden_size
-            if m.moe_grouped_gemm:
-                out.append(WeightSpec(pre + "mlp.experts.experts.fc1_weight", (local, gated * ffn, h),
-                                      "expert:fc1_weight", True))
-                out.append(WeightSpec(pre + "mlp.experts.experts.fc2_weight", (local, h, ffn),
-                                      "expert:fc2_weight", True))
-            else:
-                for e in range(local):
-                    base = f"{pre}mlp.experts.local_experts.{e}."
-                    linear(base + "linear_fc1", gated * ffn // etp_tp, h, "expert:linear_fc1", True)
-                    linear(base + "linear_fc2", h, ffn // etp_tp, "expert:linear_fc2", True, bias_rows=h)
+        if moe:
+            _moe_weights(out, recipe, pre + "mlp.", linear)
         else:
             linear(pre + "mlp.linear_fc1", gated * m.ffn_hidden_size // tp, h, "dense")
             linear(pre + "mlp.linear_fc2", h, m.ffn_hidden_size // tp, "dense", bias_rows=h)
@@ -91,6 +82,31 @@ def weight_inventory(recipe) -> list[WeightSpec]:
     if m.untie_embeddings_and_output_weights:
         out.append(WeightSpec("output_layer.weight", (vocab, h), "dense"))
     return out
+
+
+def _moe_weights(out: list[WeightSpec], recipe, pre: str, linear) -> None:
+    """An MoE layer's weights in forward order: the shared experts (megatron-core runs them
+    before the router; dense weights, ETP's dense chain), the router, the routed experts."""
+    m, p = recipe.model, recipe.parallel
+    tp, ep = p.tensor_model_parallel_size, p.expert_model_parallel_size
+    etp_tp = p.expert_tensor_parallel_size or tp
+    h, gated = m.hidden_size, 2 if m.swiglu else 1
+    shared = m.moe_shared_expert_intermediate_size
+    if shared is not None:
+        linear(pre + "shared_experts.linear_fc1", gated * shared // tp, h, "dense")
+        linear(pre + "shared_experts.linear_fc2", h, shared // tp, "dense", bias_rows=h)
+        if m.moe_shared_expert_gate:
+            out.append(WeightSpec(pre + "shared_experts.gate_weight", (1, h), None))
+    out.append(WeightSpec(pre + "router.weight", (m.num_experts, h), None))
+    local, ffn = m.num_experts // ep, m.moe_ffn_hidden_size
+    if m.moe_grouped_gemm:
+        out.append(WeightSpec(pre + "experts.experts.fc1_weight", (local, gated * ffn, h), "expert:fc1_weight", True))
+        out.append(WeightSpec(pre + "experts.experts.fc2_weight", (local, h, ffn), "expert:fc2_weight", True))
+        return
+    for e in range(local):
+        base = f"{pre}experts.local_experts.{e}."
+        linear(base + "linear_fc1", gated * ffn // etp_tp, h, "expert:linear_fc1", True)
+        linear(base + "linear_fc2", h, ffn // etp_tp, "expert:linear_fc2", True, bias_rows=h)
 
 
 def weights_on_rank(recipe, etp: ETPConfig):

@@ -20,7 +20,7 @@ from ..streams import to_device_async
 from ..wrap import WrapSummary, wrap_module_params_etp
 from .groups import build_megatron_etp_groups
 
-__all__ = ["ETPGroupedExperts", "apply_etp", "etp_gpt_layer_spec", "patch_megatron"]
+__all__ = ["ETPGroupedExperts", "apply_etp", "etp_gpt_decoder_spec", "etp_gpt_layer_spec", "patch_megatron"]
 
 
 def patch_megatron() -> None:
@@ -117,13 +117,51 @@ def etp_gpt_layer_spec(num_experts: int | None = None, attention_backend: str = 
     return spec
 
 
+def etp_gpt_decoder_spec(config, normalization: str | None = None, attention_backend: str = "sdpa"):
+    """The decoder of a ``TransformerConfig``: ``etp_gpt_layer_spec`` for every layer (QK norm
+    from ``config.qk_layernorm``) when all layers are alike, else megatron-core's
+    ``TransformerBlockSubmodules`` of dense and MoE layer specs following
+    ``config.moe_layer_freq`` (megatron-core's ``get_gpt_decoder_block_spec`` rule), sliced to
+    this pipeline stage. Either is ``GPTModel``'s ``transformer_layer_spec``.
+
+    Example::
+
+        config = TransformerConfig(..., num_moe_experts=8, moe_layer_freq=[0, 1, 1, 1])
+        model = GPTModel(config=config, transformer_layer_spec=etp_gpt_decoder_spec(config, "RMSNorm"), ...)
+    """
+    from megatron.core.transformer.transformer_block import (
+        LayerNormImpl,
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    def layer(experts):
+        return etp_gpt_layer_spec(num_experts=experts, normalization=normalization,
+                                  attention_backend=attention_backend, qk_layernorm=config.qk_layernorm)
+
+    experts, freq = config.num_moe_experts, config.moe_layer_freq
+    if not experts or freq == 1:
+        return layer(experts)
+    pattern = [int(i % freq == 0) for i in range(config.num_layers)] if isinstance(freq, int) else list(freq)
+    if len(pattern) != config.num_layers or set(pattern) - {0, 1}:
+        raise ValueError(f"moe_layer_freq={freq!r}: expected an integer or one 0 / 1 per layer "
+                         f"({config.num_layers} layers)")
+    dense, moe = layer(None), layer(experts)
+    offset = get_transformer_layer_offset(config)
+    stage = pattern[offset: offset + get_num_layers_to_build(config)]
+    return TransformerBlockSubmodules(layer_specs=[moe if p else dense for p in stage], layer_norm=LayerNormImpl)
+
+
 def apply_etp(model: torch.nn.Module, config: ETPConfig, groups: ETPGroups | None = None) -> WrapSummary:
     """Shards a built megatron-core model in place (every rank calls it, after
     ``parallel_state.initialize_model_parallel``, before DDP wrapping).
 
     Routed-expert weights (``SequentialMLP`` and ``ETPGroupedExperts``) shard over the
-    expert ETP group; everything else over the dense one. With tied embedding / output
-    weights megatron-core's output layer holds no weight of its own and stays untouched.
+    expert ETP group; everything else over the dense one, shared experts included (megatron-core's
+    ``SharedExpertMLP`` is a dense MLP every token passes).
+
+    Tied embedding / output weights stay replicated ([Note: tied embeddings under ETP]).
 
     Example::
 
@@ -141,4 +179,23 @@ def apply_etp(model: torch.nn.Module, config: ETPConfig, groups: ETPGroups | Non
             # ones; ETP still needs to know they are experts to pick the expert group.
             for param in module.parameters():
                 param.is_expert = True
-    return wrap_module_params_etp(model, config, groups)
+    return wrap_module_params_etp(model, config, groups, filter_fn=_not_a_tied_copy)
+
+
+def _not_a_tied_copy(name: str, module: torch.nn.Module) -> bool:
+    """False for a layer whose weight is a tied embedding's copy on another pipeline stage
+    (megatron-core marks it ``shared_embedding``).
+
+    [Note: tied embeddings under ETP]
+    With ``share_embeddings_and_output_weights`` on one pipeline stage megatron-core's output
+    layer allocates no weight: ``GPTModel`` passes the embedding's own table to it at every call,
+    and ETP, which wraps layers holding weights, leaves it alone; the table is replicated like
+    every embedding, read twice per step (lookup and logits), its gradient the sum of both uses,
+    completed over the ETP group by ``finalize_grads`` like any replicated parameter. Across
+    pipeline stages the last stage keeps a copy (``shared_embedding``) whose gradient
+    megatron-core all-reduces with the first stage's embedding: both must stay full, so that
+    layer is not sharded either. Sharding the tied table instead would need one gather used by
+    two consumers per step (DESIGN.md hazard 7) for a weight that tied models keep small.
+    """
+    weight = getattr(module, "weight", None)
+    return not (weight is not None and getattr(weight, "shared_embedding", False))

@@ -32,6 +32,10 @@ Model (``recipe.model``, :class:`ModelSpec`):
     ffn_hidden_size: None -> 4*hidden_size, or int(4*hidden_size*2/3 / 64)*64 with swiglu.
     num_query_groups: None -> num_attention_heads (no grouped-query attention; Megatron-LM
         also needs ``group_query_attention``, etp infers it from num_query_groups < heads).
+    kv_channels: None -> hidden_size / num_attention_heads (the width of one attention head;
+        set it for heads x kv_channels != hidden_size, e.g. Qwen3-MoE's 32 x 128 at width 2048).
+    qk_layernorm: false (true: each head's queries and keys normalized, with the normalization's
+        kind, before rope; two [kv_channels] weights per layer, replicated under ETP).
     max_position_embeddings: None -> seq_length.
     vocab_size: etp's own reading: there is no tokenizer; data is token ids < vocab_size
         (a text corpus is read as UTF-8 bytes, so vocab_size >= 256 with a corpus).
@@ -40,7 +44,7 @@ Model (``recipe.model``, :class:`ModelSpec`):
     position_embedding_type: learned_absolute (learned_absolute | rope | none).
     untie_embeddings_and_output_weights: false. add_bias_linear: true.
     init_method_std: 0.02. attention_dropout: 0.1. hidden_dropout: 0.1.
-    num_experts: None (a dense model; otherwise every layer is MoE).
+    num_experts: None (a dense model; otherwise the layers moe_layer_freq picks are MoE).
     moe_router_topk: 2. moe_ffn_hidden_size: None -> ffn_hidden_size.
     moe_grouped_gemm: false (true: etp's GroupedSwiGLUExperts, torch._grouped_mm; false:
         megatron-core SequentialMLP experts).
@@ -52,7 +56,28 @@ Model (``recipe.model``, :class:`ModelSpec`):
         the CPU driver's model has no megatron dispatcher).
     moe_aux_loss_coeff: 0.0.
     moe_router_load_balancing_type: aux_loss (aux_loss | seq_aux_loss | global_aux_loss |
-        sinkhorn | none; one value, not Megatron-LM's list form).
+        sinkhorn | none; one value, not Megatron-LM's list form; none and sinkhorn refuse a
+        moe_aux_loss_coeff above 0, which they would ignore).
+    moe_layer_freq: 1 (every layer MoE | N: layers 0, N, 2N, ... MoE, the rest dense MLPs of
+        ffn_hidden_size | a pattern of one 0 (dense) or 1 (MoE) per layer, a YAML list or
+        Megatron-LM's string form ``([0]*3+[1]*58)``, parsed, never evaluated).
+    moe_shared_expert_intermediate_size: None (no shared experts | the total width of the shared
+        experts, one SwiGLU / GELU MLP every token passes, beside the routed ones; megatron-core's
+        SharedExpertMLP, whose linears ETP shards over the dense group; needs add_bias_linear false).
+    moe_shared_expert_gate: false (true: the shared output times sigmoid(x . g), Qwen2-MoE style).
+    moe_router_score_function: softmax (softmax | sigmoid: DeepSeek-V3's, probabilities
+        normalized over the chosen experts).
+    moe_router_pre_softmax: false (true: softmax over all experts, then the top-k, unnormalized:
+        OLMoE's; softmax only; megatron-core requires it with moe_router_topk 1).
+    moe_router_topk_scaling_factor: None (multiplies the routing probabilities: 2.5 in DeepSeek-V3).
+    moe_router_enable_expert_bias: false (true: aux-loss-free balancing, a per-expert bias added to
+        the scores that choose the top-k, updated by moe_router_bias_update_rate per global batch
+        from the token counts all-reduced over the data-parallel ranks; sigmoid only).
+    moe_router_bias_update_rate: 0.001.
+    moe_router_num_groups, moe_router_group_topk: None (group-limited top-k: experts in
+        moe_router_num_groups equal groups, each token routed within its moe_router_group_topk best
+        groups, a group scored by its top moe_router_topk / moe_router_group_topk experts; set both).
+    moe_z_loss_coeff: None (router z-loss weight).
     attention_backend: sdpa (etp's own: sdpa = etp.megatron.attention.SDPAttention on torch's
         fused SDPA kernels | local = megatron-core's DotProductAttention, full score matrix).
 
@@ -108,8 +133,9 @@ Training (``recipe.train``, :class:`TrainSpec`):
         pipeline stage).
     recompute_num_layers: None (full only, and then required; 1..num_layers / PP).
     recompute_modules: None (selective only; a list, None -> megatron-core's [core_attn]; of
-        core_attn, layernorm, mlp (dense models), moe (MoE models); megatron-core's moe_act,
-        mla_up_proj and shared_experts are refused: etp's models have none of those parts).
+        core_attn, layernorm, mlp (dense layers), moe (MoE layers), shared_experts (with
+        moe_shared_expert_intermediate_size); megatron-core's moe_act and mla_up_proj are refused:
+        etp's models have none of those parts).
         ``--set recompute_modules=[core_attn,moe]``.
 
 ``auto`` (``AUTO_KEYS``: cuda_graph, etp.etp_size, etp.expert_etp_size, etp.gather_dtype,

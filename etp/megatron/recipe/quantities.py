@@ -99,9 +99,9 @@ class RecipeQuantities:
         return -(-self.model.vocab_size // multiple) * multiple
 
     def num_params(self, active: bool = False) -> int:
-        """Parameters of the unsharded GPT model megatron-core builds from this recipe
-        (every layer MoE when num_experts is set; no shared experts). ``active=True`` counts
-        ``moe_router_topk`` experts per layer instead of all of them.
+        """Parameters of the unsharded GPT model megatron-core builds from this recipe: its
+        dense and MoE layers (``moe_layer_freq``), shared experts and QK norms included.
+        ``active=True`` counts ``moe_router_topk`` routed experts per MoE layer instead of all.
 
         Example::
 
@@ -116,21 +116,24 @@ class RecipeQuantities:
         attention = h * qkv_out + m.num_attention_heads * kv * h
         if bias:
             attention += qkv_out + h
+        if m.qk_layernorm:  # one norm over the head width for queries, one for keys
+            attention += 2 * (norm // h) * kv
 
         def mlp(ffn: int) -> int:
             n = h * gated * ffn + ffn * h
             return n + (gated * ffn + h if bias else 0)
 
+        dense_layer = norm + attention + norm + mlp(m.ffn_hidden_size)
+        moe_layer = 0
         if m.is_moe:
             experts = m.moe_router_topk if active else m.num_experts
             router = m.num_experts * h + (m.num_experts if bias else 0)
-            ffn_block = router + experts * mlp(m.moe_ffn_hidden_size)
-        else:
-            ffn_block = mlp(m.ffn_hidden_size)
-        layer = norm + attention + norm + ffn_block
+            moe_layer = norm + attention + norm + router + experts * mlp(m.moe_ffn_hidden_size)
+            if m.moe_shared_expert_intermediate_size is not None:
+                moe_layer += mlp(m.moe_shared_expert_intermediate_size) + (h if m.moe_shared_expert_gate else 0)
+        layers = sum(moe_layer if moe else dense_layer for moe in m.moe_layers)
         embedding = self.padded_vocab_size * h
         if m.position_embedding_type == "learned_absolute":
             embedding += m.max_position_embeddings * h
         output = self.padded_vocab_size * h if m.untie_embeddings_and_output_weights else 0
-        return embedding + m.num_layers * layer + norm + output
-
+        return embedding + layers + norm + output

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from ...config import REMOVED_SETTINGS, ETPConfig
+from .architecture import check_architecture_layout
 from .loading import load_recipe_yaml
 from .quantities import RecipeQuantities
 from .schema import _ETP_FIELDS, _KEY_SECTION, _SECTIONS, ModelSpec, ParallelSpec, TrainSpec
@@ -114,6 +115,7 @@ class Recipe(RecipeQuantities):
             self._check_dense()
         self._check_data()
         self._check_recompute()
+        check_architecture_layout(self)
         if self.parallel.world_size is not None:
             self.check_world_size(self.parallel.world_size)
 
@@ -222,29 +224,6 @@ class Recipe(RecipeQuantities):
                     f"with recompute_method={t.recompute_method!r} counts {unit}, so it must be "
                     f"<= the layers per pipeline stage, num_layers / pipeline_model_parallel_size "
                     f"= {m.num_layers} / {pp} = {per_stage}: use 1..{per_stage}",
-                )
-        if t.recompute_granularity == "selective" and t.recompute_modules is not None:
-            modules = list(t.recompute_modules)  # named as written: a list
-            if "mlp" in modules and m.is_moe:
-                _fail(
-                    "recompute_modules",
-                    modules,
-                    f"'mlp' recomputes dense MLPs, and every layer is MoE (num_experts="
-                    f"{m.num_experts}): use 'moe'",
-                )
-            if "moe" in modules and not m.is_moe:
-                _fail(
-                    "recompute_modules",
-                    modules,
-                    "'moe' recomputes MoE layers, and the model is dense (num_experts unset): "
-                    "use 'mlp'",
-                )
-            if "shared_experts" in modules:
-                _fail(
-                    "recompute_modules",
-                    modules,
-                    "'shared_experts' recomputes shared experts, which etp's models do not have: "
-                    "use 'moe' for the MoE layer",
                 )
 
     def recompute_kwargs(self) -> dict[str, Any]:

@@ -7,10 +7,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...config import ETPConfig
+from .architecture import check_architecture, moe_layer_pattern
 from .validation import (
     _BOOL,
     _FLOAT,
     _INT,
+    _LAYER_FREQ,
     _STR,
     _STR_LIST,
     RecipeError,
@@ -58,6 +60,7 @@ _NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 _POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 _DISPATCHERS = ("allgather", "alltoall", "flex", "local", "etp")
 _LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 _LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 _BACKENDS = ("auto", "gloo", "nccl")
 _ATTENTION_BACKENDS = ("sdpa", "local")  # etp.megatron.attention.ATTENTION_BACKENDS
@@ -98,12 +101,14 @@ class ModelSpec:
     ffn_hidden_size: int | None = _positive(None, "dense MLP width")
     num_attention_heads: int = _positive(None, "attention heads", required=True)
     num_query_groups: int | None = _positive(None, "key/value heads (grouped-query attention)")
+    kv_channels: int | None = _positive(None, "width of one attention head (None: hidden_size / heads)")
     seq_length: int = _positive(None, "tokens per sample", required=True)
     max_position_embeddings: int | None = _positive(None, "positions of the position embedding")
     vocab_size: int = _positive(None, "token ids are < vocab_size", required=True)
     make_vocab_size_divisible_by: int = _positive(128, "pad the vocabulary to this x TP")
     swiglu: bool = _key(False, _BOOL, "SwiGLU MLPs")
     normalization: str = _key("LayerNorm", _STR, "norm layers", choices=_NORMALIZATIONS)
+    qk_layernorm: bool = _key(False, _BOOL, "normalize each head's queries and keys (the normalization's kind)")
     position_embedding_type: str = _key(
         "learned_absolute", _STR, "position embedding", choices=_POSITION_EMBEDDINGS
     )
@@ -125,6 +130,24 @@ class ModelSpec:
     moe_router_load_balancing_type: str = _key(
         "aux_loss", _STR, "router load balancing", choices=_LOAD_BALANCING
     )
+    moe_layer_freq: int | tuple[int, ...] = _key(
+        1, _LAYER_FREQ, "MoE layers: one every N layers, or a 0 (dense) / 1 (MoE) pattern per layer"
+    )
+    moe_shared_expert_intermediate_size: int | None = _positive(
+        None, "width of the shared experts' MLP, every token (None: no shared experts)")
+    moe_shared_expert_gate: bool = _key(False, _BOOL, "a sigmoid gate on the shared experts' output")
+    moe_router_score_function: str = _key(
+        "softmax", _STR, "router scores: softmax or sigmoid", choices=_SCORE_FUNCTIONS)
+    moe_router_pre_softmax: bool = _key(False, _BOOL, "softmax over all experts before the top-k")
+    moe_router_topk_scaling_factor: float | None = _key(
+        None, _FLOAT, "multiplies the routing probabilities", minimum=0.0, exclusive_minimum=True)
+    moe_router_enable_expert_bias: bool = _key(
+        False, _BOOL, "aux-loss-free balancing: a per-expert bias on the top-k choice (sigmoid)")
+    moe_router_bias_update_rate: float = _key(
+        1e-3, _FLOAT, "expert-bias step per global batch", minimum=0.0, exclusive_minimum=True)
+    moe_router_num_groups: int | None = _positive(None, "expert groups of group-limited routing")
+    moe_router_group_topk: int | None = _positive(None, "groups each token may route to")
+    moe_z_loss_coeff: float | None = _key(None, _FLOAT, "router z-loss weight", minimum=0.0)
     attention_backend: str = _key(
         "sdpa", _STR, "core attention: sdpa (torch fused kernels) or local (megatron's, full scores)",
         choices=_ATTENTION_BACKENDS,
@@ -147,13 +170,15 @@ class ModelSpec:
             object.__setattr__(self, "num_query_groups", self.num_attention_heads)
         if self.max_position_embeddings is None:
             object.__setattr__(self, "max_position_embeddings", self.seq_length)
-        if self.hidden_size % self.num_attention_heads:
-            _fail(
-                "hidden_size",
-                self.hidden_size,
-                f"must be divisible by num_attention_heads={self.num_attention_heads} "
-                "(the head width is hidden_size / num_attention_heads)",
-            )
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads:
+                _fail(
+                    "hidden_size",
+                    self.hidden_size,
+                    f"must be divisible by num_attention_heads={self.num_attention_heads} "
+                    "(the head width is hidden_size / num_attention_heads; or set kv_channels)",
+                )
+            object.__setattr__(self, "kv_channels", self.hidden_size // self.num_attention_heads)
         if self.num_attention_heads % self.num_query_groups:
             _fail(
                 "num_query_groups",
@@ -182,15 +207,17 @@ class ModelSpec:
                     self.moe_router_topk,
                     f"must be <= num_experts={self.num_experts}",
                 )
+        check_architecture(self)
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts is not None
 
     @property
-    def kv_channels(self) -> int:
-        """Width of one attention head."""
-        return self.hidden_size // self.num_attention_heads
+    def moe_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether it is an MoE layer (``moe_layer_freq``; all False for a dense
+        model)."""
+        return moe_layer_pattern(self)
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any, Mapping
 
 
@@ -22,6 +23,10 @@ _INT, _FLOAT, _BOOL, _STR = "int", "float", "bool", "str"
 #: a list of strings (YAML ``[a, b]``; ``--set key=[a,b]``), kept as a tuple; ``choices``
 #: restrict each element
 _STR_LIST = "str_list"
+#: megatron-core's ``moe_layer_freq``: an integer N (one MoE layer every N, the first one MoE) or
+#: a 0 / 1 pattern per layer (1: MoE), given as a list or as Megatron-LM's string form
+#: ``([0]*3+[1]*58)``; kept as an int or a tuple of ints
+_LAYER_FREQ = "layer_freq"
 
 
 def _describe_kind(kind: str) -> str:
@@ -31,6 +36,7 @@ def _describe_kind(kind: str) -> str:
         _BOOL: "true or false",
         _STR: "a string",
         _STR_LIST: "a list of strings",
+        _LAYER_FREQ: "an integer or a list of 0 / 1 per layer",
     }[kind]
 
 
@@ -74,6 +80,8 @@ def _check_value(key: str, value: Any, meta: Mapping[str, Any]) -> Any:
             raise RecipeError(key, value, f"recipe key {key}={value!r}: must not be empty")
     elif kind == _STR_LIST:
         return _check_str_list(key, value, meta["choices"])
+    elif kind == _LAYER_FREQ:
+        return _check_layer_freq(key, value)
     minimum = meta["minimum"]
     if minimum is not None:
         if meta["exclusive_minimum"] and not value > minimum:
@@ -114,6 +122,43 @@ def _check_str_list(key: str, value: Any, choices: Any) -> tuple[str, ...]:
     repeated = sorted({item for item in value if list(value).count(item) > 1})
     if repeated:
         raise RecipeError(key, value, f"recipe key {key}={value!r}: {repeated} listed twice")
+    return tuple(value)
+
+
+_PATTERN_TERM = re.compile(r"\[\s*([01](?:\s*,\s*[01])*)\s*\](?:\s*\*\s*(\d+))?")
+
+
+def _parse_layer_pattern(key: str, text: str) -> list[int]:
+    """Megatron-LM's ``--moe-layer-freq`` string: ``[0,1]*n`` terms joined by ``+``, optionally
+    in parentheses (``([0]*3+[1]*58)``). Parsed, never evaluated."""
+    body = text.strip()
+    if body.startswith("(") and body.endswith(")"):
+        body = body[1:-1]
+    pattern: list[int] = []
+    for term in body.split("+"):
+        match = _PATTERN_TERM.fullmatch(term.strip())
+        if match is None:
+            raise RecipeError(key, text, f"recipe key {key}={text!r}: {term.strip()!r} is not a term like "
+                              "[0]*3 or [0,1]: write e.g. ([0]*3+[1]*5), a list [0, 0, 0, 1] or an integer")
+        items = [int(v) for v in match.group(1).split(",")]
+        pattern += items * int(match.group(2) or 1)
+    return pattern
+
+
+def _check_layer_freq(key: str, value: Any) -> int | tuple[int, ...]:
+    """An integer >= 1, or a non-empty pattern of 0 / 1 (a list, or Megatron-LM's string form)."""
+    if isinstance(value, str):
+        value = _parse_layer_pattern(key, value)
+    if isinstance(value, bool) or not isinstance(value, (int, list, tuple)):
+        raise RecipeError(key, value, f"recipe key {key}={value!r}: expected an integer or a list of 0 / 1 "
+                          f"per layer, got {type(value).__name__}")
+    if isinstance(value, int):
+        if value < 1:
+            raise RecipeError(key, value, f"recipe key {key}={value!r}: must be >= 1")
+        return value
+    if not value or any(type(v) is not int or v not in (0, 1) for v in value):
+        raise RecipeError(key, value, f"recipe key {key}={value!r}: a pattern has one 0 (dense) or 1 (MoE) "
+                          "per layer")
     return tuple(value)
 
 

@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["build_model", "learning_rate"]
+__all__ = ["build_model", "gpt_model", "learning_rate", "transformer_config"]
 
 
 def learning_rate(recipe, iteration: int) -> float:
@@ -37,8 +37,6 @@ def build_model(recipe, device):
 
         model, loss_fn, config = build_model(recipe, torch.device("cuda"))
     """
-    from ..model import etp_gpt_layer_spec
-
     m = recipe.model
     if device.type == "cpu":
         from ..tiny_lm import TinyMoELM
@@ -52,39 +50,13 @@ def build_model(recipe, device):
             return loss, loss + m.moe_aux_loss_coeff * module.aux_loss()
 
         return model, loss_fn, None
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.module import Float16Module
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
-    dtype = torch.bfloat16 if recipe.train.bf16 else torch.float32
     model_parallel_cuda_manual_seed(recipe.train.seed)
     torch.manual_seed(recipe.train.seed)
-    p = recipe.parallel
-    config = TransformerConfig(
-        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
-        num_query_groups=m.num_query_groups, ffn_hidden_size=m.ffn_hidden_size,
-        num_moe_experts=m.num_experts, moe_router_topk=m.moe_router_topk,
-        moe_ffn_hidden_size=m.moe_ffn_hidden_size, moe_aux_loss_coeff=m.moe_aux_loss_coeff,
-        moe_router_load_balancing_type=m.moe_router_load_balancing_type,
-        # "local" and "etp" are etp's own: megatron builds its alltoall dispatcher, replaced below.
-        moe_token_dispatcher_type=("alltoall" if m.moe_token_dispatcher_type in ("local", "etp")
-                                   else m.moe_token_dispatcher_type),
-        gated_linear_unit=m.swiglu, activation_func=F.silu if m.swiglu else F.gelu,
-        add_bias_linear=m.add_bias_linear, normalization=m.normalization,
-        init_method_std=m.init_method_std, hidden_dropout=m.hidden_dropout,
-        attention_dropout=m.attention_dropout, bf16=recipe.train.bf16, params_dtype=dtype,
-        tensor_model_parallel_size=p.tensor_model_parallel_size,
-        expert_model_parallel_size=p.expert_model_parallel_size,
-        sequence_parallel=p.sequence_parallel, use_cpu_initialization=device.type == "cpu",
-        deterministic_mode=recipe.train.deterministic, **recipe.recompute_kwargs(),
-    )
-    spec = etp_gpt_layer_spec(num_experts=m.num_experts, normalization=m.normalization,
-                              attention_backend=m.attention_backend)
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=recipe.padded_vocab_size,
-                     max_sequence_length=m.max_position_embeddings or m.seq_length,
-                     position_embedding_type=m.position_embedding_type,
-                     share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights).to(device)
+    config = transformer_config(recipe, device)
+    model = gpt_model(recipe, config).to(device)
     if m.moe_token_dispatcher_type == "local":
         from ..local_dispatcher import install_local_dispatchers
 
@@ -103,3 +75,64 @@ def build_model(recipe, device):
         return loss, loss  # megatron adds the router's aux loss to the gradient itself
 
     return model, loss_fn, config
+
+
+def transformer_config(recipe, device):
+    """megatron-core's ``TransformerConfig`` of a recipe (Megatron-LM names pass through;
+    CPU initialization on a CPU ``device``).
+
+    Example::
+
+        config = transformer_config(recipe, torch.device("cuda"))
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    m, p = recipe.model, recipe.parallel
+    dtype = torch.bfloat16 if recipe.train.bf16 else torch.float32
+    freq = m.moe_layer_freq if isinstance(m.moe_layer_freq, int) else list(m.moe_layer_freq)
+    return TransformerConfig(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups, kv_channels=m.kv_channels, qk_layernorm=m.qk_layernorm,
+        ffn_hidden_size=m.ffn_hidden_size, num_moe_experts=m.num_experts, moe_layer_freq=freq,
+        moe_router_topk=m.moe_router_topk, moe_ffn_hidden_size=m.moe_ffn_hidden_size,
+        moe_aux_loss_coeff=m.moe_aux_loss_coeff, moe_router_load_balancing_type=m.moe_router_load_balancing_type,
+        moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=m.moe_shared_expert_gate, moe_router_score_function=m.moe_router_score_function,
+        moe_router_pre_softmax=m.moe_router_pre_softmax,
+        moe_router_topk_scaling_factor=m.moe_router_topk_scaling_factor,
+        moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=m.moe_router_bias_update_rate, moe_router_num_groups=m.moe_router_num_groups,
+        moe_router_group_topk=m.moe_router_group_topk, moe_z_loss_coeff=m.moe_z_loss_coeff,
+        # "local" and "etp" are etp's own: megatron builds its alltoall dispatcher, replaced below.
+        moe_token_dispatcher_type=("alltoall" if m.moe_token_dispatcher_type in ("local", "etp")
+                                   else m.moe_token_dispatcher_type),
+        gated_linear_unit=m.swiglu, activation_func=F.silu if m.swiglu else F.gelu,
+        add_bias_linear=m.add_bias_linear, normalization=m.normalization,
+        init_method_std=m.init_method_std, hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout, bf16=recipe.train.bf16, params_dtype=dtype,
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        expert_model_parallel_size=p.expert_model_parallel_size,
+        sequence_parallel=p.sequence_parallel, use_cpu_initialization=device.type == "cpu",
+        deterministic_mode=recipe.train.deterministic, **recipe.recompute_kwargs(),
+    )
+
+
+def gpt_model(recipe, config):
+    """megatron-core's ``GPTModel`` of a recipe and its ``TransformerConfig``: etp's decoder spec
+    (``etp_gpt_decoder_spec``: grouped experts, SDPA attention, QK norm, dense and MoE layers),
+    tied or untied embeddings. Unsharded, on the device ``config`` initializes on.
+
+    Example::
+
+        model = gpt_model(recipe, transformer_config(recipe, torch.device("cpu")))
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    from ..model import etp_gpt_decoder_spec
+
+    m = recipe.model
+    spec = etp_gpt_decoder_spec(config, normalization=m.normalization, attention_backend=m.attention_backend)
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=recipe.padded_vocab_size,
+                    max_sequence_length=m.max_position_embeddings or m.seq_length,
+                    position_embedding_type=m.position_embedding_type,
+                    share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights)

@@ -1,0 +1,205 @@
+"""Published-architecture features on megatron-core GPTModels built on CPU from recipes
+(etp.megatron.trainer.model_build): shared experts, QK norm, a head width other than
+hidden / heads, grouped-query attention, sigmoid routing with an expert bias and grouped top-k,
+dense and MoE layers mixed, tied embeddings.
+
+What ETP shards (dense group, expert group, replicated), and one training step of the
+ETP-sharded model on 2 gloo ranks against the unsharded model on both ranks' tokens: loss,
+every gradient (shards, and the replicated QK norms, router, shared-expert gate and tied
+embedding that ``finalize_grads`` completes) and the expert bias megatron-core updates from
+the token counts of both ranks.
+
+megatron-core's local attention, rotary embedding and router call ``torch.cuda`` helpers that
+have CPU equivalents: ``_megatron_on_cpu`` swaps them (the math is megatron's own); the MoE
+layers use megatron's allgather dispatcher, the one that builds on CPU.
+"""
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+from harness import run_distributed
+
+pytest.importorskip("megatron.core")
+
+#: every feature at once, small; the tests below switch features off from it
+ALL = dict(num_layers=3, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=24,
+           qk_layernorm=True, seq_length=16, vocab_size=256, num_experts=8, moe_router_topk=4,
+           moe_ffn_hidden_size=32, ffn_hidden_size=96, moe_layer_freq=[0, 1, 1],
+           moe_shared_expert_intermediate_size=48, moe_shared_expert_gate=True,
+           moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+           moe_router_load_balancing_type="none", moe_router_num_groups=4, moe_router_group_topk=2,
+           moe_router_topk_scaling_factor=2.5, moe_grouped_gemm=True, moe_token_dispatcher_type="allgather",
+           swiglu=True, add_bias_linear=False, normalization="RMSNorm", position_embedding_type="rope",
+           untie_embeddings_and_output_weights=False, hidden_dropout=0.0, attention_dropout=0.0,
+           micro_batch_size=2, train_iters=1, lr=1e-3)
+
+
+def _megatron_on_cpu():
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.fusions import fused_softmax
+
+    from etp.megatron.model import patch_megatron
+
+    buffer = SimpleNamespace(get_tensor=lambda shape, dtype, name, *a, **k: torch.empty(shape, dtype=dtype))
+    parallel_state.get_global_memory_buffer = lambda: buffer
+    tensor_parallel.get_cuda_rng_tracker = lambda: SimpleNamespace(fork=contextlib.nullcontext)
+    fused_softmax.get_default_causal_mask = lambda sq: torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+    torch.cuda.current_device = lambda: "cpu"  # the router's buffers and weights, the rotary table
+    patch_megatron()
+
+
+def _build(values, dtype=torch.float64):
+    from etp.megatron.recipe import Recipe
+    from etp.megatron.trainer.model_build import gpt_model, transformer_config
+
+    recipe = Recipe.from_dict(values)
+    config = transformer_config(recipe, torch.device("cpu"))
+    config.params_dtype = dtype
+    torch.manual_seed(0)
+    return recipe, config, gpt_model(recipe, config)
+
+
+def _roles(ctx, values):
+    """name -> "dense" / "expert" / None (replicated) after apply_etp at ETP = world."""
+    from megatron.core import parallel_state as ps
+
+    from etp import ETPConfig, ETPShardedParam
+    from etp.megatron.model import apply_etp
+
+    _megatron_on_cpu()
+    ps.initialize_model_parallel()
+    try:
+        _, _, model = _build(values, torch.float32)
+        apply_etp(model, ETPConfig(etp_size=ctx.world_size, expert_etp_size=ctx.world_size, pad_for_alignment=8))
+        return {name: (("expert" if getattr(p, "is_expert", False) else "dense")
+                       if isinstance(p, ETPShardedParam) else None) for name, p in model.named_parameters()}
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_etp_shards_shared_experts_as_dense_weights_and_keeps_the_small_ones_replicated():
+    roles = run_distributed(_roles, 2, ALL)[0]
+    dense = [f"decoder.layers.{i}.self_attention.{w}.weight" for i in range(3) for w in ("linear_qkv", "linear_proj")]
+    dense += ["decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.0.mlp.linear_fc2.weight"]
+    dense += [f"decoder.layers.{i}.mlp.shared_experts.linear_fc{k}.weight" for i in (1, 2) for k in (1, 2)]
+    expert = [f"decoder.layers.{i}.mlp.experts.experts.fc{k}_weight" for i in (1, 2) for k in (1, 2)]
+    replicated = ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight"]
+    replicated += [f"decoder.layers.{i}.self_attention.{n}_layernorm.weight" for i in range(3) for n in ("q", "k")]
+    replicated += [f"decoder.layers.{i}.{n}_layernorm.weight" for i in range(3) for n in ("input", "pre_mlp")]
+    replicated += [f"decoder.layers.{i}.mlp.{w}" for i in (1, 2) for w in ("router.weight", "shared_experts.gate_weight")]
+    assert {n: roles[n] for n in dense} == dict.fromkeys(dense, "dense")
+    assert {n: roles[n] for n in expert} == dict.fromkeys(expert, "expert")
+    assert {n: roles[n] for n in replicated} == dict.fromkeys(replicated, None)
+    # tied: the output layer holds no weight of its own, the embedding serves both ends
+    assert not any(n.startswith("output_layer") for n in roles)
+    assert set(roles) == set(dense) | set(expert) | set(replicated)
+
+
+def _grads(model):
+    from etp import ETPShardedParam
+
+    out = {}
+    for name, p in model.named_parameters():
+        grad = getattr(p, "main_grad", None)
+        grad = p.grad if grad is None else grad
+        out[name] = grad[: p.etp_layout.valid_rows].clone() if isinstance(p, ETPShardedParam) else grad.clone()
+    return out
+
+
+def _step(ctx, values):
+    """(loss, grads) of the unsharded model on every rank's tokens, (loss, grads, expert bias) of
+    the ETP model on this rank's tokens after finalize_grads, and the reference shard rows."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias
+
+    from etp import ETPConfig, ETPShardedParam, finalize_grads
+    from etp.megatron.groups import build_megatron_etp_groups
+    from etp.megatron.model import apply_etp
+
+    _megatron_on_cpu()
+    ps.initialize_model_parallel()
+    try:
+        recipe, config, reference = _build(values)
+        model = _build(values)[2]  # the same seed: the same weights
+        etp = ETPConfig(etp_size=ctx.world_size, expert_etp_size=ctx.world_size, pad_for_alignment=8)
+        groups = build_megatron_etp_groups(etp)
+        apply_etp(model, etp, groups)
+        gen = torch.Generator().manual_seed(1)
+        batches = [torch.randint(0, 256, (2, 17), generator=gen) for _ in range(ctx.world_size)]
+        positions = torch.arange(16).expand(2, 16)
+
+        def loss_of(module, batch):
+            return module(batch[:, :-1], positions, None, labels=batch[:, 1:]).mean()
+
+        ref_loss = sum(loss_of(reference, b) for b in batches) / ctx.world_size  # "mean" over ETP peers
+        ref_loss.backward()
+        ref_grads = _grads(reference)
+        loss = loss_of(model, batches[ctx.rank])
+        loss.backward()
+        finalize_grads(model, etp, groups)
+        grads = _grads(model)
+        for name, p in model.named_parameters():  # this rank's rows of the reference gradient
+            if isinstance(p, ETPShardedParam):
+                ref_grads[name] = p.etp_layout.shard_of(ref_grads[name])[: p.etp_layout.valid_rows]
+        counts = [m.local_tokens_per_expert.clone() for m in model.modules() if getattr(m, "expert_bias", None) is not None]
+        if config.moe_router_enable_expert_bias:
+            _update_router_expert_bias([model], config)  # megatron-core's, over the data-parallel ranks
+        biases = [m.expert_bias.clone() for m in model.modules() if getattr(m, "expert_bias", None) is not None]
+        return dict(ref_loss=ref_loss.detach(), loss=loss.detach(), ref_grads=ref_grads, grads=grads,
+                    counts=counts, biases=biases, rate=recipe.model.moe_router_bias_update_rate)
+    finally:
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("variant", ["all", "untied_mha_softmax"])
+def test_etp_step_matches_the_unsharded_model(variant):
+    values = dict(ALL) if variant == "all" else {
+        **ALL, "untie_embeddings_and_output_weights": True, "num_query_groups": None, "kv_channels": None,
+        "moe_layer_freq": 1, "moe_router_score_function": "softmax", "moe_router_enable_expert_bias": False,
+        "moe_router_topk_scaling_factor": None, "moe_shared_expert_gate": False, "qk_layernorm": False}
+    results = run_distributed(_step, 2, values)
+    losses = torch.stack([r["loss"] for r in results])
+    torch.testing.assert_close(losses.mean(), results[0]["ref_loss"], rtol=1e-12, atol=1e-12)
+    for r in results:
+        assert r["grads"].keys() == r["ref_grads"].keys()
+        for name, grad in r["grads"].items():
+            torch.testing.assert_close(grad, r["ref_grads"][name], rtol=1e-9, atol=1e-12, msg=name)
+    if variant != "all":
+        assert not results[0]["biases"]
+        return
+    # The expert bias: the same on both ranks, one step of the sign rule on the summed counts.
+    assert len(results[0]["biases"]) == 2  # the two MoE layers
+    for layer, (mine, theirs) in enumerate(zip(results[0]["biases"], results[1]["biases"])):
+        torch.testing.assert_close(mine, theirs)
+        total = results[0]["counts"][layer] + results[1]["counts"][layer]
+        assert total.sum() == 2 * 2 * 16 * 4  # ranks x micro-batch x tokens x top-k
+        expected = torch.sign(total.mean() - total) * results[0]["rate"]
+        torch.testing.assert_close(mine.float(), expected.float())
+
+
+def _tied_copy_roles(ctx):
+    """apply_etp on a module holding a last stage's copy of a tied embedding (megatron-core
+    marks it shared_embedding) beside an ordinary output layer."""
+    from megatron.core import ModelParallelConfig
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    from etp import ETPConfig, ETPShardedParam
+    from etp.megatron.model import apply_etp
+
+    ps.initialize_model_parallel()
+    try:
+        config = ModelParallelConfig(use_cpu_initialization=True)
+        model = torch.nn.ModuleDict({
+            name: ColumnParallelLinear(16, 64, config=config, init_method=torch.nn.init.normal_, bias=False)
+            for name in ("copy", "plain")})
+        model["copy"].weight.shared_embedding = True
+        apply_etp(model, ETPConfig(etp_size=ctx.world_size, expert_etp_size=ctx.world_size))
+        return {name: isinstance(m.weight, ETPShardedParam) for name, m in model.items()}
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_a_tied_embedding_copy_on_another_stage_stays_replicated():
+    assert run_distributed(_tied_copy_roles, 2)[0] == {"copy": False, "plain": True}
