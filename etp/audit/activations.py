@@ -10,12 +10,16 @@ def activation_bytes(recipe, micro_batch_size: int | None = None) -> int:
     """Bytes the forward keeps for backward on one rank (first pipeline stage), with the
     recipe's activation recompute.
 
-    Per layer, in bytes per element of ``[s, b, h]`` (16-bit training; x2 for fp32):
+    Per layer, in bytes per element of ``[s, b, h]`` (16-bit training; x2 for fp32), with
+    ``a`` heads, ``g`` key / value groups of width ``kv``:
 
-    * 18 for everything but the attention probabilities and the routed experts' interior:
-      norms' inputs and outputs, q / k / v after rope, the attention context, the projection
-      input, the router, residuals (calibrated, with the two terms below, against the
-      activations measured on the flagship recipe with local attention);
+    * 18 for everything but the attention probabilities and the MLP's interior when
+      ``a x kv = h`` and ``g = a``: norms' inputs and outputs, q / k / v after rope, the
+      attention context, the projection input, the router, residuals (calibrated, with the two
+      terms below, against the activations measured on the flagship recipe with local
+      attention). In general ``10 + 2 (a + 2 g) kv / h + 2 a kv / h``: q, k and v at their
+      widths (local attention expands k and v to ``a`` heads) and the attention output; plus
+      ``2 (a + g) kv / h`` with ``qk_layernorm`` (the norms' inputs; best effort, not measured);
     * routed experts, etp's ``ETPGroupedExperts`` (``moe_grouped_gemm``) behind etp's local
       dispatcher:
       ``topk x (2 + 6 x moe_ffn / h)``: per token copy, fc1's input, the SwiGLU's input (gate
@@ -24,7 +28,10 @@ def activation_bytes(recipe, micro_batch_size: int | None = None) -> int:
       module behind megatron's own dispatchers (calibrated with ``alltoall``):
       ``topk x (4 + 8 x moe_ffn / h)``: the permuted input and the fc2 output (2 + 2 bytes per
       token copy) and, per copy, the fc1 output (gate and up, 2 x ffn), the SwiGLU output and
-      its probability-weighted copy (ffn each); a dense MLP counts ``4 + 8 x ffn / h`` once;
+      its probability-weighted copy (ffn each); a dense MLP (a dense layer of
+      ``moe_layer_freq``) counts ``4 + 8 x ffn / h`` once, shared experts
+      ``8 x moe_shared_expert_intermediate_size / h`` (a dense MLP's interior: their input is
+      the router's, their output summed into the routed one; best effort, not measured);
     * attention probabilities, ``attention_backend: local`` only: ``6 x heads x s / h`` (the
       fp32 softmax output and its 16-bit copy, [b, heads, s, s] each); torch's fused SDPA
       kernels keep only their output and a [b, heads, s] fp32 log-sum-exp (negligible).
@@ -35,44 +42,70 @@ def activation_bytes(recipe, micro_batch_size: int | None = None) -> int:
     rebuilds one unit at a time in backward (uniform: units of ``recompute_num_layers`` layers;
     block: the first ``recompute_num_layers`` layers one by one, the rest stored);
     ``selective`` drops the attention probabilities (``core_attn``) and the MLP interior
-    (``mlp`` / ``moe``: its input and output stay).
+    (``mlp`` / ``moe``: its input and output stay; ``shared_experts``: theirs). Under full
+    recompute the unit rebuilt at a time is counted at the larger (MoE) layer's size.
 
     Example::
 
         activation_bytes(recipe, micro_batch_size=8) / 2**30   # GiB kept for backward
     """
     m, t, p = recipe.model, recipe.train, recipe.parallel
-    s, b, h, a = m.seq_length, micro_batch_size or t.micro_batch_size, m.hidden_size, m.num_attention_heads
+    s, b, h = m.seq_length, micro_batch_size or t.micro_batch_size, m.hidden_size
     width = 1 if (t.bf16 or t.fp16) else 2  # the per-element figures are for 16-bit values
-    if m.is_moe and getattr(m, "moe_grouped_gemm", False) and getattr(m, "moe_token_dispatcher_type", "") == "local":
-        # etp's ETPGroupedExperts: per token copy, fc1's input (h), the SwiGLU's input
-        # (gate and up, 2 x ffn: etp.activations saves it, the routing probabilities applied
-        # inside the kernel) and fc2's input (ffn); the combine keeps only indices, so fc2's
-        # output is not kept. 16-bit each.
-        mlp = m.moe_router_topk * (2 + 6 * m.moe_ffn_hidden_size / h)
-    elif m.is_moe:
-        mlp = m.moe_router_topk * (4 + 8 * m.moe_ffn_hidden_size / h)
-    else:
-        mlp = 4 + 8 * m.ffn_hidden_size / h
-    scores = 6 * a * s / h if getattr(m, "attention_backend", "local") == "local" else 0.0
-    granularity = t.recompute_granularity
-    modules = set(t.recompute_modules or ("core_attn",))
-    if granularity == "selective" and "core_attn" in modules:
-        scores = 0.0  # the attention core's interior is rebuilt in backward
-    if granularity == "selective" and ({"mlp", "moe"} & modules):
-        mlp = 4 if m.is_moe else 2  # the MLP's input and output only (its interior is rebuilt)
-    per_layer = s * b * h * (18 + mlp + scores) * width / p.tensor_model_parallel_size
-    layers = m.num_layers // p.pipeline_model_parallel_size
+    dense, moe = _layer_factors(recipe)
+    element = s * b * h * width / p.tensor_model_parallel_size  # bytes of one [s, b, h] 16-bit factor
+    stage = m.moe_layers[: m.num_layers // p.pipeline_model_parallel_size]
+    layers, moe_layers = len(stage), sum(stage)
     loss = 4 * s * b * recipe.padded_vocab_size // p.tensor_model_parallel_size
-    if granularity == "full":
+    if t.recompute_granularity == "full":
         # Each checkpointed unit keeps only its 16-bit input [s, b, h]; backward rebuilds one
         # unit at a time (uniform: units of recompute_num_layers layers; block: the first
         # recompute_num_layers layers of the stage one by one, the others keep everything).
         n = t.recompute_num_layers or 1
         unit_input = s * b * h * 2 / p.tensor_model_parallel_size
+        largest = element * (moe if moe_layers else dense)
         if t.recompute_method == "block":
-            units, stored, rebuilt = min(n, layers), max(0, layers - n), 1
+            units, rebuilt = min(n, layers), 1
+            kept = stage[n:]
+            stored = element * (sum(kept) * moe + (len(kept) - sum(kept)) * dense)
         else:
-            units, stored, rebuilt = -(-layers // n), 0, min(n, layers)
-        return int(units * unit_input + (stored + rebuilt) * per_layer) + loss
-    return int(per_layer * layers) + loss
+            units, stored, rebuilt = -(-layers // n), 0.0, min(n, layers)
+        return int(units * unit_input + stored + rebuilt * largest) + loss
+    return int(element * (moe_layers * moe + (layers - moe_layers) * dense)) + loss
+
+
+def _layer_factors(recipe) -> tuple[float, float]:
+    """(dense layer, MoE layer): bytes kept per [s, b, h] element (16-bit), recompute applied."""
+    m, t = recipe.model, recipe.train
+    h, a, g, kv, s = m.hidden_size, m.num_attention_heads, m.num_query_groups, m.kv_channels, m.seq_length
+    local = getattr(m, "attention_backend", "local") == "local"
+    # q, k, v as the core attention keeps them (megatron's local attention expands the key /
+    # value groups to every head), the attention output, and the per-head QK norms' inputs.
+    qkv = 2 * (a + 2 * (a if local else g)) * kv / h
+    attention = 10 + qkv + 2 * a * kv / h + (2 * (a + g) * kv / h if m.qk_layernorm else 0.0)
+    scores = 6 * a * s / h if local else 0.0
+    if m.is_moe and getattr(m, "moe_grouped_gemm", False) and getattr(m, "moe_token_dispatcher_type", "") == "local":
+        # etp's ETPGroupedExperts: per token copy, fc1's input (h), the SwiGLU's input
+        # (gate and up, 2 x ffn: etp.activations saves it, the routing probabilities applied
+        # inside the kernel) and fc2's input (ffn); the combine keeps only indices, so fc2's
+        # output is not kept. 16-bit each.
+        routed = m.moe_router_topk * (2 + 6 * m.moe_ffn_hidden_size / h)
+    elif m.is_moe:
+        routed = m.moe_router_topk * (4 + 8 * m.moe_ffn_hidden_size / h)
+    else:
+        routed = 0.0
+    # Shared experts: a dense MLP's interior (8 x width / h), its input being the router's and
+    # its output summed into the routed experts'.
+    shared = 8 * (m.moe_shared_expert_intermediate_size or 0) / h
+    mlp = 4 + 8 * m.ffn_hidden_size / h
+    modules = set(t.recompute_modules or ("core_attn",))
+    if t.recompute_granularity == "selective":
+        if "core_attn" in modules:
+            scores = 0.0  # the attention core's interior is rebuilt in backward
+        if "moe" in modules:
+            routed, shared = 4.0, 0.0  # the MoE layer's input and output only
+        if "shared_experts" in modules:
+            shared = 0.0
+        if "mlp" in modules:
+            mlp = 2.0  # the MLP's input and output only (its interior is rebuilt)
+    return attention + scores + mlp, attention + scores + routed + shared

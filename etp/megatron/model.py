@@ -91,8 +91,11 @@ class ETPGroupedExperts(_megatron_module()):
         return out, None
 
 
-def etp_gpt_layer_spec(num_experts: int | None = None, attention_backend: str = "sdpa", **kwargs):
-    """megatron-core's local GPT layer spec with ``ETPGroupedExperts`` as the MoE experts and,
+def etp_gpt_layer_spec(num_experts: int | None = None, attention_backend: str = "sdpa",
+                       grouped_experts: bool = True, **kwargs):
+    """megatron-core's local GPT layer spec with ``ETPGroupedExperts`` as the MoE experts
+    (``grouped_experts=False`` keeps megatron-core's ``SequentialMLP``: one linear pair per
+    expert, what a recipe's ``moe_grouped_gemm: false`` asks for) and,
     with ``attention_backend="sdpa"`` (the default), ``etp.megatron.attention.SDPAttention`` as
     the core attention (torch's fused SDPA kernels; ``"local"`` keeps megatron-core's
     ``DotProductAttention``, which materializes the score matrix). Both hold no parameters:
@@ -112,12 +115,13 @@ def etp_gpt_layer_spec(num_experts: int | None = None, attention_backend: str = 
     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, **kwargs)
     if attention_backend == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = ModuleSpec(module=SDPAttention)
-    if num_experts:
+    if num_experts and grouped_experts:
         spec.submodules.mlp.submodules.experts = ModuleSpec(module=ETPGroupedExperts)
     return spec
 
 
-def etp_gpt_decoder_spec(config, normalization: str | None = None, attention_backend: str = "sdpa"):
+def etp_gpt_decoder_spec(config, normalization: str | None = None, attention_backend: str = "sdpa",
+                         grouped_experts: bool = True):
     """The decoder of a ``TransformerConfig``: ``etp_gpt_layer_spec`` for every layer (QK norm
     from ``config.qk_layernorm``) when all layers are alike, else megatron-core's
     ``TransformerBlockSubmodules`` of dense and MoE layer specs following
@@ -137,8 +141,8 @@ def etp_gpt_decoder_spec(config, normalization: str | None = None, attention_bac
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     def layer(experts):
-        return etp_gpt_layer_spec(num_experts=experts, normalization=normalization,
-                                  attention_backend=attention_backend, qk_layernorm=config.qk_layernorm)
+        return etp_gpt_layer_spec(num_experts=experts, normalization=normalization, attention_backend=attention_backend,
+                                  grouped_experts=grouped_experts, qk_layernorm=config.qk_layernorm)
 
     experts, freq = config.num_moe_experts, config.moe_layer_freq
     if not experts or freq == 1:

@@ -57,7 +57,7 @@ def _build(values, dtype=torch.float64):
     config = transformer_config(recipe, torch.device("cpu"))
     config.params_dtype = dtype
     torch.manual_seed(0)
-    return recipe, config, gpt_model(recipe, config)
+    return recipe, config, gpt_model(recipe, config).to(dtype)  # megatron's torch norms take no dtype
 
 
 def _roles(ctx, values):

@@ -119,7 +119,8 @@ def transformer_config(recipe, device):
 
 def gpt_model(recipe, config):
     """megatron-core's ``GPTModel`` of a recipe and its ``TransformerConfig``: etp's decoder spec
-    (``etp_gpt_decoder_spec``: grouped experts, SDPA attention, QK norm, dense and MoE layers),
+    (``etp_gpt_decoder_spec``: grouped experts with ``moe_grouped_gemm``, else megatron-core's
+    ``SequentialMLP``; SDPA attention, QK norm, dense and MoE layers),
     tied or untied embeddings. Unsharded, on the device ``config`` initializes on.
 
     Example::
@@ -131,7 +132,8 @@ def gpt_model(recipe, config):
     from ..model import etp_gpt_decoder_spec
 
     m = recipe.model
-    spec = etp_gpt_decoder_spec(config, normalization=m.normalization, attention_backend=m.attention_backend)
+    spec = etp_gpt_decoder_spec(config, normalization=m.normalization, attention_backend=m.attention_backend,
+                                grouped_experts=m.moe_grouped_gemm)
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=recipe.padded_vocab_size,
                     max_sequence_length=m.max_position_embeddings or m.seq_length,
                     position_embedding_type=m.position_embedding_type,
