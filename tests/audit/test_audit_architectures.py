@@ -87,3 +87,74 @@ def test_inventory_can_tell_a_missing_feature():
                      ("moe_layer_freq", 1), ("untie_embeddings_and_output_weights", True)):
         changed = {**values, key: off, **({"moe_shared_expert_gate": False} if key.startswith("moe_shared") else {})}
         assert {w.name for w in weight_inventory(Recipe.from_dict(changed))} != full, key
+
+
+# The published configurations (Hugging Face config.json of each model; see each recipe's header)
+# and their published parameter counts.
+PUBLISHED = {
+    "olmoe_1b_7b": dict(layers=16, hidden_size=2048, num_attention_heads=16, num_query_groups=16, kv_channels=128,
+                        num_experts=64, moe_router_topk=8, moe_ffn_hidden_size=1024, vocab_size=50304,
+                        qk_layernorm=True, total=6.9e9, active=1.3e9),
+    "qwen3_30b_a3b": dict(layers=48, hidden_size=2048, num_attention_heads=32, num_query_groups=4, kv_channels=128,
+                          num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768, vocab_size=151936,
+                          qk_layernorm=True, total=30.5e9, active=3.3e9),
+    "mixtral_8x7b": dict(layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8, kv_channels=128,
+                         num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=14336, vocab_size=32000,
+                         qk_layernorm=False, total=46.7e9, active=12.9e9),
+    # MLA replaced by standard attention: the shapes below are DeepSeek-V3's, the counts are not
+    "deepseek_v3_shaped": dict(layers=61, hidden_size=7168, num_attention_heads=128, num_experts=256,
+                               moe_router_topk=8, moe_ffn_hidden_size=2048, vocab_size=129280, ffn_hidden_size=18432,
+                               moe_shared_expert_intermediate_size=2048, moe_router_num_groups=8,
+                               moe_router_group_topk=4, moe_router_topk_scaling_factor=2.5, qk_layernorm=False),
+}
+
+
+def _full_depth(name):
+    recipe = Recipe.from_yaml(ROOT / f"recipes/{name}.yaml")
+    layers = PUBLISHED[name]["layers"]
+    dense = recipe.model.moe_layers.count(False)  # the leading dense layers stay
+    freq = f"([0]*{dense}+[1]*{layers - dense})" if dense else 1
+    return recipe, recipe.replace(num_layers=layers, moe_layer_freq=freq)
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_architecture_recipes_have_the_published_shapes(name):
+    published = dict(PUBLISHED[name])
+    layers, total, active = published.pop("layers"), published.pop("total", None), published.pop("active", None)
+    recipe, full = _full_depth(name)
+    for key, value in published.items():
+        assert recipe[key] == value, key
+    assert recipe.model.untie_embeddings_and_output_weights  # none of the four ties them
+    assert len(full.model.moe_layers) == layers
+    if total is not None:  # published counts, rounded to 0.1 B (Qwen's 3.3 B active is 3.35 B)
+        assert abs(full.num_params() / total - 1) < 0.02, full.num_params()
+        assert abs(full.num_params(active=True) / active - 1) < 0.02, full.num_params(active=True)
+    if name == "mixtral_8x7b":  # the count Mixtral's checkpoint holds
+        assert full.num_params() == 46_702_792_704
+    if name == "deepseek_v3_shaped":
+        assert full.model.moe_layers[:4] == (False, False, False, True) and all(full.model.moe_layers[3:])
+        m = recipe.model
+        assert (m.moe_router_score_function, m.moe_router_enable_expert_bias, m.moe_router_load_balancing_type,
+                m.moe_aux_loss_coeff) == ("sigmoid", True, "none", 0.0)
+
+
+#: recipe -> the GPUs its depth was chosen for
+SHIPPED_ON = {"olmoe_1b_7b": 4, "qwen3_30b_a3b": 4, "mixtral_8x7b": 4, "deepseek_v3_shaped": 8}
+
+
+@pytest.mark.parametrize("name", list(SHIPPED_ON))
+def test_architecture_recipes_fit_their_gpus_with_etp_only_as_their_header_says(name, capsys):
+    import re
+
+    gpus, path = SHIPPED_ON[name], ROOT / f"recipes/{name}.yaml"
+    assert main(["--recipe", str(path), "--world-size", str(gpus), "--gpu-memory", "80GiB", "--json", "-"]) == 0
+    peaks = json.loads(capsys.readouterr().out)["peaks"]
+    assert peaks["with_etp"]["fits"] and not peaks["without_etp"]["fits"]
+    # the header's figures for this depth and GPU count are the audit's
+    header = re.search(rf"{gpus} GPUs:\s+without ETP ([\d.]+) GiB, does not fit; with ETP ([\d.]+) \+ ([\d.]+) GiB, fits",
+                       path.read_text())
+    assert header, f"{path.name}: no {gpus}-GPU verdict in the header"
+    gib = 2**30
+    assert float(header.group(1)) == round(peaks["without_etp"]["peak"] / gib, 1)
+    assert float(header.group(2)) == round(peaks["with_etp"]["peak"] / gib, 1)
+    assert float(header.group(3)) == round(peaks["with_etp"]["outside_allocator"] / gib, 1)
