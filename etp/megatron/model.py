@@ -20,7 +20,8 @@ from ..streams import to_device_async
 from ..wrap import WrapSummary, wrap_module_params_etp
 from .groups import build_megatron_etp_groups
 
-__all__ = ["ETPGroupedExperts", "apply_etp", "etp_gpt_decoder_spec", "etp_gpt_layer_spec", "patch_megatron"]
+__all__ = ["ETPGroupedExperts", "apply_etp", "etp_gpt_decoder_spec", "etp_gpt_layer_spec", "fp32_router_counts",
+           "patch_megatron"]
 
 
 def patch_megatron() -> None:
@@ -155,6 +156,29 @@ def etp_gpt_decoder_spec(config, normalization: str | None = None, attention_bac
     offset = get_transformer_layer_offset(config)
     stage = pattern[offset: offset + get_num_layers_to_build(config)]
     return TransformerBlockSubmodules(layer_specs=[moe if p else dense for p in stage], layer_norm=LayerNormImpl)
+
+
+def fp32_router_counts(model: torch.nn.Module) -> int:
+    """Keeps the token counts behind megatron-core's expert bias (``moe_router_enable_expert_bias``)
+    in float32 after ``Float16Module`` cast every buffer to bf16 / fp16; returns how many.
+
+    megatron-core 0.16 keeps the bias itself in float32 but not ``local_tokens_per_expert``: in
+    bf16 a count above 256 is rounded to a multiple of 2 or more (above 2048, of 16), and the bias
+    step is the sign of (mean count - count), so experts near the mean would step the wrong way.
+    Call it once after the cast, before any capture (the buffer keeps its address afterwards).
+
+    Example::
+
+        model = Float16Module(config, gpt_model)
+        fp32_router_counts(model)
+    """
+    kept = 0
+    for module in model.modules():
+        counts = getattr(module, "local_tokens_per_expert", None)
+        if isinstance(counts, torch.Tensor) and counts.dtype != torch.float32:
+            module.local_tokens_per_expert = counts.float()  # a registered buffer: replaced in place
+            kept += 1
+    return kept
 
 
 def apply_etp(model: torch.nn.Module, config: ETPConfig, groups: ETPGroups | None = None) -> WrapSummary:

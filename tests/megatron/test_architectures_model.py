@@ -203,3 +203,39 @@ def _tied_copy_roles(ctx):
 
 def test_a_tied_embedding_copy_on_another_stage_stays_replicated():
     assert run_distributed(_tied_copy_roles, 2)[0] == {"copy": False, "plain": True}
+
+
+def _router_counts(ctx):
+    """A recipe model with the expert bias, cast to bf16 by Float16Module: the counts' dtype and
+    what 300 tokens add up to, before and after fp32_router_counts."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.module import Float16Module
+
+    from etp.megatron.model import fp32_router_counts
+
+    _megatron_on_cpu()
+    ps.initialize_model_parallel()
+    try:
+        _, config, model = _build({**ALL, "bf16": True}, torch.float32)
+        wrapped = Float16Module(config, model)
+        routers = [m for m in wrapped.modules() if getattr(m, "local_tokens_per_expert", None) is not None]
+
+        def count_300(router):
+            router.local_tokens_per_expert.zero_()
+            for _ in range(300):
+                router.local_tokens_per_expert += torch.ones(8, dtype=torch.int64)
+            return router.local_tokens_per_expert[0].item(), router.local_tokens_per_expert.dtype
+
+        before = count_300(routers[0])
+        kept = fp32_router_counts(wrapped)
+        after = [count_300(r) for r in routers]
+        return before, kept, after, [r.expert_bias.dtype for r in routers]
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_expert_bias_counts_stay_exact_under_bf16():
+    before, kept, after, bias_dtypes = run_distributed(_router_counts, 1)[0]
+    assert before[1] == torch.bfloat16 and before[0] != 300.0  # bf16 rounds past 256: megatron-core's cast
+    assert kept == 2 and after == [(300.0, torch.float32)] * 2
+    assert set(bias_dtypes) == {torch.bfloat16}  # megatron-core restores the bias itself at its forward

@@ -66,7 +66,10 @@ def build_model(recipe, device):
 
         install_etp_dispatchers(model, max_tokens_per_rank=m.seq_length * recipe.train.micro_batch_size)
     if recipe.train.bf16:
+        from ..model import fp32_router_counts
+
         model = Float16Module(config, model)
+        fp32_router_counts(model)  # the expert bias's token counts, exact
 
     def loss_fn(module, batch):
         tokens = batch[:, :-1]
