@@ -176,3 +176,30 @@ def test_the_cpu_driver_refuses_keys_its_model_lacks(capsys):
     from etp.megatron.tiny_lm import unsupported_keys
 
     assert unsupported_keys(Recipe.from_yaml(recipe)) == []  # the shipped CPU recipe is modelled
+
+
+def test_router_losses_are_weighed_like_the_language_model_loss():
+    """etp-train divides each micro-batch's loss by the micro-batch count: the router's auxiliary
+    and z-loss gradients (megatron-core's MoEAuxLossAutoScaler) get the same factor, as in
+    megatron-core's own schedules, instead of its default 1."""
+    pytest.importorskip("megatron.core")
+    import torch
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    from etp.megatron.trainer.model_build import scale_router_losses
+
+    recipe = Recipe.from_dict({**BASE, "micro_batch_size": 2, "global_batch_size": 16})
+    before = MoEAuxLossAutoScaler.main_loss_backward_scale
+    try:
+        assert scale_router_losses(recipe, 2, torch.device("cpu")) == 0.25  # 16 / (2 x 2 ranks) = 4
+        # A step of 4 micro-batches, each with its own auxiliary loss: the accumulated gradient
+        # of the auxiliary losses is their mean, as the language-model loss's is.
+        grads = torch.zeros(())
+        for aux_value in (1.0, 2.0, 3.0, 4.0):
+            aux = torch.tensor(aux_value, requires_grad=True)
+            out = MoEAuxLossAutoScaler.apply(torch.ones(3, requires_grad=True), aux * 2.0)
+            out.sum().backward()
+            grads += aux.grad
+        assert grads.item() == 2.0  # d(mean of 2 x aux) / d(aux) summed over the 4: 4 x 2 / 4
+    finally:
+        MoEAuxLossAutoScaler.main_loss_backward_scale = before

@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["build_model", "gpt_model", "learning_rate", "transformer_config"]
+__all__ = ["build_model", "gpt_model", "learning_rate", "scale_router_losses", "transformer_config"]
 
 
 def learning_rate(recipe, iteration: int) -> float:
@@ -57,6 +57,10 @@ def build_model(recipe, device):
     torch.manual_seed(recipe.train.seed)
     config = transformer_config(recipe, device)
     model = gpt_model(recipe, config).to(device)
+    if m.is_moe:
+        import torch.distributed as dist
+
+        scale_router_losses(recipe, dist.get_world_size() if dist.is_initialized() else 1, device)
     if m.moe_token_dispatcher_type == "local":
         from ..local_dispatcher import install_local_dispatchers
 
@@ -141,3 +145,21 @@ def gpt_model(recipe, config):
                     max_sequence_length=m.max_position_embeddings or m.seq_length,
                     position_embedding_type=m.position_embedding_type,
                     share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights)
+
+
+def scale_router_losses(recipe, world_size: int, device) -> float:
+    """Scales the gradients of the router's auxiliary and z-losses like the language-model loss's:
+    by 1 / micro-batches per step. etp-train divides each micro-batch's loss by their count;
+    megatron-core's router losses reach backward through ``MoEAuxLossAutoScaler``, whose scale
+    megatron-core's own schedules set to the same 1 / count (its default, 1, would weigh the
+    router losses count times too much). Returns the scale.
+
+    Example::
+
+        scale_router_losses(recipe, world_size=4, device=torch.device("cuda"))   # 0.25 with 4 micro-batches
+    """
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    scale = 1.0 / recipe.num_microbatches(world_size)
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(scale, device=device))
+    return scale
