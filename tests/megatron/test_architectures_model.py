@@ -239,3 +239,73 @@ def test_expert_bias_counts_stay_exact_under_bf16():
     assert before[1] == torch.bfloat16 and before[0] != 300.0  # bf16 rounds past 256: megatron-core's cast
     assert kept == 2 and after == [(300.0, torch.float32)] * 2
     assert set(bias_dtypes) == {torch.bfloat16}  # megatron-core restores the bias itself at its forward
+
+
+def _fsdp2_step(ctx):
+    """Two micro-batches and one step of FSDP2Step on 2 ranks against the unsharded model and
+    torch AdamW over both ranks' tokens: loss, grad norm, updated weights, expert bias."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias
+    from torch.distributed.tensor import DTensor
+
+    from etp.megatron.fsdp2_step import FSDP2Step
+
+    _megatron_on_cpu()
+    ps.initialize_model_parallel()
+    try:
+        values = {**ALL, "clip_grad": 0.05, "weight_decay": 0.1, "lr": 1e-2}
+        recipe, config, reference = _build(values, torch.float32)
+        model = _build(values, torch.float32)[2]
+        gen = torch.Generator().manual_seed(1)
+        batches = [[torch.randint(0, 256, (2, 17), generator=gen) for _ in range(ctx.world_size)] for _ in range(2)]
+        positions = torch.arange(16).expand(2, 16)
+
+        def loss_of(module, batch):
+            return module(batch[:, :-1], positions, None, labels=batch[:, 1:]).mean()
+
+        phase = lambda name: contextlib.nullcontext()  # noqa: E731
+        # reference: every rank's tokens, the mean over ranks and micro-batches
+        t = recipe.train
+        decay = [p for n, p in reference.named_parameters() if not (n.endswith(".bias") or p.ndim == 1)]
+        rest = [p for n, p in reference.named_parameters() if n.endswith(".bias") or p.ndim == 1]
+        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
+                                       {"params": rest, "weight_decay": 0.0}], lr=t.lr,
+                                      betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
+        ref_loss = sum(loss_of(reference, b) for micro in batches for b in micro) / (2 * ctx.world_size)
+        ref_loss.backward()
+        _update_router_expert_bias([reference], config)
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), t.clip_grad)
+        optimizer.step()
+
+        step = FSDP2Step(recipe, model, config)
+        loss = torch.zeros(())
+        for context, micro in zip(step.microbatches(2), batches):
+            with context:
+                part = loss_of(step.model, micro[ctx.rank]) / 2
+                part.backward()
+            loss += part.detach()
+        norm = step.step(t.lr, phase)
+        params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                  for n, p in step.model.named_parameters()}
+        biases = [m.expert_bias.clone() for m in step.model.modules() if getattr(m, "expert_bias", None) is not None]
+        ref_biases = [m.expert_bias.clone() for m in reference.modules() if getattr(m, "expert_bias", None) is not None]
+        return dict(loss=loss, ref_loss=ref_loss.detach(), norm=norm.detach(), ref_norm=ref_norm.detach(),
+                    params=params, ref_params={n: p.detach().clone() for n, p in reference.named_parameters()},
+                    biases=biases, ref_biases=ref_biases, sharded=any(isinstance(p, DTensor) for p in model.parameters()))
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_fsdp2_step_trains_like_the_unsharded_model():
+    results = run_distributed(_fsdp2_step, 2)
+    torch.testing.assert_close(results[0]["loss"] + results[1]["loss"], 2 * results[0]["ref_loss"], rtol=1e-5, atol=1e-6)
+    for r in results:
+        assert r["sharded"]
+        torch.testing.assert_close(r["norm"], r["ref_norm"], rtol=1e-4, atol=1e-6)
+        assert r["norm"] > 0.05  # the clip acted
+        assert r["params"].keys() == r["ref_params"].keys()
+        for name, value in r["params"].items():
+            torch.testing.assert_close(value, r["ref_params"][name], rtol=1e-4, atol=1e-5, msg=name)
+        assert len(r["biases"]) == 2
+        for mine, ref in zip(r["biases"], r["ref_biases"]):
+            torch.testing.assert_close(mine, ref)
