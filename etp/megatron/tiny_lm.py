@@ -14,33 +14,7 @@ from torch import nn
 
 from ..modules import GroupedSwiGLUExperts
 
-__all__ = ["TinyMoELM", "unsupported_keys"]
-
-#: architecture keys and the value TinyMoELM models (None: derived from other keys)
-_MODELLED = {"kv_channels": None, "qk_layernorm": False, "moe_layer_freq": 1,
-             "moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False,
-             "moe_router_score_function": "softmax", "moe_router_pre_softmax": False,
-             "moe_router_topk_scaling_factor": None, "moe_router_enable_expert_bias": False,
-             "moe_router_num_groups": None, "moe_router_group_topk": None, "moe_z_loss_coeff": None}
-
-
-def unsupported_keys(recipe) -> list[str]:
-    """The recipe's architecture keys (``key=value``) that ``TinyMoELM`` does not model: the CPU
-    driver refuses such a recipe rather than train another model than it describes.
-
-    Example::
-
-        unsupported_keys(Recipe.from_yaml("recipes/qwen3_30b_a3b.yaml"))   # ['kv_channels=128', ...]
-    """
-    m = recipe.model
-    found = []
-    for key, value in _MODELLED.items():
-        got = getattr(m, key)
-        if key == "kv_channels":
-            value = m.hidden_size // m.num_attention_heads if m.hidden_size % m.num_attention_heads == 0 else None
-        if got != value:
-            found.append(f"{key}={list(got) if isinstance(got, tuple) else got}")
-    return found
+__all__ = ["TinyMoELM"]
 
 
 def _rope(x: torch.Tensor) -> torch.Tensor:

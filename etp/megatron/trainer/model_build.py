@@ -11,7 +11,34 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["build_model", "gpt_model", "learning_rate", "scale_router_losses", "transformer_config"]
+__all__ = ["build_model", "cpu_model_gaps", "gpt_model", "learning_rate", "scale_router_losses", "transformer_config"]
+
+#: architecture keys and the value the CPU driver's TinyMoELM models (None: hidden / heads)
+_TINY_MODELS = {"kv_channels": None, "qk_layernorm": False, "moe_layer_freq": 1,
+                "moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False,
+                "moe_router_score_function": "softmax", "moe_router_pre_softmax": False,
+                "moe_router_topk_scaling_factor": None, "moe_router_enable_expert_bias": False,
+                "moe_router_num_groups": None, "moe_router_group_topk": None, "moe_z_loss_coeff": None}
+
+
+def cpu_model_gaps(recipe) -> list[str]:
+    """The recipe's architecture keys (``key=value``) that the CPU driver's ``TinyMoELM`` does
+    not model (megatron-core's router and dispatchers need CUDA, so without GPUs etp-train trains
+    that model): ``build_model`` refuses such a recipe on CPU rather than train another model.
+
+    Example::
+
+        cpu_model_gaps(Recipe.from_yaml("recipes/qwen3_30b_a3b.yaml"))   # ['kv_channels=128', ...]
+    """
+    m = recipe.model
+    found = []
+    for key, value in _TINY_MODELS.items():
+        got = getattr(m, key)
+        if key == "kv_channels":
+            value = m.hidden_size // m.num_attention_heads if m.hidden_size % m.num_attention_heads == 0 else None
+        if got != value:
+            found.append(f"{key}={list(got) if isinstance(got, tuple) else got}")
+    return found
 
 
 def learning_rate(recipe, iteration: int) -> float:
@@ -41,6 +68,10 @@ def build_model(recipe, device):
     if device.type == "cpu":
         from ..tiny_lm import TinyMoELM
 
+        gaps = cpu_model_gaps(recipe)
+        if gaps:
+            raise ValueError(f"the CPU driver trains etp's TinyMoELM, which does not model {', '.join(gaps)}: run "
+                             "this recipe on GPUs under torchrun (or remove those keys for a CPU run)")
         torch.manual_seed(recipe.train.seed)
         model = TinyMoELM(recipe)
 

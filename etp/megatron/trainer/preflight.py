@@ -26,23 +26,6 @@ def _output_file(flag: str, path: str | None) -> None:
         raise TrainError(f"{flag} {path} is a directory: give a file path, e.g. {Path(path) / 'run.json'}")
 
 
-def _cpu_model_covers(recipe) -> None:
-    """Without GPUs etp-train trains etp's TinyMoELM (megatron-core's router and dispatchers need
-    CUDA): a recipe whose architecture keys it does not model is refused, not trained as another
-    model."""
-    import torch
-
-    backend = recipe.parallel.backend
-    if backend == "nccl" or (backend == "auto" and torch.cuda.is_available()):
-        return
-    from ..tiny_lm import unsupported_keys
-
-    keys = unsupported_keys(recipe)
-    if keys:
-        raise TrainError(f"the CPU driver trains etp's TinyMoELM, which does not model {', '.join(keys)}: run "
-                         "this recipe on GPUs under torchrun (or remove those keys for a CPU run)")
-
-
 def preflight(recipe, options: RunOptions) -> list[str]:
     """Checks the recipe's data, the output paths and the checkpoint directories of a run;
     returns the notes to print before it starts (a clipped warm-up, what ``--overwrite``
@@ -55,7 +38,6 @@ def preflight(recipe, options: RunOptions) -> list[str]:
     """
     notes = []
     recipe.resolve_data_path()  # RecipeError naming `data` when the corpus is missing
-    _cpu_model_covers(recipe)
     _output_file("--json", options.json_path)
     _output_file("--audit", options.audit_path)
     if options.profile_dir is not None:
