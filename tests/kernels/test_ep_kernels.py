@@ -289,6 +289,25 @@ def _describe(value):
     return value
 
 
+def _layer_against_reference(disp, ref_disp, gen, tokens, label, exact=True):
+    """One layer (dispatch, experts doubling the weighted rows, combine, backward) through
+    ``disp`` and through the reference backend on the same routing: what differs, named."""
+    idx = torch.rand(tokens, 4, generator=gen).topk(2, dim=1).indices
+    x, w = torch.randn(tokens, 8, generator=gen), torch.rand(tokens, 2, generator=gen)
+    got, want = [], []
+    for d, out in ((disp, got), (ref_disp, want)):
+        xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        h = d.prepare(idx)
+        recv_x, recv_w, tpe = d.dispatch(xg, wg, h)
+        y = d.combine(recv_x * 2 * recv_w[:, None], h)
+        gx, gw = torch.autograd.grad(y, (xg, wg), torch.ones_like(y)) if tokens else (x, w)
+        out += [t.detach().clone() for t in (recv_x, recv_w, tpe, y, gx, gw)]
+    same = torch.equal if exact else (lambda a, b: torch.allclose(a, b, rtol=1e-6, atol=1e-6))
+    return [f"{label}T={tokens}: {key} differs from reference"
+            for key, a, b in zip(("recv_x", "recv_w", "tokens_per_expert", "out", "grad_x", "grad_w"), got, want)
+            if not same(a, b)]
+
+
 def _symm_on_cpu(ctx, name):
     from etp import ep
     from etp.kernels import ep_move
@@ -320,19 +339,7 @@ def _symm_on_cpu(ctx, name):
     for tokens in (6, 3, 0, 5, 4):
         if tokens == 4:
             disp.combine_backend.tune(combine="pull", peer_order="sequential")
-        idx = torch.rand(tokens, 4, generator=gen).topk(2, dim=1).indices
-        x, w = torch.randn(tokens, 8, generator=gen), torch.rand(tokens, 2, generator=gen)
-        got, want = [], []
-        for d, out in ((disp, got), (ref_disp, want)):
-            xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-            h = d.prepare(idx)
-            recv_x, recv_w, tpe = d.dispatch(xg, wg, h)
-            y = d.combine(recv_x * 2 * recv_w[:, None], h)
-            gx, gw = torch.autograd.grad(y, (xg, wg), torch.ones_like(y)) if tokens else (x, w)
-            out += [t.detach().clone() for t in (recv_x, recv_w, tpe, y, gx, gw)]
-        for key, a, b in zip(("recv_x", "recv_w", "tokens_per_expert", "out", "grad_x", "grad_w"), got, want):
-            if not torch.equal(a, b):
-                errors.append(f"T={tokens}: {key} differs from reference")
+        errors += _layer_against_reference(disp, ref_disp, gen, tokens, "")
     # The moves of one handle, step after step: identical launches, nothing allocated.
     disp.combine_backend.tune(combine="push", peer_order="rotated")
     per_step, allocs, seen, handle, x, w, recv_x = _steady_moves(disp, gen, launches)
@@ -408,19 +415,7 @@ def _nccl_on_cpu(ctx, name, chunks):
     gen = torch.Generator().manual_seed(7 + ctx.rank)
     errors = []
     for tokens in (6, 3 + ctx.rank, 0, 5):  # shrinking: stale rows must be zeroed
-        idx = torch.rand(tokens, 4, generator=gen).topk(2, dim=1).indices
-        x, w = torch.randn(tokens, 8, generator=gen), torch.rand(tokens, 2, generator=gen)
-        got, want = [], []
-        for d, out in ((disp, got), (ref_disp, want)):
-            xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-            h = d.prepare(idx)
-            recv_x, recv_w, tpe = d.dispatch(xg, wg, h)
-            y = d.combine(recv_x * 2 * recv_w[:, None], h)
-            gx, gw = torch.autograd.grad(y, (xg, wg), torch.ones_like(y))
-            out += [t.detach().clone() for t in (recv_x, recv_w, tpe, y, gx, gw)]
-        for key, a, b in zip(("recv_x", "recv_w", "tokens_per_expert", "out", "grad_x", "grad_w"), got, want):
-            if not torch.equal(a, b):
-                errors.append(f"{name} chunks={chunks} T={tokens}: {key} differs from reference")
+        errors += _layer_against_reference(disp, ref_disp, gen, tokens, f"{name} chunks={chunks} ")
     per_step, allocs, *_ = _steady_moves(disp, gen, launches)
     return errors, per_step, allocs
 
@@ -453,19 +448,8 @@ def _hierarchical_on_cpu(ctx):
     gen = torch.Generator().manual_seed(3 + ctx.rank)
     errors = [] if type(disp.dispatch_backend._intra).__name__ == "SymmIntra" else ["not on symmetric memory"]
     for tokens in (6, 2 + ctx.rank, 0, 5):
-        idx = torch.rand(tokens, 4, generator=gen).topk(2, dim=1).indices
-        x, w = torch.randn(tokens, 8, generator=gen), torch.rand(tokens, 2, generator=gen)
-        got, want = [], []
-        for d, out in ((disp, got), (ref_disp, want)):
-            xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-            h = d.prepare(idx)
-            recv_x, recv_w, tpe = d.dispatch(xg, wg, h)
-            y = d.combine(recv_x * 2 * recv_w[:, None], h)
-            gx, gw = torch.autograd.grad(y, (xg, wg), torch.ones_like(y))
-            out += [t.detach().clone() for t in (recv_x, recv_w, tpe, y, gx, gw)]
-        for key, a, b in zip(("recv_x", "recv_w", "tokens_per_expert", "out", "grad_x", "grad_w"), got, want):
-            if not torch.allclose(a, b, rtol=1e-6, atol=1e-6):  # per-host sums: another summation order
-                errors.append(f"T={tokens}: {key} differs from reference")
+        # per-host sums: another summation order
+        errors += _layer_against_reference(disp, ref_disp, gen, tokens, "", exact=False)
     idx = torch.rand(6, 4, generator=gen).topk(2, dim=1).indices
     x, w = torch.randn(6, 8, generator=gen), torch.rand(6, 2, generator=gen)
     handle = disp.prepare(idx)
