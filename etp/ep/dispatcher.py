@@ -84,7 +84,10 @@ class ExpertDispatcher:
         if device is None:
             is_nccl = dist.get_backend(group) == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if is_nccl else torch.device("cpu")
-        self.cfg, self.group, self.name, self.device = cfg, group, name, torch.device(device)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" means this rank's GPU; tensors say cuda:N
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.cfg, self.group, self.name, self.device = cfg, group, name, device
         self.capacity = cfg.capacity(world)
         self.ctx = EPContext(cfg, group, rank, world, local, self.capacity, self.device)
         #: How the backends were chosen: ``{"dispatch", "combine", "source"}`` and, for

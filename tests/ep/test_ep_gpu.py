@@ -87,7 +87,7 @@ def _backends_vs_reference(ctx):
     pairs = [(n, n) for n in names] + [("symm_dedup", "symm_push"), ("symm_push", "symm_dedup"), ("nccl", "symm_push"),
                                        ("nccl_padded", "symm_dedup")]
     errors = []
-    for case, tokens in (("uniform", 600 - 37 * ctx.rank), ("skewed", 512), ("one_rank", 300 * ctx.rank)):
+    for case, tokens in (("uniform", 600 - 37 * ctx.rank), ("skewed", 512), ("one_rank", 600 * ctx.rank // (ctx.world_size - 1))):
         cfg = _cfg()
         idx, w, x = _routing(ctx, case, cfg, tokens)
         scale = torch.linspace(0.5, 1.5, cfg.hidden_size, device=ctx.device)
@@ -116,7 +116,7 @@ def _hierarchical_vs_reference(ctx):
     """Hosts declared on one machine: 2 GPUs as 2 hosts x 1, 4 as 2 x 2 (symmetric memory
     within a host, NCCL between)."""
     errors = []
-    for case, tokens in (("uniform", 600 - 37 * ctx.rank), ("skewed", 512), ("one_rank", 300 * ctx.rank)):
+    for case, tokens in (("uniform", 600 - 37 * ctx.rank), ("skewed", 512), ("one_rank", 600 * ctx.rank // (ctx.world_size - 1))):
         cfg = _cfg(ranks_per_host=ctx.world_size // 2)
         idx, w, x = _routing(ctx, case, cfg, tokens)
         scale = torch.linspace(0.5, 1.5, cfg.hidden_size, device=ctx.device)
