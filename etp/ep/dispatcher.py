@@ -40,11 +40,11 @@ __all__ = ["ExpertDispatcher"]
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _resolve_backends(cfg: EPConfig, group, dispatcher_cls) -> dict:
+def _resolve_backends(cfg: EPConfig, group, dispatcher_cls, agree_group=None) -> dict:
     """``{"dispatch": name, "combine": name, "source": ...}``: the profiler's cached choice for
     ``auto`` (with every candidate's times), else the configured names."""
     if cfg.backend == "auto":
-        return choose(cfg, group, dispatcher_cls)
+        return choose(cfg, group, dispatcher_cls, agree_group=agree_group)
     names = cfg.backend.split("+")
     if len(names) > 2:
         raise ValueError(f"EPConfig.backend={cfg.backend!r}: at most '<dispatch>+<combine>'")
@@ -63,6 +63,11 @@ class ExpertDispatcher:
         name: the layer's name in error messages.
         device: where buffers live (default: the current CUDA device for NCCL groups,
             else CPU).
+        agree_group: for ``backend="auto"``, a group holding ``group`` whose ranks all build
+            this dispatcher together, each with its own EP group (the world, for a model
+            whose every rank has the same MoE layers): all EP groups then use the same
+            backends. Needed where EP groups coexist with other groups that use symmetric
+            memory; see [Note: one choice for every EP group] in ``etp.ep.profiler``.
 
     Example::
 
@@ -75,7 +80,7 @@ class ExpertDispatcher:
     """
 
     def __init__(self, cfg: EPConfig, group: Optional[dist.ProcessGroup] = None, *, name: str = "moe",
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None, agree_group: Optional[dist.ProcessGroup] = None):
         if not isinstance(cfg, EPConfig):
             raise TypeError(f"cfg={cfg!r}: expected an EPConfig")
         group = group or dist.group.WORLD
@@ -92,7 +97,7 @@ class ExpertDispatcher:
         self.ctx = EPContext(cfg, group, rank, world, local, self.capacity, self.device)
         #: How the backends were chosen: ``{"dispatch", "combine", "source"}`` and, for
         #: ``backend="auto"``, every candidate's times (``"ms"``, see ``etp.ep.profile``).
-        self.backend_report = _resolve_backends(cfg, group, type(self))
+        self.backend_report = _resolve_backends(cfg, group, type(self), agree_group)
         self.backend_names = (self.backend_report["dispatch"], self.backend_report["combine"])
         dispatch_cls, combine_cls = (backend_class(n, group, cfg.ranks_per_host) for n in self.backend_names)
         self.dispatch_backend = dispatch_cls(self.ctx)

@@ -3,6 +3,20 @@
 The cache is one JSON file (``<cache_dir>/ep_backends.json``) keyed by
 ``(device name, world size, T, H, K, E, dtype)``; rank 0 reads and writes it and broadcasts
 the choice, so all ranks of a group always agree.
+
+[Note: one choice for every EP group]
+Where several expert-parallel groups coexist (EP 2 x expert ETP 2 at world 4: groups {0, 1}
+and {2, 3}), each choosing on its own can end with different backends in different groups:
+their measurements differ, or one group reads the cache after another wrote it. That is
+more than a performance difference. torch's symmetric-memory rendezvous numbers its store
+exchanges with one counter per process, across all groups, so when ranks have made
+different numbers of rendezvous (a different backend allocates different buffers; a group
+that profiled made many more), the next rendezvous over a group crossing them (the expert
+ETP group {0, 2}) waits for keys its peer never writes: a silent hang at set-up. With
+``agree_group`` (a group holding every EP group, all of whose ranks build the same
+dispatchers: the world for megatron without pipeline parallelism) one rank of it reads the
+cache for all, every group's times are merged (the slowest of each move) before choosing,
+and only that rank writes the file.
 """
 from __future__ import annotations
 
@@ -96,6 +110,11 @@ def _time_moves(disp, cfg, group, iters, warmup) -> dict:
     return {key: _max_over_ranks(seconds / iters, group, disp.device) for key, seconds in times.items()}
 
 
+#: How each side is scored: its forward move plus the backward move that runs on it.
+_SCORE = {"dispatch": lambda t: t["dispatch"] + t["combine_backward"],
+          "combine": lambda t: t["combine"] + t["dispatch_backward"]}
+
+
 def profile(cfg: EPConfig, group: Optional[dist.ProcessGroup] = None, *, iters: int = 5, warmup: int = 2,
             candidates: Optional[list[str]] = None, dispatcher_cls=None, report: Optional[dict] = None
             ) -> tuple[str, str]:
@@ -136,36 +155,71 @@ def profile(cfg: EPConfig, group: Optional[dist.ProcessGroup] = None, *, iters: 
         disp = dispatcher_cls(replace(cfg, backend=name, validate=False), group, name=f"profile:{name}")
         measured[name] = _time_moves(disp, cfg, group, iters, warmup)
         del disp
-    score = {"dispatch": lambda t: t["dispatch"] + t["combine_backward"],
-             "combine": lambda t: t["combine"] + t["dispatch_backward"]}
-    chosen = {side: min(names, key=lambda n: fn(measured[n])) for side, fn in score.items()}
+    chosen = {side: min(names, key=lambda n: fn(measured[n])) for side, fn in _SCORE.items()}
     if report is not None:
         report.update(chosen, ms={n: {k: round(v * 1e3, 4) for k, v in t.items()} for n, t in measured.items()})
     return chosen["dispatch"], chosen["combine"]
 
 
-def choose(cfg: EPConfig, group: Optional[dist.ProcessGroup] = None, dispatcher_cls=None) -> dict:
+def choose(cfg: EPConfig, group: Optional[dist.ProcessGroup] = None, dispatcher_cls=None,
+           agree_group: Optional[dist.ProcessGroup] = None) -> dict:
     """The cached choice for this workload, profiling (and caching) on a miss: the cache
     entry, ``{"dispatch": name, "combine": name, "ms": {...}, "source": "cache" | "profiled"}``
-    (``ms``: every candidate's times, see ``profile``). Logged once per process and key."""
+    (``ms``: every candidate's times, see ``profile``). Logged once per process and key.
+
+    ``agree_group``: a group containing ``group`` whose ranks all call ``choose`` together
+    (each with its own EP group): every EP group then gets the same choice and one rank
+    reads and writes the cache. See [Note: one choice for every EP group]."""
     group = group or dist.group.WORLD
+    lead = agree_group if agree_group is not None else group
     key, path = cache_key(cfg, group), cache_path(cfg)
     cached = [None]
-    if dist.get_rank(group) == 0 and path.exists():
-        cached[0] = json.loads(path.read_text()).get(key)
-    dist.broadcast_object_list(cached, src=dist.get_global_rank(group, 0), group=group)
+    if dist.get_rank(lead) == 0:
+        cached[0] = _read_cache(path).get(key)
+    dist.broadcast_object_list(cached, src=dist.get_global_rank(lead, 0), group=lead)
     if cached[0] is not None:
-        return _log_choice(key, {**cached[0], "source": "cache"}, group)
+        return _log_choice(key, {**cached[0], "source": "cache"}, lead)
     entry: dict = {}
     profile(cfg, group, dispatcher_cls=dispatcher_cls, report=entry)
-    if dist.get_rank(group) == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        table = json.loads(path.read_text()) if path.exists() else {}
-        table[key] = entry
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
-        tmp.replace(path)
-    return _log_choice(key, {**entry, "source": "profiled"}, group)
+    if agree_group is not None:
+        entry = _merge_reports(entry, agree_group)
+    if dist.get_rank(lead) == 0:
+        _write_cache(path, key, entry)
+    return _log_choice(key, {**entry, "source": "profiled"}, lead)
+
+
+def _merge_reports(entry: dict, agree_group) -> dict:
+    """Every group's report merged over ``agree_group``: each backend's move times the
+    slowest group's, and the choice made again from those (identical on every rank)."""
+    everyone: list = [None] * dist.get_world_size(agree_group)
+    dist.all_gather_object(everyone, entry["ms"], group=agree_group)
+    names = [n for n in everyone[0] if all(n in ms for ms in everyone)]
+    if not names:
+        raise RuntimeError(f"the expert-parallel groups share no EP backend to choose from: {everyone}")
+    ms = {n: {move: max(ms[n][move] for ms in everyone) for move in everyone[0][n]} for n in names}
+    chosen = {side: min(names, key=lambda n: fn(ms[n])) for side, fn in _SCORE.items()}
+    return {**chosen, "ms": ms}
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except ValueError:  # torn or hand-edited: profile again (and rewrite it)
+        log.warning("etp.ep: ignoring the unreadable backend cache %s", path)
+        return {}
+
+
+def _write_cache(path: Path, key: str, entry: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = _read_cache(path)
+    table[key] = entry
+    # A name of this process's own: two writers (two runs sharing a cache, or EP groups
+    # without an agree_group) must not rename each other's half-written file.
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+    tmp.replace(path)
 
 
 _LOGGED: set = set()

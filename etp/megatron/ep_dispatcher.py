@@ -54,6 +54,8 @@ class EtpTokenDispatcher(MoETokenDispatcher):
             None: its default)
             (a ``capacity_factor`` drops the rows past each expert's capacity).
         trim: give the experts only the valid rows (see the module docstring).
+        agree_group: see :class:`etp.ep.ExpertDispatcher` (``install_etp_dispatchers`` passes
+            the world when every rank holds the same MoE layers).
 
     Example::
 
@@ -64,7 +66,7 @@ class EtpTokenDispatcher(MoETokenDispatcher):
     def __init__(self, num_local_experts: int, local_expert_indices: list[int], config, pg_collection=None, *,
                  max_tokens_per_rank: int, backend: str = "auto", capacity_factor: Optional[float] = None,
                  num_ctas: Optional[int] = None, trim: bool = True, weight_dtype: torch.dtype = torch.float32,
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None, agree_group=None):
         super().__init__(config=config, pg_collection=pg_collection)
         if self.tp_size > 1:
             raise ValueError(f"EtpTokenDispatcher: expert tensor parallel size {self.tp_size} > 1 is not supported")
@@ -80,7 +82,8 @@ class EtpTokenDispatcher(MoETokenDispatcher):
             max_tokens_per_rank=max_tokens_per_rank, dtype=torch.bfloat16 if config.bf16 else params_dtype,
             backend=backend, capacity_factor=capacity_factor, drop_tokens=capacity_factor is not None,
             weight_dtype=weight_dtype, **({} if num_ctas is None else {"num_ctas": num_ctas}))
-        self.dispatcher = ep.ExpertDispatcher(self.ep_config, self.ep_group, name="moe", device=device)
+        self.dispatcher = ep.ExpertDispatcher(self.ep_config, self.ep_group, name="moe", device=device,
+                                              agree_group=agree_group)
         if self.dispatcher.ctx.experts_per_rank != num_local_experts:
             raise ValueError(f"EtpTokenDispatcher: {num_local_experts} local experts, the EP group of "
                              f"{self.ep_size} gives {self.dispatcher.ctx.experts_per_rank}")
@@ -130,14 +133,22 @@ class EtpTokenDispatcher(MoETokenDispatcher):
 def install_etp_dispatchers(model: torch.nn.Module, *, max_tokens_per_rank: int, backend: str = "auto") -> int:
     """Replaces the ``token_dispatcher`` of every megatron-core ``MoELayer`` in ``model`` with an
     ``EtpTokenDispatcher`` on the layer's own expert-parallel group (recipe key
-    ``moe_token_dispatcher_type: etp``); returns how many. Call after building the model.
+    ``moe_token_dispatcher_type: etp``); returns how many. Call after building the model, on
+    every rank (without pipeline parallelism every rank holds the same MoE layers, so
+    ``backend="auto"`` chooses once for all EP groups over the world: [Note: one choice for
+    every EP group] in ``etp.ep.profiler``).
 
     Example::
 
         install_etp_dispatchers(gpt_model, max_tokens_per_rank=seq_length * micro_batch_size)
     """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
     from .local_dispatcher import replace_token_dispatchers
 
+    same_layers = not dist.is_initialized() or ps.get_pipeline_model_parallel_world_size() == 1
+    agree = dist.group.WORLD if same_layers and dist.is_initialized() else None
     return replace_token_dispatchers(model, lambda old, config, groups: EtpTokenDispatcher(
         old.num_local_experts, list(old.local_expert_indices), config=config, pg_collection=groups,
-        max_tokens_per_rank=max_tokens_per_rank, backend=backend))
+        max_tokens_per_rank=max_tokens_per_rank, backend=backend, agree_group=agree))

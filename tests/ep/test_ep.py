@@ -315,3 +315,46 @@ def test_profiler_chooses_each_move_and_caches_its_choice(misc_results):
     # Each side is the fastest of its own moves: forward plus the backward that runs on it.
     assert entry["dispatch"] == min(ms, key=lambda n: ms[n]["dispatch"] + ms[n]["combine_backward"])
     assert entry["combine"] == min(ms, key=lambda n: ms[n]["combine"] + ms[n]["dispatch_backward"])
+
+
+def _two_groups_choose(ctx, cache_dir, agree):
+    """EP groups {0, 1} and {2, 3} whose measurements disagree: group 0 times ``reference``
+    fastest, group 1 ``nccl`` (as two groups' noise can on GPUs)."""
+    import torch.distributed as dist
+
+    from etp.ep import profiler
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = groups[ctx.rank // 2]
+    fastest = ("reference", "nccl")[ctx.rank // 2]
+
+    def fake_time_moves(disp, cfg, group, iters, warmup):
+        seconds = 1e-3 if disp.cfg.backend == fastest else 2e-3
+        return dict.fromkeys(("dispatch", "combine", "dispatch_backward", "combine_backward"), seconds)
+
+    profiler._time_moves = fake_time_moves
+    cfg = _config(2, backend="auto", cache_dir=cache_dir)
+    kw = {"agree_group": dist.group.WORLD} if agree else {}
+    first = ep.ExpertDispatcher(cfg, mine, **kw)
+    second = ep.ExpertDispatcher(cfg, mine, **kw)
+    return first.backend_names, first.backend_report["source"], second.backend_names, second.backend_report["source"]
+
+
+@pytest.mark.parametrize("agree", [False, True])
+def test_coexisting_ep_groups_choose_one_backend_with_an_agree_group(tmp_path, agree):
+    """Two EP groups choosing on their own can end with different backends, which makes the
+    ranks' symmetric-memory rendezvous counts differ and hangs the next rendezvous over a
+    group crossing them (EP 2 x expert ETP 2 at world 4). With ``agree_group`` every group
+    gets one choice from the merged (slowest) times, and later layers read it from the cache."""
+    results = run_distributed(_two_groups_choose, 4, str(tmp_path), agree)
+    firsts = {r[0] for r in results}
+    if not agree:  # the hazard the agree group removes
+        assert firsts == {("reference", "reference"), ("nccl", "nccl")}, results
+        return
+    assert len(firsts) == 1, results
+    assert all(r[1] == "profiled" and r[3] == "cache" and r[2] == r[0] for r in results), results
+    import json
+
+    entry = json.loads((tmp_path / "ep_backends.json").read_text())["cpu|2|7|5|3|8|torch.float64"]
+    assert entry["ms"]["reference"]["dispatch"] == entry["ms"]["nccl"]["dispatch"] == 2.0  # each the slowest group's
+    assert not list(tmp_path.glob("*.tmp"))
