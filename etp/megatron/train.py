@@ -17,7 +17,9 @@ Example::
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -95,6 +97,8 @@ def main(argv=None) -> int:
     from .trainer.preflight import preflight
 
     args = _parse(argv)
+    if "RANK" in os.environ:
+        _stack_dumps()
     options = RunOptions(json_path=args.json, audit_path=args.audit, resume=args.resume, exit_after=args.exit_after,
                          profile_dir=args.profile, timeline=args.timeline, overwrite=args.overwrite)
     rank = int(os.environ.get("RANK", 0))
@@ -122,6 +126,16 @@ def main(argv=None) -> int:
     if torchrun:
         return run_rank(rank, world, recipe, options)
     return spawn_cpu_ranks(world, recipe, options)
+
+
+def _stack_dumps() -> None:
+    """How a hung torchrun run shows where each rank waits: SIGUSR1 prints this rank's Python
+    stacks (every thread) to stderr, e.g. ``pkill -USR1 -P $(pgrep -f bin/torchrun)``; with
+    ``ETP_DUMP_STACKS_AFTER=SECONDS`` each rank prints them once by itself after that long."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    after = os.environ.get("ETP_DUMP_STACKS_AFTER")
+    if after:
+        faulthandler.dump_traceback_later(float(after), repeat=False)
 
 
 def _tune(args, recipe, options, torchrun: bool) -> int:

@@ -42,12 +42,15 @@ def run_rank(rank: int, world: int, recipe, options: RunOptions) -> int:
     except Exception as error:
         if not is_input_error(error):
             raise
-        if rank == 0:
-            print(f"etp-train: error: {error}", file=sys.stderr, flush=True)
+        # Rank 0 speaks for an error every rank hits; one that only another rank hit (a
+        # cache file another process renamed, say) must not vanish while its peers wait.
+        where = "" if rank == 0 else f" (rank {rank})"
+        print(f"etp-train: error{where}: {error}", file=sys.stderr, flush=True)
+        # No destroy_process_group: peers may be inside a collective this rank never joins,
+        # and destroying it would wait on them; torchrun ends them when this rank exits.
         return 2
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return 0
 
 
