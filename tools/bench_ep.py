@@ -314,17 +314,35 @@ TARGETS = {"symm_": ("x a2a >= 1.1 and x megatron >= 1.5", lambda r, m: r[f"{m}_
            "nccl": ("x a2a >= 0.85", lambda r, m: r[f"{m}_x_a2a"] >= 0.85)}
 
 
+def steady_ms(run: dict) -> tuple[float, str]:
+    """An etp-train report's steady ms/iter and which iterations it covers: the median over
+    the log windows that start in the second half of the run (not profiled). The first
+    iterations compile kernels (and, with ``backend=auto``, a fresh cache profiles at set-up):
+    runs compared side by side must not carry their different warm-ups. Run etp-train with
+    ``--log-interval 1`` so that every iteration is a window; without a log, its own mean."""
+    log = [r for r in run.get("log") or [] if r.get("ms_per_iter") is not None]
+    if not log:
+        return run["ms_per_iter"], "the report's mean"
+    last = max(r["iteration"] for r in log)
+    starts = [1] + [r["iteration"] + 1 for r in log[:-1]]
+    steady = [(s, r) for s, r in zip(starts, log) if s > last // 2 and not r.get("profiled")] or [(starts[-1], log[-1])]
+    ms = sorted(r["ms_per_iter"] for _, r in steady)
+    median = ms[len(ms) // 2] if len(ms) % 2 else (ms[len(ms) // 2 - 1] + ms[len(ms) // 2]) / 2
+    return median, f"median of iterations {steady[0][0]}-{steady[-1][1]['iteration']}, {len(ms)} windows"
+
+
 def targets(labelled_paths):
     """The issue's targets from benchmark JSON (this script's) and etp-train JSON files, given
     as ``label=path``: per world size, workload, backend and move, whether it meets its target;
     hierarchical against the nccl backend of the same run; recipe ratios (``ep4_alltoall`` /
-    ``ep4_etp`` etc. by label). Prints a table; returns it as lines."""
+    ``ep4_etp`` etc. by label) over steady iterations (``steady_ms``). Prints a table; returns
+    it as lines."""
     lines, recipes = [], {}
     for item in labelled_paths:
         label, _, path = item.rpartition("=")
         data = json.loads(Path(path).read_text())
         if "ms_per_iter" in data:  # an etp-train run
-            recipes[label or path] = data["ms_per_iter"]
+            recipes[label or path] = steady_ms(data)
             continue
         lines += [f"### {label or path}: {data['world_size']}x {data['device']}", "",
                   "| workload | backend | move | ms | x a2a | x megatron | target | met |", "|---|---|---|---:|---:|---:|---|---|"]
@@ -343,8 +361,9 @@ def targets(labelled_paths):
                 lines.append(f"| {workload} | {backend} | {move} | {r[f'{move}_ms']:.3f} | {r[f'{move}_x_a2a']:.2f} | "
                              f"{'-' if xm is None else f'{xm:.2f}'} | {text} | {'' if met is None else 'yes' if met else 'NO'} |")
         lines.append("")
-    for label, ms in recipes.items():
-        lines.append(f"- recipe {label}: {ms:.1f} ms/iter")
+    for label, (ms, span) in recipes.items():
+        lines.append(f"- recipe {label}: {ms:.1f} ms/iter ({span})")
+    recipes = {label: ms for label, (ms, _) in recipes.items()}
     for base, other, goal in (("ep4_alltoall", "ep4_etp", 1.3), ("ep1_xetp4", "ep2_xetp2", None),
                               ("ep4_etp", "ep2_xetp2", None)):
         if base in recipes and other in recipes:

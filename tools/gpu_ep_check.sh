@@ -64,12 +64,15 @@ TAIL=12 step d_bench_4gpu 240 torchrun --standalone --nproc-per-node 4 tools/ben
 
 # (e) the flagship recipe at world 4
 TRAIN="torchrun --standalone --nproc-per-node 4 -m etp.megatron.train --recipe recipes/moe_flagship.yaml"
-AT4="--set global_batch_size=16 --set etp.etp_size=4 --set cuda_graph=none --train-iters 15 --log-interval 5"
+# --log-interval 1: every iteration is a log window, so (t) compares the runs over their
+# steady second half (tools/bench_ep.py steady_ms), not over compilation and warm-up.
+AT4="--set global_batch_size=16 --set etp.etp_size=4 --set cuda_graph=none --train-iters 15 --log-interval 1"
 TAIL=4 step e_ep4_etp 110 $TRAIN $AT4 --set expert_model_parallel_size=4 --set etp.expert_etp_size=1 \
   --set moe_token_dispatcher_type=etp --json "$OUT/e_ep4_etp.json"
 TAIL=4 step e_ep4_alltoall 110 $TRAIN $AT4 --set expert_model_parallel_size=4 --set etp.expert_etp_size=1 \
   --set moe_token_dispatcher_type=alltoall --json "$OUT/e_ep4_alltoall.json"
-TAIL=4 step e_ep2_xetp2 110 $TRAIN $AT4 --set expert_model_parallel_size=2 --set etp.expert_etp_size=2 \
+# A hang prints every rank's Python stacks into the log after 90 s (ETP_DUMP_STACKS_AFTER).
+TAIL=4 step e_ep2_xetp2 110 env ETP_DUMP_STACKS_AFTER=90 $TRAIN $AT4 --set expert_model_parallel_size=2 --set etp.expert_etp_size=2 \
   --set moe_token_dispatcher_type=etp --json "$OUT/e_ep2_xetp2.json"
 TAIL=4 step e_ep1_xetp4 110 $TRAIN $AT4 --set etp.expert_etp_size=4 --json "$OUT/e_ep1_xetp4.json"
 

@@ -57,3 +57,23 @@ def test_bench_ep_cpu_smoke(tmp_path):
     assert len(nccl) == 1 and "x a2a >= 0.85" in nccl[0]
     hier = [line for line in lines if line.startswith("| smoke | hierarchical@ranks_per_host=1 | combine |")]
     assert len(hier) == 1 and "<= nccl" in hier[0]
+
+
+def test_targets_compare_steady_iterations_only(tmp_path):
+    """A run whose first iterations compile (and profile) is compared over its second half."""
+    sys.path.insert(0, str(TOOLS))
+    import bench_ep
+
+    def run(warm, steady):
+        log = [{"iteration": i, "ms_per_iter": warm if i <= 5 else steady} for i in range(1, 16)]
+        return {"ms_per_iter": sum(r["ms_per_iter"] for r in log[1:]) / 14, "log": log}
+
+    (tmp_path / "etp.json").write_text(json.dumps(run(700.0, 200.0)))
+    (tmp_path / "a2a.json").write_text(json.dumps(run(300.0, 260.0)))
+    lines = bench_ep.targets([f"ep4_etp={tmp_path / 'etp.json'}", f"ep4_alltoall={tmp_path / 'a2a.json'}"])
+    assert "- recipe ep4_etp: 200.0 ms/iter (median of iterations 8-15, 8 windows)" in lines
+    assert "- ep4_alltoall / ep4_etp = 1.300 (target >= 1.3: yes)" in lines
+    # Windows of 5 (--log-interval 5): only the last, which starts past the middle, counts.
+    five = {"ms_per_iter": 400.0, "log": [{"iteration": i, "ms_per_iter": ms} for i, ms in ((5, 700.0), (10, 500.0),
+                                                                                           (15, 250.0))]}
+    assert bench_ep.steady_ms(five) == (250.0, "median of iterations 11-15, 1 windows")
