@@ -115,6 +115,11 @@ class ExpertDispatcher:
         self._out = torch.zeros(T, H, dtype=cfg.dtype, device=self.device)
         self._grad_x = torch.zeros(T, H, dtype=cfg.dtype, device=self.device)
         self._grad_w = torch.zeros(T, K, dtype=cfg.weight_dtype, device=self.device)
+        # dispatch(trim=True)'s host copy of tokens_per_expert: pinned, so the copy is queued
+        # on the stream and the host waits for it only after queuing the move (see dispatch).
+        cuda = self.device.type == "cuda"
+        self._counts_host = torch.zeros(local, dtype=torch.int64, pin_memory=cuda)
+        self._counts_copied = torch.cuda.Event() if cuda else None
         # References to the gradient views last returned: autograd's AccumulateGrad then
         # copies them instead of stealing a buffer the next step overwrites.
         self._grad_views: tuple = ()
@@ -182,10 +187,18 @@ class ExpertDispatcher:
         handle._to(HandleState.PREPARED, HandleState.DISPATCHED, HandleState.COMBINED,
                    new=HandleState.DISPATCHED, op="dispatch")
         counts = handle.layout.tokens_per_expert
+        handle.rows, handle.trim = None, trim
         if trim:
-            counts = counts.cpu()  # the one host sync of trim
-        handle.rows = int(counts.sum()) if trim else None
+            # The one host sync of trim, split: the copy of the counts is queued here, the
+            # move after it, and only then does the host wait (_move_dispatch), for the copy
+            # alone. The GPU then has the move queued while the host waits and resumes,
+            # instead of idling until the host has launched it.
+            self._counts_host.copy_(counts, non_blocking=True)
+            if self._counts_copied is not None:
+                self._counts_copied.record()
         recv_x, recv_w = DispatchFunction.apply(x, topk_weights, self, handle)
+        if trim:
+            counts = self._counts_host.clone()  # the next prepare overwrites the pinned copy
         return recv_x, recv_w, counts
 
     def combine(self, expert_out: torch.Tensor, handle: EPHandle) -> torch.Tensor:
@@ -256,6 +269,10 @@ class ExpertDispatcher:
         with record_function("etp::ep_dispatch_backward" if backward else "etp::ep_dispatch"):
             self.dispatch_backend.dispatch(x, w, handle, out_x, out_w)
         _bump(out_x, out_w)
+        if handle.trim and handle.rows is None:  # forward with trim: the move is queued, wait for the counts
+            if self._counts_copied is not None:
+                self._counts_copied.synchronize()
+            handle.rows = int(self._counts_host.sum())
         # trim: every backend reads and writes only the valid rows, so the trimmed views
         # carry all of them (combine's inputs and the gradients included).
         rows = out_x.shape[0] if handle.rows is None else handle.rows

@@ -33,6 +33,7 @@ class EPHandle:
         generation: which ``prepare`` of its dispatcher made it.
         rows: set by ``dispatch(..., trim=True)``: the valid receive rows (host int), the
             length of ``recv_x`` / ``recv_w`` and of the ``expert_out`` ``combine`` takes.
+        trim: ``dispatch`` was asked to trim (``rows`` is read once its move is queued).
     """
 
     topk_idx: torch.Tensor
@@ -41,6 +42,7 @@ class EPHandle:
     state: HandleState = HandleState.PREPARED
     backend_state: dict = field(default_factory=dict)
     rows: Optional[int] = None
+    trim: bool = False
 
     @property
     def tokens(self) -> int:

@@ -358,3 +358,33 @@ def test_coexisting_ep_groups_choose_one_backend_with_an_agree_group(tmp_path, a
     entry = json.loads((tmp_path / "ep_backends.json").read_text())["cpu|2|7|5|3|8|torch.float64"]
     assert entry["ms"]["reference"]["dispatch"] == entry["ms"]["nccl"]["dispatch"] == 2.0  # each the slowest group's
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def _trim_order(ctx):
+    calls = []
+
+    class Event:  # stands in for the CUDA event of a GPU dispatcher
+        def record(self):
+            calls.append("counts copy queued")
+
+        def synchronize(self):
+            calls.append("host waits for counts")
+
+    disp = ep.ExpertDispatcher(_config(ctx.world_size, backend="reference"))
+    disp._counts_copied = Event()
+    move = disp.dispatch_backend.dispatch
+    disp.dispatch_backend.dispatch = lambda *a: (calls.append("move queued"), move(*a))[1]
+    ranks, _, _ = make_case("uniform", ctx.world_size, seed=3)
+    idx = ranks[ctx.rank][0]
+    handle = disp.prepare(idx)
+    x = torch.randn(idx.shape[0], 5, dtype=torch.float64)
+    recv_x, recv_w, counts = disp.dispatch(x, torch.ones(idx.shape, dtype=torch.float64), handle, trim=True)
+    return calls, recv_x.shape[0], recv_w.shape[0], counts.tolist(), handle.layout.tokens_per_expert.tolist()
+
+
+def test_trimmed_dispatch_queues_the_move_before_the_host_waits_for_the_counts():
+    """trim's one host sync waits for the counts' copy only after the move is queued, so the
+    GPU never idles while the host launches the move."""
+    for calls, rows_x, rows_w, counts, device_counts in run_distributed(_trim_order, 2):
+        assert calls == ["counts copy queued", "move queued", "host waits for counts"], calls
+        assert counts == device_counts and rows_x == rows_w == sum(counts)
