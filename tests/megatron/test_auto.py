@@ -41,6 +41,21 @@ def test_a_recipe_that_cannot_be_captured_stays_eager_and_fp8_follows_the_batch(
     assert resolve_auto(wide, Machine(4, 4, **H100))[0].etp.gather_dtype == "fp8_tensorwise"
 
 
+def test_experts_that_read_token_counts_on_the_host_stay_eager():
+    """fp32 experts, and any experts on a GPU older than sm90, run one GEMM per expert sized by
+    counts read on the host, which a capture cannot hold: auto leaves those recipes eager and
+    an explicit ``cuda_graph: step`` is refused naming the key."""
+    fp32, notes = resolve_auto(Recipe.from_yaml(FLAGSHIP, bf16=False), Machine(2, 2, **H100))
+    assert fp32.train.cuda_graph == "none" and any("bf16" in n for n in notes)
+    a100 = dict(H100, gpu_name="NVIDIA A100-SXM4-80GB", sm90=False)
+    older, notes = resolve_auto(Recipe.from_yaml(FLAGSHIP), Machine(2, 2, **a100))
+    assert older.train.cuda_graph == "none" and any("sm90" in n for n in notes)
+    with pytest.raises(RecipeError, match="bf16"):
+        Recipe.from_yaml(FLAGSHIP, bf16=False, cuda_graph="step", overlap_grad_reduce=False)
+    with pytest.raises(RecipeError, match="moe_ffn_hidden_size"):
+        Recipe.from_yaml(FLAGSHIP, moe_ffn_hidden_size=1404, cuda_graph="step", overlap_grad_reduce=False)
+
+
 def test_explicit_values_win_and_cpu_resolves_without_gpu_features():
     recipe, notes = resolve_auto(Recipe.from_yaml(FLAGSHIP, cuda_graph="none", etp={"etp_size": 2}),
                                  Machine(4, 4, **H100))

@@ -96,6 +96,10 @@ def _cuda_graph(recipe, machine: Machine, notes: list[str]) -> str | None:
     if not machine.cuda:
         notes.append("cuda_graph auto -> none: no CUDA here")
         return "none"
+    if recipe.model.is_moe and not machine.sm90:
+        notes.append("cuda_graph auto -> none: grouped expert GEMMs need sm90+ to be captured (older GPUs run "
+                     "one GEMM per expert, sized on the host)")
+        return "none"
     try:
         recipe.replace(cuda_graph="step")
     except RecipeError as error:

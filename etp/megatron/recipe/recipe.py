@@ -139,6 +139,12 @@ class Recipe(RecipeQuantities):
         if p.overlap_param_gather:
             _fail("overlap_param_gather", True, "must be false with cuda_graph=step (its all-gathers are "
                   "waited for in forward hooks, which a replay does not run)")
+        if m.is_moe and not t.bf16:
+            _fail("bf16", False, "must be true with cuda_graph=step in an MoE recipe (fp32 experts run one "
+                  "GEMM per expert, sized by token counts read on the host)")
+        if m.is_moe and (m.hidden_size % 8 or m.moe_ffn_hidden_size % 8):
+            _fail("moe_ffn_hidden_size", m.moe_ffn_hidden_size, "and hidden_size must be multiples of 8 with "
+                  "cuda_graph=step (other widths run one GEMM per expert, sized on the host)")
 
     def _check_tensor_parallel(self) -> None:
         m, p = self.model, self.parallel
