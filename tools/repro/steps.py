@@ -81,6 +81,18 @@ def recipes_flagship(k: int) -> Step:
     return Step(f"recipes_flagship_{k}gpu", "The recipes against their peers", runs, headlines.recipes)
 
 
+def recipes_architectures(k: int) -> Step:
+    """The published architectures' recipes at their defaults; the peer only where it fits 80 GiB."""
+    arch = "--recipe recipes/{}.yaml"
+    runs = (Run("olmoe_defaults", _train(k, arch.format("olmoe_1b_7b"), "--audit {dir}/olmoe_audit.json", 14),
+                k, 60, 180),
+            Run("olmoe_distopt_mb1", _train(k, arch.format("olmoe_1b_7b"), DISTOPT, 14), k, 45, 180),
+            Run("mixtral_defaults", _train(k, arch.format("mixtral_8x7b"), "--audit {dir}/mixtral_audit.json", 12),
+                k, 50, 180),
+            Run("qwen3_defaults", _train(k, arch.format("qwen3_30b_a3b"), "", 14), k, 40, 180))
+    return Step(f"recipes_architectures_{k}gpu", "The recipes against their peers", runs, headlines.recipes)
+
+
 def graphs_flagship(k: int) -> Step:
     """The flagship eager and captured, bf16 gathers (the defaults would pick FP8 when captured)."""
     bf16 = "--set etp.gather_dtype=param --set etp.gather_reuse=chain"
@@ -157,6 +169,8 @@ def build_steps(n: int) -> list[Step]:
     sizes = sorted({2, n})
     steps = [expert_stack(k) for k in sizes]
     steps += [make(k) for make in (recipes_wide, recipes_flagship) for k in sizes]
+    if n >= 4:  # the architectures' recipes are sized for 4 GPUs of 80 GiB
+        steps.append(recipes_architectures(n))
     steps.append(kernels())
     steps += [s for k in sizes for s in expert_parallel(k)]
     steps += [memory_audit(k) for k in sizes]
