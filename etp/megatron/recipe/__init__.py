@@ -88,6 +88,13 @@ Parallelism (``recipe.parallel``, :class:`ParallelSpec`):
     overlap_grad_reduce: false. overlap_param_gather: false (needs the distributed optimizer and
     overlap_grad_reduce; models without ETP weights). grad_reduce_in_bf16: false (fp32 DDP
     reductions). ddp_bucket_size: None (megatron-core's default).
+    use_torch_fsdp2: false (true: torch FSDP2 in place of megatron-core DDP and Adam,
+        etp.megatron.fsdp2_step.FSDP2Step: fully_shard per TransformerLayer and the root over the
+        data-parallel ranks, bf16 gathers with bf16: true, fp32 reductions and master weights, torch
+        AdamW; the peer etp is benchmarked against (docs/architectures.md, "Peers"). ETP sizes 1 (auto
+        resolves them to 1), TP / PP / CP / EP 1, no distributed optimizer or overlap_param_gather,
+        cuda_graph none (auto resolves to none), no fp16, no save / load, dispatcher local, alltoall or
+        allgather; it turns overlap_grad_reduce off itself, FSDP2 reduces during the backward).
     world_size: None (etp driver key: ranks the recipe is meant for; the CPU driver spawns
         this many; under torchrun None takes the launcher's, a value must equal WORLD_SIZE).
     backend: auto (etp driver key: auto | gloo | nccl; auto is nccl with CUDA, else gloo).

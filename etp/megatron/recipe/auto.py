@@ -9,8 +9,9 @@ always wins. In the order they are decided:
 * ``etp.etp_size`` / ``etp.expert_etp_size: auto``: the data-parallel ranks of one host (the
   copy-engine transports move bytes over NVLink inside a host), the largest divisor of the
   data-parallel size that fits there.
+  With ``use_torch_fsdp2`` both are 1: FSDP2 shards every weight itself.
 * ``cuda_graph: auto``: ``step`` wherever the recipe can be captured (CUDA; megatron's
-  dispatchers, activation recompute and tensor parallelism cannot), ``none`` otherwise. A
+  dispatchers, activation recompute, tensor parallelism and FSDP2 cannot), ``none`` otherwise. A
   captured step issues no host launches: small micro-batches stop being bound by the host.
   Capture turns ``overlap_grad_reduce`` off itself (DDP's reductions start after the
   replayed backward).
@@ -73,6 +74,13 @@ def _largest_divisor_up_to(n: int, limit: int) -> int:
 def _etp_sizes(recipe, machine: Machine, notes: list[str]) -> dict:
     p = recipe.parallel
     chosen = {}
+    if p.use_torch_fsdp2:
+        for key in ("etp.etp_size", "etp.expert_etp_size"):
+            if key in recipe.auto:
+                chosen[key[4:]] = 1
+                notes.append(f"{key} auto -> 1: use_torch_fsdp2 shards every weight over the data-parallel "
+                             "ranks itself (ETP off)")
+        return chosen
     if "etp.etp_size" in recipe.auto:
         dp = recipe.data_parallel_size(machine.world_size)
         per_host = max(1, machine.ranks_per_host // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size
@@ -95,6 +103,9 @@ def _cuda_graph(recipe, machine: Machine, notes: list[str]) -> str | None:
         return None
     if not machine.cuda:
         notes.append("cuda_graph auto -> none: no CUDA here")
+        return "none"
+    if recipe.parallel.use_torch_fsdp2:
+        notes.append("cuda_graph auto -> none: use_torch_fsdp2 gathers in forward hooks, which a replay does not run")
         return "none"
     if recipe.model.is_moe and not machine.sm90:
         notes.append("cuda_graph auto -> none: grouped expert GEMMs need sm90+ to be captured (older GPUs run "
@@ -139,7 +150,7 @@ def _gather_reuse(recipe, machine: Machine, notes: list[str]) -> str | None:
     for reuse in (("step" if micro > 1 else "pass"), "chain"):
         candidate = recipe.replace(etp={"gather_reuse": reuse})
         peak = predict_peak(candidate, machine.world_size)
-        if reuse == "chain" or fits(peak["peak"], machine.gpu_memory, peak["outside_allocator"]):
+        if reuse == "chain" or fits(peak["fit_peak"], machine.gpu_memory, peak["outside_allocator"]):
             span = "the whole step" if reuse == "step" else "from its forward to its backward"
             why = (f"every weight stays gathered for {span}: the memory audit predicts "
                    f"{peak['device_peak'] / 2**30:.1f} GiB of {machine.gpu_memory / 2**30:.0f}"

@@ -64,6 +64,10 @@ def _hold_auto_keys(flat: dict, etp_section: dict) -> tuple[list[str], list[str]
     for key in auto:
         (etp_section if key.startswith("etp.") else flat).pop(key.removeprefix("etp."))
     notes = []
+    if flat.get("use_torch_fsdp2") is True and flat.get("overlap_grad_reduce"):
+        flat["overlap_grad_reduce"] = False
+        notes.append("use_torch_fsdp2: overlap_grad_reduce turned off (megatron-core DDP's; FSDP2 reduce-scatters "
+                     "each layer's gradients during the backward itself)")
     if flat.get("cuda_graph") == "step" and flat.get("overlap_grad_reduce"):
         flat["overlap_grad_reduce"] = False
         notes.append("cuda_graph=step: overlap_grad_reduce turned off (a captured step starts DDP's "
@@ -107,6 +111,8 @@ class Recipe(RecipeQuantities):
                 raise RecipeError(
                     name, getattr(self, name), f"Recipe.{name} must be a {cls.__name__}"
                 )
+        if self.parallel.use_torch_fsdp2:
+            self._check_torch_fsdp2()
         self._check_capture()
         self._check_tensor_parallel()
         if self.model.is_moe:
@@ -118,6 +124,26 @@ class Recipe(RecipeQuantities):
         check_architecture_layout(self)
         if self.parallel.world_size is not None:
             self.check_world_size(self.parallel.world_size)
+
+    def _check_torch_fsdp2(self) -> None:
+        """What etp-train's FSDP2 peer cannot hold beside the parallel sizes (``ParallelSpec``)."""
+        m, t, e = self.model, self.train, self.etp
+        for key, value in (("etp.etp_size", e.etp_size), ("etp.expert_etp_size", e.expert_etp_size)):
+            if value != 1:
+                _fail(key, value, f"must be 1 (or auto) with use_torch_fsdp2: FSDP2 shards every weight itself, "
+                      f"ETP is off; set {key}=1")
+        if t.cuda_graph == "step":
+            _fail("cuda_graph", "step", "must be none with use_torch_fsdp2 (FSDP2 gathers in forward hooks, "
+                  "which a replay does not run): set cuda_graph=none or auto")
+        for key in ("save", "load"):
+            if getattr(t, key) is not None:
+                _fail(key, getattr(t, key), f"is not supported with use_torch_fsdp2 (etp's checkpoints do not "
+                      f"describe FSDP2's DTensor shards): remove {key} for an FSDP2 run")
+        if t.fp16:
+            _fail("fp16", True, "must be false with use_torch_fsdp2 (its step has no loss scaler): use bf16: true")
+        if m.is_moe and m.moe_token_dispatcher_type not in ("local", "alltoall", "allgather"):
+            _fail("moe_token_dispatcher_type", m.moe_token_dispatcher_type, "must be local, alltoall or allgather "
+                  "with use_torch_fsdp2 (expert parallelism is off): set moe_token_dispatcher_type=local")
 
     def _check_capture(self) -> None:
         """What ``cuda_graph: step`` cannot hold."""

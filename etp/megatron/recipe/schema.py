@@ -242,6 +242,9 @@ class ParallelSpec:
     overlap_param_gather: bool = _key(
         False, _BOOL, "distributed optimizer: all-gather the updated parameters during the next forward "
         "(megatron-core's recommendation for MoE; needs use_distributed_optimizer and overlap_grad_reduce)")
+    use_torch_fsdp2: bool = _key(
+        False, _BOOL, "torch FSDP2 (etp.megatron.fsdp2_step.FSDP2Step) instead of megatron-core DDP: the peer "
+        "etp is benchmarked against; data parallelism only, ETP off")
     grad_reduce_in_bf16: bool = _key(False, _BOOL, "reduce DDP gradients in bf16 instead of fp32 (half the bytes)")
     ddp_bucket_size: int | None = _positive(None, "elements per DDP gradient bucket (None: megatron-core's default)")
     world_size: int | None = _positive(None, "ranks the recipe is meant for (etp driver key)")
@@ -257,9 +260,23 @@ class ParallelSpec:
                 True,
                 "needs tensor_model_parallel_size > 1 (it splits the sequence over the TP group)",
             )
+        if self.use_torch_fsdp2:
+            self._check_torch_fsdp2()
         if self.overlap_param_gather and not (self.use_distributed_optimizer and self.overlap_grad_reduce):
             _fail("overlap_param_gather", True, "needs use_distributed_optimizer: true and overlap_grad_reduce: "
                   "true (megatron-core overlaps the distributed optimizer's parameter all-gather)")
+
+    def _check_torch_fsdp2(self) -> None:
+        """What FSDP2 over the data-parallel group cannot combine with (the rest: ``Recipe``)."""
+        for key in ("use_distributed_optimizer", "overlap_param_gather"):
+            if getattr(self, key):
+                _fail(key, True, f"must be false with use_torch_fsdp2 (FSDP2 shards the parameters, gradients "
+                      f"and optimizer state itself): remove {key} or use_torch_fsdp2")
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                    "expert_tensor_parallel_size", "context_parallel_size"):
+            if getattr(self, key) != 1:
+                _fail(key, getattr(self, key), f"must be 1 with use_torch_fsdp2 (etp-train's FSDP2 peer shards "
+                      f"over the data-parallel ranks only): set {key}=1")
 
     @property
     def model_parallel_size(self) -> int:
