@@ -9,7 +9,8 @@ from ..config import GATHER_DTYPES, ETPConfig
 from .inventory import weights_on_rank
 
 __all__ = ["MAPPING_GRANULARITY", "SIXTEEN_BIT_WIRE_REDUCTIONS", "gather_buffer_bytes", "gather_transport",
-           "outside_allocator_bytes", "push_staging_bytes", "reduce_transport", "wgrad_pool_bytes"]
+           "outside_allocator_bytes", "push_staging_bytes", "reduce_transport", "unpooled_wgrad_pair_bytes",
+           "wgrad_in_place", "wgrad_pool_bytes"]
 
 
 def gather_transport(etp: ETPConfig, transport: str | None = None) -> str:
@@ -104,17 +105,47 @@ def _dtype_bytes(name: str, param_bytes: int) -> int:
     return param_bytes if dtype is None else dtype.itemsize
 
 
-def wgrad_pool_bytes(shapes_in_forward_order: list[tuple], element_bytes: int = 4) -> int:
+def wgrad_pool_bytes(shapes_in_forward_order: list[tuple | None], element_bytes: int = 4) -> int:
     """The pool holds one buffer per padded shape, two where two weights of one shape reduce
     back to back: a weight's buffer returns to the pool when the *next* reduce-scatter is
     issued, after that one took its own buffer. ``element_bytes``: the reduction's wire dtype
-    (4: the fp32 main-grad dtype NCCL reduces; 2: a 16-bit wire)."""
+    (4: the fp32 main-grad dtype NCCL reduces; 2: a 16-bit wire). A None entry is a weight
+    reduced from its GEMM's own output (``wgrad_in_place``): it takes no pool buffer, but its
+    reduce-scatter still releases the buffer before it, so it separates its neighbours."""
     counts: dict[tuple, int] = {}
     previous = None
     for shape in reversed(shapes_in_forward_order):  # the backward (reduce-scatter) order
-        counts[shape] = max(counts.get(shape, 1), 2 if shape == previous else 1)
+        if shape is not None:
+            counts[shape] = max(counts.get(shape, 1), 2 if shape == previous else 1)
         previous = shape
     return sum(n * rows * cols * element_bytes for (rows, cols), n in counts.items())
+
+
+def wgrad_in_place(recipe, weight, layout, wire_bytes: int) -> bool:
+    """Whether the reduce-scatter takes the weight GEMM's own output rather than a pool buffer
+    (``etp.autograd``: ``op.writes_into`` is false, and ``ReduceSide.reduce_grad`` reduces the
+    output as it is when it needs no padding and has the wire dtype). That is etp's grouped
+    experts on sm90+ in bf16, whose ``torch._grouped_mm`` (or the FP8 grouped GEMM) returns a
+    fresh ``[E, out, in]`` gradient (``GroupedGemm.writes_into``), with a 16-bit wire (the push
+    reduction's; NCCL's fp32 wire copies it into a pool buffer). The prediction assumes the
+    sm90+ GPUs the recipes are for, as ``gather_transport`` assumes their NVLink.
+
+    Example::
+
+        wgrad_in_place(recipe, weight, layout, 2)   # True for grouped experts on a 16-bit wire
+    """
+    if layout is None or len(weight.shape) != 3 or not recipe.train.bf16 or wire_bytes != 2:
+        return False
+    _experts, out_features, in_features = weight.shape
+    return out_features % 8 == 0 and in_features % 8 == 0 and layout.rows == layout.padded_rows
+
+
+def unpooled_wgrad_pair_bytes(sizes_in_forward_order: list[int]) -> int:
+    """The most bytes of in-place weight gradients (``wgrad_in_place``; 0 for a pooled weight)
+    alive at once in a backward: a gradient lives until the next reduce-scatter is issued, so
+    two neighbours in the backward order at most (a layer's fc2 and fc1)."""
+    pairs = zip(sizes_in_forward_order, sizes_in_forward_order[1:])
+    return max((a + b for a, b in pairs), default=sum(sizes_in_forward_order))
 
 
 def push_staging_bytes(recipe, etp: ETPConfig) -> int:

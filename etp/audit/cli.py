@@ -24,7 +24,7 @@ from .predict import FRAGMENTATION, RESERVED_OUTSIDE, fits, largest_micro_batch,
 __all__ = ["main", "audit"]
 
 GIB = 1024**3
-_PHASE = {"forward_backward": "fwd/bwd", "optimizer_step": "optimizer"}
+_PHASE = {"forward_backward": "fwd/bwd", "capture": "capture", "optimizer_step": "optimizer"}
 _UNITS = {"b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
           "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4}
 
@@ -113,15 +113,16 @@ def audit(recipe_path: str, world_size: int | None = None, etp_size: int | None 
         peak = predict_peak(recipe, world, config, distributed_optimizer)
         peaks[name] = {k: v for k, v in peak.items() if k != "categories"}
         if gpu_memory:
-            peaks[name]["fits"] = fits(peak["peak"], gpu_memory, peak["outside_allocator"])
+            peaks[name]["fits"] = fits(peak["fit_peak"], gpu_memory, peak["outside_allocator"])
     micro = None
     if gpu_memory:
         micro = {"candidates": [], "largest": {}}
         for name, config in etps.items():
             best, table = largest_micro_batch(recipe, world, gpu_memory, config, distributed_optimizer)
             micro["largest"][name] = best
-            micro["candidates"] = [b for b, _ in table]
-            micro[name] = [peak for _, peak in table]
+            micro["candidates"] = [b for b, _peak, _ok in table]
+            micro[name] = [peak for _, peak, _ok in table]
+            micro.setdefault("fits", {})[name] = [ok for _, _peak, ok in table]
             micro.setdefault("outside_allocator", {})[name] = peaks[name]["outside_allocator"]
     return {
         "recipe": recipe_path,
@@ -138,8 +139,8 @@ def audit(recipe_path: str, world_size: int | None = None, etp_size: int | None 
         "layouts": layouts,
         "peaks": peaks,
         "gpu_memory": gpu_memory,
-        "fit_rule": f"peak x {FRAGMENTATION} + symmetric memory + {RESERVED_OUTSIDE / GIB:.0f} GiB outside the "
-                    "allocator <= gpu_memory",
+        "fit_rule": f"peak (captured: or optimizer step + graph pool) x {FRAGMENTATION} + symmetric memory + "
+                    f"{RESERVED_OUTSIDE / GIB:.0f} GiB outside the allocator <= gpu_memory",
         "micro_batches": micro,
         "auto": auto_notes,
     }
@@ -155,8 +156,13 @@ def format_table(report: dict) -> str:
     if peaks:
         names = ("without_etp", "with_etp")
         rows.append(f"{'peak':<14}" + "".join(f"{peaks[n]['peak'] / GIB:>14.3f}" for n in names)
-                    + "   (allocated; the larger of forward/backward and the optimizer step)")
+                    + "   (allocated; the larger of forward/backward (a captured step's: its capture) and the "
+                    "optimizer step)")
         rows.append(f"{'peak phase':<14}" + "".join(f"{_PHASE[peaks[n]['peak_phase']]:>14}" for n in names))
+        if any(peaks[n]["graph_pool"] for n in names):
+            rows.append(f"{'graph pool':<14}" + "".join(f"{peaks[n]['graph_pool'] / GIB:>14.3f}" for n in names)
+                        + "   (a captured step's activations: reserved in its private pool, not allocated, "
+                        "beside the optimizer step; counted in the fit)")
         rows.append(f"{'symmetric':<14}" + "".join(f"{peaks[n]['outside_allocator'] / GIB:>14.3f}" for n in names)
                     + f"   (outside the allocator's peak; gathers over {peaks['with_etp']['gather_transport']}: "
                     "etp.transport auto is taken as copy_engine, NVLink GPUs of one host; "
@@ -173,7 +179,7 @@ def format_table(report: dict) -> str:
             cells = ""
             for n in ("without_etp", "with_etp"):
                 peak = micro[n][i]
-                mark = "" if fits(peak, report["gpu_memory"], micro["outside_allocator"][n]) else "*"
+                mark = "" if micro["fits"][n][i] else "*"
                 cells += f"{peak / GIB:>13.2f}{mark or ' '}"
             rows.append(f"{b:<14}{cells}")
         rows.append(f"(* does not fit) largest micro-batch that fits: without ETP "

@@ -35,15 +35,32 @@ memory-audit sections; ``tests/audit/test_audit.py`` keeps it within a tolerance
 The categories are the bytes alive throughout a step; the allocator's peak adds transients.
 ``predict_peak`` takes the larger of two phases:
 
-* forward / backward: categories + the loss's transient at the start of backward (the 16-bit
-  copy of the fp32 gradient of the logits, 2 x s x b x V bytes: megatron-core's
-  ``vocab_parallel_cross_entropy`` computes that gradient in place in its saved fp32 softmax);
-* optimizer step (activations freed): categories + one fp32 temporary per element the
-  optimizer steps (torch's foreach Adam materializes ``sqrt(v) + eps`` for the whole list:
-  4 bytes per local main-param element, divided by the replicas under the distributed
-  optimizer). Without ETP this phase is the peak of the flagship recipe at small micro-batches
-  under ``megatron_fallbacks: stock``. With ``fast`` (the default: torch's fused Adam,
+* forward / backward: categories + the backward's transient: the loss's (the 16-bit copy of
+  the fp32 gradient of the logits, 2 x s x b x V bytes: megatron-core's
+  ``vocab_parallel_cross_entropy`` computes that gradient in place in its saved fp32 softmax),
+  or, if larger, the weight gradients reduced from their GEMM's own output
+  (``wgrad_in_place``: etp's grouped experts; two neighbours alive at once) less the fp32
+  softmax (4 x s x b x V) the loss's backward has released before them;
+* optimizer step (activations freed): categories + the larger of the finalize's and the
+  optimizer's temporaries. The finalize all-reduces the replicated parameters' fp32 gradients
+  over their ETP group through one flat copy (``etp.collectives.all_reduce_coalesced``). torch's
+  foreach Adam materializes ``sqrt(v) + eps`` for the whole list: 4 bytes per local
+  main-param element, divided by the replicas under the distributed optimizer. Without ETP
+  this phase is the peak of the flagship recipe at small micro-batches under
+  ``megatron_fallbacks: stock``. With ``fast`` (the default: torch's fused Adam,
   ``etp.megatron.fast_fallbacks``) the step holds no such temporary.
+
+A captured step (``cuda_graph: step``, ``etp.GraphedStep``) moves the activations out of the
+allocator's count: the capture allocates them from the graph's private pool, and once it
+closes the pool's blocks are free to the allocator (reserved, not allocated) while every
+replay writes them without a malloc. So the forward / backward phase is the capture's, in the
+first iteration: before the first optimizer step, when Adam's two fp32 moments (8 bytes per
+stepped element; torch makes them at its first step) do not exist yet, but while
+``GraphedStep`` holds its copy of every ``main_grad`` (restored after the warm-up passes, kept
+through the capture). The optimizer-step phase then holds no activations, and the pool stays
+reserved beside it: ``fit_peak`` (what ``fits`` checks) is the larger of the peak and the
+optimizer step + the pool (activations + the backward's transient); for an eager step it is
+the peak.
 
 ``fits`` adds what the prediction leaves out: allocator fragmentation (``FRAGMENTATION``, the
 caching allocator's peak reserved over peak allocated, set at what the recipes' audits reach
@@ -60,6 +77,8 @@ from .buffers import (
     gather_transport,
     outside_allocator_bytes,
     reduce_transport,
+    unpooled_wgrad_pair_bytes,
+    wgrad_in_place,
     wgrad_pool_bytes,
 )
 from .categories import CATEGORIES
@@ -99,12 +118,9 @@ def predict_memory(recipe, world_size: int, etp: ETPConfig | None = None,
                 True: recipe.expert_data_parallel_size(world_size) // etp.expert_etp_size}
     fp8 = etp.gather_dtype.startswith("fp8")
     result = dict.fromkeys(CATEGORIES, 0)
-    pool_order: list[tuple] = []  # padded shapes of the ETP weights, forward order
     for weight, layout, numel in weights_on_rank(recipe, etp):
-        if layout is not None:
-            pool_order.append(layout.padded_shape)
-            if fp8:
-                result["fp8_shards"] += numel
+        if layout is not None and fp8:
+            result["fp8_shards"] += numel
         result["params"] += numel * param_bytes
         result["main_grad"] += numel * 4
         divisor = replicas[weight.expert] if distributed else 1
@@ -112,11 +128,42 @@ def predict_memory(recipe, world_size: int, etp: ETPConfig | None = None,
     gathers = gather_transport(etp, transport)
     for role, (nbytes, _outside) in gather_buffer_bytes(recipe, etp, gathers).items():
         result["gather_" + role] += nbytes
-    reduce = reduce_transport(gathers)
-    wire_bytes = param_bytes if reduce in SIXTEEN_BIT_WIRE_REDUCTIONS and param_bytes == 2 else 4
-    result["wgrad_pool"] = wgrad_pool_bytes(pool_order, wire_bytes)
+    wire_bytes = _wire_bytes(recipe, gathers)
+    result["wgrad_pool"] = wgrad_pool_bytes(_wgrad_order(recipe, etp, wire_bytes)[0], wire_bytes)
     result["activations"] = activation_bytes(recipe, micro_batch_size)
     return result
+
+
+def _wire_bytes(recipe, gathers: str) -> int:
+    """Bytes per element of the reduction's wire: the 16-bit parameter dtype for the push
+    reduce-scatter's, else the fp32 main-grad dtype."""
+    sixteen_bit = recipe.train.bf16 or recipe.train.fp16
+    return 2 if sixteen_bit and reduce_transport(gathers) in SIXTEEN_BIT_WIRE_REDUCTIONS else 4
+
+
+def _wgrad_order(recipe, etp: ETPConfig, wire_bytes: int) -> tuple[list, list[int]]:
+    """The ETP weights in forward order: their padded shapes (None where the gradient is reduced
+    from the GEMM's own output, ``wgrad_in_place``) and the bytes of those in-place gradients
+    (0 for a pooled one)."""
+    shapes, in_place = [], []
+    for weight, layout, _numel in weights_on_rank(recipe, etp):
+        if layout is None:
+            continue
+        own = wgrad_in_place(recipe, weight, layout, wire_bytes)
+        shapes.append(None if own else layout.padded_shape)
+        in_place.append(layout.padded_rows * layout.cols * wire_bytes if own else 0)
+    return shapes, in_place
+
+
+def _finalize_transient(recipe, etp: ETPConfig) -> int:
+    """The finalize's flat fp32 copy of the replicated parameters' gradients, all-reduced over
+    their ETP group (dense and expert groups one after the other; none of size 1)."""
+    sizes = {False: etp.etp_size, True: etp.expert_etp_size}
+    flat = {False: 0, True: 0}
+    for weight, layout, numel in weights_on_rank(recipe, etp):
+        if layout is None and sizes[weight.expert] > 1:
+            flat[weight.expert] += numel
+    return 4 * max(flat.values())
 
 
 def _stepped_elements(recipe, world_size: int, etp: ETPConfig, distributed: bool) -> int:
@@ -137,9 +184,12 @@ def predict_peak(recipe, world_size: int, etp: ETPConfig | None = None, distribu
 
     Returns:
         ``{"categories": predict_memory(...), "steady": sum of categories, "loss_transient",
-        "optimizer_transient", "forward_backward", "optimizer_step", "peak", "peak_phase",
-        "outside_allocator", "device_peak", "gather_transport"}``; ``peak`` and the two phases
-        are allocator bytes (comparable with ``torch.cuda.max_memory_allocated``).
+        "backward_transient", "finalize_transient", "optimizer_transient", "forward_backward",
+        "optimizer_step", "graph_pool", "peak", "peak_phase", "fit_peak", "outside_allocator",
+        "device_peak", "gather_transport"}``; ``peak`` and the two phases are allocator bytes
+        (comparable with ``torch.cuda.max_memory_allocated``); ``peak_phase`` is
+        "forward_backward", "capture" (its captured form) or "optimizer_step"; ``fit_peak`` adds
+        a captured step's private pool (``graph_pool``), reserved beside the optimizer step.
 
     Example::
 
@@ -151,29 +201,45 @@ def predict_peak(recipe, world_size: int, etp: ETPConfig | None = None, distribu
     gathers = gather_transport(etp, transport)
     outside, counted = outside_allocator_bytes(recipe, etp, categories, gathers, distributed)
     steady = sum(categories[c] for c in CATEGORIES) - counted
-    m = recipe.model
+    activations = categories["activations"]
     b = micro_batch_size or recipe.train.micro_batch_size
     vocab = recipe.padded_vocab_size // recipe.parallel.tensor_model_parallel_size
     # megatron-core's vocab_parallel_cross_entropy turns its saved fp32 softmax (counted in
     # the activations) into the fp32 gradient of the logits in place; what backward adds at the
     # loss is the 16-bit copy of that gradient (the backward of the logits' .float()).
-    loss_transient = 2 * m.seq_length * b * vocab
+    loss_transient = 2 * recipe.model.seq_length * b * vocab
+    # In-place weight gradients (grouped experts) come after the loss's backward has released
+    # its fp32 softmax (2 x loss_transient) and the 16-bit gradient.
+    in_place = unpooled_wgrad_pair_bytes(_wgrad_order(recipe, etp, _wire_bytes(recipe, gathers))[1])
+    backward_transient = max(loss_transient, in_place - 2 * loss_transient)
     # Fused Adam (megatron_fallbacks: fast, or apex / TE) steps in place; torch's foreach Adam
     # (megatron's stock fallback) holds one fp32 temporary per stepped element.
-    optimizer_transient = 0 if recipe.train.megatron_fallbacks == "fast" else 4 * _stepped_elements(recipe, world_size, etp, distributed)
-    forward_backward = steady + loss_transient
-    optimizer_step = steady - categories["activations"] + optimizer_transient
+    stepped = _stepped_elements(recipe, world_size, etp, distributed)
+    optimizer_transient = 0 if recipe.train.megatron_fallbacks == "fast" else 4 * stepped
+    finalize_transient = _finalize_transient(recipe, etp)
+    forward_backward = steady + backward_transient
+    optimizer_step = steady - activations + max(optimizer_transient, finalize_transient)
+    captured = recipe.train.cuda_graph == "step"
+    graph_pool = 0
+    if captured:
+        # The capture: no Adam moments yet (8 bytes per stepped element), GraphedStep's copy
+        # of every main_grad alive; after it the activations sit in the graph's pool.
+        forward_backward += categories["main_grad"] - 8 * stepped
+        graph_pool = activations + backward_transient
     peak = max(forward_backward, optimizer_step)
+    fit_peak = max(peak, optimizer_step + graph_pool)
+    phase = ("capture" if captured else "forward_backward") if forward_backward >= optimizer_step else "optimizer_step"
     return {"categories": categories, "steady": steady, "loss_transient": loss_transient,
+            "backward_transient": backward_transient, "finalize_transient": finalize_transient,
             "optimizer_transient": optimizer_transient, "forward_backward": forward_backward,
-            "optimizer_step": optimizer_step, "peak": peak,
-            "peak_phase": "forward_backward" if forward_backward >= optimizer_step else "optimizer_step",
-            "outside_allocator": outside, "device_peak": peak + outside,
+            "optimizer_step": optimizer_step, "graph_pool": graph_pool, "peak": peak, "peak_phase": phase,
+            "fit_peak": fit_peak, "outside_allocator": outside, "device_peak": fit_peak + outside,
             "gather_transport": gathers}
 
 
 def fits(peak_bytes: int, gpu_bytes: int, outside_bytes: int = 0) -> bool:
-    """Whether a predicted allocator peak fits a GPU of ``gpu_bytes`` once fragmentation, the
+    """Whether a predicted allocator peak (``predict_peak``'s ``fit_peak``: a captured step's
+    graph pool included) fits a GPU of ``gpu_bytes`` once fragmentation, the
     CUDA context / NCCL / cuBLAS memory (``FRAGMENTATION``, ``RESERVED_OUTSIDE``) and the
     predicted symmetric-memory bytes (``outside_bytes``: ``predict_peak``'s
     ``outside_allocator``) are added.
@@ -181,7 +247,7 @@ def fits(peak_bytes: int, gpu_bytes: int, outside_bytes: int = 0) -> bool:
     Example::
 
         peak = predict_peak(recipe, 2)
-        fits(peak["peak"], 80 * 2**30, peak["outside_allocator"])
+        fits(peak["fit_peak"], 80 * 2**30, peak["outside_allocator"])
     """
     return peak_bytes * FRAGMENTATION + outside_bytes + RESERVED_OUTSIDE <= gpu_bytes
 
@@ -189,16 +255,17 @@ def fits(peak_bytes: int, gpu_bytes: int, outside_bytes: int = 0) -> bool:
 def largest_micro_batch(recipe, world_size: int, gpu_bytes: int, etp: ETPConfig | None = None,
                         distributed_optimizer: bool | None = None,
                         candidates=(1, 2, 4, 8, 16, 32, 64),
-                        transport: str | None = None) -> tuple[int | None, list[tuple[int, int]]]:
+                        transport: str | None = None) -> tuple[int | None, list[tuple[int, int, bool]]]:
     """The largest candidate micro-batch whose predicted peak fits, and (micro-batch, allocator
-    peak) for every candidate (the symmetric-memory bytes, the same for every micro-batch,
-    are counted in the fit).
+    peak, fits) for every candidate (the symmetric-memory bytes, the same for every
+    micro-batch, and a captured step's graph pool are counted in the fit: ``fit_peak``).
 
     Example::
 
         best, table = largest_micro_batch(recipe, 2, 80 * 2**30)
     """
     peaks = [predict_peak(recipe, world_size, etp, distributed_optimizer, b, transport) for b in candidates]
-    table = [(b, peak["peak"]) for b, peak in zip(candidates, peaks)]
-    good = [b for b, peak in zip(candidates, peaks) if fits(peak["peak"], gpu_bytes, peak["outside_allocator"])]
+    table = [(b, peak["peak"], fits(peak["fit_peak"], gpu_bytes, peak["outside_allocator"]))
+             for b, peak in zip(candidates, peaks)]
+    good = [b for b, _peak, ok in table if ok]
     return (max(good) if good else None), table

@@ -37,12 +37,13 @@ def test_arithmetic_against_hand_counts():
     # fc1 and fc2 one each; bf16 (param dtype) gathers.
     per_role = 2 * (192 * 64 + 64 * 64 + 256 * 64 + 256 * 64 + 256 * 32)
     assert got["gather_fwd"] == got["gather_bwd"] == per_role
-    # One buffer per padded shape: qkv, proj, fc1 (= output's 128 x 2 rows x 64), fc2; fc1 and
-    # output share a shape but never reduce back to back (fc2 lies between). In the reduction's
-    # wire dtype: bf16 for "auto" on NVLink GPUs of one host (the push reduce-scatter's 16-bit
-    # wire), fp32 (the main-grad dtype) for NCCL's.
+    # One buffer per padded shape in the reduction's wire dtype. bf16 for "auto" on NVLink GPUs
+    # of one host (the push reduce-scatter's 16-bit wire): the grouped experts' gradients are
+    # reduced from their GEMM's own output (no pool buffer), so qkv, proj and output. fp32 (the
+    # main-grad dtype) for NCCL's, into which every gradient is copied: fc1 (= output's 128 x 2
+    # rows x 64) and fc2 too; fc1 and output share a shape but never reduce back to back.
+    assert got["wgrad_pool"] == 2 * (192 * 64 + 64 * 64 + 256 * 64)
     pool_elements = 192 * 64 + 64 * 64 + 256 * 64 + 256 * 32
-    assert got["wgrad_pool"] == 2 * pool_elements
     assert predict_memory(recipe, 2, transport="nccl")["wgrad_pool"] == 4 * pool_elements
     assert predict_memory(recipe, 2, recipe.etp.replace(transport="nccl"))["wgrad_pool"] == 4 * pool_elements
     assert got["fp8_shards"] == 0
@@ -350,8 +351,12 @@ def test_push_reduction_halves_the_wgrad_pool_and_stages_outside_the_allocator()
                               etp={"etp_size": 2, "expert_etp_size": 2})
     push = predict_peak(recipe, 2, transport="copy_engine")  # copy-engine gathers, push reduction
     nccl = predict_peak(recipe, 2, transport="nccl")
-    # The wgrad pool in bf16 (the push reduction's 16-bit wire) instead of fp32.
-    assert push["categories"]["wgrad_pool"] * 2 == nccl["categories"]["wgrad_pool"]
+    # The wgrad pool in bf16 (the push reduction's 16-bit wire) instead of fp32, and without the
+    # grouped experts, whose 16-bit gradients are reduced from their GEMM's own output.
+    dense = [(3 * 2048, 2048), (2048, 2048)] * 8 + [(32000, 2048)]  # qkv, proj; output
+    assert push["categories"]["wgrad_pool"] == 2 * sum(r * c for r, c in set(dense))
+    experts = [(64 * 2 * 1408, 2048), (64 * 2048, 1408)]  # fc1, fc2
+    assert nccl["categories"]["wgrad_pool"] == 4 * sum(r * c for r, c in set(dense + experts))
     # Staging: 2 slots x 1 peer x the largest bf16 shard, the routed experts' fc1:
     # 64 x (2 x 1408) x 2048 elements halved over 2 ranks (256-byte aligned already).
     largest = max(w.numel for w in weight_inventory(recipe) if w.chain is not None)
