@@ -164,3 +164,14 @@ def test_param_bits_sum_sees_a_one_ulp_change():
             b[1].weight.view(torch.int16)[0, 0] += 1
     assert not torch.equal(a[1].weight, b[1].weight)
     assert param_bits_sum(a) != param_bits_sum(b)
+
+
+def test_param_bits_sum_in_chunks_equals_the_whole_sum(monkeypatch):
+    from etp.megatron.trainer import reporting
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5).to(torch.bfloat16), torch.nn.Linear(5, 3))
+    whole = sum(int(p.detach().view(torch.int16 if p.element_size() == 2 else torch.int32).to(torch.int64).sum())
+                for p in model.parameters())
+    monkeypatch.setattr(reporting, "_BITS_CHUNK", 3)  # chunks of 3 elements, a ragged last one
+    assert reporting.param_bits_sum(model) == whole

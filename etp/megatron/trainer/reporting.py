@@ -15,6 +15,9 @@ import torch
 
 __all__ = ["Reporter", "fp8_eager_hint", "param_bits_sum", "steady_records"]
 
+#: Elements per int64 partial sum in ``param_bits_sum`` (a 32 MiB int64 copy at most).
+_BITS_CHUNK = 1 << 22
+
 
 def _host_norm(norm) -> float | None:
     """The step's grad norm (a device tensor from the sync-free step, a float or None from
@@ -37,8 +40,14 @@ def param_bits_sum(model) -> int:
         assert param_bits_sum(eager_model) == param_bits_sum(captured_model)
     """
     views = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    # Summed where the parameters live, in int64 without an int64 copy; one host read.
-    sums = [p.detach().contiguous().view(views[p.element_size()]).sum(dtype=torch.int64) for p in model.parameters()]
+    # Summed where the parameters live; one host read. ``sum(dtype=torch.int64)`` of a narrower
+    # integer tensor casts the whole tensor to int64 first (8 bytes per element: the largest
+    # parameter's copy would be the run's reported peak allocation), so each is summed in
+    # chunks of ``_BITS_CHUNK`` elements, whose copies stay small.
+    sums = []
+    for param in model.parameters():
+        bits = param.detach().contiguous().view(views[param.element_size()]).reshape(-1)
+        sums.extend(chunk.sum(dtype=torch.int64) for chunk in bits.split(_BITS_CHUNK))
     return int(torch.stack(sums).sum()) if sums else 0
 
 
