@@ -12,7 +12,8 @@ process group of its full size, which one CPU process cannot provide
 (``etp.audit.buffers``): one gather buffer per (chain, role, padded shape, parity), one wgrad
 pool buffer per padded shape in the reduction's wire dtype (fp32 for NCCL's, the 16-bit
 parameter dtype for the push reduce-scatter's; two where weights of one shape reduce back to
-back), one FP8 copy of every shard for FP8 gathers.
+back; none for grouped experts on a 16-bit wire, reduced from their GEMM's own output:
+``wgrad_in_place``), one FP8 copy of every shard for FP8 gathers.
 
 Categories (bytes per rank): ``params`` (recipe dtype), ``main_grad`` (fp32, megatron-core
 mixed precision), ``optimizer`` (Adam: fp32 master weights + 2 moments for bf16/fp16
