@@ -10,7 +10,8 @@ steps the shards with megatron-core's parameter groups (no weight decay on biase
 parameters), the gradient is clipped by its global norm, and the router's expert bias is updated
 as megatron-core's ``finalize_model_grads`` does. The model must be built in fp32 (no
 ``Float16Module``) and hold no ETP weights; megatron-core's own ``TorchFullyShardedDataParallel``
-passes no mixed-precision policy, hence this one.
+passes no mixed-precision policy, hence this one. etp-train steps with it for the recipe key
+``use_torch_fsdp2: true``; on CPU its model is etp's ``TinyMoELM``, sharded per attention and MoE.
 
 Example::
 
@@ -23,10 +24,26 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 
 __all__ = ["FSDP2Step"]
+
+
+def _shard_units(model, layer_type) -> list:
+    """The modules ``fully_shard`` wraps below the root: megatron-core's ``TransformerLayer``s, or
+    for etp's CPU ``TinyMoELM`` (whose layers are ``ModuleDict``s its forward never calls, so
+    FSDP2's forward hooks would not fire on them) each layer's attention and MoE."""
+    from .tiny_lm import TinyMoELM
+
+    if isinstance(model, TinyMoELM):
+        # Its units return views (reshapes, the logits' transpose), which FSDP2 warns an in-place
+        # op could bypass; TinyMoELM adds them out of place, so the warning is noise.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP(_Attention|_MoE|TinyMoELM)\) "
+                                "returned a view tensor")
+        return [layer[name] for layer in model.layers for name in ("attention", "moe")]
+    return [module for module in model.modules() if isinstance(module, layer_type)]
 
 
 class FSDP2Step:
@@ -34,7 +51,7 @@ class FSDP2Step:
 
     Args:
         recipe: the ``etp.megatron.Recipe`` (optimizer settings, ``bf16`` / ``fp16``).
-        model: an unwrapped megatron-core GPTModel in fp32.
+        model: an unwrapped megatron-core GPTModel (or etp's CPU ``TinyMoELM``) in fp32.
         config: its ``TransformerConfig`` (the expert-bias update reads it); None for none.
         group: the data-parallel process group (None: megatron-core's).
     """
@@ -53,9 +70,8 @@ class FSDP2Step:
         mesh = DeviceMesh.from_group(group, device.type)
         compute = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else None
         policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
-        for module in model.modules():
-            if isinstance(module, TransformerLayer):
-                fully_shard(module, mesh=mesh, mp_policy=policy)
+        for module in _shard_units(model, TransformerLayer):
+            fully_shard(module, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         self.recipe, self.model, self.config = recipe, model, config
         decay, no_decay = [], []

@@ -268,7 +268,7 @@ class ParallelSpec:
 
     def _check_torch_fsdp2(self) -> None:
         """What FSDP2 over the data-parallel group cannot combine with (the rest: ``Recipe``)."""
-        for key in ("use_distributed_optimizer", "overlap_param_gather"):
+        for key in ("overlap_param_gather", "use_distributed_optimizer"):
             if getattr(self, key):
                 _fail(key, True, f"must be false with use_torch_fsdp2 (FSDP2 shards the parameters, gradients "
                       f"and optimizer state itself): remove {key} or use_torch_fsdp2")

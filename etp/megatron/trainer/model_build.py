@@ -2,7 +2,8 @@
 
 On CPU: etp's ``TinyMoELM`` (megatron-core TP linears, etp grouped experts). On GPUs:
 megatron-core's ``GPTModel`` with etp's grouped experts and attention (bf16 through
-``Float16Module`` when the recipe says ``bf16: true``), with etp's or megatron's token dispatcher.
+``Float16Module`` when the recipe says ``bf16: true``, fp32 for ``use_torch_fsdp2``, whose
+gathers cast to bf16), with etp's or megatron's token dispatcher.
 """
 from __future__ import annotations
 
@@ -100,7 +101,7 @@ def build_model(recipe, device):
         from ..ep_dispatcher import install_etp_dispatchers
 
         install_etp_dispatchers(model, max_tokens_per_rank=m.seq_length * recipe.train.micro_batch_size)
-    if recipe.train.bf16:
+    if recipe.train.bf16 and not recipe.parallel.use_torch_fsdp2:  # FSDP2 gathers fp32 masters in bf16 itself
         from ..model import fp32_router_counts
 
         model = Float16Module(config, model)
@@ -126,7 +127,8 @@ def transformer_config(recipe, device):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     m, p = recipe.model, recipe.parallel
-    dtype = torch.bfloat16 if recipe.train.bf16 else torch.float32
+    # FSDP2 shards fp32 master weights and casts them to bf16 as it gathers them (FSDP2Step).
+    dtype = torch.bfloat16 if recipe.train.bf16 and not p.use_torch_fsdp2 else torch.float32
     freq = m.moe_layer_freq if isinstance(m.moe_layer_freq, int) else list(m.moe_layer_freq)
     return TransformerConfig(
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
