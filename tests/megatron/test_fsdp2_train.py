@@ -63,12 +63,14 @@ def test_auto_resolves_etp_off_and_eager_with_the_reason():
     assert (etp.etp.etp_size, etp.train.cuda_graph) == (4, "step")  # without FSDP2 auto is unchanged
 
 
-def test_etp_train_refuses_before_starting(capsys):
+@pytest.mark.parametrize("args,says", [(["--set", "save=/tmp/etp_fsdp2_ckpt"], "recipe key save="),
+                                       (["--audit", "/tmp/etp_fsdp2_audit.json"], "--audit does not model")])
+def test_etp_train_refuses_before_starting(capsys, args, says):
     from etp.megatron.train import main
 
-    code = main(["--recipe", str(TINY), "--set", "use_torch_fsdp2=true", "--set", "save=/tmp/etp_fsdp2_ckpt"])
+    code = main(["--recipe", str(TINY), "--set", "use_torch_fsdp2=true", *args])
     err = capsys.readouterr().err.strip()
-    assert code == 2 and err.count("\n") == 0 and "recipe key save=" in err and "use_torch_fsdp2" in err, err
+    assert code == 2 and err.count("\n") == 0 and says in err and "use_torch_fsdp2" in err, err
 
 
 def _etp_train(tmp_path, name: str, *sets: str) -> tuple[dict, str]:
@@ -116,3 +118,4 @@ def test_fsdp2_run_trains_like_ddp_without_etp(tmp_path, capsys):
     norms = [[record["grad_norm"] for record in report["log"]] for report in (ddp, fsdp2)]
     assert norms[1] == pytest.approx(norms[0], rel=1e-5)
     assert fsdp2["tflops_per_rank"] > 0 and fsdp2["flops_per_iter_per_rank"] == ddp["flops_per_iter_per_rank"]
+    assert fsdp2["predicted_peak_gib"] is None and isinstance(fsdp2["param_bits_sum"], int)

@@ -197,7 +197,8 @@ def _finish(run: Run, recipe, options: RunOptions, tools: _Instruments, reporter
         extra = {"flops_per_iter_per_rank": flops, "peak_tflops": peak, "determinism": run.determinism,
                  "attention_backend": recipe.model.attention_backend, "profile": breakdown,
                  # etp-audit's, to compare (with the gather transport this run chose)
-                 "predicted_peak_gib": predict_peak(recipe, run.world, transport=transport)["peak"] / 2**30,
+                 "predicted_peak_gib": None if recipe.parallel.use_torch_fsdp2  # the audit models DDP and ETP
+                 else predict_peak(recipe, run.world, transport=transport)["peak"] / 2**30,
                  "param_bits_sum": param_bits_sum(_local_shards(run.stepper.model)),
                  "stepper": type(run.stepper).__name__,  # TorchStep | MegatronStep | FSDP2Step
                  "timeline": tools.timeline.summary() if tools.timeline is not None else None}

@@ -40,6 +40,9 @@ def preflight(recipe, options: RunOptions) -> list[str]:
     recipe.resolve_data_path()  # RecipeError naming `data` when the corpus is missing
     _output_file("--json", options.json_path)
     _output_file("--audit", options.audit_path)
+    if options.audit_path and recipe.parallel.use_torch_fsdp2:
+        raise TrainError("--audit does not model use_torch_fsdp2 (it would count FSDP2's DTensor parameters whole): "
+                         "drop --audit; --json reports the measured peak memory")
     if options.profile_dir is not None:
         try:
             Path(options.profile_dir).mkdir(parents=True, exist_ok=True)
