@@ -127,7 +127,9 @@ def train(rank: int, world: int, recipe, options: RunOptions | None = None, port
         if recipe.train.cuda_graph == "step" and graphed is None:
             from ..graph_step import capture_step
 
-            graphed = capture_step(run.stepper.model, run.loss_fn, batches.get(iteration, 0), micro, run.device)
+            with tools.phase("capture"):  # the audit sees the capture's peak (activations into the graph's pool)
+                graphed = capture_step(run.stepper.model, run.loss_fn, batches.get(iteration, 0), micro,
+                                       run.device)
         total = _micro_batches(run, recipe, batches, iteration, micro, tools, graphed)
         # The optimizer step (finalize, clip, Adam, FP8 re-quantization): post-step hooks go after it.
         norm = run.stepper.step(learning_rate(recipe, iteration), tools.phase)
