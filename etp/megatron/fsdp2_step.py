@@ -28,6 +28,8 @@ import warnings
 
 import torch
 
+from .steppers import weight_decay_groups
+
 __all__ = ["FSDP2Step"]
 
 
@@ -74,12 +76,9 @@ class FSDP2Step:
             fully_shard(module, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         self.recipe, self.model, self.config = recipe, model, config
-        decay, no_decay = [], []
-        for name, param in model.named_parameters():  # megatron-core's default grouping
-            (no_decay if name.endswith(".bias") or param.ndim == 1 else decay).append(param)
-        groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
-                                           eps=t.adam_eps, fused=device.type == "cuda")
+        self.optimizer = torch.optim.AdamW(weight_decay_groups(model, t.weight_decay), lr=t.lr,
+                                           betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                                           fused=device.type == "cuda")
 
     def microbatches(self, count: int):
         """Zeroes the gradients; one context per micro-batch. Every micro-batch's backward

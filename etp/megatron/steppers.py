@@ -9,14 +9,30 @@ import contextlib
 import torch
 
 
+def weight_decay_groups(model, weight_decay: float) -> list[dict]:
+    """AdamW parameter groups as megatron-core makes them by default (``_get_param_groups``
+    without a ``no_weight_decay_cond``): biases and 1-D parameters (norms, the router's expert
+    bias) take no weight decay, every other parameter ``weight_decay``. Empty groups are left out.
+
+    Example::
+
+        torch.optim.AdamW(weight_decay_groups(model, 0.1), lr=3e-4)
+    """
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        (no_decay if name.endswith(".bias") or param.ndim == 1 else decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
 class TorchStep:
-    """CPU: torch AdamW, ``etp.finalize_grads`` (ETP group and data-parallel replicas) and
+    """CPU: torch AdamW (megatron-core's weight-decay groups), ``etp.finalize_grads`` (ETP group and data-parallel replicas) and
     ``etp.clip_grad_norm_`` (megatron-core's DDP and optimizer need CUDA)."""
 
     def __init__(self, recipe, model, groups, tp_group) -> None:
         t = recipe.train
         self.recipe, self.model, self.groups, self.tp_group = recipe, model, groups, tp_group
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
+        self.optimizer = torch.optim.AdamW(weight_decay_groups(model, t.weight_decay), lr=t.lr,
                                            betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
 
     def microbatches(self, count: int):

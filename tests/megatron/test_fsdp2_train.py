@@ -79,8 +79,7 @@ def _etp_train(tmp_path, name: str, *sets: str) -> tuple[dict, str]:
     from etp.megatron.train import main
 
     report, stdout = tmp_path / f"{name}.json", tmp_path / f"{name}.txt"
-    argv = ["--recipe", str(TINY), "--train-iters", "8", "--log-interval", "1", "--json", str(report),
-            "--set", "weight_decay=0"]
+    argv = ["--recipe", str(TINY), "--train-iters", "8", "--log-interval", "1", "--json", str(report)]
     sys.stdout.flush()
     saved = os.dup(1)
     try:
@@ -103,9 +102,8 @@ def test_fsdp2_run_trains_like_ddp_without_etp(tmp_path, capsys):
     shards against the norm over whole tensors), about one fp32 ulp (1.2e-7 relative) per sum:
     over 8 Adam steps the two stay within 1e-6 of each other here, so rtol 1e-5 leaves a margin
     of ten while an unaveraged gradient (norm x 2) or an unreduced one (each rank steps on its own
-    half of the batch, losses apart by 1e-3 after two steps) fails. weight_decay is 0 because the
-    CPU DDP step decays every parameter while FSDP2Step, like megatron-core, spares biases and
-    1-D weights (tests/megatron/test_architectures_model.py checks FSDP2Step's groups).
+    half of the batch, losses apart by 1e-3 after two steps) fails. Both decay the weights as
+    megatron-core does (``etp.megatron.steppers.weight_decay_groups``).
     """
     ddp, _ = _etp_train(tmp_path, "ddp", "etp.etp_size=1", "etp.expert_etp_size=1")
     capsys.readouterr()
