@@ -25,7 +25,7 @@ import torch.distributed as dist
 from .loop import train
 from .options import RunOptions
 
-__all__ = ["is_input_error", "run_rank", "spawn_cpu_ranks", "summarize"]
+__all__ = ["is_input_error", "report_input_error", "run_rank", "spawn_cpu_ranks", "summarize"]
 
 
 def is_input_error(error: BaseException) -> bool:
@@ -35,6 +35,36 @@ def is_input_error(error: BaseException) -> bool:
     return isinstance(error, (ValueError, CheckpointError, FileNotFoundError, FloatingPointError))
 
 
+_ERROR_KEY = "etp_train/input_error"
+
+
+def report_input_error(rank: int, error: BaseException, wait_s: float = 3.0) -> None:
+    """One line for an input error: rank 0 prints it and posts it to the process group's
+    store; another rank stays silent when rank 0 posted the same message within ``wait_s``
+    (an error every rank hits), and otherwise prints its own, tagged with its rank (an error
+    only it hit must not vanish while its peers wait in a collective). The store answers while
+    the peers are blocked in NCCL, over TCP."""
+    import datetime
+
+    message = f"{error}"
+    store = None
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        if store is not None:
+            with contextlib.suppress(Exception):
+                store.set(_ERROR_KEY, message)
+        print(f"etp-train: error: {message}", file=sys.stderr, flush=True)
+        return
+    if store is not None:
+        with contextlib.suppress(Exception):
+            store.wait([_ERROR_KEY], datetime.timedelta(seconds=wait_s))
+            if store.get(_ERROR_KEY).decode() == message:
+                return
+    print(f"etp-train: error (rank {rank}): {message}", file=sys.stderr, flush=True)
+
+
 def run_rank(rank: int, world: int, recipe, options: RunOptions) -> int:
     """This torchrun rank's run; the exit status (input errors: one line from rank 0, 2)."""
     try:
@@ -42,10 +72,7 @@ def run_rank(rank: int, world: int, recipe, options: RunOptions) -> int:
     except Exception as error:
         if not is_input_error(error):
             raise
-        # Rank 0 speaks for an error every rank hits; one that only another rank hit (a
-        # cache file another process renamed, say) must not vanish while its peers wait.
-        where = "" if rank == 0 else f" (rank {rank})"
-        print(f"etp-train: error{where}: {error}", file=sys.stderr, flush=True)
+        report_input_error(rank, error)
         # No destroy_process_group: peers may be inside a collective this rank never joins,
         # and destroying it would wait on them; torchrun ends them when this rank exits.
         return 2
