@@ -106,8 +106,9 @@ def _backends_vs_reference(ctx):
     return errors, names
 
 
-def test_every_backend_matches_reference():
-    for errors, names in run_distributed(_backends_vs_reference, 2):
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_backend_matches_reference(world):
+    for errors, names in run_distributed(_backends_vs_reference, world):
         assert {"symm_push", "symm_dedup", "symm_allgather", "nccl", "nccl_padded"} <= set(names), names
         assert not errors, errors
 
