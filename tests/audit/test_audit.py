@@ -93,7 +93,7 @@ def _built_shapes(ctx, grouped, moe):
         ps.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("grouped,moe", [(True, True), (False, True), (False, False)])
+@pytest.mark.parametrize("grouped,moe", [(True, True), pytest.param(False, True, marks=pytest.mark.slow), (False, False)])
 def test_inventory_matches_a_built_megatron_model(grouped, moe):
     recipe = Recipe.from_dict({**SMALL, "num_layers": 2, "ffn_hidden_size": 96, "moe_grouped_gemm": grouped,
                                "world_size": 1, "etp": {},

@@ -340,7 +340,7 @@ def _two_groups_choose(ctx, cache_dir, agree):
     return first.backend_names, first.backend_report["source"], second.backend_names, second.backend_report["source"]
 
 
-@pytest.mark.parametrize("agree", [False, True])
+@pytest.mark.parametrize("agree", [pytest.param(False, marks=pytest.mark.slow), True])  # False: the hazard itself
 def test_coexisting_ep_groups_choose_one_backend_with_an_agree_group(tmp_path, agree):
     """Two EP groups choosing on their own can end with different backends, which makes the
     ranks' symmetric-memory rendezvous counts differ and hangs the next rendezvous over a

@@ -171,7 +171,7 @@ def test_move_kernels_with_dropping_and_overflow():
     ("one_rank", 2, 1, 5, dict(rows=4, num_ctas=2)),
     ("uniform", 4, 1, 24, dict(rows=1, num_ctas=5, stages=3)),
     ("zero_tokens", 2, 2, 4136, dict(rows=4, num_ctas=3)),
-    ("uniform", 2, 3, 4136, dict(num_ctas=2)),
+    pytest.param("uniform", 2, 3, 4136, dict(num_ctas=2), marks=pytest.mark.slow),  # two-col-blocks, auto launch
 ], ids=["rows8", "rows16-zero-tokens", "rows4-k1", "rows1-4ranks", "two-col-blocks", "two-col-blocks-auto"])
 def test_move_kernels_tiles_with_ragged_tails(case, world, topk, hidden, launch):
     _check_all_moves(case, world, capacity=world * 7 * topk - 3, topk=topk, hidden=hidden, launch=launch)

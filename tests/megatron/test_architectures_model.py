@@ -298,6 +298,7 @@ def _fsdp2_step(ctx):
         ps.destroy_model_parallel()
 
 
+@pytest.mark.slow  # FSDP2's parity runs by default in tests/megatron/test_fsdp2_train.py; this adds every feature
 def test_fsdp2_step_trains_like_the_unsharded_model():
     results = run_distributed(_fsdp2_step, 2)
     torch.testing.assert_close(results[0]["loss"] + results[1]["loss"], 2 * results[0]["ref_loss"], rtol=1e-5, atol=1e-6)
