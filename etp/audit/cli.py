@@ -113,7 +113,7 @@ def audit(recipe_path: str, world_size: int | None = None, etp_size: int | None 
         peak = predict_peak(recipe, world, config, distributed_optimizer)
         peaks[name] = {k: v for k, v in peak.items() if k != "categories"}
         if gpu_memory:
-            peaks[name]["fits"] = fits(peak["fit_peak"], gpu_memory, peak["outside_allocator"])
+            peaks[name]["fits"] = fits(peak, gpu_memory)
     micro = None
     if gpu_memory:
         micro = {"candidates": [], "largest": {}}

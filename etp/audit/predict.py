@@ -238,19 +238,17 @@ def predict_peak(recipe, world_size: int, etp: ETPConfig | None = None, distribu
             "gather_transport": gathers}
 
 
-def fits(peak_bytes: int, gpu_bytes: int, outside_bytes: int = 0) -> bool:
-    """Whether a predicted allocator peak (``predict_peak``'s ``fit_peak``: a captured step's
-    graph pool included) fits a GPU of ``gpu_bytes`` once fragmentation, the
-    CUDA context / NCCL / cuBLAS memory (``FRAGMENTATION``, ``RESERVED_OUTSIDE``) and the
-    predicted symmetric-memory bytes (``outside_bytes``: ``predict_peak``'s
-    ``outside_allocator``) are added.
+def fits(peak: dict, gpu_bytes: int) -> bool:
+    """Whether a prediction of ``predict_peak`` fits a GPU of ``gpu_bytes``: its ``fit_peak`` (a
+    captured step's graph pool included) once fragmentation (``FRAGMENTATION``), the CUDA
+    context / NCCL / cuBLAS memory (``RESERVED_OUTSIDE``) and its symmetric-memory bytes
+    (``outside_allocator``) are added.
 
     Example::
 
-        peak = predict_peak(recipe, 2)
-        fits(peak["fit_peak"], 80 * 2**30, peak["outside_allocator"])
+        fits(predict_peak(recipe, 2), 80 * 2**30)
     """
-    return peak_bytes * FRAGMENTATION + outside_bytes + RESERVED_OUTSIDE <= gpu_bytes
+    return peak["fit_peak"] * FRAGMENTATION + peak["outside_allocator"] + RESERVED_OUTSIDE <= gpu_bytes
 
 
 def largest_micro_batch(recipe, world_size: int, gpu_bytes: int, etp: ETPConfig | None = None,
@@ -266,7 +264,7 @@ def largest_micro_batch(recipe, world_size: int, gpu_bytes: int, etp: ETPConfig 
         best, table = largest_micro_batch(recipe, 2, 80 * 2**30)
     """
     peaks = [predict_peak(recipe, world_size, etp, distributed_optimizer, b, transport) for b in candidates]
-    table = [(b, peak["peak"], fits(peak["fit_peak"], gpu_bytes, peak["outside_allocator"]))
+    table = [(b, peak["peak"], fits(peak, gpu_bytes))
              for b, peak in zip(candidates, peaks)]
     good = [b for b, _peak, ok in table if ok]
     return (max(good) if good else None), table

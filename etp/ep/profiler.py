@@ -115,6 +115,11 @@ _SCORE = {"dispatch": lambda t: t["dispatch"] + t["combine_backward"],
           "combine": lambda t: t["combine"] + t["dispatch_backward"]}
 
 
+def _pick(times: dict) -> dict:
+    """``{"dispatch": name, "combine": name}``: the fastest of ``times`` (name -> move -> time)."""
+    return {side: min(times, key=lambda n: fn(times[n])) for side, fn in _SCORE.items()}
+
+
 def profile(cfg: EPConfig, group: Optional[dist.ProcessGroup] = None, *, iters: int = 5, warmup: int = 2,
             candidates: Optional[list[str]] = None, dispatcher_cls=None, report: Optional[dict] = None
             ) -> tuple[str, str]:
@@ -155,7 +160,7 @@ def profile(cfg: EPConfig, group: Optional[dist.ProcessGroup] = None, *, iters: 
         disp = dispatcher_cls(replace(cfg, backend=name, validate=False), group, name=f"profile:{name}")
         measured[name] = _time_moves(disp, cfg, group, iters, warmup)
         del disp
-    chosen = {side: min(names, key=lambda n: fn(measured[n])) for side, fn in _SCORE.items()}
+    chosen = _pick(measured)
     if report is not None:
         report.update(chosen, ms={n: {k: round(v * 1e3, 4) for k, v in t.items()} for n, t in measured.items()})
     return chosen["dispatch"], chosen["combine"]
@@ -197,8 +202,7 @@ def _merge_reports(entry: dict, agree_group) -> dict:
     if not names:
         raise RuntimeError(f"the expert-parallel groups share no EP backend to choose from: {everyone}")
     ms = {n: {move: max(ms[n][move] for ms in everyone) for move in everyone[0][n]} for n in names}
-    chosen = {side: min(names, key=lambda n: fn(ms[n])) for side, fn in _SCORE.items()}
-    return {**chosen, "ms": ms}
+    return {**_pick(ms), "ms": ms}
 
 
 def _read_cache(path: Path) -> dict:

@@ -147,8 +147,8 @@ def install_etp_dispatchers(model: torch.nn.Module, *, max_tokens_per_rank: int,
 
     from .local_dispatcher import replace_token_dispatchers
 
-    same_layers = not dist.is_initialized() or ps.get_pipeline_model_parallel_world_size() == 1
-    agree = dist.group.WORLD if same_layers and dist.is_initialized() else None
+    same_layers = dist.is_initialized() and ps.get_pipeline_model_parallel_world_size() == 1
+    agree = dist.group.WORLD if same_layers else None
     return replace_token_dispatchers(model, lambda old, config, groups: EtpTokenDispatcher(
         old.num_local_experts, list(old.local_expert_indices), config=config, pg_collection=groups,
         max_tokens_per_rank=max_tokens_per_rank, backend=backend, agree_group=agree))

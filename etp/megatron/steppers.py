@@ -26,8 +26,9 @@ def weight_decay_groups(model, weight_decay: float) -> list[dict]:
 
 
 class TorchStep:
-    """CPU: torch AdamW (megatron-core's weight-decay groups), ``etp.finalize_grads`` (ETP group and data-parallel replicas) and
-    ``etp.clip_grad_norm_`` (megatron-core's DDP and optimizer need CUDA)."""
+    """CPU: torch AdamW (megatron-core's weight-decay groups), ``etp.finalize_grads`` (ETP group
+    and data-parallel replicas) and ``etp.clip_grad_norm_`` (megatron-core's DDP and optimizer
+    need CUDA)."""
 
     def __init__(self, recipe, model, groups, tp_group) -> None:
         t = recipe.train

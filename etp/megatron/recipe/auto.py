@@ -104,9 +104,6 @@ def _cuda_graph(recipe, machine: Machine, notes: list[str]) -> str | None:
     if not machine.cuda:
         notes.append("cuda_graph auto -> none: no CUDA here")
         return "none"
-    if recipe.parallel.use_torch_fsdp2:
-        notes.append("cuda_graph auto -> none: use_torch_fsdp2 gathers in forward hooks, which a replay does not run")
-        return "none"
     if recipe.model.is_moe and not machine.sm90:
         notes.append("cuda_graph auto -> none: grouped expert GEMMs need sm90+ to be captured (older GPUs run "
                      "one GEMM per expert, sized on the host)")
@@ -150,7 +147,7 @@ def _gather_reuse(recipe, machine: Machine, notes: list[str]) -> str | None:
     for reuse in (("step" if micro > 1 else "pass"), "chain"):
         candidate = recipe.replace(etp={"gather_reuse": reuse})
         peak = predict_peak(candidate, machine.world_size)
-        if reuse == "chain" or fits(peak["fit_peak"], machine.gpu_memory, peak["outside_allocator"]):
+        if reuse == "chain" or fits(peak, machine.gpu_memory):
             span = "the whole step" if reuse == "step" else "from its forward to its backward"
             why = (f"every weight stays gathered for {span}: the memory audit predicts "
                    f"{peak['device_peak'] / 2**30:.1f} GiB of {machine.gpu_memory / 2**30:.0f}"

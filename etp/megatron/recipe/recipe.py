@@ -63,16 +63,14 @@ def _hold_auto_keys(flat: dict, etp_section: dict) -> tuple[list[str], list[str]
     auto += [key for key in AUTO_KEYS if not key.startswith("etp.") and flat.get(key) == "auto"]
     for key in auto:
         (etp_section if key.startswith("etp.") else flat).pop(key.removeprefix("etp."))
-    notes = []
-    if flat.get("use_torch_fsdp2") is True and flat.get("overlap_grad_reduce"):
-        flat["overlap_grad_reduce"] = False
-        notes.append("use_torch_fsdp2: overlap_grad_reduce turned off (megatron-core DDP's; FSDP2 reduce-scatters "
-                     "each layer's gradients during the backward itself)")
-    if flat.get("cuda_graph") == "step" and flat.get("overlap_grad_reduce"):
-        flat["overlap_grad_reduce"] = False
-        notes.append("cuda_graph=step: overlap_grad_reduce turned off (a captured step starts DDP's "
-                     "reductions after its backward)")
-    return auto, notes
+    why = ("use_torch_fsdp2: overlap_grad_reduce turned off (megatron-core DDP's; FSDP2 reduce-scatters each "
+           "layer's gradients during the backward itself)" if flat.get("use_torch_fsdp2") is True else
+           "cuda_graph=step: overlap_grad_reduce turned off (a captured step starts DDP's reductions after its "
+           "backward)" if flat.get("cuda_graph") == "step" else None)
+    if why is None or not flat.get("overlap_grad_reduce"):
+        return auto, []
+    flat["overlap_grad_reduce"] = False
+    return auto, [why]
 
 
 # ---------------------------------------------------------------------------------- recipe

@@ -163,17 +163,6 @@ def _resolved(recipe, rank: int, world: int):
     return recipe
 
 
-def _local_shards(model):
-    """``model`` as ``param_bits_sum`` reads it: FSDP2's DTensor parameters as this rank's shards
-    (rank 0 writes the report alone, and an op on a DTensor may be a collective)."""
-    from types import SimpleNamespace
-
-    from torch.distributed.tensor import DTensor
-
-    params = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
-    return SimpleNamespace(parameters=lambda: iter(params))
-
-
 def _finish(run: Run, recipe, options: RunOptions, tools: _Instruments, reporter: Reporter, flops, peak) -> None:
     """The profiler's breakdown, the timeline, the report and the memory audit."""
     from ..audit_report import gather_transport_of, write_audit
@@ -201,7 +190,7 @@ def _finish(run: Run, recipe, options: RunOptions, tools: _Instruments, reporter
                  # etp-audit's, to compare (with the gather transport this run chose)
                  "predicted_peak_gib": None if recipe.parallel.use_torch_fsdp2  # the audit models DDP and ETP
                  else predict_peak(recipe, run.world, transport=transport)["peak"] / 2**30,
-                 "param_bits_sum": param_bits_sum(_local_shards(run.stepper.model)),
+                 "param_bits_sum": param_bits_sum(run.stepper.model),
                  "stepper": type(run.stepper).__name__,  # TorchStep | MegatronStep | FSDP2Step
                  "timeline": tools.timeline.summary() if tools.timeline is not None else None}
         reporter.write_json(options.json_path, run.world, run.backend, run.summary, extra)

@@ -44,8 +44,12 @@ def param_bits_sum(model) -> int:
     # integer tensor casts the whole tensor to int64 first (8 bytes per element: the largest
     # parameter's copy would be the run's reported peak allocation), so each is summed in
     # chunks of ``_BITS_CHUNK`` elements, whose copies stay small.
+    from torch.distributed.tensor import DTensor
+
     sums = []
     for param in model.parameters():
+        if isinstance(param, DTensor):  # FSDP2: this rank's shard (rank 0 reports alone; a DTensor op may be a collective)
+            param = param.to_local()
         bits = param.detach().contiguous().view(views[param.element_size()]).reshape(-1)
         sums.extend(chunk.sum(dtype=torch.int64) for chunk in bits.split(_BITS_CHUNK))
     return int(torch.stack(sums).sum()) if sums else 0

@@ -86,7 +86,7 @@ def candidates(recipe, machine: Machine, micro_batches: int = 3) -> list[Candida
                 break
             if machine.gpu_memory is not None:
                 peak = predict_peak(resolved, machine.world_size)
-                if not fits(peak["fit_peak"], machine.gpu_memory, peak["outside_allocator"]):
+                if not fits(peak, machine.gpu_memory):
                     candidate.skipped = f"the audit predicts {peak['device_peak'] / 2**30:.1f} GiB: does not fit"
                     found.append(candidate)
                     continue
