@@ -13,6 +13,8 @@ import time
 
 import torch
 
+from .collector import CollectorPauses
+
 __all__ = ["Reporter", "fp8_eager_hint", "param_bits_sum", "steady_records"]
 
 #: Elements per int64 partial sum in ``param_bits_sum`` (a 32 MiB int64 copy at most).
@@ -109,6 +111,7 @@ class Reporter:
         self._window_iterations = 0
         self._window_profiled = False
         self._excluded = 0.0  # seconds of this window spent outside training (checkpoint saves)
+        self.pauses = CollectorPauses()  # [Note: collector pauses]
 
     def start(self) -> None:
         self._window_began = time.perf_counter()
@@ -116,6 +119,16 @@ class Reporter:
     def exclude(self, seconds: float) -> None:
         """Keeps ``seconds`` (a save) out of the window's step time."""
         self._excluded += seconds
+
+    def excluding(self, work):
+        """Runs ``work()`` outside the window's timing (its wall time and its collections) and
+        returns its result: set-up work between iterations, such as freezing the heap."""
+        began = time.perf_counter()
+        try:
+            with self.pauses.uncounted():
+                return work()
+        finally:
+            self._excluded += time.perf_counter() - began
 
     def iteration_done(self, iteration: int, loss: torch.Tensor, norm, profiled: bool, last: bool,
                        timeline=None) -> None:
@@ -137,10 +150,26 @@ class Reporter:
         mfu = tflops / self.peak if self.peak else None
         self.records.append({"iteration": iteration + 1, "loss": self.losses[-1], "grad_norm": norm,
                              "ms_per_iter": elapsed * 1e3, "tflops_per_rank": tflops, "mfu": mfu,
-                             "profiled": self._window_profiled})
+                             "profiled": self._window_profiled,
+                             # this rank's; gather_collector_pauses adds the slowest rank's
+                             "gc_ms_per_iter": self.pauses.take() / self._window_iterations})
         self._print(iteration + 1, norm, elapsed, tflops, mfu)
         self._window_began, self._window_iterations = time.perf_counter(), 0
         self._window_profiled, self._excluded = False, 0.0
+
+    def gather_collector_pauses(self, group=None) -> float | None:
+        """Adds ``gc_ms_per_iter_max_rank`` (the slowest rank's collection time per iteration)
+        to every log window; every rank calls it. Returns its steady-window mean."""
+        import torch.distributed as dist
+
+        mine = [r["gc_ms_per_iter"] for r in self.records]
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+        for index, record in enumerate(self.records):
+            record["gc_ms_per_iter_max_rank"] = max(ms[index] for ms in everyone)
+        self.pauses.close()
+        steady = [r["gc_ms_per_iter_max_rank"] for r in steady_records(self.records)]
+        return sum(steady) / len(steady) if steady else None
 
     def _print(self, done: int, norm, elapsed: float, tflops: float, mfu) -> None:
         if self.rank != 0:
