@@ -95,6 +95,23 @@ def run_distributed(fn, world_size: int, *args, timeout: float | None = None):
         import pytest
 
         pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
+    for attempt in range(_PORT_ATTEMPTS):
+        outcome, errors = _spawn(fn, world_size, args, timeout, name)
+        # The free port can be taken between choosing it and rank 0 binding it (another test
+        # process on the host): the rendezvous fails before fn runs, so a new port is safe.
+        taken = any("EADDRINUSE" in e for e in errors) and not any(status == "ok" for status, _ in outcome.values())
+        if not taken or attempt + 1 == _PORT_ATTEMPTS:
+            break
+    if errors:
+        raise AssertionError(f"{fn.__name__} failed on {world_size} ranks ({name}):\n" + "\n".join(errors))
+    return [outcome[r][1] for r in range(world_size)]
+
+
+_PORT_ATTEMPTS = 3
+
+
+def _spawn(fn, world_size: int, args, timeout: float, name: str):
+    """One spawned run on a fresh port: (every rank's outcome, the error reports)."""
     context = mp.get_context("spawn")
     results = context.Queue()
     with tempfile.TemporaryDirectory() as stack_dir:
@@ -134,8 +151,4 @@ def run_distributed(fn, world_size: int, *args, timeout: float | None = None):
             errors.append(
                 f"--- rank {r} hung or died (exit code {procs[r].exitcode}); its stacks:\n{stack}"
             )
-        if errors:
-            raise AssertionError(
-                f"{fn.__name__} failed on {world_size} ranks ({name}):\n" + "\n".join(errors)
-            )
-    return [outcome[r][1] for r in range(world_size)]
+    return outcome, errors

@@ -42,3 +42,30 @@ def test_a_hung_rank_is_reported_with_its_stack():
     message = str(info.value)
     assert "rank 1 hung or died" in message
     assert "in _one_rank_hangs" in message  # faulthandler's stack names where it was stuck
+
+
+@pytest.mark.slow
+def test_a_port_taken_before_the_rendezvous_is_retried_on_a_fresh_one(monkeypatch):
+    """Another process can take the chosen free port before rank 0 binds it (two test runs on one
+    host): the run starts again on a new port instead of failing the test."""
+    import socket
+
+    import harness
+
+    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    ports = iter([holder.getsockname()[1]])
+    chosen = []
+    real = harness._free_port
+
+    def first_one_taken():
+        chosen.append(next(ports, None) or real())
+        return chosen[-1]
+
+    monkeypatch.setattr(harness, "_free_port", first_one_taken)
+    try:
+        assert run_distributed(_ok, 2, timeout=30) == [0, 10]
+    finally:
+        holder.close()
+    assert len(chosen) == 2  # the taken port, then a fresh one

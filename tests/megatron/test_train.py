@@ -103,8 +103,8 @@ def test_cpu_recipe_profile_and_report(profiled_run):
     assert data["predicted_peak_gib"] > 0 and isinstance(data["param_bits_sum"], int)
     # 6 iterations, logged in pairs: wait 2, warm-up 1 (iteration 3), active 2 (iterations 4, 5).
     assert [r["profiled"] for r in data["log"]] == [False, True, True]
-    # [Note: collector pauses]: the heap frozen after the first iteration, pauses from every rank
-    assert data["collector"]["frozen_objects"] > 0 and "garbage collection" in out
+    # [Note: collector pauses]: every rank's, the slowest per window
+    assert data["gc_ms_per_iter_max_rank"] >= 0 and "garbage collection" in out
     assert all(r["gc_ms_per_iter_max_rank"] >= r["gc_ms_per_iter"] >= 0 for r in data["log"])
     audit = json.loads((tmp_path / "audit.json").read_text())
     assert audit["ranks"][0]["peak"]["predicted"] > 0 and audit["ranks"][0]["peak"]["measured"] is None  # CPU

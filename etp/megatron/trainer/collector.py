@@ -1,49 +1,30 @@
-"""Python's garbage collector, kept out of the step: the heap frozen after the first iteration,
-and the time collections take measured per log window on every rank.
+"""The time Python's garbage collector takes, per log window, on every rank.
 
 [Note: collector pauses]
-An eager step is bound by its host, and every ETP gather waits for all ranks, so a pause on one
-rank's host delays the whole group. CPython's full collection walks every tracked object of
-the heap: the imported packages (torch, megatron-core), the model's modules and parameters,
-the optimizer's state. The autograd graph of each micro-batch lives through its forward and
-backward, so its objects survive the young collections and are promoted to the oldest
-generation as they go; once enough have been promoted a full collection runs, each rank at
-its own iteration. The objects alive after the first iteration (set-up, the first step's lazy
-state, a captured graph) live for the whole run: ``freeze_heap`` moves them to the permanent
-generation (``gc.freeze``), which no collection walks, so a later full collection walks only
-what the steps themselves keep. Garbage cycles are still found and freed; an object frozen
-alive that later becomes a cycle of garbage is not, so the heap is unfrozen when training ends.
-
-``CollectorPauses`` times every collection (``gc.callbacks``); the reporter reads it at each
-log window, and the report carries each window's time on the slowest rank.
+An eager step is bound by its host, and every ETP gather waits for all ranks, so a pause on
+one rank's host delays the whole group. CPython's full collections walk every tracked object
+of the heap (the imported packages, the model's modules, the optimizer's state), and each rank
+runs them at its own iterations, which makes them a suspect whenever eager iterations of one
+command spread. ``CollectorPauses`` times every collection (``gc.callbacks``); the reporter
+reads it at each log window, and the report carries each window's time on the slowest rank
+(``gc_ms_per_iter_max_rank``), so a run shows whether its collector pauses matter. On the
+flagship recipe they are negligible beside the spread (BENCHMARKS.md, "The recipes against
+their peers"), and freezing the heap after the first iteration (``gc.freeze``) did not steady
+the iterations, so it was not kept.
 
 Example::
 
     pauses = CollectorPauses()
-    ...one iteration...
-    freeze_heap()
+    ...one log window of iterations...
     ms = pauses.take()     # milliseconds spent collecting since the last take
     pauses.close()
 """
 from __future__ import annotations
 
-import contextlib
 import gc
 import time
 
-__all__ = ["CollectorPauses", "freeze_heap", "unfreeze_heap"]
-
-
-def freeze_heap() -> int:
-    """Collects once, then freezes every object alive; returns how many are frozen."""
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()
-
-
-def unfreeze_heap() -> None:
-    """Returns the frozen objects to the collector (training is over)."""
-    gc.unfreeze()
+__all__ = ["CollectorPauses"]
 
 
 class CollectorPauses:
@@ -67,15 +48,6 @@ class CollectorPauses:
         """The milliseconds collected since the previous ``take`` (or since construction)."""
         ms, self._ms = self._ms, 0.0
         return ms
-
-    @contextlib.contextmanager
-    def uncounted(self):
-        """Collections inside this block are left out of the window."""
-        kept = self._ms
-        try:
-            yield
-        finally:
-            self._ms = kept
 
     def close(self) -> None:
         if self._callback in gc.callbacks:

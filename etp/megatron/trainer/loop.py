@@ -15,7 +15,6 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 from .checkpointing import Checkpointing
-from .collector import freeze_heap, unfreeze_heap
 from .model_build import learning_rate
 from .options import RunOptions
 from .reporting import Reporter, fp8_eager_hint, param_bits_sum
@@ -123,7 +122,7 @@ def train(rank: int, world: int, recipe, options: RunOptions | None = None, port
         print(f"etp-train: nothing to do: the run is at iteration {start}, its last is {stop}", flush=True)
     tools = _instruments(run, options, max(0, stop - start))
     reporter = Reporter(recipe, run.rank, run.device, flops, peak)
-    graphed, frozen = None, 0
+    graphed = None
     for iteration in range(start, stop):
         if recipe.train.cuda_graph == "step" and graphed is None:
             from ..graph_step import capture_step
@@ -144,10 +143,7 @@ def train(rank: int, world: int, recipe, options: RunOptions | None = None, port
             reporter.exclude(checkpoints.save(run.stepper, iteration + 1))
         reporter.iteration_done(iteration, total / ps.get_data_parallel_world_size(), norm, profiled,
                                 iteration + 1 == stop, tools.timeline)
-        if iteration == start:
-            frozen = reporter.excluding(freeze_heap)  # [Note: collector pauses]
-    _finish(run, recipe, options, tools, reporter, flops, peak, frozen)
-    unfreeze_heap()
+    _finish(run, recipe, options, tools, reporter, flops, peak)
     ps.destroy_model_parallel()
     return reporter.losses
 
@@ -167,8 +163,7 @@ def _resolved(recipe, rank: int, world: int):
     return recipe
 
 
-def _finish(run: Run, recipe, options: RunOptions, tools: _Instruments, reporter: Reporter, flops, peak,
-            frozen: int) -> None:
+def _finish(run: Run, recipe, options: RunOptions, tools: _Instruments, reporter: Reporter, flops, peak) -> None:
     """The profiler's breakdown, the timeline, the collector's pauses, the report and the memory audit."""
     from ..audit_report import gather_transport_of, write_audit
 
@@ -187,8 +182,7 @@ def _finish(run: Run, recipe, options: RunOptions, tools: _Instruments, reporter
         print(format_timeline(tools.timeline.summary()), flush=True)
     gc_ms = reporter.gather_collector_pauses()
     if run.rank == 0 and gc_ms is not None:
-        print(f"etp-train: garbage collection {gc_ms:.2f} ms per iteration on the slowest rank ({frozen} objects "
-              "frozen after the first iteration)", flush=True)
+        print(f"etp-train: garbage collection {gc_ms:.2f} ms per iteration on the slowest rank", flush=True)
     quiesce(run)
     transport = gather_transport_of(run.stepper.model)
     if options.json_path and run.rank == 0:
@@ -202,7 +196,7 @@ def _finish(run: Run, recipe, options: RunOptions, tools: _Instruments, reporter
                  "param_bits_sum": param_bits_sum(run.stepper.model),
                  "stepper": type(run.stepper).__name__,  # TorchStep | MegatronStep | FSDP2Step
                  "timeline": tools.timeline.summary() if tools.timeline is not None else None,
-                 "collector": {"frozen_objects": frozen, "gc_ms_per_iter_max_rank": gc_ms}}
+                 "gc_ms_per_iter_max_rank": gc_ms}
         reporter.write_json(options.json_path, run.world, run.backend, run.summary, extra)
     if tools.audit is not None:
         write_audit(options.audit_path, tools.audit, recipe, run.world, run.rank, transport)

@@ -120,16 +120,6 @@ class Reporter:
         """Keeps ``seconds`` (a save) out of the window's step time."""
         self._excluded += seconds
 
-    def excluding(self, work):
-        """Runs ``work()`` outside the window's timing (its wall time and its collections) and
-        returns its result: set-up work between iterations, such as freezing the heap."""
-        began = time.perf_counter()
-        try:
-            with self.pauses.uncounted():
-                return work()
-        finally:
-            self._excluded += time.perf_counter() - began
-
     def iteration_done(self, iteration: int, loss: torch.Tensor, norm, profiled: bool, last: bool,
                        timeline=None) -> None:
         """Records iteration ``iteration`` (0-based); closes the log window when it is due."""
