@@ -24,7 +24,7 @@ def test_the_report_is_short():
 
 def test_every_cited_json_exists_and_every_kept_file_is_cited():
     kept = {p.name for p in (ROOT / "benchmarks").iterdir()}
-    cited = set(re.findall(r"[\w.-]+_[0-9a-f]{7}\.json", REPORT))  # kept files end in their commit
+    cited = set(re.findall(r"[\w.-]+_[0-9a-f]{7}\.(?:json|png)", REPORT))  # kept files end in their commit
     assert cited <= kept, sorted(cited - kept)
     assert kept <= cited, sorted(kept - cited)
 

@@ -89,8 +89,25 @@ def recipes_architectures(k: int) -> Step:
             Run("olmoe_distopt_mb1", _train(k, arch.format("olmoe_1b_7b"), DISTOPT, 14), k, 45, 180),
             Run("mixtral_defaults", _train(k, arch.format("mixtral_8x7b"), "--audit {dir}/mixtral_audit.json", 12),
                 k, 50, 180),
-            Run("qwen3_defaults", _train(k, arch.format("qwen3_30b_a3b"), "", 14), k, 40, 180))
+            Run("qwen3_defaults", _train(k, arch.format("qwen3_30b_a3b"), "", 14), k, 40, 180),
+            Run("olmoe_fsdp2_mb2", _train(k, arch.format("olmoe_1b_7b"),
+                                          "--set use_torch_fsdp2=true --set micro_batch_size=2", 14), k, 35, 180))
     return Step(f"recipes_architectures_{k}gpu", "The recipes against their peers", runs, headlines.recipes)
+
+
+def precision_olmoe(k: int) -> Step:
+    """OLMoE with FP8 gathers against bf16 over 300 iterations, on a grammar corpus too large to
+    memorize (tools/make_tiny_corpus.py); then the verdict on the last 20 losses and the plot."""
+    data = "--recipe recipes/olmoe_1b_7b.yaml --set data={dir}/grammar.txt"
+    train = f"{TRAIN.format(k=k)} {data} --train-iters 300 --log-interval 10 --json {{json}}"
+    compare = ("python3 tools/compare_recipe_runs.py --etp {dir}/fp8.json --baseline {dir}/bf16.json "
+               "--labels FP8,bf16 --window 20 --tolerance 0.01 --plot {dir}/losses.png --floor 0.1787")
+    runs = (Run("corpus", "python3 tools/make_tiny_corpus.py --lines 4000000 --out {dir}/grammar.txt", 0, 15, 120),
+            Run("fp8", train, k, 215, 420),
+            Run("bf16", f"{train} --set etp.gather_dtype=param", k, 210, 420),
+            Run("compare", compare, 0, 5, 60))
+    return Step(f"precision_olmoe_{k}gpu", "The recipes against their peers", runs, headlines.none,
+                stop_on_failure=True)
 
 
 def graphs_flagship(k: int) -> Step:
@@ -170,7 +187,7 @@ def build_steps(n: int) -> list[Step]:
     steps = [expert_stack(k) for k in sizes]
     steps += [make(k) for make in (recipes_wide, recipes_flagship) for k in sizes]
     if n >= 4:  # the architectures' recipes are sized for 4 GPUs of 80 GiB
-        steps.append(recipes_architectures(n))
+        steps += [recipes_architectures(n), precision_olmoe(n)]
     steps.append(kernels())
     steps += [s for k in sizes for s in expert_parallel(k)]
     steps += [memory_audit(k) for k in sizes]
