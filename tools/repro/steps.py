@@ -90,8 +90,11 @@ def recipes_architectures(k: int) -> Step:
             Run("mixtral_defaults", _train(k, arch.format("mixtral_8x7b"), "--audit {dir}/mixtral_audit.json", 12),
                 k, 50, 180),
             Run("qwen3_defaults", _train(k, arch.format("qwen3_30b_a3b"), "", 14), k, 40, 180),
+            Run("olmoe_etp_mb2", _train(k, arch.format("olmoe_1b_7b"), "--set micro_batch_size=2", 14), k, 45, 180),
             Run("olmoe_fsdp2_mb2", _train(k, arch.format("olmoe_1b_7b"),
-                                          "--set use_torch_fsdp2=true --set micro_batch_size=2", 14), k, 35, 180))
+                                          "--set use_torch_fsdp2=true --set micro_batch_size=2", 14), k, 35, 180),
+            Run("olmoe_fsdp2_mb4", _train(k, arch.format("olmoe_1b_7b"),
+                                          "--set use_torch_fsdp2=true --set micro_batch_size=4", 14), k, 35, 180))
     return Step(f"recipes_architectures_{k}gpu", "The recipes against their peers", runs, headlines.recipes)
 
 
