@@ -76,6 +76,7 @@ def recipes_wide(k: int) -> Step:
 
 def recipes_flagship(k: int) -> Step:
     runs = (Run("etp_defaults", _train(k, FLAGSHIP), k, 50, 180),
+            Run("etp_mb4", _train(k, FLAGSHIP, "--set micro_batch_size=4"), k, 50, 180),
             Run("distopt_mb2", _train(k, FLAGSHIP, DISTOPT), k, 50, 180),
             Run("distopt_mb4", _train(k, FLAGSHIP, f"{DISTOPT} --set micro_batch_size=4"), k, 50, 180))
     return Step(f"recipes_flagship_{k}gpu", "The recipes against their peers", runs, headlines.recipes)
