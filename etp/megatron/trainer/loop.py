@@ -122,28 +122,31 @@ def train(rank: int, world: int, recipe, options: RunOptions | None = None, port
         print(f"etp-train: nothing to do: the run is at iteration {start}, its last is {stop}", flush=True)
     tools = _instruments(run, options, max(0, stop - start))
     reporter = Reporter(recipe, run.rank, run.device, flops, peak)
-    graphed = None
-    for iteration in range(start, stop):
-        if recipe.train.cuda_graph == "step" and graphed is None:
-            from ..graph_step import capture_step
+    try:
+        graphed = None
+        for iteration in range(start, stop):
+            if recipe.train.cuda_graph == "step" and graphed is None:
+                from ..graph_step import capture_step
 
-            with tools.phase("capture"):  # the audit sees the capture's peak (activations into the graph's pool)
-                graphed = capture_step(run.stepper.model, run.loss_fn, batches.get(iteration, 0), micro,
-                                       run.device)
-        total = _micro_batches(run, recipe, batches, iteration, micro, tools, graphed)
-        # The optimizer step (finalize, clip, Adam, FP8 re-quantization): post-step hooks go after it.
-        norm = run.stepper.step(learning_rate(recipe, iteration), tools.phase)
-        if tools.audit is not None:
-            tools.audit.step_done()
-        dist.all_reduce(total, group=ps.get_data_parallel_group())
-        profiled = tools.profiler is not None and tools.profiler.covers(iteration - start)
-        if tools.profiler is not None:
-            tools.profiler.step()
-        if checkpoints.due(iteration + 1, stop):
-            reporter.exclude(checkpoints.save(run.stepper, iteration + 1))
-        reporter.iteration_done(iteration, total / ps.get_data_parallel_world_size(), norm, profiled,
-                                iteration + 1 == stop, tools.timeline)
-    _finish(run, recipe, options, tools, reporter, flops, peak)
+                with tools.phase("capture"):  # the audit sees the capture's peak (activations into the graph's pool)
+                    graphed = capture_step(run.stepper.model, run.loss_fn, batches.get(iteration, 0), micro,
+                                           run.device)
+            total = _micro_batches(run, recipe, batches, iteration, micro, tools, graphed)
+            # The optimizer step (finalize, clip, Adam, FP8 re-quantization): post-step hooks go after it.
+            norm = run.stepper.step(learning_rate(recipe, iteration), tools.phase)
+            if tools.audit is not None:
+                tools.audit.step_done()
+            dist.all_reduce(total, group=ps.get_data_parallel_group())
+            profiled = tools.profiler is not None and tools.profiler.covers(iteration - start)
+            if tools.profiler is not None:
+                tools.profiler.step()
+            if checkpoints.due(iteration + 1, stop):
+                reporter.exclude(checkpoints.save(run.stepper, iteration + 1))
+            reporter.iteration_done(iteration, total / ps.get_data_parallel_world_size(), norm, profiled,
+                                    iteration + 1 == stop, tools.timeline)
+        _finish(run, recipe, options, tools, reporter, flops, peak)
+    finally:
+        reporter.pauses.close()  # a failed run (a --tune candidate) leaves no collector callback behind
     ps.destroy_model_parallel()
     return reporter.losses
 
