@@ -389,6 +389,18 @@ def test_resolve_data_path(tmp_path):
     assert info.value.key == "data"
 
 
+def test_the_bundled_corpus_is_found_from_any_directory(tmp_path, monkeypatch):
+    """A recipe copied anywhere and run from anywhere finds ``etp/data/tiny_corpus.txt`` in the
+    installed package (the lookup once pointed inside the package and found nothing)."""
+    import etp
+
+    copy = tmp_path / "elsewhere.yaml"
+    copy.write_text(TINY.read_text())
+    monkeypatch.chdir(tmp_path)
+    bundled = Path(etp.__file__).resolve().parent / "data" / "tiny_corpus.txt"
+    assert Recipe.from_yaml(copy).resolve_data_path() == bundled
+
+
 def test_check_parallel_layout():
     assert check_parallel_layout(8, tensor_model_parallel_size=2, etp_size=4) == (4, 4)
     assert check_parallel_layout(

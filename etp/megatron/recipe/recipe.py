@@ -405,7 +405,9 @@ class Recipe(RecipeQuantities):
             candidates = [Path.cwd() / given]
             if self.source is not None:
                 candidates.append(Path(self.source).resolve().parent / given)
-            candidates.append(Path(__file__).resolve().parents[2] / given)
+            import etp  # the directory above the package: etp/data/... names the bundled corpus
+
+            candidates.append(Path(etp.__file__).resolve().parent.parent / given)
         for candidate in candidates:
             if candidate.is_file():
                 return candidate
