@@ -21,6 +21,11 @@ includes any idle time the device spent waiting for launches inside the phase. C
 record per phase end (a few microseconds), and nothing on CPU runs (no events: ``summary``
 is None).
 
+Every log window's host and device time per phase is kept too (``windows``), and etp-train
+gathers every rank's (``summary()["ranks"]``): an ETP step waits at each gather for the slowest
+rank, so when the iterations of an issue-bound step spread, the rank and the phase whose host
+time moved with them say where the time went (``format_spread``).
+
 Example (``etp-train --timeline``)::
 
     timeline = HostLeadTimeline(torch.device("cuda"))
@@ -37,7 +42,7 @@ import time
 
 import torch
 
-__all__ = ["HostLeadTimeline", "format_timeline"]
+__all__ = ["HostLeadTimeline", "format_spread", "format_timeline"]
 
 
 class HostLeadTimeline:
@@ -87,10 +92,18 @@ class HostLeadTimeline:
         self._marks.clear()
         self._set_anchor()
 
+    def windows(self) -> list[dict]:
+        """Every log window but the first: per phase, ``host_ms`` and ``device_ms`` per iteration."""
+        return [{"iterations": w["iterations"],
+                 "host_ms": {n: e["host_ms"] / w["iterations"] for n, e in w["phases"].items()},
+                 "device_ms": {n: e["device_ms"] / w["iterations"] for n, e in w["phases"].items()}}
+                for w in self._windows[1:]]
+
     def summary(self) -> dict | None:
         """Per phase and per iteration: ``calls``, ``host_ms`` (inside the ``with`` block),
         ``device_ms`` (completion to completion) and the median / minimum ``lead_ms`` at its
-        ends; over every window but the first. None on CPU or before a second window."""
+        ends; over every window but the first, and those windows (``windows``). None on CPU or
+        before a second window."""
         windows = self._windows[1:]
         if not self.enabled or not windows:
             return None
@@ -103,7 +116,7 @@ class HostLeadTimeline:
                          "host_ms": sum(e["host_ms"] for e in entries) / iterations,
                          "device_ms": sum(e["device_ms"] for e in entries) / iterations,
                          "lead_median_ms": statistics.median(leads), "lead_min_ms": min(leads)}
-        return {"iterations": iterations, "phases": out}
+        return {"iterations": iterations, "phases": out, "windows": self.windows()}
 
 
 def format_timeline(summary: dict | None) -> str:
@@ -117,4 +130,28 @@ def format_timeline(summary: dict | None) -> str:
     for name, p in summary["phases"].items():
         rows.append(f"| {name} | {p['calls']:.1f} | {p['host_ms']:.1f} | {p['device_ms']:.1f} | "
                     f"{p['lead_median_ms']:.1f} | {p['lead_min_ms']:.1f} |")
+    return "\n".join(rows)
+
+
+def format_spread(ranks: list[list[dict]]) -> str:
+    """Where the spread of an issue-bound step comes from: ``ranks`` holds every rank's
+    ``windows()``. Per rank, its host time per iteration (all phases) over the windows, min to
+    max; then the (rank, phase) whose host time varies most.
+
+    Example::
+
+        print(format_spread([timeline.windows() for timeline in every_ranks_timeline]))
+    """
+    if not ranks or not ranks[0]:
+        return "timeline spread: fewer than two log windows"
+    rows, widest = ["timeline spread (host ms per iteration over the log windows, min .. max):"], None
+    for rank, windows in enumerate(ranks):
+        totals = [sum(w["host_ms"].values()) for w in windows]
+        rows.append(f"  rank {rank}: all phases {min(totals):.1f} .. {max(totals):.1f}")
+        for phase in windows[0]["host_ms"]:
+            values = [w["host_ms"].get(phase, 0.0) for w in windows]
+            if widest is None or max(values) - min(values) > widest[0]:
+                widest = (max(values) - min(values), rank, phase, min(values), max(values))
+    _, rank, phase, low, high = widest
+    rows.append(f"  widest: rank {rank}'s {phase}, {low:.1f} .. {high:.1f} ms")
     return "\n".join(rows)

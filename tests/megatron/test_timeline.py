@@ -78,3 +78,20 @@ def test_cpu_runs_have_no_timeline():
     timeline.window_done(1)
     timeline.window_done(1)
     assert timeline.summary() is None and "CPU" in tl.format_timeline(None)
+
+
+def test_windows_and_the_spread_name_the_rank_and_phase_that_moved(scripted):
+    for start in (0.0, 15.5, 31.0):
+        _Clock.device = start
+        scripted._set_anchor()
+        _window(scripted, start, execution_bound=False)
+    windows = scripted.windows()
+    assert len(windows) == 2 and scripted.summary()["windows"] == windows  # the warm-up window is dropped
+    assert windows[0]["host_ms"] == pytest.approx({"forward": 10.0, "backward": 5.0})
+    # a second rank whose backward host time doubled in its second window
+    slow = [{"iterations": 1, "host_ms": {"forward": 10.0, "backward": 5.0}, "device_ms": {}},
+            {"iterations": 1, "host_ms": {"forward": 10.0, "backward": 10.0}, "device_ms": {}}]
+    text = tl.format_spread([windows, slow])
+    assert "rank 0: all phases 15.0 .. 15.0" in text and "rank 1: all phases 15.0 .. 20.0" in text
+    assert "widest: rank 1's backward, 5.0 .. 10.0 ms" in text
+    assert "fewer than two" in tl.format_spread([[]])

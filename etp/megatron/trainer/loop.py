@@ -179,10 +179,18 @@ def _finish(run: Run, recipe, options: RunOptions, tools: _Instruments, reporter
             breakdown["kernel_time_plausible"] = kernel_time_plausible(breakdown, flops, peak)
         if run.rank == 0 and breakdown is not None:
             print(format_breakdown(breakdown, f"rank 0, attention {recipe.model.attention_backend}"), flush=True)
-    if run.rank == 0 and tools.timeline is not None:
-        from ..timeline import format_timeline
+    timeline = None
+    if tools.timeline is not None:
+        from ..timeline import format_spread, format_timeline
 
-        print(format_timeline(tools.timeline.summary()), flush=True)
+        timeline = tools.timeline.summary()
+        if timeline is not None:  # every rank's windows: the slowest rank sets each iteration's pace
+            timeline["ranks"] = [None] * run.world
+            dist.all_gather_object(timeline["ranks"], tools.timeline.windows())
+        if run.rank == 0:
+            print(format_timeline(timeline), flush=True)
+            if timeline is not None:
+                print(format_spread(timeline["ranks"]), flush=True)
     gc_ms = reporter.gather_collector_pauses()
     if run.rank == 0 and gc_ms is not None:
         print(f"etp-train: garbage collection {gc_ms:.2f} ms per iteration on the slowest rank", flush=True)
@@ -198,7 +206,7 @@ def _finish(run: Run, recipe, options: RunOptions, tools: _Instruments, reporter
                  else predict_peak(recipe, run.world, transport=transport)["peak"] / 2**30,
                  "param_bits_sum": param_bits_sum(run.stepper.model),
                  "stepper": type(run.stepper).__name__,  # TorchStep | MegatronStep | FSDP2Step
-                 "timeline": tools.timeline.summary() if tools.timeline is not None else None,
+                 "timeline": timeline,
                  "gc_ms_per_iter_max_rank": gc_ms}
         reporter.write_json(options.json_path, run.world, run.backend, run.summary, extra)
     if tools.audit is not None:
