@@ -392,13 +392,13 @@ def test_resolve_data_path(tmp_path):
 def test_the_bundled_corpus_is_found_from_any_directory(tmp_path, monkeypatch):
     """A recipe copied anywhere and run from anywhere finds ``etp/data/tiny_corpus.txt`` in the
     installed package (the lookup once pointed inside the package and found nothing)."""
-    import etp
+    from importlib.resources import files
 
     copy = tmp_path / "elsewhere.yaml"
     copy.write_text(TINY.read_text())
     monkeypatch.chdir(tmp_path)
-    bundled = Path(etp.__file__).resolve().parent / "data" / "tiny_corpus.txt"
-    assert Recipe.from_yaml(copy).resolve_data_path() == bundled
+    bundled = Path(str(files("etp") / "data" / "tiny_corpus.txt")).resolve()  # the installed package data
+    assert Recipe.from_yaml(copy).resolve_data_path().resolve() == bundled
 
 
 def test_check_parallel_layout():

@@ -157,7 +157,6 @@ class Reporter:
         dist.all_gather_object(everyone, mine, group=group)
         for index, record in enumerate(self.records):
             record["gc_ms_per_iter_max_rank"] = max(ms[index] for ms in everyone)
-        self.pauses.close()
         steady = [r["gc_ms_per_iter_max_rank"] for r in steady_records(self.records)]
         return sum(steady) / len(steady) if steady else None
 
