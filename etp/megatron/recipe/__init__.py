@@ -95,6 +95,15 @@ Parallelism (``recipe.parallel``, :class:`ParallelSpec`):
         resolves them to 1), TP / PP / CP / EP 1, no distributed optimizer or overlap_param_gather,
         cuda_graph none (auto resolves to none), no fp16, no save / load, dispatcher local, alltoall or
         allgather; it turns overlap_grad_reduce off itself, FSDP2 reduces during the backward).
+    use_megatron_fsdp: false (true: megatron-core's own Megatron-FSDP in place of its DDP,
+        etp.megatron.megatron_fsdp_step.MegatronFSDPStep: megatron.core.distributed.fsdp's
+        FullyShardedDataParallel with data_parallel_sharding_strategy optim_grads_params (parameters,
+        gradients and optimizer state sharded per TransformerLayer over the data-parallel ranks) and
+        megatron-core's distributed optimizer, bf16 compute with fp32 main weights and gradients; GPUs
+        only, the peer etp is benchmarked against (docs/architectures.md, "Peers"). ETP sizes 1 (auto
+        resolves them to 1), TP / PP / CP / EP 1, cuda_graph none (auto resolves to none), no fp16, no
+        save / load, dispatcher local, alltoall or allgather, not with use_torch_fsdp2; it turns
+        use_distributed_optimizer, overlap_grad_reduce and overlap_param_gather on itself).
     world_size: None (etp driver key: ranks the recipe is meant for; the CPU driver spawns
         this many; under torchrun None takes the launcher's, a value must equal WORLD_SIZE).
     backend: auto (etp driver key: auto | gloo | nccl; auto is nccl with CUDA, else gloo).

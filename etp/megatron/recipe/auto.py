@@ -9,9 +9,9 @@ always wins. In the order they are decided:
 * ``etp.etp_size`` / ``etp.expert_etp_size: auto``: the data-parallel ranks of one host (the
   copy-engine transports move bytes over NVLink inside a host), the largest divisor of the
   data-parallel size that fits there.
-  With ``use_torch_fsdp2`` both are 1: FSDP2 shards every weight itself.
+  With ``use_torch_fsdp2`` or ``use_megatron_fsdp`` both are 1: the FSDP shards every weight itself.
 * ``cuda_graph: auto``: ``step`` wherever the recipe can be captured (CUDA; megatron's
-  dispatchers, activation recompute, tensor parallelism and FSDP2 cannot), ``none`` otherwise. A
+  dispatchers, activation recompute, tensor parallelism and both FSDPs cannot), ``none`` otherwise. A
   captured step issues no host launches: small micro-batches stop being bound by the host.
   Capture turns ``overlap_grad_reduce`` off itself (DDP's reductions start after the
   replayed backward).
@@ -74,11 +74,12 @@ def _largest_divisor_up_to(n: int, limit: int) -> int:
 def _etp_sizes(recipe, machine: Machine, notes: list[str]) -> dict:
     p = recipe.parallel
     chosen = {}
-    if p.use_torch_fsdp2:
+    if p.use_torch_fsdp2 or p.use_megatron_fsdp:
+        fsdp = "use_torch_fsdp2" if p.use_torch_fsdp2 else "use_megatron_fsdp"
         for key in ("etp.etp_size", "etp.expert_etp_size"):
             if key in recipe.auto:
                 chosen[key[4:]] = 1
-                notes.append(f"{key} auto -> 1: use_torch_fsdp2 shards every weight over the data-parallel "
+                notes.append(f"{key} auto -> 1: {fsdp} shards every weight over the data-parallel "
                              "ranks itself (ETP off)")
         return chosen
     if "etp.etp_size" in recipe.auto:

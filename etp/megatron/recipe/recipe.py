@@ -55,14 +55,28 @@ def _unknown_key_error(key: str, value: Any, *, in_etp: bool) -> RecipeError:
 AUTO_KEYS = ("cuda_graph", "etp.etp_size", "etp.expert_etp_size", "etp.gather_dtype", "etp.gather_reuse")
 
 
+#: What ``use_megatron_fsdp`` turns on (``_hold_auto_keys``) and ``ParallelSpec`` then requires.
+_MEGATRON_FSDP_NEEDS = ("use_distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather")
+
+
 def _hold_auto_keys(flat: dict, etp_section: dict) -> tuple[list[str], list[str]]:
     """Takes the keys set to ``auto`` out of ``flat`` / ``etp_section`` (they keep their defaults
-    until resolved) and lets a capture turn ``overlap_grad_reduce`` off; returns (the auto keys,
-    the notes of what was adjusted)."""
+    until resolved), lets Megatron-FSDP turn on what it needs and a capture or FSDP2 turn
+    ``overlap_grad_reduce`` off; returns (the auto keys, the notes of what was adjusted)."""
     auto = [key for key in AUTO_KEYS if key.startswith("etp.") and etp_section.get(key[4:]) == "auto"]
     auto += [key for key in AUTO_KEYS if not key.startswith("etp.") and flat.get(key) == "auto"]
     for key in auto:
         (etp_section if key.startswith("etp.") else flat).pop(key.removeprefix("etp."))
+    if flat.get("use_megatron_fsdp") is True:
+        # megatron-core's MegatronFSDP forces both overlaps with optim_grads_params, and steps the
+        # shards through its distributed optimizer: the recipe says what runs.
+        needed = [key for key in _MEGATRON_FSDP_NEEDS if not flat.get(key)]
+        if not needed:
+            return auto, []
+        flat.update(dict.fromkeys(needed, True))
+        return auto, [f"use_megatron_fsdp: {', '.join(needed)} turned on (Megatron-FSDP's optim_grads_params "
+                      "steps its shards with megatron-core's distributed optimizer and overlaps its gathers and "
+                      "reduce-scatters with compute)"]
     why = ("use_torch_fsdp2: overlap_grad_reduce turned off (megatron-core DDP's; FSDP2 reduce-scatters each "
            "layer's gradients during the backward itself)" if flat.get("use_torch_fsdp2") is True else
            "cuda_graph=step: overlap_grad_reduce turned off (a captured step starts DDP's reductions after its "
@@ -111,6 +125,8 @@ class Recipe(RecipeQuantities):
                 )
         if self.parallel.use_torch_fsdp2:
             self._check_torch_fsdp2()
+        if self.parallel.use_megatron_fsdp:
+            self._check_megatron_fsdp()
         self._check_capture()
         self._check_tensor_parallel()
         if self.model.is_moe:
@@ -142,6 +158,29 @@ class Recipe(RecipeQuantities):
         if m.is_moe and m.moe_token_dispatcher_type not in ("local", "alltoall", "allgather"):
             _fail("moe_token_dispatcher_type", m.moe_token_dispatcher_type, "must be local, alltoall or allgather "
                   "with use_torch_fsdp2 (expert parallelism is off): set moe_token_dispatcher_type=local")
+
+    def _check_megatron_fsdp(self) -> None:
+        """What etp-train's Megatron-FSDP peer cannot hold beside the parallel sizes (``ParallelSpec``).
+        Nothing the recipe can ask for needs TransformerEngine: megatron-core needs it with Megatron-FSDP
+        only for FP8 parameters and tensor parallelism, neither of which a recipe reaches here."""
+        m, t, e = self.model, self.train, self.etp
+        for key, value in (("etp.etp_size", e.etp_size), ("etp.expert_etp_size", e.expert_etp_size)):
+            if value != 1:
+                _fail(key, value, f"must be 1 (or auto) with use_megatron_fsdp: Megatron-FSDP shards every weight "
+                      f"itself, ETP is off; set {key}=1")
+        if t.cuda_graph == "step":
+            _fail("cuda_graph", "step", "must be none with use_megatron_fsdp (Megatron-FSDP gathers and "
+                  "reduce-scatters in module hooks, which a replay does not run): set cuda_graph=none or auto")
+        for key in ("save", "load"):
+            if getattr(t, key) is not None:
+                _fail(key, getattr(t, key), f"is not supported with use_megatron_fsdp (etp's checkpoints do not "
+                      f"describe Megatron-FSDP's DTensor shards): remove {key} for a Megatron-FSDP run")
+        if t.fp16:
+            _fail("fp16", True, "must be false with use_megatron_fsdp (etp-train runs it in bf16 or fp32; fp16's "
+                  "loss scaling over its DTensor shards is not exercised): use bf16: true")
+        if m.is_moe and m.moe_token_dispatcher_type not in ("local", "alltoall", "allgather"):
+            _fail("moe_token_dispatcher_type", m.moe_token_dispatcher_type, "must be local, alltoall or allgather "
+                  "with use_megatron_fsdp (expert parallelism is off): set moe_token_dispatcher_type=local")
 
     def _check_capture(self) -> None:
         """What ``cuda_graph: step`` cannot hold."""

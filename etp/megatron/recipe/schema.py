@@ -245,6 +245,10 @@ class ParallelSpec:
     use_torch_fsdp2: bool = _key(
         False, _BOOL, "torch FSDP2 (etp.megatron.fsdp2_step.FSDP2Step) instead of megatron-core DDP: the peer "
         "etp is benchmarked against; data parallelism only, ETP off")
+    use_megatron_fsdp: bool = _key(
+        False, _BOOL, "megatron-core's Megatron-FSDP (etp.megatron.megatron_fsdp_step.MegatronFSDPStep: "
+        "optim_grads_params with megatron-core's distributed optimizer) instead of megatron-core DDP: the peer "
+        "etp is benchmarked against; data parallelism only, ETP off, CUDA only")
     grad_reduce_in_bf16: bool = _key(False, _BOOL, "reduce DDP gradients in bf16 instead of fp32 (half the bytes)")
     ddp_bucket_size: int | None = _positive(None, "elements per DDP gradient bucket (None: megatron-core's default)")
     world_size: int | None = _positive(None, "ranks the recipe is meant for (etp driver key)")
@@ -260,6 +264,8 @@ class ParallelSpec:
                 True,
                 "needs tensor_model_parallel_size > 1 (it splits the sequence over the TP group)",
             )
+        if self.use_megatron_fsdp:
+            self._check_megatron_fsdp()
         if self.use_torch_fsdp2:
             self._check_torch_fsdp2()
         if self.overlap_param_gather and not (self.use_distributed_optimizer and self.overlap_grad_reduce):
@@ -277,6 +283,24 @@ class ParallelSpec:
             if getattr(self, key) != 1:
                 _fail(key, getattr(self, key), f"must be 1 with use_torch_fsdp2 (etp-train's FSDP2 peer shards "
                       f"over the data-parallel ranks only): set {key}=1")
+
+    def _check_megatron_fsdp(self) -> None:
+        """What Megatron-FSDP over the data-parallel group cannot combine with (the rest: ``Recipe``).
+        ``Recipe.from_dict`` turns the distributed optimizer and both overlaps on for it (a note says
+        which): megatron-core's ``MegatronFSDP`` forces the overlaps itself with ``optim_grads_params``,
+        and its optimizer is megatron-core's distributed optimizer."""
+        if self.use_torch_fsdp2:
+            _fail("use_torch_fsdp2", True, "must be false with use_megatron_fsdp (one FSDP shards the model): "
+                  "remove use_torch_fsdp2 or use_megatron_fsdp")
+        for key in ("use_distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather"):
+            if not getattr(self, key):
+                _fail(key, False, f"must be true with use_megatron_fsdp (optim_grads_params steps the shards with "
+                      f"megatron-core's distributed optimizer and overlaps both collectives): set {key}=true")
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                    "expert_tensor_parallel_size", "context_parallel_size"):
+            if getattr(self, key) != 1:
+                _fail(key, getattr(self, key), f"must be 1 with use_megatron_fsdp (etp-train's Megatron-FSDP peer "
+                      f"shards over the data-parallel ranks only): set {key}=1")
 
     @property
     def model_parallel_size(self) -> int:
