@@ -63,8 +63,10 @@ def _instruments(run: Run, options: RunOptions, iterations: int) -> _Instruments
 def _announce(run: Run, recipe, flops: float, peak: float | None) -> None:
     if run.rank != 0:
         return
-    fsdp2 = "; torch FSDP2 over the data-parallel ranks" if recipe.parallel.use_torch_fsdp2 else ""
-    print(f"etp-train: {recipe.source or 'recipe'} on {run.world} ranks ({run.backend}); {run.summary}{fsdp2}; attention "
+    fsdp = ("; torch FSDP2 over the data-parallel ranks" if recipe.parallel.use_torch_fsdp2 else
+            "; Megatron-FSDP (optim_grads_params) over the data-parallel ranks" if recipe.parallel.use_megatron_fsdp
+            else "")
+    print(f"etp-train: {recipe.source or 'recipe'} on {run.world} ranks ({run.backend}); {run.summary}{fsdp}; attention "
           f"{recipe.model.attention_backend}; {flops / 1e12:.2f} TFLOP per iteration per rank, "
           f"peak {peak or 'unknown'} TFLOP/s" + ("; deterministic" if run.determinism else ""), flush=True)
     hint = fp8_eager_hint(recipe, run.device.type)
@@ -199,13 +201,16 @@ def _finish(run: Run, recipe, options: RunOptions, tools: _Instruments, reporter
     if options.json_path and run.rank == 0:
         from ...audit import predict_peak
 
+        fsdp = recipe.parallel.use_torch_fsdp2 or recipe.parallel.use_megatron_fsdp
+        # Megatron-FSDP's module holds released parameters between steps: its fp32 shards instead.
+        weights = run.stepper.master_weights() if hasattr(run.stepper, "master_weights") else run.stepper.model
         extra = {"flops_per_iter_per_rank": flops, "peak_tflops": peak, "determinism": run.determinism,
                  "attention_backend": recipe.model.attention_backend, "profile": breakdown,
                  # etp-audit's, to compare (with the gather transport this run chose)
-                 "predicted_peak_gib": None if recipe.parallel.use_torch_fsdp2  # the audit models DDP and ETP
+                 "predicted_peak_gib": None if fsdp  # the audit models DDP and ETP
                  else predict_peak(recipe, run.world, transport=transport)["peak"] / 2**30,
-                 "param_bits_sum": param_bits_sum(run.stepper.model),
-                 "stepper": type(run.stepper).__name__,  # TorchStep | MegatronStep | FSDP2Step
+                 "param_bits_sum": param_bits_sum(weights),
+                 "stepper": type(run.stepper).__name__,  # TorchStep | MegatronStep | FSDP2Step | MegatronFSDPStep
                  "timeline": timeline,
                  "gc_ms_per_iter_max_rank": gc_ms}
         reporter.write_json(options.json_path, run.world, run.backend, run.summary, extra)

@@ -33,9 +33,10 @@ def _host_norm(norm) -> float | None:
 
 
 def param_bits_sum(model) -> int:
-    """Rank 0's parameters as one integer: the sum of every element's bit pattern (int64,
-    exact and order-free), so two runs whose parameters are equal bit for bit report the same
-    number and nearly any difference changes it (tests compare captured with eager runs).
+    """Rank 0's parameters (of a module, or an iterable of parameters) as one integer: the sum of
+    every element's bit pattern (int64, exact and order-free), so two runs whose parameters are
+    equal bit for bit report the same number and nearly any difference changes it (tests compare
+    captured with eager runs).
 
     Example::
 
@@ -49,8 +50,9 @@ def param_bits_sum(model) -> int:
     from torch.distributed.tensor import DTensor
 
     sums = []
-    for param in model.parameters():
-        if isinstance(param, DTensor):  # FSDP2: this rank's shard (rank 0 reports alone; a DTensor op may be a collective)
+    for param in model.parameters() if isinstance(model, torch.nn.Module) else model:
+        # An FSDP's: this rank's shard (rank 0 reports alone; a DTensor op may be a collective).
+        if isinstance(param, DTensor):
             param = param.to_local()
         bits = param.detach().contiguous().view(views[param.element_size()]).reshape(-1)
         sums.extend(chunk.sum(dtype=torch.int64) for chunk in bits.split(_BITS_CHUNK))

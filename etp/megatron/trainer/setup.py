@@ -7,7 +7,9 @@ params and grads, the distributed optimizer when the recipe asks, grad-norm clip
 every element once, FP8 shards re-quantized after each step). On CPU (megatron-core's DDP and
 optimizer need CUDA) torch AdamW steps the model after ``etp.finalize_grads`` and
 ``etp.clip_grad_norm_``. With ``use_torch_fsdp2`` (CPU or GPU) ``FSDP2Step`` shards the model
-with torch FSDP2 and steps it with torch AdamW instead.
+with torch FSDP2 and steps it with torch AdamW instead; with ``use_megatron_fsdp`` (GPUs)
+``MegatronFSDPStep`` wraps it in megatron-core's Megatron-FSDP and steps it with megatron-core's
+distributed optimizer.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ class Run:
     world: int
     backend: str
     device: torch.device
-    stepper: object  # TorchStep | MegatronStep (etp.megatron.steppers) | FSDP2Step (etp.megatron.fsdp2_step)
+    stepper: object  # TorchStep | MegatronStep (etp.megatron.steppers) | FSDP2Step | MegatronFSDPStep
     loss_fn: object
     megatron_config: object  # TransformerConfig, or None for the CPU model
     summary: object  # etp.WrapSummary of apply_etp
@@ -102,15 +104,19 @@ def set_up(recipe, rank: int, world: int, port: int | None = None) -> Run:
         from ..fsdp2_step import FSDP2Step
 
         stepper = FSDP2Step(recipe, model, config)
+    elif p.use_megatron_fsdp:  # ETP off likewise; GPUs only (preflight refuses a CPU run)
+        from ..megatron_fsdp_step import MegatronFSDPStep
+
+        stepper = MegatronFSDPStep(recipe, model, config)
     elif config is None:
         stepper = TorchStep(recipe, model, groups, ps.get_tensor_model_parallel_group())
     else:
         stepper = MegatronStep(recipe, model, config)
     if (recipe.train.deterministic and config is not None and recipe.train.cuda_graph != "step"
-            and p.tensor_model_parallel_size == 1 and not p.use_torch_fsdp2):
+            and p.tensor_model_parallel_size == 1 and not (p.use_torch_fsdp2 or p.use_megatron_fsdp)):
         # The embedding backward a captured step takes (ordered sums, no atomics): eager and
         # captured deterministic runs then run the same kernels ([Note: etp-train graph step]).
-        # Not under FSDP2: its gathers swap the embedding's parameter, which that forward holds.
+        # Not under an FSDP: its gathers swap the embedding's parameter, which that forward holds.
         from ..graph_step import make_embeddings_capture_safe
 
         make_embeddings_capture_safe(stepper.model)
