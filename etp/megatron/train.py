@@ -148,7 +148,8 @@ def _tune(args, recipe, options, torchrun: bool) -> int:
     cuda = torch.cuda.is_available() and recipe.parallel.backend != "gloo"
     world = recipe.parallel.world_size or (torch.cuda.device_count() if cuda else 1)
     machine = Machine.detect(world) if cuda else Machine(world, world)
-    recipe, notes = resolve_auto(recipe, machine, keep=("cuda_graph", "etp.gather_dtype", "etp.gather_reuse"))
+    recipe, notes = resolve_auto(recipe, machine, keep=("cuda_graph", "etp.gather_dtype", "etp.gather_reuse",
+                                                          "micro_batch_size"))
     for note in notes:
         print(f"etp-train: {note}", flush=True)
     base = [*(["--overrides", args.overrides] if args.overrides else []),

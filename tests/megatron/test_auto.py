@@ -27,7 +27,7 @@ def test_shipped_gpu_recipes_resolve_for_every_gpu_count(world):
         assert (recipe.etp.etp_size, recipe.etp.expert_etp_size) == (world, world)
         assert recipe.train.cuda_graph == "step" and not recipe.parallel.overlap_grad_reduce
         assert recipe.etp.gather_dtype == "fp8_tensorwise"  # captured: FP8 pays
-        assert len(notes) == 5 and all("auto ->" in n for n in notes)
+        assert len(notes) == 6 and all("auto ->" in n for n in notes)
         recipe.check_world_size(world)
 
 

@@ -10,6 +10,13 @@ always wins. In the order they are decided:
   copy-engine transports move bytes over NVLink inside a host), the largest divisor of the
   data-parallel size that fits there.
   With ``use_torch_fsdp2`` or ``use_megatron_fsdp`` both are 1: the FSDP shards every weight itself.
+* ``micro_batch_size: auto``: the largest micro-batch that divides each rank's share of
+  ``global_batch_size`` and that the memory audit predicts to fit the GPU once the settings
+  below are chosen for it (the rank's whole share on CPU, with no GPU to size against). Each
+  micro-batch pays the step's fixed costs again (every weight's gather, every launch or graph
+  replay, the expert GEMMs' ragged tails), so fewer, larger ones are faster while they fit
+  (BENCHMARKS.md, "Recipes": micro-batch 4 against 2 on the flagship, 2 against 1 on OLMoE,
+  etp and its peers alike).
 * ``cuda_graph: auto``: ``step`` wherever the recipe can be captured (CUDA; megatron's
   dispatchers, activation recompute, tensor parallelism and both FSDPs cannot), ``none`` otherwise. A
   captured step issues no host launches: small micro-batches stop being bound by the host.
@@ -99,6 +106,31 @@ def _etp_sizes(recipe, machine: Machine, notes: list[str]) -> dict:
     return chosen
 
 
+def _micro_batch(recipe, machine: Machine, notes: list[str]) -> int | None:
+    if "micro_batch_size" not in recipe.auto:
+        return None
+    per_rank = recipe.global_batch_size(machine.world_size) // recipe.data_parallel_size(machine.world_size)
+    sizes = [m for m in range(per_rank, 0, -1) if per_rank % m == 0]
+    if machine.gpu_memory is None:
+        notes.append(f"micro_batch_size auto -> {per_rank}: each rank's share of the global batch in one "
+                     "micro-batch (no GPU memory to size it against)")
+        return per_rank
+    from ...audit import fits, predict_peak
+
+    for size in sizes:
+        candidate, _ = resolve_auto(recipe.replace(micro_batch_size=size), machine)
+        peak = predict_peak(candidate, machine.world_size)
+        if fits(peak, machine.gpu_memory):
+            notes.append(f"micro_batch_size auto -> {size}: the largest that divides each rank's {per_rank} "
+                         f"samples and fits (memory audit: {peak['device_peak'] / 2**30:.1f} GiB of "
+                         f"{machine.gpu_memory / 2**30:.0f}); fewer micro-batches pay the step's fixed costs "
+                         "fewer times")
+            return size
+    notes.append("micro_batch_size auto -> 1: the memory audit predicts that no micro-batch fits this GPU "
+                 "(etp-audit --recipe ... says where the memory goes)")
+    return 1
+
+
 def _cuda_graph(recipe, machine: Machine, notes: list[str]) -> str | None:
     if "cuda_graph" not in recipe.auto:
         return None
@@ -181,6 +213,9 @@ def resolve_auto(recipe, machine: Machine, keep: tuple[str, ...] = ()):
     etp = _etp_sizes(recipe, machine, notes)
     if etp:
         recipe = recipe.replace(etp=etp)
+    micro = _micro_batch(recipe, machine, notes)
+    if micro is not None:
+        recipe = recipe.replace(micro_batch_size=micro)
     graph = _cuda_graph(recipe, machine, notes)
     if graph is not None:
         recipe = recipe.replace(cuda_graph=graph)

@@ -52,11 +52,25 @@ def _unknown_key_error(key: str, value: Any, *, in_etp: bool) -> RecipeError:
 
 #: Keys a recipe may set to ``auto``: chosen at start-up for the machine and the launcher
 #: (``etp.megatron.recipe.auto``), each choice printed with its reason.
-AUTO_KEYS = ("cuda_graph", "etp.etp_size", "etp.expert_etp_size", "etp.gather_dtype", "etp.gather_reuse")
+AUTO_KEYS = ("cuda_graph", "etp.etp_size", "etp.expert_etp_size", "etp.gather_dtype", "etp.gather_reuse",
+             "micro_batch_size")
 
 
 #: What ``use_megatron_fsdp`` turns on (``_hold_auto_keys``) and ``ParallelSpec`` then requires.
 _MEGATRON_FSDP_NEEDS = ("use_distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather")
+
+
+def _hold_micro_batch(flat: dict) -> None:
+    """``micro_batch_size: auto`` splits each rank's share of ``global_batch_size`` into the largest
+    micro-batches the memory audit predicts to fit; it holds 1 until resolved."""
+    if flat.get("global_batch_size") is None:
+        _fail("micro_batch_size", "auto", "needs global_batch_size (auto splits each rank's share of it into "
+              "micro-batches): set global_batch_size=N, or micro_batch_size=N")
+    for fsdp in ("use_torch_fsdp2", "use_megatron_fsdp"):
+        if flat.get(fsdp) is True:
+            _fail("micro_batch_size", "auto", f"cannot be sized with {fsdp}: the memory audit that sizes it "
+                  f"models DDP, the distributed optimizer and ETP, not {fsdp}; set micro_batch_size=N")
+    flat["micro_batch_size"] = 1
 
 
 def _hold_auto_keys(flat: dict, etp_section: dict) -> tuple[list[str], list[str]]:
@@ -67,6 +81,8 @@ def _hold_auto_keys(flat: dict, etp_section: dict) -> tuple[list[str], list[str]
     auto += [key for key in AUTO_KEYS if not key.startswith("etp.") and flat.get(key) == "auto"]
     for key in auto:
         (etp_section if key.startswith("etp.") else flat).pop(key.removeprefix("etp."))
+    if "micro_batch_size" in auto:
+        _hold_micro_batch(flat)
     if flat.get("use_megatron_fsdp") is True:
         # megatron-core's MegatronFSDP forces both overlaps with optim_grads_params, and steps the
         # shards through its distributed optimizer: the recipe says what runs.

@@ -134,7 +134,8 @@ def tune(recipe, recipe_path: str, base_args: list[str], out_path: str, machine:
     import yaml
 
     if not recipe.auto:
-        raise TrainError("--tune: the recipe leaves nothing auto (cuda_graph, etp.gather_dtype, etp.gather_reuse); "
+        raise TrainError("--tune: the recipe leaves nothing auto (cuda_graph, etp.gather_dtype, etp.gather_reuse, "
+                         "micro_batch_size); "
                          "set the keys to tune to auto")
     found = candidates(recipe, machine)
     runnable = [c for c in found if c.skipped is None]
