@@ -125,7 +125,7 @@ def test_cli_table_json_and_plot(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--world-size", "6"], "the nearest valid values are 24 or 36"),
+    (["--world-size", "6"], "the nearest valid values are 30 or 36"),
     (["--world-size", "0"], "--world-size=0"),
     (["--world-size", "8", "--gather-dtype", "int4"], "gather_dtype"),
     (["--world-size", "8", "--etp-size", "3"], "etp_size=3"),
@@ -208,7 +208,7 @@ def test_predicted_peak_with_fused_adam_within_five_percent(key):
 def test_peak_phases_and_sdpa_activations():
     from etp.audit import activation_bytes, predict_peak
 
-    recipe = Recipe.from_yaml(ROOT / "recipes/moe_flagship.yaml", world_size=2, global_batch_size=8,
+    recipe = Recipe.from_yaml(ROOT / "recipes/moe_flagship.yaml", world_size=2, global_batch_size=8, micro_batch_size=2,
                               etp={"etp_size": 2, "expert_etp_size": 2})
     local = recipe.replace(attention_backend="local")
     s, b, h, a, v = 2048, 2, 2048, 16, 32000
@@ -256,7 +256,7 @@ def test_symmetric_memory_is_outside_the_allocator_peak_but_inside_the_fit():
     from etp.audit.buffers import gather_buffer_bytes, push_staging_bytes
     from etp.audit.predict import FRAGMENTATION, RESERVED_OUTSIDE, weight_inventory
 
-    recipe = Recipe.from_yaml(ROOT / "recipes/moe_flagship.yaml", world_size=2, global_batch_size=8,
+    recipe = Recipe.from_yaml(ROOT / "recipes/moe_flagship.yaml", world_size=2, global_batch_size=8, micro_batch_size=2,
                               etp={"etp_size": 2, "expert_etp_size": 2})
     nccl, ce = predict_peak(recipe, 2, transport="nccl"), predict_peak(recipe, 2, transport="copy_engine")
     assert predict_peak(recipe, 2)["gather_transport"] == "copy_engine"  # auto: NVLink GPUs of one host
@@ -293,7 +293,7 @@ def test_aliased_gather_buffers_keep_the_peers_rows_outside_the_allocator():
     from etp.audit.predict import weight_inventory
 
     def recipe(**etp):
-        return Recipe.from_yaml(ROOT / "recipes/moe_flagship.yaml", world_size=2, global_batch_size=8,
+        return Recipe.from_yaml(ROOT / "recipes/moe_flagship.yaml", world_size=2, global_batch_size=8, micro_batch_size=2,
                                 etp={"etp_size": 2, "expert_etp_size": 2, **etp})
 
     # Every ETP weight of the flagship but the output layer (16000 x 2048 rows a shard) has whole
@@ -322,7 +322,7 @@ def test_aliased_gather_buffers_keep_the_peers_rows_outside_the_allocator():
 def test_recompute_shrinks_activations_and_adds_its_gather_buffers():
     from etp.audit import activation_bytes, predict_memory
 
-    recipe = Recipe.from_yaml(ROOT / "recipes/moe_flagship.yaml", world_size=2, global_batch_size=8,
+    recipe = Recipe.from_yaml(ROOT / "recipes/moe_flagship.yaml", world_size=2, global_batch_size=8, micro_batch_size=2,
                               etp={"etp_size": 2, "expert_etp_size": 2})
     s, b, h, v, layers = 2048, 2, 2048, 32000, 8
     per_layer = s * b * h * (18 + 4 * (2 + 6 * 1408 / h))  # SDPA: no score matrices; etp's experts
@@ -348,7 +348,7 @@ def test_push_reduction_halves_the_wgrad_pool_and_stages_outside_the_allocator()
     from etp.audit.buffers import push_staging_bytes
     from etp.audit.predict import weight_inventory
 
-    recipe = Recipe.from_yaml(ROOT / "recipes/moe_flagship.yaml", world_size=2, global_batch_size=8,
+    recipe = Recipe.from_yaml(ROOT / "recipes/moe_flagship.yaml", world_size=2, global_batch_size=8, micro_batch_size=2,
                               etp={"etp_size": 2, "expert_etp_size": 2})
     push = predict_peak(recipe, 2, transport="copy_engine")  # copy-engine gathers, push reduction
     nccl = predict_peak(recipe, 2, transport="nccl")
@@ -372,7 +372,7 @@ def test_default_aliased_recipe_predicts_the_measured_peaks():
 
     measured = {"param": 39.91, "fp8_tensorwise": 44.16}
     for gather_dtype, gib in measured.items():
-        recipe = Recipe.from_yaml(ROOT / "recipes/moe_flagship.yaml", world_size=2, global_batch_size=8,
+        recipe = Recipe.from_yaml(ROOT / "recipes/moe_flagship.yaml", world_size=2, global_batch_size=8, micro_batch_size=2,
                                   etp={"etp_size": 2, "expert_etp_size": 2, "gather_dtype": gather_dtype})
         predicted = predict_peak(recipe, 2, transport="copy_engine")["peak"] / 2**30
         assert abs(predicted - gib) <= 0.03 * gib, (gather_dtype, predicted, gib)

@@ -32,11 +32,11 @@ def test_shipped_gpu_recipes_resolve_for_every_gpu_count(world):
 
 
 def test_a_recipe_that_cannot_be_captured_stays_eager_and_fp8_follows_the_batch():
-    eager = Recipe.from_yaml(FLAGSHIP, moe_token_dispatcher_type="alltoall")
+    eager = Recipe.from_yaml(FLAGSHIP, moe_token_dispatcher_type="alltoall", micro_batch_size=2)
     recipe, notes = resolve_auto(eager, Machine(4, 4, **H100))
     assert recipe.train.cuda_graph == "none" and any("cannot be captured" in n for n in notes)
     assert recipe.etp.gather_dtype == "param"  # 2 x 2048 tokens per micro-batch, eager: host-bound
-    wide = Recipe.from_yaml(WIDE, moe_token_dispatcher_type="alltoall")
+    wide = Recipe.from_yaml(WIDE, moe_token_dispatcher_type="alltoall", micro_batch_size=16)
     assert wide.train.micro_batch_size * wide.model.seq_length >= FP8_EAGER_TOKENS
     assert resolve_auto(wide, Machine(4, 4, **H100))[0].etp.gather_dtype == "fp8_tensorwise"
 
@@ -65,6 +65,36 @@ def test_explicit_values_win_and_cpu_resolves_without_gpu_features():
     assert (cpu.train.cuda_graph, cpu.etp.gather_dtype, cpu.etp.gather_reuse) == ("none", "param", "chain")
 
 
+def test_micro_batch_auto_takes_the_largest_share_of_the_rank_batch_that_fits():
+    """Sizes are checked against the audit's own verdict for the settings auto then picks: the
+    chosen one fits and every larger divisor of the rank's share does not."""
+    from etp.audit import fits, predict_peak
+
+    for world, gpu_gib, expected in ((4, 80, 8), (8, 80, 4), (2, 80, 8), (4, 40, 4)):
+        machine = Machine(world, world, **dict(H100, gpu_memory=gpu_gib * 2**30))
+        recipe, notes = resolve_auto(Recipe.from_yaml(FLAGSHIP), machine)
+        assert recipe.train.micro_batch_size == expected, (world, gpu_gib)
+        assert recipe.global_batch_size(world) == 32  # the recipe's, split differently
+        assert any(n.startswith(f"micro_batch_size auto -> {expected}: the largest") for n in notes)
+        share = 32 // world
+        for larger in (m for m in range(expected + 1, share + 1) if share % m == 0):
+            bigger, _ = resolve_auto(Recipe.from_yaml(FLAGSHIP, micro_batch_size=larger), machine)
+            assert not fits(predict_peak(bigger, world), machine.gpu_memory), (world, gpu_gib, larger)
+    small, notes = resolve_auto(Recipe.from_yaml(FLAGSHIP), Machine(4, 4, **dict(H100, gpu_memory=24 * 2**30)))
+    assert small.train.micro_batch_size == 1 and any("no micro-batch fits" in n for n in notes)
+    cpu, notes = resolve_auto(Recipe.from_yaml(FLAGSHIP), Machine(4, 4))
+    assert cpu.train.micro_batch_size == 8 and any("no GPU memory" in n for n in notes)
+    explicit, notes = resolve_auto(Recipe.from_yaml(FLAGSHIP, micro_batch_size=2), Machine(4, 4, **H100))
+    assert explicit.train.micro_batch_size == 2 and not any(n.startswith("micro_batch_size") for n in notes)
+
+
+def test_micro_batch_auto_refuses_what_it_cannot_size():
+    with pytest.raises(RecipeError, match="micro_batch_size.*needs global_batch_size"):
+        Recipe.from_yaml(FLAGSHIP, global_batch_size=None)
+    with pytest.raises(RecipeError, match="micro_batch_size.*use_torch_fsdp2.*set micro_batch_size=N"):
+        Recipe.from_yaml(FLAGSHIP, use_torch_fsdp2=True, etp={"etp_size": 1, "expert_etp_size": 1})
+
+
 def test_resident_weights_that_do_not_fit_stay_chained():
     small_gpu = dict(H100, gpu_memory=48 * 2**30)
     recipe, notes = resolve_auto(Recipe.from_yaml(WIDE), Machine(2, 2, **small_gpu))
@@ -78,6 +108,8 @@ def test_etp_sizes_stay_inside_one_host():
 
 def test_a_global_batch_that_does_not_divide_names_the_nearest_valid_values():
     with pytest.raises(RecipeError, match="nearest valid values are 24 or 36"):
+        Recipe.from_yaml(FLAGSHIP, world_size=6, global_batch_size=32, micro_batch_size=2)
+    with pytest.raises(RecipeError, match="nearest valid values are 30 or 36"):  # auto: any split of the share
         Recipe.from_yaml(FLAGSHIP, world_size=6, global_batch_size=32)
 
 

@@ -48,14 +48,14 @@ def test_what_fsdp2_cannot_hold_is_refused_in_one_line_naming_the_key(override, 
 
 
 def test_overlap_grad_reduce_is_turned_off_with_a_note():
-    recipe = Recipe.from_yaml(OLMOE, use_torch_fsdp2=True)  # the recipe sets overlap_grad_reduce: true
+    recipe = Recipe.from_yaml(OLMOE, use_torch_fsdp2=True, micro_batch_size=2)  # the recipe sets overlap_grad_reduce: true
     assert recipe.parallel.overlap_grad_reduce is False
     assert any(note.startswith("use_torch_fsdp2: overlap_grad_reduce turned off") for note in recipe.notes)
     assert Recipe.from_yaml(OLMOE).parallel.overlap_grad_reduce is True
 
 
 def test_auto_resolves_etp_off_and_eager_with_the_reason():
-    recipe, notes = resolve_auto(Recipe.from_yaml(OLMOE, use_torch_fsdp2=True), Machine(4, 4, **H100))
+    recipe, notes = resolve_auto(Recipe.from_yaml(OLMOE, use_torch_fsdp2=True, micro_batch_size=2), Machine(4, 4, **H100))
     assert (recipe.etp.etp_size, recipe.etp.expert_etp_size, recipe.train.cuda_graph) == (1, 1, "none")
     assert "etp.etp_size auto -> 1: use_torch_fsdp2 shards every weight" in notes[0]
     assert notes[2].startswith("cuda_graph auto -> none: this recipe cannot be captured") and "use_torch_fsdp2" in notes[2]

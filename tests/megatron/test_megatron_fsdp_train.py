@@ -47,20 +47,20 @@ def test_what_megatron_fsdp_cannot_hold_is_refused_in_one_line_naming_the_key(ov
 
 
 def test_the_distributed_optimizer_and_both_overlaps_are_turned_on_with_a_note():
-    recipe = Recipe.from_yaml(OLMOE, use_megatron_fsdp=True)  # the recipe: overlap_grad_reduce only
+    recipe = Recipe.from_yaml(OLMOE, micro_batch_size=2, use_megatron_fsdp=True)  # the recipe: overlap_grad_reduce only
     p = recipe.parallel
     assert (p.use_distributed_optimizer, p.overlap_grad_reduce, p.overlap_param_gather) == (True, True, True)
     assert recipe.notes == ("use_megatron_fsdp: use_distributed_optimizer, overlap_param_gather turned on "
                             "(Megatron-FSDP's optim_grads_params steps its shards with megatron-core's distributed "
                             "optimizer and overlaps its gathers and reduce-scatters with compute)",)
-    assert Recipe.from_yaml(OLMOE, use_megatron_fsdp=True, overlap_grad_reduce=False).parallel.overlap_grad_reduce
+    assert Recipe.from_yaml(OLMOE, micro_batch_size=2, use_megatron_fsdp=True, overlap_grad_reduce=False).parallel.overlap_grad_reduce
     with pytest.raises(RecipeError) as error:  # built directly, nothing turns them on
         ParallelSpec(use_megatron_fsdp=True)
     assert error.value.key == "use_distributed_optimizer" and "must be true with use_megatron_fsdp" in str(error.value)
 
 
 def test_auto_resolves_etp_off_and_eager_with_the_reason():
-    recipe, notes = resolve_auto(Recipe.from_yaml(OLMOE, use_megatron_fsdp=True), Machine(4, 4, **H100))
+    recipe, notes = resolve_auto(Recipe.from_yaml(OLMOE, micro_batch_size=2, use_megatron_fsdp=True), Machine(4, 4, **H100))
     assert (recipe.etp.etp_size, recipe.etp.expert_etp_size, recipe.train.cuda_graph) == (1, 1, "none")
     assert "etp.etp_size auto -> 1: use_megatron_fsdp shards every weight" in notes[0]
     assert notes[2].startswith("cuda_graph auto -> none: this recipe cannot be captured") and "use_megatron_fsdp" in notes[2]
@@ -95,7 +95,7 @@ def test_preflight_names_what_the_gpu_machine_lacks(monkeypatch):
     from etp.megatron.trainer import RunOptions, TrainError
     from etp.megatron.trainer.preflight import preflight
 
-    recipe = Recipe.from_yaml(OLMOE, use_megatron_fsdp=True, etp={"etp_size": 1, "expert_etp_size": 1})
+    recipe = Recipe.from_yaml(OLMOE, micro_batch_size=2, use_megatron_fsdp=True, etp={"etp_size": 1, "expert_etp_size": 1})
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "einops" else real_find_spec(name, *a))
