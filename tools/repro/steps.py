@@ -23,7 +23,8 @@ WIDE = "--recipe recipes/moe_wide.yaml"
 DISTOPT = ("--set etp.etp_size=1 --set etp.expert_etp_size=1 --set use_distributed_optimizer=true "
            "--set overlap_grad_reduce=true --set overlap_param_gather=true --set cuda_graph=none")
 # The hand-written best of the wide recipe before auto settings: FP8 gathers kept for the step, eager.
-FP8_STEP_EAGER = "--set etp.gather_dtype=fp8_tensorwise --set etp.gather_reuse=step --set cuda_graph=none"
+FP8_STEP_EAGER = ("--set etp.gather_dtype=fp8_tensorwise --set etp.gather_reuse=step --set cuda_graph=none "
+                  "--set micro_batch_size=16")
 CAPTURED = "--set cuda_graph=step"
 
 
@@ -69,40 +70,45 @@ def expert_stack(k: int) -> Step:
 def recipes_wide(k: int) -> Step:
     runs = (Run("etp_defaults", _train(k, WIDE), k, 50, 180),
             Run("etp_fp8_step_eager", _train(k, WIDE, FP8_STEP_EAGER), k, 45, 180),
-            Run("distopt_mb16", _train(k, WIDE, DISTOPT), k, 50, 180),
+            Run("distopt_mb16", _train(k, WIDE, f"{DISTOPT} --set micro_batch_size=16"), k, 50, 180),
             Run("distopt_mb8", _train(k, WIDE, f"{DISTOPT} --set micro_batch_size=8"), k, 50, 180))
     return Step(f"recipes_wide_{k}gpu", "The recipes against their peers", runs, headlines.recipes)
 
 
 def recipes_flagship(k: int) -> Step:
+    """The defaults (micro_batch_size auto), micro-batch 2, and the peer at 2, 4 and 8 (its largest that fits)."""
     runs = (Run("etp_defaults", _train(k, FLAGSHIP), k, 50, 180),
-            Run("etp_mb4", _train(k, FLAGSHIP, "--set micro_batch_size=4"), k, 50, 180),
-            Run("distopt_mb2", _train(k, FLAGSHIP, DISTOPT), k, 50, 180),
-            Run("distopt_mb4", _train(k, FLAGSHIP, f"{DISTOPT} --set micro_batch_size=4"), k, 50, 180))
+            Run("etp_mb2", _train(k, FLAGSHIP, "--set micro_batch_size=2"), k, 50, 180),
+            Run("distopt_mb2", _train(k, FLAGSHIP, f"{DISTOPT} --set micro_batch_size=2"), k, 50, 180),
+            Run("distopt_mb4", _train(k, FLAGSHIP, f"{DISTOPT} --set micro_batch_size=4"), k, 50, 180),
+            Run("distopt_mb8", _train(k, FLAGSHIP, f"{DISTOPT} --set micro_batch_size=8"), k, 50, 180))
     return Step(f"recipes_flagship_{k}gpu", "The recipes against their peers", runs, headlines.recipes)
 
 
 def recipes_architectures(k: int) -> Step:
-    """The published architectures' recipes at their defaults; the peer only where it fits 80 GiB."""
-    arch = "--recipe recipes/{}.yaml"
-    runs = (Run("olmoe_defaults", _train(k, arch.format("olmoe_1b_7b"), "--audit {dir}/olmoe_audit.json", 14),
-                k, 60, 180),
-            Run("olmoe_distopt_mb1", _train(k, arch.format("olmoe_1b_7b"), DISTOPT, 14), k, 45, 180),
-            Run("mixtral_defaults", _train(k, arch.format("mixtral_8x7b"), "--audit {dir}/mixtral_audit.json", 12),
-                k, 50, 180),
-            Run("qwen3_defaults", _train(k, arch.format("qwen3_30b_a3b"), "", 14), k, 40, 180),
-            Run("olmoe_etp_mb2", _train(k, arch.format("olmoe_1b_7b"), "--set micro_batch_size=2", 14), k, 45, 180),
-            Run("olmoe_fsdp2_mb2", _train(k, arch.format("olmoe_1b_7b"),
-                                          "--set use_torch_fsdp2=true --set micro_batch_size=2", 14), k, 35, 180),
-            Run("olmoe_fsdp2_mb4", _train(k, arch.format("olmoe_1b_7b"),
-                                          "--set use_torch_fsdp2=true --set micro_batch_size=4", 14), k, 35, 180))
+    """The published architectures' recipes at their defaults against every peer that fits 80 GiB,
+    each at its largest micro-batch that fits (the distributed optimizer fits OLMoE only)."""
+    def arch(name: str, extra: str = "", iters: int = 14) -> str:
+        return _train(k, f"--recipe recipes/{name}.yaml", extra, iters)
+
+    fsdp2, mfsdp = "--set use_torch_fsdp2=true --set micro_batch_size={}", "--set use_megatron_fsdp=true --set micro_batch_size={}"
+    runs = (Run("olmoe_defaults", arch("olmoe_1b_7b", "--audit {dir}/olmoe_audit.json"), k, 45, 180),
+            Run("olmoe_distopt_mb1", arch("olmoe_1b_7b", f"{DISTOPT} --set micro_batch_size=1"), k, 40, 180),
+            Run("olmoe_fsdp2_mb4", arch("olmoe_1b_7b", fsdp2.format(4)), k, 35, 180),
+            Run("olmoe_mfsdp_mb4", arch("olmoe_1b_7b", mfsdp.format(4)), k, 35, 180),
+            Run("qwen3_defaults", arch("qwen3_30b_a3b", "--audit {dir}/qwen3_audit.json"), k, 40, 180),
+            Run("qwen3_fsdp2_mb4", arch("qwen3_30b_a3b", fsdp2.format(4)), k, 40, 180),
+            Run("qwen3_mfsdp_mb2", arch("qwen3_30b_a3b", mfsdp.format(2)), k, 40, 180),  # 4: out of memory
+            Run("mixtral_defaults", arch("mixtral_8x7b", "--audit {dir}/mixtral_audit.json", 12), k, 40, 180),
+            Run("mixtral_fsdp2_mb4", arch("mixtral_8x7b", fsdp2.format(4), 12), k, 40, 180),
+            Run("mixtral_mfsdp_mb2", arch("mixtral_8x7b", mfsdp.format(2), 12), k, 40, 180))  # 4: out of memory
     return Step(f"recipes_architectures_{k}gpu", "The recipes against their peers", runs, headlines.recipes)
 
 
 def precision_olmoe(k: int) -> Step:
     """OLMoE with FP8 gathers against bf16 over 300 iterations, on a grammar corpus too large to
     memorize (tools/make_tiny_corpus.py); then the verdict on the last 20 losses and the plot."""
-    data = "--recipe recipes/olmoe_1b_7b.yaml --set data={dir}/grammar.txt"
+    data = "--recipe recipes/olmoe_1b_7b.yaml --set data={dir}/grammar.txt --set micro_batch_size=1"
     train = f"{TRAIN.format(k=k)} {data} --train-iters 300 --log-interval 10 --json {{json}}"
     compare = ("python3 tools/compare_recipe_runs.py --etp {dir}/fp8.json --baseline {dir}/bf16.json "
                "--labels FP8,bf16 --window 20 --tolerance 0.01 --plot {dir}/losses.png --floor 0.1787")
@@ -116,7 +122,7 @@ def precision_olmoe(k: int) -> Step:
 
 def graphs_flagship(k: int) -> Step:
     """The flagship eager and captured, bf16 gathers (the defaults would pick FP8 when captured)."""
-    bf16 = "--set etp.gather_dtype=param --set etp.gather_reuse=chain"
+    bf16 = "--set etp.gather_dtype=param --set etp.gather_reuse=chain --set micro_batch_size=2"
     runs = (Run("eager_bf16", _train(k, FLAGSHIP, f"{bf16} --set cuda_graph=none"), k, 45, 180),
             Run("captured_bf16", _train(k, FLAGSHIP, f"{bf16} {CAPTURED}"), k, 45, 180))
     return Step(f"graphs_flagship_{k}gpu", "CUDA graphs", runs, headlines.recipes)
@@ -124,15 +130,17 @@ def graphs_flagship(k: int) -> Step:
 
 def memory_audit(k: int) -> Step:
     audit = "--audit {dir}/{name}_audit.json --set lr_warmup_iters=2"
-    runs = (Run("flagship", _train(k, FLAGSHIP, audit, iters=10), k, 35, 150),
-            Run("wide", _train(k, WIDE, audit, iters=10), k, 35, 150),
-            Run("flagship_distopt", _train(k, FLAGSHIP, f"{audit} {DISTOPT}", iters=10), k, 40, 150))
+    runs = (Run("flagship", _train(k, FLAGSHIP, f"{audit} --set micro_batch_size=2", iters=10), k, 35, 150),
+            Run("wide", _train(k, WIDE, f"{audit} --set micro_batch_size=16", iters=10), k, 35, 150),
+            Run("flagship_distopt", _train(k, FLAGSHIP, f"{audit} {DISTOPT} --set micro_batch_size=2", iters=10),
+                k, 40, 150))
     return Step(f"memory_audit_{k}gpu", "The memory audit against measured peaks", runs, headlines.memory_audit)
 
 
 def checkpoint(k: int) -> Step:
     """Saved at ETP k, resumed from iteration 10 at three other layouts (2 layers, 16 experts)."""
-    small = "--set num_layers=2 --set num_experts=16 --set global_batch_size=16 --set save_interval=10"
+    small = ("--set num_layers=2 --set num_experts=16 --set global_batch_size=16 --set micro_batch_size=2 "
+             "--set save_interval=10")
     resume = "--set load={scratch}/saved --set save={scratch}/{name} --resume 10"
     half = max(1, k // 2)
     at = "--set etp.etp_size={e} --set etp.expert_etp_size={e}"
@@ -173,6 +181,7 @@ def gpu_tests(n: int) -> list[Step]:
         (f"tests_parity_{n}gpu", n, (*nccl, f"ETP_TEST_SIZES=2,{n}"),
          "tests/test_parity.py tests/megatron/test_megatron_linears.py", 300),
         ("tests_graph_step", n, nccl, "tests/megatron/test_graph_step.py", 420),
+        ("tests_fsdp_peers", n, nccl, "tests/megatron/test_megatron_fsdp_gpu.py", 150),
     )
     return [Step(name, "GPU test suites", (Run(name, f"python3 -m pytest -q -p no:cacheprovider {files}", gpus,
                                                est, 2 * est, env),), headlines.pytest)

@@ -109,8 +109,10 @@ Parallelism (``recipe.parallel``, :class:`ParallelSpec`):
     backend: auto (etp driver key: auto | gloo | nccl; auto is nccl with CUDA, else gloo).
 
 Training (``recipe.train``, :class:`TrainSpec`):
-    micro_batch_size, train_iters, lr: required. global_batch_size: None -> micro_batch_size
-        * data_parallel_size (one microbatch per step).
+    micro_batch_size, train_iters, lr: required. micro_batch_size: auto takes the largest that
+        divides each rank's share of global_batch_size (then required) and that the memory audit
+        predicts to fit. global_batch_size: None -> micro_batch_size * data_parallel_size (one
+        microbatch per step).
     min_lr: 0.0. lr_warmup_iters: 0 (longer than train_iters: clipped, and etp-train says so).
     lr_decay_iters: None -> train_iters.
     lr_decay_style: linear (constant | linear | cosine | inverse-square-root | WSD).
@@ -155,7 +157,7 @@ Training (``recipe.train``, :class:`TrainSpec`):
         ``--set recompute_modules=[core_attn,moe]``.
 
 ``auto`` (``AUTO_KEYS``: cuda_graph, etp.etp_size, etp.expert_etp_size, etp.gather_dtype,
-etp.gather_reuse) is chosen at start-up for the machine, each choice printed with its reason:
+etp.gather_reuse, micro_batch_size) is chosen at start-up for the machine, each choice printed with its reason:
 see [Note: auto settings] in ``etp/megatron/recipe/auto.py``.
 
 ETP (``recipe.etp``, :class:`etp.ETPConfig`): etp_size, expert_etp_size, pad_for_alignment,
