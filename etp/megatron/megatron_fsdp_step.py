@@ -43,7 +43,7 @@ import os
 
 import torch
 
-from .steppers import MegatronStep
+from .steppers import MegatronStep, megatron_optimizer
 
 __all__ = ["MegatronFSDPStep", "megatron_fsdp_bucket_size", "unmet_requirement"]
 
@@ -100,10 +100,10 @@ class MegatronFSDPStep(MegatronStep):
         from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
         from megatron.core.distributed.fsdp import FullyShardedDataParallel
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer import OptimizerConfig
 
         from ..wrap import _runtime_of
-        from . import fast_fallbacks, sync_free_step
+        from . import fast_fallbacks
 
         p, t = recipe.parallel, recipe.train
         reason = unmet_requirement()
@@ -131,12 +131,7 @@ class MegatronFSDPStep(MegatronStep):
         # fsdp_unit_modules defaults to [TransformerLayer] with optim_grads_params; the device to
         # the current CUDA device (etp-train set it per local rank).
         self.model = FullyShardedDataParallel(config, ddp_config, model)
-        if fast:
-            fast_fallbacks.install()
-        self.optimizer = get_megatron_optimizer(opt_config, [self.model], use_gloo_process_groups=False)
-        if fast:
-            fast_fallbacks.fuse_adam(self.optimizer)
-            sync_free_step.install(self.optimizer)
+        self.optimizer = megatron_optimizer(opt_config, self.model, fast)
         self.finalize = finalize_model_grads
 
     def master_weights(self) -> list:

@@ -56,6 +56,28 @@ class TorchStep:
         return norm
 
 
+def megatron_optimizer(opt_config, model, fast: bool):
+    """megatron-core's optimizer over a peer's wrapped ``model`` (DDP or Megatron-FSDP), with the
+    TE/apex-free fast paths etp's own optimizer gets when ``fast`` ([Note: megatron fallbacks],
+    [Note: sync-free step]): peers are measured on the same footing.
+
+    Example::
+
+        optimizer = megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-4, bf16=True), ddp_model, True)
+    """
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    from . import fast_fallbacks, sync_free_step
+
+    if fast:
+        fast_fallbacks.install()
+    optimizer = get_megatron_optimizer(opt_config, [model], use_gloo_process_groups=False)
+    if fast:
+        fast_fallbacks.fuse_adam(optimizer)
+        sync_free_step.install(optimizer)
+    return optimizer
+
+
 class MegatronStep:
     """GPU: megatron-core DDP (fp32 gradient buffers) and megatron-core's Adam (mixed
     precision, optionally distributed); ``ETPDistributedDataParallel`` and etp's finalize /
@@ -67,10 +89,10 @@ class MegatronStep:
             DistributedDataParallelConfig,
             finalize_model_grads,
         )
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer import OptimizerConfig
 
         from ..wrap import _runtime_of
-        from . import fast_fallbacks, sync_free_step
+        from . import fast_fallbacks
         from .ddp import ETPDistributedDataParallel
         from .finalize import finalize_model_grads as etp_finalize_model_grads
         from .optimizer import get_etp_megatron_optimizer
@@ -94,13 +116,7 @@ class MegatronStep:
             self.finalize = etp_finalize_model_grads
         else:
             self.model = DistributedDataParallel(config, ddp_config, model)
-            # The baseline gets the same TE/apex-free fast paths as ETP: [Note: megatron fallbacks].
-            if fast:
-                fast_fallbacks.install()
-            self.optimizer = get_megatron_optimizer(opt_config, [self.model], use_gloo_process_groups=False)
-            if fast:
-                fast_fallbacks.fuse_adam(self.optimizer)
-                sync_free_step.install(self.optimizer)
+            self.optimizer = megatron_optimizer(opt_config, self.model, fast)
             self.finalize = finalize_model_grads
 
     def microbatches(self, count: int):

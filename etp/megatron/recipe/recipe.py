@@ -139,10 +139,8 @@ class Recipe(RecipeQuantities):
                 raise RecipeError(
                     name, getattr(self, name), f"Recipe.{name} must be a {cls.__name__}"
                 )
-        if self.parallel.use_torch_fsdp2:
-            self._check_torch_fsdp2()
-        if self.parallel.use_megatron_fsdp:
-            self._check_megatron_fsdp()
+        if self.parallel.use_torch_fsdp2 or self.parallel.use_megatron_fsdp:
+            self._check_fsdp_peer()
         self._check_capture()
         self._check_tensor_parallel()
         if self.model.is_moe:
@@ -155,48 +153,30 @@ class Recipe(RecipeQuantities):
         if self.parallel.world_size is not None:
             self.check_world_size(self.parallel.world_size)
 
-    def _check_torch_fsdp2(self) -> None:
-        """What etp-train's FSDP2 peer cannot hold beside the parallel sizes (``ParallelSpec``)."""
+    def _check_fsdp_peer(self) -> None:
+        """What etp-train's FSDP peers (``use_torch_fsdp2``, ``use_megatron_fsdp``) cannot hold beside
+        the parallel sizes (``ParallelSpec``). Nothing a recipe reaches needs TransformerEngine:
+        megatron-core needs it with Megatron-FSDP only for FP8 parameters and tensor parallelism."""
         m, t, e = self.model, self.train, self.etp
-        for key, value in (("etp.etp_size", e.etp_size), ("etp.expert_etp_size", e.expert_etp_size)):
+        key, name = (("use_torch_fsdp2", "FSDP2") if self.parallel.use_torch_fsdp2
+                     else ("use_megatron_fsdp", "Megatron-FSDP"))
+        for etp_key, value in (("etp.etp_size", e.etp_size), ("etp.expert_etp_size", e.expert_etp_size)):
             if value != 1:
-                _fail(key, value, f"must be 1 (or auto) with use_torch_fsdp2: FSDP2 shards every weight itself, "
-                      f"ETP is off; set {key}=1")
+                _fail(etp_key, value, f"must be 1 (or auto) with {key}: {name} shards every weight itself, "
+                      f"ETP is off; set {etp_key}=1")
         if t.cuda_graph == "step":
-            _fail("cuda_graph", "step", "must be none with use_torch_fsdp2 (FSDP2 gathers in forward hooks, "
-                  "which a replay does not run): set cuda_graph=none or auto")
-        for key in ("save", "load"):
-            if getattr(t, key) is not None:
-                _fail(key, getattr(t, key), f"is not supported with use_torch_fsdp2 (etp's checkpoints do not "
-                      f"describe FSDP2's DTensor shards): remove {key} for an FSDP2 run")
+            _fail("cuda_graph", "step", f"must be none with {key} ({name} gathers and reduce-scatters in module "
+                  "hooks, which a replay does not run): set cuda_graph=none or auto")
+        for checkpoint in ("save", "load"):
+            if getattr(t, checkpoint) is not None:
+                _fail(checkpoint, getattr(t, checkpoint), f"is not supported with {key} (etp's checkpoints do not "
+                      f"describe {name}'s DTensor shards): remove {checkpoint} for a {name} run")
         if t.fp16:
-            _fail("fp16", True, "must be false with use_torch_fsdp2 (its step has no loss scaler): use bf16: true")
+            _fail("fp16", True, f"must be false with {key} (etp-train runs its FSDP peers in bf16 or fp32): "
+                  "use bf16: true")
         if m.is_moe and m.moe_token_dispatcher_type not in ("local", "alltoall", "allgather"):
             _fail("moe_token_dispatcher_type", m.moe_token_dispatcher_type, "must be local, alltoall or allgather "
-                  "with use_torch_fsdp2 (expert parallelism is off): set moe_token_dispatcher_type=local")
-
-    def _check_megatron_fsdp(self) -> None:
-        """What etp-train's Megatron-FSDP peer cannot hold beside the parallel sizes (``ParallelSpec``).
-        Nothing the recipe can ask for needs TransformerEngine: megatron-core needs it with Megatron-FSDP
-        only for FP8 parameters and tensor parallelism, neither of which a recipe reaches here."""
-        m, t, e = self.model, self.train, self.etp
-        for key, value in (("etp.etp_size", e.etp_size), ("etp.expert_etp_size", e.expert_etp_size)):
-            if value != 1:
-                _fail(key, value, f"must be 1 (or auto) with use_megatron_fsdp: Megatron-FSDP shards every weight "
-                      f"itself, ETP is off; set {key}=1")
-        if t.cuda_graph == "step":
-            _fail("cuda_graph", "step", "must be none with use_megatron_fsdp (Megatron-FSDP gathers and "
-                  "reduce-scatters in module hooks, which a replay does not run): set cuda_graph=none or auto")
-        for key in ("save", "load"):
-            if getattr(t, key) is not None:
-                _fail(key, getattr(t, key), f"is not supported with use_megatron_fsdp (etp's checkpoints do not "
-                      f"describe Megatron-FSDP's DTensor shards): remove {key} for a Megatron-FSDP run")
-        if t.fp16:
-            _fail("fp16", True, "must be false with use_megatron_fsdp (etp-train runs it in bf16 or fp32; fp16's "
-                  "loss scaling over its DTensor shards is not exercised): use bf16: true")
-        if m.is_moe and m.moe_token_dispatcher_type not in ("local", "alltoall", "allgather"):
-            _fail("moe_token_dispatcher_type", m.moe_token_dispatcher_type, "must be local, alltoall or allgather "
-                  "with use_megatron_fsdp (expert parallelism is off): set moe_token_dispatcher_type=local")
+                  f"with {key} (expert parallelism is off): set moe_token_dispatcher_type=local")
 
     def _check_capture(self) -> None:
         """What ``cuda_graph: step`` cannot hold."""

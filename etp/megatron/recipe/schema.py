@@ -278,11 +278,7 @@ class ParallelSpec:
             if getattr(self, key):
                 _fail(key, True, f"must be false with use_torch_fsdp2 (FSDP2 shards the parameters, gradients "
                       f"and optimizer state itself): remove {key} or use_torch_fsdp2")
-        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
-                    "expert_tensor_parallel_size", "context_parallel_size"):
-            if getattr(self, key) != 1:
-                _fail(key, getattr(self, key), f"must be 1 with use_torch_fsdp2 (etp-train's FSDP2 peer shards "
-                      f"over the data-parallel ranks only): set {key}=1")
+        self._check_data_parallel_only("use_torch_fsdp2", "FSDP2")
 
     def _check_megatron_fsdp(self) -> None:
         """What Megatron-FSDP over the data-parallel group cannot combine with (the rest: ``Recipe``).
@@ -296,11 +292,14 @@ class ParallelSpec:
             if not getattr(self, key):
                 _fail(key, False, f"must be true with use_megatron_fsdp (optim_grads_params steps the shards with "
                       f"megatron-core's distributed optimizer and overlaps both collectives): set {key}=true")
+        self._check_data_parallel_only("use_megatron_fsdp", "Megatron-FSDP")
+
+    def _check_data_parallel_only(self, flag: str, name: str) -> None:
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
                     "expert_tensor_parallel_size", "context_parallel_size"):
             if getattr(self, key) != 1:
-                _fail(key, getattr(self, key), f"must be 1 with use_megatron_fsdp (etp-train's Megatron-FSDP peer "
-                      f"shards over the data-parallel ranks only): set {key}=1")
+                _fail(key, getattr(self, key), f"must be 1 with {flag} (etp-train's {name} peer shards over the "
+                      f"data-parallel ranks only): set {key}=1")
 
     @property
     def model_parallel_size(self) -> int:
