@@ -1,4 +1,5 @@
-"""etp-train's torch FSDP2 peer (recipe key ``use_torch_fsdp2``): what the recipe refuses beside it,
+"""etp-train's torch FSDP2 peer (recipe key ``use_torch_fsdp2``): what the recipe refuses beside it
+(and beside ``use_megatron_fsdp``),
 what ``auto`` resolves to, and a CPU run of the tiny recipe that trains like megatron-style DDP."""
 import json
 import os
@@ -17,34 +18,37 @@ TINY = ROOT / "recipes" / "tiny_moe_cpu.yaml"
 OLMOE = ROOT / "recipes" / "olmoe_1b_7b.yaml"
 H100 = dict(cuda=True, gpu_name="NVIDIA H100 80GB HBM3", gpu_memory=80 * 2**30, sm90=True)
 
-#: override -> the key the refusal names
-REFUSED = [
+#: override -> the key the refusal names, for either FSDP peer
+REFUSED_BESIDE_EITHER = [
     ({"etp": {"etp_size": 2}}, "etp.etp_size"),
     ({"etp": {"expert_etp_size": 2}}, "etp.expert_etp_size"),
-    ({"use_distributed_optimizer": True}, "use_distributed_optimizer"),
-    ({"overlap_param_gather": True, "use_distributed_optimizer": True, "overlap_grad_reduce": True},
-     "overlap_param_gather"),
     ({"cuda_graph": "step", "moe_token_dispatcher_type": "local", "bf16": True}, "cuda_graph"),
     ({"tensor_model_parallel_size": 2}, "tensor_model_parallel_size"),
     ({"pipeline_model_parallel_size": 2}, "pipeline_model_parallel_size"),
     ({"expert_model_parallel_size": 2}, "expert_model_parallel_size"),
     ({"expert_tensor_parallel_size": 2}, "expert_tensor_parallel_size"),
     ({"context_parallel_size": 2}, "context_parallel_size"),
-    ({"save": "/tmp/etp_fsdp2_ckpt"}, "save"),
-    ({"load": "/tmp/etp_fsdp2_ckpt"}, "load"),
+    ({"save": "/tmp/etp_fsdp_ckpt"}, "save"),
+    ({"load": "/tmp/etp_fsdp_ckpt"}, "load"),
     ({"fp16": True}, "fp16"),
     ({"moe_token_dispatcher_type": "etp"}, "moe_token_dispatcher_type"),
     ({"moe_token_dispatcher_type": "flex"}, "moe_token_dispatcher_type"),
 ]
+REFUSED = ([("use_torch_fsdp2", *case) for case in REFUSED_BESIDE_EITHER]
+           + [("use_megatron_fsdp", *case) for case in REFUSED_BESIDE_EITHER]
+           + [("use_torch_fsdp2", {"use_distributed_optimizer": True}, "use_distributed_optimizer"),
+              ("use_torch_fsdp2", {"overlap_param_gather": True, "use_distributed_optimizer": True,
+                                   "overlap_grad_reduce": True}, "overlap_param_gather"),
+              ("use_megatron_fsdp", {"use_torch_fsdp2": True}, "use_torch_fsdp2")])
 
 
-@pytest.mark.parametrize("override,key", REFUSED, ids=[key for _, key in REFUSED])
-def test_what_fsdp2_cannot_hold_is_refused_in_one_line_naming_the_key(override, key):
-    Recipe.from_yaml(TINY, **override, world_size=None)  # valid without FSDP2 (on some number of ranks)
+@pytest.mark.parametrize("flag,override,key", REFUSED, ids=[f"{flag}-{key}" for flag, _, key in REFUSED])
+def test_what_an_fsdp_peer_cannot_hold_is_refused_in_one_line_naming_the_key(flag, override, key):
+    Recipe.from_yaml(TINY, **override, world_size=None)  # valid without the peer (on some number of ranks)
     with pytest.raises(RecipeError) as error:
-        Recipe.from_yaml(TINY, **override, use_torch_fsdp2=True, world_size=None)
+        Recipe.from_yaml(TINY, **override, **{flag: True}, world_size=None)
     message = str(error.value)
-    assert error.value.key == key and "use_torch_fsdp2" in message and "\n" not in message, message
+    assert error.value.key == key and flag in message and "\n" not in message, message
 
 
 def test_overlap_grad_reduce_is_turned_off_with_a_note():

@@ -18,32 +18,7 @@ TINY = ROOT / "recipes" / "tiny_moe_cpu.yaml"
 OLMOE = ROOT / "recipes" / "olmoe_1b_7b.yaml"
 H100 = dict(cuda=True, gpu_name="NVIDIA H100 80GB HBM3", gpu_memory=80 * 2**30, sm90=True)
 
-#: override -> the key the refusal names
-REFUSED = [
-    ({"etp": {"etp_size": 2}}, "etp.etp_size"),
-    ({"etp": {"expert_etp_size": 2}}, "etp.expert_etp_size"),
-    ({"use_torch_fsdp2": True}, "use_torch_fsdp2"),
-    ({"cuda_graph": "step", "moe_token_dispatcher_type": "local", "bf16": True}, "cuda_graph"),
-    ({"tensor_model_parallel_size": 2}, "tensor_model_parallel_size"),
-    ({"pipeline_model_parallel_size": 2}, "pipeline_model_parallel_size"),
-    ({"expert_model_parallel_size": 2}, "expert_model_parallel_size"),
-    ({"expert_tensor_parallel_size": 2}, "expert_tensor_parallel_size"),
-    ({"context_parallel_size": 2}, "context_parallel_size"),
-    ({"save": "/tmp/etp_megatron_fsdp_ckpt"}, "save"),
-    ({"load": "/tmp/etp_megatron_fsdp_ckpt"}, "load"),
-    ({"fp16": True}, "fp16"),
-    ({"moe_token_dispatcher_type": "etp"}, "moe_token_dispatcher_type"),
-    ({"moe_token_dispatcher_type": "flex"}, "moe_token_dispatcher_type"),
-]
-
-
-@pytest.mark.parametrize("override,key", REFUSED, ids=[key for _, key in REFUSED])
-def test_what_megatron_fsdp_cannot_hold_is_refused_in_one_line_naming_the_key(override, key):
-    Recipe.from_yaml(TINY, **override, world_size=None)  # valid without Megatron-FSDP (on some number of ranks)
-    with pytest.raises(RecipeError) as error:
-        Recipe.from_yaml(TINY, **override, use_megatron_fsdp=True, world_size=None)
-    message = str(error.value)
-    assert error.value.key == key and "use_megatron_fsdp" in message and "\n" not in message, message
+# What the recipe refuses beside use_megatron_fsdp: tests/megatron/test_fsdp2_train.py, with FSDP2's.
 
 
 def test_the_distributed_optimizer_and_both_overlaps_are_turned_on_with_a_note():
