@@ -32,11 +32,11 @@ def _one_line(err: str) -> str:
 
 @pytest.fixture(scope="module")
 def short_run(tmp_path_factory):
-    """4 iterations of the tiny recipe (its warm-up is 5) saving into ``ckpt`` without
-    ``save_interval``: (rc, stdout, stderr, the directory)."""
+    """4 iterations of the tiny recipe (its warm-up is 5) saving into ``ckpt`` every 3 (so at 3,
+    and at its end, 4, which the interval does not reach): (rc, stdout, stderr, the directory)."""
     tmp = tmp_path_factory.mktemp("short")
     rc, out, err = _etp_train("--train-iters", "4", "--log-interval", "2", "--set", f"save={tmp / 'ckpt'}",
-                              "--json", str(tmp / "first.json"))
+                              "--set", "save_interval=3", "--json", str(tmp / "first.json"))
     return rc, out, err, tmp
 
 
@@ -44,7 +44,7 @@ def test_a_short_run_clips_the_warm_up_and_saves_at_its_end(short_run):
     rc, out, err, tmp = short_run
     assert rc == 0, err
     assert "lr_warmup_iters=5 is longer than train_iters=4" in out
-    assert "saved iteration 4" in out
+    assert "saved iteration 3" in out and "saved iteration 4" in out
     assert (tmp / "ckpt" / "latest").read_text().strip() == "4"
 
 
@@ -70,12 +70,14 @@ def test_resuming_a_finished_run_says_so_and_writes_its_report(short_run):
     assert report["provenance"]["command"]
 
 
-def test_resuming_an_older_iteration_into_the_same_directory_is_refused(tmp_path):
-    rc, _, err = _etp_train("--train-iters", "4", "--set", f"save={tmp_path}", "--set", "save_interval=2")
-    assert rc == 0, err
-    rc, _, err = _etp_train("--train-iters", "4", "--set", f"save={tmp_path}", "--resume", "2")
+def test_resuming_an_older_iteration_into_the_same_directory_is_refused(short_run, tmp_path):
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(short_run[3] / "ckpt", ckpt)  # iterations 3 and 4; the other tests read the original
+    rc, _, err = _etp_train("--train-iters", "4", "--set", f"save={ckpt}", "--resume", "3")
     assert rc == 2 and "would replace iterations [4]" in _one_line(err)
-    rc, out, err = _etp_train("--train-iters", "4", "--set", f"save={tmp_path}", "--resume", "2", "--overwrite")
+    rc, out, err = _etp_train("--train-iters", "4", "--set", f"save={ckpt}", "--resume", "3", "--overwrite")
     assert rc == 0, err
     assert "deleted checkpoints [4]" in out and "saved iteration 4" in out
 

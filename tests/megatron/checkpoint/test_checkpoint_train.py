@@ -130,19 +130,22 @@ def test_reshard_weights_and_adam_moments_bit_exact(request, body):
     assert shared_body(request.getfixturevalue("tmp_path_factory"), body) == [True] * 4
 
 
+# The same floats after a resume: also test_no_lost_work's killed-rank test (a SIGKILL in place of
+# --exit-after), which runs by default.
+@pytest.mark.slow
 def test_resume_continues_the_loss_curve(tmp_path):
     from etp.megatron.train import main
 
-    base = ["--recipe", str(TINY), "--train-iters", "20", "--log-interval", "5"]
-    save = ["--set", f"save={tmp_path / 'ckpt'}", "--set", "save_interval=10"]
+    base = ["--recipe", str(TINY), "--train-iters", "8", "--log-interval", "2"]
+    save = ["--set", f"save={tmp_path / 'ckpt'}", "--set", "save_interval=4"]
     assert main([*base, "--json", str(tmp_path / "full.json")]) == 0
-    assert main([*base, *save, "--exit-after", "10", "--json", str(tmp_path / "first.json")]) == 0
+    assert main([*base, *save, "--exit-after", "4", "--json", str(tmp_path / "first.json")]) == 0
     assert main([*base, *save, "--resume", "--json", str(tmp_path / "resumed.json")]) == 0
     full, first, resumed = (json.loads((tmp_path / f"{n}.json").read_text())["losses"]
                             for n in ("full", "first", "resumed"))
-    assert first == full[:10]
-    assert resumed == full[10:]  # same data, same state: the same floats
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["iter_0000010", "iter_0000020", "latest"]
+    assert first == full[:4]
+    assert resumed == full[4:]  # same data, same state: the same floats
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["iter_0000004", "iter_0000008", "latest"]
 
 
 @pytest.mark.slow  # the reshard itself is bit-exact in test_reshard_weights_and_adam_moments_bit_exact
