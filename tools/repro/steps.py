@@ -99,6 +99,10 @@ def recipes_architectures(k: int) -> Step:
             Run("qwen3_defaults", arch("qwen3_30b_a3b", "--audit {dir}/qwen3_audit.json"), k, 40, 180),
             Run("qwen3_fsdp2_mb4", arch("qwen3_30b_a3b", fsdp2.format(4)), k, 40, 180),
             Run("qwen3_mfsdp_mb2", arch("qwen3_30b_a3b", mfsdp.format(2)), k, 40, 180),  # 4: out of memory
+            # etp at FSDP2's micro-batch 4: it fits only with recompute, which runs eager
+            Run("qwen3_etp_mb4_recompute", arch("qwen3_30b_a3b", "--set micro_batch_size=4 --set "
+                                                "recompute_granularity=selective --set recompute_modules=[moe]"),
+                k, 45, 180),
             Run("mixtral_defaults", arch("mixtral_8x7b", "--audit {dir}/mixtral_audit.json", 12), k, 40, 180),
             Run("mixtral_fsdp2_mb4", arch("mixtral_8x7b", fsdp2.format(4), 12), k, 40, 180),
             Run("mixtral_mfsdp_mb2", arch("mixtral_8x7b", mfsdp.format(2), 12), k, 40, 180))  # 4: out of memory
