@@ -81,12 +81,11 @@ def _largest_divisor_up_to(n: int, limit: int) -> int:
 def _etp_sizes(recipe, machine: Machine, notes: list[str]) -> dict:
     p = recipe.parallel
     chosen = {}
-    if p.use_torch_fsdp2 or p.use_megatron_fsdp:
-        fsdp = "use_torch_fsdp2" if p.use_torch_fsdp2 else "use_megatron_fsdp"
+    if p.fsdp_peer:
         for key in ("etp.etp_size", "etp.expert_etp_size"):
             if key in recipe.auto:
                 chosen[key[4:]] = 1
-                notes.append(f"{key} auto -> 1: {fsdp} shards every weight over the data-parallel "
+                notes.append(f"{key} auto -> 1: {p.fsdp_peer} shards every weight over the data-parallel "
                              "ranks itself (ETP off)")
         return chosen
     if "etp.etp_size" in recipe.auto:
@@ -109,15 +108,14 @@ def _etp_sizes(recipe, machine: Machine, notes: list[str]) -> dict:
 def _micro_batch(recipe, machine: Machine, notes: list[str]) -> int | None:
     if "micro_batch_size" not in recipe.auto:
         return None
-    per_rank = recipe.global_batch_size(machine.world_size) // recipe.data_parallel_size(machine.world_size)
-    sizes = [m for m in range(per_rank, 0, -1) if per_rank % m == 0]
+    per_rank = recipe.samples_per_rank(machine.world_size)
     if machine.gpu_memory is None:
         notes.append(f"micro_batch_size auto -> {per_rank}: each rank's share of the global batch in one "
                      "micro-batch (no GPU memory to size it against)")
         return per_rank
     from ...audit import fits, predict_peak
 
-    for size in sizes:
+    for size in (m for m in range(per_rank, 0, -1) if per_rank % m == 0):
         candidate, _ = resolve_auto(recipe.replace(micro_batch_size=size), machine)
         peak = predict_peak(candidate, machine.world_size)
         if fits(peak, machine.gpu_memory):

@@ -84,10 +84,13 @@ class RecipeQuantities:
             return self.train.global_batch_size
         return self.train.micro_batch_size * dp
 
+    def samples_per_rank(self, world_size: int | None = None) -> int:
+        """Each data-parallel rank's share of the global batch per optimizer step."""
+        return self.global_batch_size(world_size) // self.data_parallel_size(world_size)
+
     def num_microbatches(self, world_size: int | None = None) -> int:
         """Microbatches per rank per optimizer step (gradient accumulation steps)."""
-        dp = self.data_parallel_size(world_size)
-        return self.global_batch_size(world_size) // (self.train.micro_batch_size * dp)
+        return self.samples_per_rank(world_size) // self.train.micro_batch_size
 
     # ------------------------------------------------------------------ sizes
     @property

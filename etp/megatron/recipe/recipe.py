@@ -139,7 +139,7 @@ class Recipe(RecipeQuantities):
                 raise RecipeError(
                     name, getattr(self, name), f"Recipe.{name} must be a {cls.__name__}"
                 )
-        if self.parallel.use_torch_fsdp2 or self.parallel.use_megatron_fsdp:
+        if self.parallel.fsdp_peer:
             self._check_fsdp_peer()
         self._check_capture()
         self._check_tensor_parallel()
@@ -158,8 +158,8 @@ class Recipe(RecipeQuantities):
         the parallel sizes (``ParallelSpec``). Nothing a recipe reaches needs TransformerEngine:
         megatron-core needs it with Megatron-FSDP only for FP8 parameters and tensor parallelism."""
         m, t, e = self.model, self.train, self.etp
-        key, name = (("use_torch_fsdp2", "FSDP2") if self.parallel.use_torch_fsdp2
-                     else ("use_megatron_fsdp", "Megatron-FSDP"))
+        key = self.parallel.fsdp_peer
+        name = {"use_torch_fsdp2": "FSDP2", "use_megatron_fsdp": "Megatron-FSDP"}[key]
         for etp_key, value in (("etp.etp_size", e.etp_size), ("etp.expert_etp_size", e.expert_etp_size)):
             if value != 1:
                 _fail(etp_key, value, f"must be 1 (or auto) with {key}: {name} shards every weight itself, "

@@ -302,6 +302,12 @@ class ParallelSpec:
                       f"data-parallel ranks only): set {key}=1")
 
     @property
+    def fsdp_peer(self) -> str | None:
+        """The FSDP peer's recipe key (``use_torch_fsdp2`` / ``use_megatron_fsdp``) when one is on."""
+        return ("use_torch_fsdp2" if self.use_torch_fsdp2 else "use_megatron_fsdp" if self.use_megatron_fsdp
+                else None)
+
+    @property
     def model_parallel_size(self) -> int:
         """TP x PP x CP: the ranks one dense replica spans."""
         return (

@@ -201,13 +201,12 @@ def _finish(run: Run, recipe, options: RunOptions, tools: _Instruments, reporter
     if options.json_path and run.rank == 0:
         from ...audit import predict_peak
 
-        fsdp = recipe.parallel.use_torch_fsdp2 or recipe.parallel.use_megatron_fsdp
         # Megatron-FSDP's module holds released parameters between steps: its fp32 shards instead.
         weights = run.stepper.master_weights() if hasattr(run.stepper, "master_weights") else run.stepper.model
         extra = {"flops_per_iter_per_rank": flops, "peak_tflops": peak, "determinism": run.determinism,
                  "attention_backend": recipe.model.attention_backend, "profile": breakdown,
                  # etp-audit's, to compare (with the gather transport this run chose)
-                 "predicted_peak_gib": None if fsdp  # the audit models DDP and ETP
+                 "predicted_peak_gib": None if recipe.parallel.fsdp_peer  # the audit models DDP and ETP
                  else predict_peak(recipe, run.world, transport=transport)["peak"] / 2**30,
                  "param_bits_sum": param_bits_sum(weights),
                  "stepper": type(run.stepper).__name__,  # TorchStep | MegatronStep | FSDP2Step | MegatronFSDPStep

@@ -26,13 +26,10 @@ def _output_file(flag: str, path: str | None) -> None:
         raise TrainError(f"{flag} {path} is a directory: give a file path, e.g. {Path(path) / 'run.json'}")
 
 
-def _megatron_fsdp_can_run(recipe, options: RunOptions) -> None:
-    """What ``use_megatron_fsdp`` needs of the machine and the options (the recipe checked the rest)."""
+def _megatron_fsdp_can_run(recipe) -> None:
+    """What ``use_megatron_fsdp`` needs of the machine (the recipe checked the rest)."""
     from ..megatron_fsdp_step import unmet_requirement
 
-    if options.audit_path:
-        raise TrainError("--audit does not model use_megatron_fsdp (it models DDP and ETP, not Megatron-FSDP's "
-                         "sharded buffers): drop --audit; --json reports the measured peak memory")
     if recipe.parallel.backend == "gloo":
         raise TrainError("use_megatron_fsdp needs backend nccl (megatron-core's Megatron-FSDP runs on CUDA "
                          "GPUs): set backend=nccl (or auto) and run it under torchrun on GPUs")
@@ -55,11 +52,12 @@ def preflight(recipe, options: RunOptions) -> list[str]:
     recipe.resolve_data_path()  # RecipeError naming `data` when the corpus is missing
     _output_file("--json", options.json_path)
     _output_file("--audit", options.audit_path)
-    if options.audit_path and recipe.parallel.use_torch_fsdp2:
-        raise TrainError("--audit does not model use_torch_fsdp2 (it would count FSDP2's DTensor parameters whole): "
-                         "drop --audit; --json reports the measured peak memory")
+    if options.audit_path and recipe.parallel.fsdp_peer:
+        raise TrainError(f"--audit does not model {recipe.parallel.fsdp_peer} (it models DDP, the distributed "
+                         "optimizer and ETP, not an FSDP's sharded buffers): drop --audit; --json reports the "
+                         "measured peak memory")
     if recipe.parallel.use_megatron_fsdp:
-        _megatron_fsdp_can_run(recipe, options)
+        _megatron_fsdp_can_run(recipe)
     if options.profile_dir is not None:
         try:
             Path(options.profile_dir).mkdir(parents=True, exist_ok=True)

@@ -113,7 +113,7 @@ def set_up(recipe, rank: int, world: int, port: int | None = None) -> Run:
     else:
         stepper = MegatronStep(recipe, model, config)
     if (recipe.train.deterministic and config is not None and recipe.train.cuda_graph != "step"
-            and p.tensor_model_parallel_size == 1 and not (p.use_torch_fsdp2 or p.use_megatron_fsdp)):
+            and p.tensor_model_parallel_size == 1 and not p.fsdp_peer):
         # The embedding backward a captured step takes (ordered sums, no atomics): eager and
         # captured deterministic runs then run the same kernels ([Note: etp-train graph step]).
         # Not under an FSDP: its gathers swap the embedding's parameter, which that forward holds.

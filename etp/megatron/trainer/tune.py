@@ -46,7 +46,7 @@ class Candidate:
 
 def _micro_batches(recipe, machine: Machine) -> list[int]:
     """Micro-batch sizes that divide the per-rank batch (largest first)."""
-    per_rank = recipe.train.micro_batch_size * recipe.num_microbatches(machine.world_size)
+    per_rank = recipe.samples_per_rank(machine.world_size)
     return sorted((m for m in range(1, per_rank + 1) if per_rank % m == 0), reverse=True)
 
 
