@@ -161,7 +161,8 @@ def gpt_model(recipe, config):
     """megatron-core's ``GPTModel`` of a recipe and its ``TransformerConfig``: etp's decoder spec
     (``etp_gpt_decoder_spec``: grouped experts with ``moe_grouped_gemm``, else megatron-core's
     ``SequentialMLP``; SDPA attention, QK norm, dense and MoE layers),
-    tied or untied embeddings. Unsharded, on the device ``config`` initializes on.
+    tied or untied embeddings, and etp's language-model loss (``use_vocab_cross_entropy``).
+    Unsharded, on the device ``config`` initializes on.
 
     Example::
 
@@ -169,15 +170,18 @@ def gpt_model(recipe, config):
     """
     from megatron.core.models.gpt import GPTModel
 
+    from ..cross_entropy import use_vocab_cross_entropy
     from ..model import etp_gpt_decoder_spec
 
     m = recipe.model
     spec = etp_gpt_decoder_spec(config, normalization=m.normalization, attention_backend=m.attention_backend,
                                 grouped_experts=m.moe_grouped_gemm)
-    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=recipe.padded_vocab_size,
-                    max_sequence_length=m.max_position_embeddings or m.seq_length,
-                    position_embedding_type=m.position_embedding_type,
-                    share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights)
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=recipe.padded_vocab_size,
+                     max_sequence_length=m.max_position_embeddings or m.seq_length,
+                     position_embedding_type=m.position_embedding_type,
+                     share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights)
+    use_vocab_cross_entropy(model)  # the 16-bit logits kept for backward, not an fp32 softmax
+    return model
 
 
 def scale_router_losses(recipe, world_size: int, device) -> float:
