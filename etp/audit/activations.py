@@ -3,7 +3,7 @@ category of the memory prediction (see [Note: ETP memory prediction] in
 ``etp/audit/predict.py``)."""
 from __future__ import annotations
 
-__all__ = ["activation_bytes"]
+__all__ = ["activation_bytes", "logits_bytes", "regathered_expert_input_bytes"]
 
 
 def activation_bytes(recipe, micro_batch_size: int | None = None) -> int:
@@ -22,9 +22,10 @@ def activation_bytes(recipe, micro_batch_size: int | None = None) -> int:
       ``2 (a + g) kv / h`` with ``qk_layernorm`` (the norms' inputs; best effort, not measured);
     * routed experts, etp's ``ETPGroupedExperts`` (``moe_grouped_gemm``) behind etp's local
       dispatcher:
-      ``topk x (2 + 6 x moe_ffn / h)``: per token copy, fc1's input, the SwiGLU's input (gate
-      and up) and fc2's input, all 16-bit (the probabilities are applied inside the SwiGLU
-      kernel, and the combine keeps only indices); megatron's ``SequentialMLP`` or any expert
+      ``topk x 6 x moe_ffn / h``: per token copy, the SwiGLU's input (gate and up) and fc2's
+      input, 16-bit (the probabilities are applied inside the SwiGLU kernel, fc1's input is
+      gathered again from the layer's input in backward, ``regathered_expert_input_bytes``, and
+      the combine keeps only indices); megatron's ``SequentialMLP`` or any expert
       module behind megatron's own dispatchers (calibrated with ``alltoall``):
       ``topk x (4 + 8 x moe_ffn / h)``: the permuted input and the fc2 output (2 + 2 bytes per
       token copy) and, per copy, the fc1 output (gate and up, 2 x ffn), the SwiGLU output and
@@ -36,7 +37,8 @@ def activation_bytes(recipe, micro_batch_size: int | None = None) -> int:
       fp32 softmax output and its 16-bit copy, [b, heads, s, s] each); torch's fused SDPA
       kernels keep only their output and a [b, heads, s] fp32 log-sum-exp (negligible).
 
-    Plus the loss: the fp32 softmax of the cross-entropy, ``4 x s x b x V / TP``.
+    Plus the loss: the logits etp's cross-entropy keeps for backward (``logits_bytes``: ``2 x s x b x
+    V / TP`` in 16-bit training), where megatron-core's would keep their fp32 softmax.
 
     Recompute (megatron-core's keys): ``full`` keeps each checkpointed unit's 16-bit input and
     rebuilds one unit at a time in backward (uniform: units of ``recompute_num_layers`` layers;
@@ -56,7 +58,7 @@ def activation_bytes(recipe, micro_batch_size: int | None = None) -> int:
     element = s * b * h * width / p.tensor_model_parallel_size  # bytes of one [s, b, h] 16-bit factor
     stage = m.moe_layers[: m.num_layers // p.pipeline_model_parallel_size]
     layers, moe_layers = len(stage), sum(stage)
-    loss = 4 * s * b * recipe.padded_vocab_size // p.tensor_model_parallel_size
+    loss = logits_bytes(recipe, b)
     if t.recompute_granularity == "full":
         # Each checkpointed unit keeps only its 16-bit input [s, b, h]; backward rebuilds one
         # unit at a time (uniform: units of recompute_num_layers layers; block: the first
@@ -74,6 +76,41 @@ def activation_bytes(recipe, micro_batch_size: int | None = None) -> int:
     return int(element * (moe_layers * moe + (layers - moe_layers) * dense)) + loss
 
 
+def logits_bytes(recipe, micro_batch_size: int | None = None) -> int:
+    """Bytes of one micro-batch's logits on one rank, ``[s, b, V / TP]`` in the training dtype: what
+    etp's cross-entropy (``etp.megatron.cross_entropy``) keeps from the forward to the backward.
+
+    Example::
+
+        logits_bytes(recipe, micro_batch_size=4) / 2**30
+    """
+    t, p = recipe.train, recipe.parallel
+    width = 2 if (t.bf16 or t.fp16) else 4
+    b = micro_batch_size or t.micro_batch_size
+    return width * recipe.model.seq_length * b * recipe.padded_vocab_size // p.tensor_model_parallel_size
+
+
+def regathered_expert_input_bytes(recipe, micro_batch_size: int | None = None) -> int:
+    """Bytes of one MoE layer's expert input ``[s x b x topk, h]`` that etp's grouped experts
+    gather again in backward for fc1's weight gradient (behind etp's local dispatcher; 0 otherwise):
+    alive during that layer's expert backward, beside its weight gradients.
+
+    Example::
+
+        regathered_expert_input_bytes(recipe, micro_batch_size=4) / 2**30
+    """
+    m, t, p = recipe.model, recipe.train, recipe.parallel
+    if not (m.is_moe and _local_grouped(m)):
+        return 0
+    width = 2 if (t.bf16 or t.fp16) else 4
+    b = micro_batch_size or t.micro_batch_size
+    return width * m.seq_length * b * m.moe_router_topk * m.hidden_size // p.tensor_model_parallel_size
+
+
+def _local_grouped(m) -> bool:
+    return getattr(m, "moe_grouped_gemm", False) and getattr(m, "moe_token_dispatcher_type", "") == "local"
+
+
 def _layer_factors(recipe) -> tuple[float, float]:
     """(dense layer, MoE layer): bytes kept per [s, b, h] element (16-bit), recompute applied."""
     m, t = recipe.model, recipe.train
@@ -84,12 +121,13 @@ def _layer_factors(recipe) -> tuple[float, float]:
     qkv = 2 * (a + 2 * (a if local else g)) * kv / h
     attention = 10 + qkv + 2 * a * kv / h + (2 * (a + g) * kv / h if m.qk_layernorm else 0.0)
     scores = 6 * a * s / h if local else 0.0
-    if m.is_moe and getattr(m, "moe_grouped_gemm", False) and getattr(m, "moe_token_dispatcher_type", "") == "local":
-        # etp's ETPGroupedExperts: per token copy, fc1's input (h), the SwiGLU's input
-        # (gate and up, 2 x ffn: etp.activations saves it, the routing probabilities applied
-        # inside the kernel) and fc2's input (ffn); the combine keeps only indices, so fc2's
-        # output is not kept. 16-bit each.
-        routed = m.moe_router_topk * (2 + 6 * m.moe_ffn_hidden_size / h)
+    if m.is_moe and _local_grouped(m):
+        # etp's ETPGroupedExperts: per token copy, the SwiGLU's input (gate and up, 2 x ffn:
+        # etp.activations saves it, the routing probabilities applied inside the kernel) and
+        # fc2's input (ffn). fc1's input is gathered again from the layer's input in backward
+        # (local_dispatcher.regathered_rows), and the combine keeps only indices, so fc2's output
+        # is not kept. 16-bit each.
+        routed = m.moe_router_topk * 6 * m.moe_ffn_hidden_size / h
     elif m.is_moe:
         routed = m.moe_router_topk * (4 + 8 * m.moe_ffn_hidden_size / h)
     else:

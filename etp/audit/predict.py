@@ -24,7 +24,7 @@ optimizer), ``gather_fwd`` / ``gather_bwd``, ``wgrad_pool``, ``fp8_shards`` and
 Each term is read off the code that allocates it, not fitted to measurements; the terms the
 allocator's peak is most sensitive to are the local attention's fp32 *and* 16-bit softmax
 probabilities [b, heads, s, s] (megatron upcasts the scores when
-``attention_softmax_in_fp32``), the cross-entropy's fp32 [s, b, V] softmax, the optimizer's
+``attention_softmax_in_fp32``), the logits the cross-entropy keeps [s, b, V], the optimizer's
 temporaries, and the tensors etp's grouped experts keep (neither fc2's output nor a
 probability-weighted copy: ``activation_bytes``). Symmetric memory (the copy-engine
 transport's shard pool and aliased gather backings, the push reduce-scatter's staging) is
@@ -36,12 +36,14 @@ memory-audit sections; ``tests/audit/test_audit.py`` keeps it within a tolerance
 The categories are the bytes alive throughout a step; the allocator's peak adds transients.
 ``predict_peak`` takes the larger of two phases:
 
-* forward / backward: categories + the backward's transient: the loss's (the 16-bit copy of
-  the fp32 gradient of the logits, 2 x s x b x V bytes: megatron-core's
-  ``vocab_parallel_cross_entropy`` computes that gradient in place in its saved fp32 softmax),
-  or, if larger, the weight gradients reduced from their GEMM's own output
-  (``wgrad_in_place``: etp's grouped experts; two neighbours alive at once) less the fp32
-  softmax (4 x s x b x V) the loss's backward has released before them;
+* forward / backward: categories + the backward's transient: the weight gradients reduced
+  from their GEMM's own output (``wgrad_in_place``: etp's grouped experts; two neighbours
+  alive at once) and the expert input gathered again beside them
+  (``regathered_expert_input_bytes``) less the logits the loss kept (``logits_bytes``), released by the output
+  layer's backward before them; or, if larger, the loss's: etp's cross-entropy writes the
+  logits' gradient over the logits (``etp.megatron.cross_entropy``), and an ETP-sharded output
+  layer with FP8 gathers quantizes it for its FP8 input-gradient GEMM (2 bytes per logit
+  measured at that peak, ``logits_bytes``; nothing with bf16 GEMMs);
 * optimizer step (activations freed): categories + the larger of the finalize's and the
   optimizer's temporaries. The finalize all-reduces the replicated parameters' fp32 gradients
   over their ETP group through one flat copy (``etp.collectives.all_reduce_coalesced``). torch's
@@ -71,7 +73,7 @@ outside the allocator (``RESERVED_OUTSIDE``) are a constant.
 from __future__ import annotations
 
 from ..config import ETPConfig
-from .activations import activation_bytes
+from .activations import activation_bytes, logits_bytes, regathered_expert_input_bytes
 from .buffers import (
     SIXTEEN_BIT_WIRE_REDUCTIONS,
     gather_buffer_bytes,
@@ -204,15 +206,19 @@ def predict_peak(recipe, world_size: int, etp: ETPConfig | None = None, distribu
     steady = sum(categories[c] for c in CATEGORIES) - counted
     activations = categories["activations"]
     b = micro_batch_size or recipe.train.micro_batch_size
-    vocab = recipe.padded_vocab_size // recipe.parallel.tensor_model_parallel_size
-    # megatron-core's vocab_parallel_cross_entropy turns its saved fp32 softmax (counted in
-    # the activations) into the fp32 gradient of the logits in place; what backward adds at the
-    # loss is the 16-bit copy of that gradient (the backward of the logits' .float()).
-    loss_transient = 2 * recipe.model.seq_length * b * vocab
-    # In-place weight gradients (grouped experts) come after the loss's backward has released
-    # its fp32 softmax (2 x loss_transient) and the 16-bit gradient.
+    # etp's cross-entropy (etp.megatron.cross_entropy) writes the logits' gradient over the
+    # logits it kept (counted in the activations). An ETP-sharded output layer with FP8 gathers
+    # then quantizes that gradient for its FP8 input-gradient GEMM: 2 bytes per logit at the
+    # peak, the FP8 copy and as much again (calibrated on Qwen3-30B-A3B and the flagship
+    # recipe, captured: BENCHMARKS.md, the memory audit); nothing with bf16 GEMMs.
+    fp8_output = (etp.gather_dtype == "fp8_tensorwise" and etp.etp_size > 1
+                  and recipe.model.untie_embeddings_and_output_weights)
+    loss_transient = logits_bytes(recipe, b) if fp8_output else 0
+    # In-place weight gradients (grouped experts) come after the output layer's backward has
+    # released those logits, beside the expert input their layer gathers again for fc1's.
     in_place = unpooled_wgrad_pair_bytes(_wgrad_order(recipe, etp, _wire_bytes(recipe, gathers))[1])
-    backward_transient = max(loss_transient, in_place - 2 * loss_transient)
+    experts = in_place + regathered_expert_input_bytes(recipe, b)
+    backward_transient = max(loss_transient, experts - logits_bytes(recipe, b))
     # Fused Adam (megatron_fallbacks: fast, or apex / TE) steps in place; torch's foreach Adam
     # (megatron's stock fallback) holds one fp32 temporary per stepped element.
     stepped = _stepped_elements(recipe, world_size, etp, distributed)

@@ -21,6 +21,13 @@ Here, per layer and micro-batch:
   each token in a fixed order (fp32 accumulation, deterministic, no atomics). Each is the
   other's backward (``_Permute`` / ``_Unpermute``).
 
+The permuted tokens are K copies of the layer's input, and the experts' first GEMM would keep
+them for its weight gradient: K x hidden 16-bit values per token, the largest tensor a MoE
+layer keeps with top-8 routing. ``mark_permuted`` tells the experts where they came from, and
+``ETPGroupedExperts`` keeps the unpermuted input (which the router keeps anyway) and the row
+indices instead, gathering the rows again in backward (``regathered_rows``): one more
+memory-bound gather per layer, the same bits.
+
 Everything is a fixed-shape device op, so the layer needs no host synchronization and is
 capturable in a CUDA graph. Limits (checked at construction): expert-parallel and expert
 tensor-parallel size 1, dropless routing (no capacity factor, no padding to capacity), no
@@ -34,10 +41,65 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
-__all__ = ["LocalTokenDispatcher", "install_local_dispatchers", "local_permutation"]
+__all__ = ["LocalTokenDispatcher", "install_local_dispatchers", "local_permutation", "mark_permuted",
+           "regathered_rows"]
+
+_PERMUTED_FROM = "_etp_permuted_from"
+
+
+def mark_permuted(permuted: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Records on ``permuted`` that it is ``tokens.index_select(0, rows)``; returns it. The
+    experts then keep ``tokens`` and ``rows`` for backward instead of ``permuted``
+    (``regathered_rows``)."""
+    setattr(permuted, _PERMUTED_FROM, (tokens, rows, tokens._version))
+    return permuted
+
+
+class _Rows:
+    """A saved tensor held as (source, row indices): re-gathered when backward unpacks it."""
+
+    __slots__ = ("tokens", "rows", "version")
+
+    def __init__(self, tokens, rows, version):
+        self.tokens, self.rows, self.version = tokens, rows, version
+
+
+def regathered_rows(permuted: torch.Tensor):
+    """A ``torch.autograd.graph.saved_tensors_hooks`` context under which autograd keeps
+    ``permuted`` (marked by ``mark_permuted``) as its source and row indices, gathering it again
+    when backward needs it; a no-op context for an unmarked tensor. Captures in a CUDA graph like
+    any gather.
+
+    Example::
+
+        with regathered_rows(x):
+            y = grouped_linear(x, w1, counts)    # x is not kept for backward
+    """
+    source = getattr(permuted, _PERMUTED_FROM, None)
+    if source is None:
+        return contextlib.nullcontext()
+    tokens, rows, version = source
+    ptr, shape = permuted.data_ptr(), permuted.shape
+
+    def pack(t):
+        if t.data_ptr() == ptr and t.shape == shape and t.dtype == tokens.dtype:
+            return _Rows(tokens, rows, version)
+        return t
+
+    def unpack(saved):
+        if not isinstance(saved, _Rows):
+            return saved
+        if saved.tokens._version != saved.version:
+            raise RuntimeError("regathered_rows: the permuted tokens' source was modified in place after the "
+                               "forward; backward cannot gather the expert input again")
+        return saved.tokens.index_select(0, saved.rows)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
 def local_permutation(routing_map: torch.Tensor, topk: int) -> tuple[torch.Tensor, ...]:
@@ -137,7 +199,8 @@ class LocalTokenDispatcher(MoETokenDispatcher):
         bounds = torch.searchsorted(sorted_experts, torch.arange(routing_map.shape[1] + 1, device=order.device))
         self._tokens_per_expert = bounds.diff()
         permuted_probs = probs.gather(1, idx).reshape(-1).index_select(0, order)
-        return _Permute.apply(tokens, token_rows, inverse, self.topk), permuted_probs
+        permuted = _Permute.apply(tokens, token_rows, inverse, self.topk)
+        return mark_permuted(permuted, tokens, token_rows), permuted_probs
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         return hidden_states, probs  # every expert is local

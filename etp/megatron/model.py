@@ -19,6 +19,7 @@ from ..modules import GroupedSwiGLUExperts
 from ..streams import to_device_async
 from ..wrap import WrapSummary, wrap_module_params_etp
 from .groups import build_megatron_etp_groups
+from .local_dispatcher import regathered_rows
 
 __all__ = ["ETPGroupedExperts", "apply_etp", "etp_gpt_decoder_spec", "etp_gpt_layer_spec", "fp32_router_counts",
            "patch_megatron"]
@@ -88,7 +89,10 @@ class ETPGroupedExperts(_megatron_module()):
             # them on the device (their offsets): one copy from pinned memory here, which does
             # not wait for the GPU, instead of a blocking copy in each of the six GEMMs.
             counts = to_device_async(counts, device)
-        out = self.experts(permuted_local_hidden_states, counts, permuted_probs)
+        # With etp's local dispatcher the permuted input is kept as the layer's input and row
+        # indices, not as K copies ([Note: local dispatcher]).
+        with regathered_rows(permuted_local_hidden_states):
+            out = self.experts(permuted_local_hidden_states, counts, permuted_probs)
         return out, None
 
 

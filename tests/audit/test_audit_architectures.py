@@ -167,3 +167,26 @@ def test_architecture_recipes_fit_their_gpus_with_etp_only_as_their_header_says(
     said = re.search(r"distributed optimizer\s+(?:#\s+)?without ETP ([\d.]+) GiB, (fits|does not fit)", path.read_text())
     assert said, f"{path.name}: no verdict for the distributed optimizer"
     assert (float(said.group(1)), said.group(2) == "fits") == (round(peer["peak"] / gib, 1), peer["fits"])
+
+
+# Peaks allocated (GiB, rank 0) that etp-train --audit measured on 4 x H100 80GB (79.2 GiB each)
+# with each recipe's defaults and the overrides listed (BENCHMARKS.md, "The memory audit against
+# measured peaks"; measured 2026-11-27 on the tree of the commit that added this table).
+MEASURED_PEAKS_4XH100 = {
+    "moe_flagship": ((), 27.38),
+    "olmoe_1b_7b": ((), 49.28),
+    "qwen3_30b_a3b": ((), 54.63),
+    "mixtral_8x7b": ((), 45.24),
+    "deepseek_v3_shaped": (("num_experts=64", "expert_model_parallel_size=1", "moe_token_dispatcher_type=local",
+                            "cuda_graph=none"), 57.51),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MEASURED_PEAKS_4XH100))
+def test_predicted_peak_of_each_recipe_within_five_percent_of_measured(name, capsys):
+    overrides, measured = MEASURED_PEAKS_4XH100[name]
+    sets = [arg for o in overrides for arg in ("--set", o)]
+    assert main(["--recipe", str(ROOT / f"recipes/{name}.yaml"), "--world-size", "4", "--gpu-memory", "79.18GiB",
+                 "--json", "-", *sets]) == 0
+    peak = json.loads(capsys.readouterr().out)["peaks"]["with_etp"]["peak"] / 2**30
+    assert abs(peak / measured - 1) < 0.05, (name, peak, measured)

@@ -18,11 +18,14 @@ REPLICATED = 256 * 64 + 3 * 64 + 8 * 64
 # Shards: qkv 192 -> 96 x 64, proj 64 -> 32 x 64, fc1 8 x 64 rows -> 256 x 64,
 # fc2 8 x 64 rows -> 256 x 32, output 256 -> 128 x 64.
 ELEMENTS = REPLICATED + 96 * 64 + 32 * 64 + 256 * 64 + 256 * 32 + 128 * 64
-# The loss's 16-bit gradient of the logits, 2 bytes x s x b x V; its fp32 softmax is twice that.
-LOSS = 2 * 16 * 2 * 256
+# The bf16 logits etp's cross-entropy keeps, 2 bytes x s x b x V; its backward writes their
+# gradient over them, adding nothing.
+LOGITS = 2 * 16 * 2 * 256
 # fc2's and fc1's full bf16 gradients, reduced from the grouped GEMM's output on the push
-# reduction's 16-bit wire, alive together (fc2's reduce-scatter pending while fc1's is written).
-IN_PLACE_PAIR = 2 * (8 * 64 * 64 + 8 * 64 * 32)
+# reduction's 16-bit wire, alive together (fc2's reduce-scatter pending while fc1's is written),
+# beside fc1's input gathered again: 2 x 16 tokens x top-2 rows of 64, bf16.
+REGATHERED = 2 * (2 * 16 * 2 * 64)
+IN_PLACE_PAIR = 2 * (8 * 64 * 64 + 8 * 64 * 32) + REGATHERED
 
 
 def test_pool_holds_only_the_dense_gradients_on_a_sixteen_bit_wire():
@@ -34,9 +37,9 @@ def test_pool_holds_only_the_dense_gradients_on_a_sixteen_bit_wire():
     # fc2's (512 x 32) too.
     nccl = predict_peak(recipe, 2, transport="nccl")
     assert nccl["categories"]["wgrad_pool"] == 4 * (192 * 64 + 64 * 64 + 256 * 64 + 512 * 64 + 512 * 32)
-    # The in-place pair comes after the loss released its fp32 softmax (2 x LOSS).
-    assert push["backward_transient"] == IN_PLACE_PAIR - 2 * LOSS > LOSS
-    assert nccl["backward_transient"] == LOSS
+    # The in-place pair comes after the output layer's backward released the logits.
+    assert push["backward_transient"] == IN_PLACE_PAIR - LOGITS > 0
+    assert nccl["backward_transient"] == max(0, REGATHERED - LOGITS)  # the re-gathered input alone
 
 
 def test_captured_step_peaks_at_capture_or_step_without_activations():
@@ -49,17 +52,17 @@ def test_captured_step_peaks_at_capture_or_step_without_activations():
     finalize = 4 * REPLICATED
     assert eager["finalize_transient"] == captured["finalize_transient"] == finalize
     # Eager: activations and the backward transient on top of everything; the step without them.
-    assert eager["forward_backward"] == steady + IN_PLACE_PAIR - 2 * LOSS
+    assert eager["forward_backward"] == steady + IN_PLACE_PAIR - LOGITS
     assert eager["optimizer_step"] == captured["optimizer_step"] == steady - activations + finalize
     assert eager["graph_pool"] == 0 and eager["fit_peak"] == eager["peak"]
     # Captured: the capture runs before Adam's first step (no moments, 8 bytes per element)
     # while GraphedStep keeps a copy of every fp32 main_grad (4 bytes per element).
-    assert captured["forward_backward"] == steady + IN_PLACE_PAIR - 2 * LOSS - 8 * ELEMENTS + 4 * ELEMENTS
+    assert captured["forward_backward"] == steady + IN_PLACE_PAIR - LOGITS - 8 * ELEMENTS + 4 * ELEMENTS
     assert captured["peak"] == max(captured["forward_backward"], captured["optimizer_step"])
     assert captured["peak_phase"] == "optimizer_step"
     # After the capture the activations sit in the graph's private pool: reserved, not
     # allocated, beside the optimizer step; the fit counts them there.
-    assert captured["graph_pool"] == activations + IN_PLACE_PAIR - 2 * LOSS
+    assert captured["graph_pool"] == activations + IN_PLACE_PAIR - LOGITS
     assert captured["fit_peak"] == captured["optimizer_step"] + captured["graph_pool"] > captured["peak"]
     assert captured["device_peak"] == captured["fit_peak"] + captured["outside_allocator"]
 

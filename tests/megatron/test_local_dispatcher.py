@@ -160,3 +160,58 @@ def test_replace_token_dispatchers_swaps_every_moe_layer():
     assert replace_token_dispatchers(model, make) == 2
     assert made == [([2, 3], f"config {i}", f"ep {i}", f"tp {i}", f"tp_ep {i}") for i in (0, 1)]
     assert [layer.token_dispatcher for layer in layers] == ["new 1", "new 2"]
+
+
+@pytest.mark.parametrize("marked", [False, True])
+def test_experts_keep_the_layer_input_not_its_permuted_copies(marked):
+    """With the dispatcher's mark the experts' first GEMM keeps the unpermuted tokens and the row
+    indices, not the K copies (the permuted tensor dies with the forward), and backward gathers
+    the same rows again: output and every gradient equal bit for bit to the unmarked run."""
+    import weakref
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from etp.megatron.local_dispatcher import mark_permuted
+    from etp.megatron.model import ETPGroupedExperts
+
+    def run(mark):
+        torch.manual_seed(0)
+        config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_moe_experts=4,
+                                   moe_router_topk=2, moe_ffn_hidden_size=16, gated_linear_unit=True,
+                                   activation_func=torch.nn.functional.silu, add_bias_linear=False,
+                                   use_cpu_initialization=True)
+        experts = ETPGroupedExperts(4, config)
+        routing_map, probs = _routing(tokens=9, experts=4, topk=2, seed=5)
+        x = torch.randn(9, 32, requires_grad=True)
+        idx, order, rows, inverse = local_permutation(routing_map, 2)
+        permuted = _Permute.apply(x, rows, inverse, 2)
+        if mark:
+            mark_permuted(permuted, x, rows)
+        counts = torch.bincount(idx.reshape(-1), minlength=4)
+        permuted_probs = probs.gather(1, idx).reshape(-1).index_select(0, order)
+        out, _ = experts(permuted, counts, permuted_probs)
+        alive = weakref.ref(permuted)
+        del permuted
+        kept = alive() is not None
+        out.square().sum().backward()
+        return kept, out.detach(), x.grad, [p.grad for p in experts.parameters()]
+
+    kept, out, grad_x, grads = run(marked)
+    assert kept is not marked
+    _, out_ref, grad_x_ref, grads_ref = run(False)
+    assert torch.equal(out, out_ref) and torch.equal(grad_x, grad_x_ref)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_ref))
+
+
+def test_regathered_rows_refuses_a_source_modified_after_the_forward():
+    from etp.megatron.local_dispatcher import mark_permuted, regathered_rows
+
+    x = torch.randn(5, 4)
+    rows = torch.tensor([0, 2, 2, 4])
+    permuted = mark_permuted(x.index_select(0, rows), x, rows)
+    w = torch.randn(3, 4, requires_grad=True)
+    with regathered_rows(permuted):
+        y = permuted.mm(w.t())
+    x.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        y.sum().backward()
