@@ -87,7 +87,8 @@ def recipes_flagship(k: int) -> Step:
 
 def recipes_architectures(k: int) -> Step:
     """The published architectures' recipes at their defaults against every peer that fits 80 GiB,
-    each at its largest micro-batch that fits (the distributed optimizer fits OLMoE only)."""
+    each at its largest micro-batch that fits (the distributed optimizer fits OLMoE only), and
+    DeepSeek-V3's features on 64 experts."""
     def arch(name: str, extra: str = "", iters: int = 14) -> str:
         return _train(k, f"--recipe recipes/{name}.yaml", extra, iters)
 
@@ -96,16 +97,16 @@ def recipes_architectures(k: int) -> Step:
             Run("olmoe_distopt_mb1", arch("olmoe_1b_7b", f"{DISTOPT} --set micro_batch_size=1"), k, 40, 180),
             Run("olmoe_fsdp2_mb4", arch("olmoe_1b_7b", fsdp2.format(4)), k, 35, 180),
             Run("olmoe_mfsdp_mb4", arch("olmoe_1b_7b", mfsdp.format(4)), k, 35, 180),
-            Run("qwen3_defaults", arch("qwen3_30b_a3b", "--audit {dir}/qwen3_audit.json"), k, 40, 180),
+            Run("qwen3_defaults", arch("qwen3_30b_a3b", "--audit {dir}/qwen3_audit.json"), k, 55, 180),
             Run("qwen3_fsdp2_mb4", arch("qwen3_30b_a3b", fsdp2.format(4)), k, 40, 180),
-            Run("qwen3_mfsdp_mb2", arch("qwen3_30b_a3b", mfsdp.format(2)), k, 40, 180),  # 4: out of memory
-            # etp at FSDP2's micro-batch 4: it fits only with recompute, which runs eager
-            Run("qwen3_etp_mb4_recompute", arch("qwen3_30b_a3b", "--set micro_batch_size=4 --set "
-                                                "recompute_granularity=selective --set recompute_modules=[moe]"),
-                k, 45, 180),
+            Run("qwen3_mfsdp_mb4", arch("qwen3_30b_a3b", mfsdp.format(4)), k, 40, 180),
             Run("mixtral_defaults", arch("mixtral_8x7b", "--audit {dir}/mixtral_audit.json", 12), k, 40, 180),
             Run("mixtral_fsdp2_mb4", arch("mixtral_8x7b", fsdp2.format(4), 12), k, 40, 180),
-            Run("mixtral_mfsdp_mb2", arch("mixtral_8x7b", mfsdp.format(2), 12), k, 40, 180))  # 4: out of memory
+            Run("mixtral_mfsdp_mb2", arch("mixtral_8x7b", mfsdp.format(2), 12), k, 40, 180),  # 4: out of memory
+            # DeepSeek-V3's features where its widths cannot fit: 64 experts over expert ETP, eager
+            Run("deepseek_v3_64_experts", arch("deepseek_v3_shaped", "--set num_experts=64 --set expert_model_parallel_size=1 "
+                                               "--set moe_token_dispatcher_type=local --set cuda_graph=none "
+                                               "--audit {dir}/deepseek_v3_audit.json", 20), k, 60, 180))
     return Step(f"recipes_architectures_{k}gpu", "The recipes against their peers", runs, headlines.recipes)
 
 
@@ -137,7 +138,9 @@ def memory_audit(k: int) -> Step:
     runs = (Run("flagship", _train(k, FLAGSHIP, f"{audit} --set micro_batch_size=2", iters=10), k, 35, 150),
             Run("wide", _train(k, WIDE, f"{audit} --set micro_batch_size=16", iters=10), k, 35, 150),
             Run("flagship_distopt", _train(k, FLAGSHIP, f"{audit} {DISTOPT} --set micro_batch_size=2", iters=10),
-                k, 40, 150))
+                k, 40, 150),
+            # the language-model loss's time and memory beside megatron-core's (one GPU)
+            Run("cross_entropy", "python3 tools/bench_cross_entropy.py --out {json}", 1, 35, 120))
     return Step(f"memory_audit_{k}gpu", "The memory audit against measured peaks", runs, headlines.memory_audit)
 
 
