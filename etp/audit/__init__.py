@@ -14,6 +14,7 @@ Example::
     print(audit.format_table(predict_memory(recipe, world_size)))
 """
 from .categories import CATEGORIES
+from .ep_buffers import ep_dispatcher_bytes
 from .measure import SCHEMA_VERSION, MemoryAudit
 from .predict import (
            WeightSpec,
@@ -25,5 +26,5 @@ from .predict import (
            weight_inventory,
 )
 
-__all__ = ["CATEGORIES", "SCHEMA_VERSION", "MemoryAudit", "WeightSpec", "activation_bytes", "fits",
+__all__ = ["CATEGORIES", "SCHEMA_VERSION", "MemoryAudit", "WeightSpec", "activation_bytes", "ep_dispatcher_bytes", "fits",
            "largest_micro_batch", "predict_memory", "predict_peak", "weight_inventory"]

@@ -72,3 +72,25 @@ def test_capture_is_the_peak_when_activations_outweigh_the_moments():
     peak = predict_peak(recipe, 2, transport="copy_engine")
     assert peak["peak_phase"] == "capture" and peak["peak"] == peak["forward_backward"]
     assert peak["fit_peak"] == max(peak["peak"], peak["optimizer_step"] + peak["graph_pool"])
+
+
+def test_ep_dispatcher_buffers_counted_outside_the_allocator():
+    """etp's EP dispatcher (per MoE layer): receive rows and their gradient [C, h] and the fp32
+    routing weights [C], plus two backends' staging ([C, h] + [C]) and per-token tables, the
+    larger kind's (here symm_allgather: a row per (rank, token) slot and a copy of the rank's
+    tokens, int64 maps of C and of EP x T x topk). C = EP 2 x T 32 x min(topk 2, 4 experts per
+    rank) = 128 rows."""
+    from etp.audit import ep_dispatcher_bytes
+
+    ep = Recipe.from_dict({**TINY, "moe_token_dispatcher_type": "etp", "expert_model_parallel_size": 2,
+                           "cuda_graph": "none", "etp": {**TINY["etp"], "expert_etp_size": 1}})
+    rows, tokens, row = 128, 32, 64 * 2
+    dispatcher = 2 * rows * row + 4 * rows
+    push = tokens * 2 * row + 8 * rows + 8 * 2 * tokens * 2
+    dedup = 2 * tokens * row + 8 * rows + 8 * 2 * tokens * 2 + tokens * row
+    assert dedup > push
+    assert ep_dispatcher_bytes(ep) == dispatcher + 2 * (rows * row + 4 * rows + dedup)
+    local = predict_peak(Recipe.from_dict(TINY), 2, transport="copy_engine")
+    with_ep = predict_peak(ep, 2, transport="copy_engine")
+    assert ep_dispatcher_bytes(Recipe.from_dict(TINY)) == 0
+    assert with_ep["outside_allocator"] - ep_dispatcher_bytes(ep) < local["outside_allocator"] + 1

@@ -105,7 +105,7 @@ def recipes_architectures(k: int) -> Step:
             Run("mixtral_mfsdp_mb2", arch("mixtral_8x7b", mfsdp.format(2), 12), k, 40, 180),  # 4: out of memory
             # DeepSeek-V3's features where its widths cannot fit: 64 experts over expert ETP, eager
             Run("deepseek_v3_64_experts", arch("deepseek_v3_shaped", "--set num_experts=64 --set expert_model_parallel_size=1 "
-                                               "--set moe_token_dispatcher_type=local --set cuda_graph=none "
+                                               "--set moe_token_dispatcher_type=local --set cuda_graph=none --set seq_length=4096 "
                                                "--audit {dir}/deepseek_v3_audit.json", 20), k, 60, 180))
     return Step(f"recipes_architectures_{k}gpu", "The recipes against their peers", runs, headlines.recipes)
 
