@@ -176,15 +176,21 @@ def _saved_by_the_graph(out):
 
 
 @pytest.mark.parametrize("marked", [False, True])
-def test_experts_keep_the_layer_input_not_its_permuted_copies(marked):
+def test_experts_keep_the_layer_input_not_its_permuted_copies(marked, monkeypatch):
     """With the dispatcher's mark the experts' first GEMM keeps the unpermuted tokens and the row
     indices, not the K copies (backward unpacks a fresh gather, not the permuted tensor's
     storage), and backward gathers the same rows again: output and every gradient equal bit for
     bit to the unmarked run."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    import etp.gemm
+    import etp.modules
     from etp.megatron.local_dispatcher import mark_permuted
     from etp.megatron.model import ETPGroupedExperts
+
+    # etp's grouped GEMM Function (tests/parity.py swaps in a per-expert torch.mm loop for the
+    # whole session once it is imported; that loop's autograd keeps views of the input).
+    monkeypatch.setattr(etp.modules, "plain_grouped_linear", etp.gemm.grouped_linear)
 
     def run(mark):
         torch.manual_seed(0)
