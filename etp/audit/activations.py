@@ -3,7 +3,7 @@ category of the memory prediction (see [Note: ETP memory prediction] in
 ``etp/audit/predict.py``)."""
 from __future__ import annotations
 
-__all__ = ["activation_bytes", "logits_bytes", "regathered_expert_input_bytes"]
+__all__ = ["activation_bytes", "logits_bytes", "moe_layers_on_stage", "regathered_expert_input_bytes", "value_bytes"]
 
 
 def activation_bytes(recipe, micro_batch_size: int | None = None) -> int:
@@ -76,6 +76,17 @@ def activation_bytes(recipe, micro_batch_size: int | None = None) -> int:
     return int(element * (moe_layers * moe + (layers - moe_layers) * dense)) + loss
 
 
+def value_bytes(recipe) -> int:
+    """Bytes of one activation value: 2 in 16-bit training, 4 in fp32."""
+    return 2 if (recipe.train.bf16 or recipe.train.fp16) else 4
+
+
+def moe_layers_on_stage(recipe) -> int:
+    """MoE layers of the first pipeline stage."""
+    m = recipe.model
+    return sum(m.moe_layers[: m.num_layers // recipe.parallel.pipeline_model_parallel_size])
+
+
 def logits_bytes(recipe, micro_batch_size: int | None = None) -> int:
     """Bytes of one micro-batch's logits on one rank, ``[s, b, V / TP]`` in the training dtype: what
     etp's cross-entropy (``etp.megatron.cross_entropy``) keeps from the forward to the backward.
@@ -84,10 +95,9 @@ def logits_bytes(recipe, micro_batch_size: int | None = None) -> int:
 
         logits_bytes(recipe, micro_batch_size=4) / 2**30
     """
-    t, p = recipe.train, recipe.parallel
-    width = 2 if (t.bf16 or t.fp16) else 4
-    b = micro_batch_size or t.micro_batch_size
-    return width * recipe.model.seq_length * b * recipe.padded_vocab_size // p.tensor_model_parallel_size
+    b = micro_batch_size or recipe.train.micro_batch_size
+    return (value_bytes(recipe) * recipe.model.seq_length * b * recipe.padded_vocab_size
+            // recipe.parallel.tensor_model_parallel_size)
 
 
 def regathered_expert_input_bytes(recipe, micro_batch_size: int | None = None) -> int:
@@ -99,12 +109,12 @@ def regathered_expert_input_bytes(recipe, micro_batch_size: int | None = None) -
 
         regathered_expert_input_bytes(recipe, micro_batch_size=4) / 2**30
     """
-    m, t, p = recipe.model, recipe.train, recipe.parallel
+    m = recipe.model
     if not (m.is_moe and _local_grouped(m)):
         return 0
-    width = 2 if (t.bf16 or t.fp16) else 4
-    b = micro_batch_size or t.micro_batch_size
-    return width * m.seq_length * b * m.moe_router_topk * m.hidden_size // p.tensor_model_parallel_size
+    b = micro_batch_size or recipe.train.micro_batch_size
+    return (value_bytes(recipe) * m.seq_length * b * m.moe_router_topk * m.hidden_size
+            // recipe.parallel.tensor_model_parallel_size)
 
 
 def _local_grouped(m) -> bool:

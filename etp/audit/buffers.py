@@ -6,6 +6,7 @@ staging); and the transports the prediction assumes. See [Note: ETP memory predi
 from __future__ import annotations
 
 from ..config import GATHER_DTYPES, ETPConfig
+from .ep_buffers import ep_dispatcher_bytes
 from .inventory import weights_on_rank
 
 __all__ = ["MAPPING_GRANULARITY", "SIXTEEN_BIT_WIRE_REDUCTIONS", "gather_buffer_bytes", "gather_transport",
@@ -170,21 +171,22 @@ def _sharded_param_bytes(recipe, etp: ETPConfig) -> int:
 
 
 def outside_allocator_bytes(recipe, etp: ETPConfig, categories: dict[str, int], gathers: str,
-                       distributed: bool) -> tuple[int, int]:
+                       distributed: bool, micro_batch_size: int | None = None) -> tuple[int, int]:
     """(bytes in torch symmetric memory, the part of them the categories count) per rank.
 
     The caching allocator (and so ``torch.cuda.max_memory_allocated``) never sees symmetric
     memory. It holds the copy-engine transport's shard pool: the 16-bit shards themselves,
     which the optimizer then updates in place, or with FP8 gathers the FP8 shards, the 16-bit
     ones staying in the allocator (``ETPRuntime.setup_transports``); and the push reduction's
-    staging (its wgrad buffers are ordinary). Under megatron's distributed
+    staging (its wgrad buffers are ordinary); with or without ETP, etp.ep's receive buffers
+    (``ep_dispatcher_bytes``, counted in no category). Under megatron's distributed
     optimizer DDP moves every parameter into its contiguous parameter buffer (an allocator
     tensor) and etp stages the shard into its symmetric home once per pass
     (``ETPRuntime._source``): the 16-bit shards are then in both places.
     """
+    outside, counted = ep_dispatcher_bytes(recipe, micro_batch_size), 0
     if etp.etp_size == 1 and etp.expert_etp_size == 1:
-        return 0, 0
-    outside = counted = 0
+        return outside, counted
     if gathers == "copy_engine":
         aliased = sum(part for _, part in gather_buffer_bytes(recipe, etp, gathers).values())
         outside += aliased  # aliased tickets' backings, mapped outside the allocator

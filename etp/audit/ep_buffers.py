@@ -14,6 +14,8 @@ rows and two backends of the larger kind, outside the allocator.
 """
 from __future__ import annotations
 
+from .activations import moe_layers_on_stage, value_bytes
+
 __all__ = ["ep_dispatcher_bytes"]
 
 _INDEX, _WEIGHT = 8, 4  # int64 row maps; fp32 routing weights
@@ -33,12 +35,10 @@ def ep_dispatcher_bytes(recipe, micro_batch_size: int | None = None) -> int:
     ranks, topk, hidden = p.expert_model_parallel_size, m.moe_router_topk, m.hidden_size
     tokens = m.seq_length * (micro_batch_size or t.micro_batch_size)
     capacity = ranks * tokens * min(topk, m.num_experts // ranks)
-    width = 2 if (t.bf16 or t.fp16) else 4
-    row = hidden * width
+    row = hidden * value_bytes(recipe)
     dispatcher = 2 * capacity * row + capacity * _WEIGHT
     stage = capacity * row + capacity * _WEIGHT
     push = tokens * topk * row + capacity * _INDEX + ranks * tokens * topk * _INDEX
     dedup = ranks * tokens * row + capacity * _INDEX + ranks * tokens * topk * _INDEX + tokens * row
     per_layer = dispatcher + 2 * (stage + max(push, dedup))
-    layers = sum(m.moe_layers[: m.num_layers // p.pipeline_model_parallel_size])
-    return layers * per_layer
+    return moe_layers_on_stage(recipe) * per_layer

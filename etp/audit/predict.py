@@ -85,7 +85,6 @@ from .buffers import (
     wgrad_pool_bytes,
 )
 from .categories import CATEGORIES
-from .ep_buffers import ep_dispatcher_bytes
 from .inventory import WeightSpec, weight_inventory, weights_on_rank
 
 __all__ = ["FRAGMENTATION", "RESERVED_OUTSIDE", "WeightSpec", "activation_bytes", "fits", "gather_transport",
@@ -203,8 +202,7 @@ def predict_peak(recipe, world_size: int, etp: ETPConfig | None = None, distribu
     distributed = recipe.parallel.use_distributed_optimizer if distributed_optimizer is None else distributed_optimizer
     categories = predict_memory(recipe, world_size, etp, distributed, micro_batch_size, transport)
     gathers = gather_transport(etp, transport)
-    outside, counted = outside_allocator_bytes(recipe, etp, categories, gathers, distributed)
-    outside += ep_dispatcher_bytes(recipe, micro_batch_size)  # with or without ETP
+    outside, counted = outside_allocator_bytes(recipe, etp, categories, gathers, distributed, micro_batch_size)
     steady = sum(categories[c] for c in CATEGORIES) - counted
     activations = categories["activations"]
     b = micro_batch_size or recipe.train.micro_batch_size

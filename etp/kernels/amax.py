@@ -176,6 +176,11 @@ def check_input_dtype(t: torch.Tensor, what: str) -> None:
         raise TypeError(f"{what} has dtype {t.dtype}; supported: bfloat16, float16, float32")
 
 
+def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What the torch references sum in: float64 for float64 data, float32 for everything else."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for launch grids: ``triton.cdiv`` unwraps constexprs first, which costs
     microseconds of host time per launch in the eager step's hot wrappers."""

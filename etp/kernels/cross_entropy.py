@@ -28,7 +28,15 @@ import torch
 import triton
 import triton.language as tl
 
-from etp.kernels.amax import _DTYPE_CODE, _to_f32, check_impl, interpreter_active, next_pow2
+from etp.kernels.amax import (
+    _DTYPE_CODE,
+    _to_f32,
+    accumulator_dtype,
+    check_impl,
+    interpreter_active,
+    next_pow2,
+    select_impl,
+)
 from etp.kernels.blockwise import _soft_view
 from etp.kernels.fp8_convert import _f32_to_bf16_bits
 from etp.kernels.launch import launch
@@ -109,22 +117,18 @@ def _check(logits: torch.Tensor, target: torch.Tensor) -> None:
 def _use_triton(impl: str, logits: torch.Tensor) -> bool:
     check_impl(impl)
     kernel_ok = logits.dtype in _DTYPE_CODE and logits.shape[1] > 0
-    if impl == "triton":
-        if not kernel_ok:
-            raise ValueError(f"impl='triton': logits of {logits.dtype} with {logits.shape[1]} columns have no kernel "
-                             "(bf16 / fp16 / fp32, at least one column)")
-        return True
-    return impl == "auto" and kernel_ok and (logits.is_cuda or interpreter_active())
-
-
-def _accumulator(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+    if impl == "auto":
+        return kernel_ok and (logits.is_cuda or interpreter_active())
+    if impl == "triton" and not kernel_ok:
+        raise ValueError(f"impl='triton': logits of {logits.dtype} with {logits.shape[1]} columns have no kernel "
+                         "(bf16 / fp16 / fp32, at least one column)")
+    return select_impl(impl, logits.device)  # 'triton' off CUDA without the interpreter: RuntimeError
 
 
 def cross_entropy_stats_reference(logits: torch.Tensor, target: torch.Tensor):
     """``(max, sum of exp(x - max), target logit)`` per row, pure torch; see the module note."""
     _check(logits, target)
-    x = logits.to(_accumulator(logits.dtype))
+    x = logits.to(accumulator_dtype(logits.dtype))
     row_max = x.max(dim=1).values
     total = (x - row_max[:, None]).exp().sum(dim=1)
     picked = x.gather(1, target.clamp(min=0)[:, None]).squeeze(1)
@@ -134,7 +138,7 @@ def cross_entropy_stats_reference(logits: torch.Tensor, target: torch.Tensor):
 def cross_entropy_grad_reference(logits, target, row_max, row_sum, grad) -> torch.Tensor:
     """Writes ``(softmax - one_hot(target)) x grad`` over ``logits`` and returns it; pure torch."""
     _check(logits, target)
-    x = logits.to(_accumulator(logits.dtype))
+    x = logits.to(accumulator_dtype(logits.dtype))
     d = (x - row_max[:, None].to(x.dtype)).exp() / row_sum[:, None].to(x.dtype)
     hit = target >= 0
     rows = torch.arange(logits.shape[0], device=logits.device)[hit]

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from etp.kernels.amax import cdiv, check_impl, interpreter_active
+from etp.kernels.amax import accumulator_dtype, cdiv, check_impl, interpreter_active
 from etp.kernels.launch import launch
 
 __all__ = ["embedding_backward", "embedding_backward_reference"]
@@ -40,10 +40,6 @@ def _embedding_grad_kernel(grad_ptr, perm_ptr, bounds_ptr, out_ptr, H, ACC: tl.c
     tl.store(out_ptr + tl.cast(v, tl.int64) * H + offs, acc, mask=mask)
 
 
-def _accumulator(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _check(ids: torch.Tensor, grad: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     if ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"ids: expected int32 or int64 token ids, got {ids.dtype}")
@@ -61,7 +57,7 @@ def embedding_backward_reference(ids: torch.Tensor, grad: torch.Tensor, num_rows
     gradient ``grad``: each row the sum of its tokens' gradient rows in token order, in fp32
     (fp64 for fp64 ``grad``). Pure torch; a loop over tokens, for tests of small inputs."""
     flat_ids, flat_grad = _check(ids, grad, num_rows)
-    out = torch.zeros(num_rows, flat_grad.shape[1], dtype=_accumulator(grad.dtype), device=grad.device)
+    out = torch.zeros(num_rows, flat_grad.shape[1], dtype=accumulator_dtype(grad.dtype), device=grad.device)
     for token in range(flat_ids.numel()):
         row = int(flat_ids[token])
         out[row] += flat_grad[token].to(out.dtype)
@@ -93,7 +89,7 @@ def embedding_backward(ids: torch.Tensor, grad: torch.Tensor, num_rows: int, *, 
     if not use_triton:
         return embedding_backward_reference(ids, grad, num_rows)
     hidden = flat_grad.shape[1]
-    out = torch.empty(num_rows, hidden, dtype=_accumulator(grad.dtype), device=grad.device)
+    out = torch.empty(num_rows, hidden, dtype=accumulator_dtype(grad.dtype), device=grad.device)
     if hidden == 0:
         return out
     sorted_ids, perm = torch.sort(flat_ids.to(torch.int64), stable=True)  # token order within an id

@@ -33,7 +33,7 @@ class _VocabCrossEntropy(torch.autograd.Function):
         size = dist.get_world_size(group) if group is not None else 1
         first = dist.get_rank(group) * vocab if size > 1 else 0
         local = labels.reshape(-1).to(torch.int64) - first
-        target = torch.where((local >= 0) & (local < vocab), local, torch.full_like(local, -1))
+        target = torch.where((local >= 0) & (local < vocab), local, -1)
         row_max, row_sum, picked = cross_entropy_stats(rows, target)
         if size > 1:
             # Each shard's sum rescaled to the global max; the target's logit lives on one shard.

@@ -168,7 +168,7 @@ def _with_megatron_loss(predicted: dict, recipe, micro: int) -> float:
     where etp's keeps the 2-byte logits) and added the 2-byte gradient in backward: 6 bytes a
     logit at a forward / backward peak where etp's holds 2 + its ``loss_transient``; nothing at
     the optimizer step's."""
-    logits = recipe.model.seq_length * micro * 32000
+    logits = recipe.model.seq_length * micro * recipe.padded_vocab_size
     extra = 0 if predicted["peak_phase"] == "optimizer_step" else 4 * logits - predicted["loss_transient"]
     return (predicted["peak"] + extra) / 2**30
 
