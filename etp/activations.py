@@ -13,7 +13,7 @@ from .gemm import attach_rowwise_fp8
 from .kernels import swiglu as swiglu_kernel
 from .kernels import swiglu_backward
 
-__all__ = ["swiglu"]
+__all__ = ["swiglu", "swiglu_output"]
 
 
 class _SwiGLUFunction(torch.autograd.Function):
@@ -47,3 +47,14 @@ def swiglu(gate_up: torch.Tensor, probs: torch.Tensor | None = None, quantize: b
         h = swiglu(x @ w1.t())             # [T, ffn]
     """
     return _SwiGLUFunction.apply(gate_up.contiguous(), probs, quantize)
+
+
+def swiglu_output(gate_up: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
+    """``swiglu``'s output alone, not differentiable: the same kernel and the same bits, what
+    backward rebuilds fc2's input with ([Note: rebuilt activations] in ``etp.saved``).
+
+    Example::
+
+        h = swiglu_output(gate_up, probs)   # equal to swiglu(gate_up, probs) bit for bit
+    """
+    return swiglu_kernel(gate_up.contiguous(), probs, quantize=False)[0]

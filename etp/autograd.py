@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .cache import Role
-from .gemm import DenseGemm, GroupedGemm
+from .gemm import DenseGemm, GroupedGemm, attach_rowwise_fp8, row_amax
 from .param import ETPShardedParam
 
 __all__ = ["etp_linear", "etp_grouped_linear"]
@@ -33,6 +33,9 @@ class _ETPWeightFunction(torch.autograd.Function):
         weight = param.etp_runtime.acquire(param, Role.FWD, x.dtype, records_grad)
         y = op.forward(x, weight, counts)
         ctx.save_for_backward(x, counts)
+        # The rows' amax the forward's FP8 quantization found rides on ctx too: a saved tensor
+        # that backward rebuilds or recomputes comes back as a new tensor, without it.
+        ctx.x_row_amax = row_amax(x)
         # The parameter rides on ctx, not in saved tensors: a non-reentrant checkpoint swaps
         # saved tensors for recomputed plain ones, which would lose the shard's ETP identity.
         ctx.param, ctx.op = param, op
@@ -41,6 +44,8 @@ class _ETPWeightFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         x, counts = ctx.saved_tensors
+        if ctx.x_row_amax is not None and row_amax(x) is None:
+            attach_rowwise_fp8(x, None, None, ctx.x_row_amax)
         param, op = ctx.param, ctx.op
         runtime = param.etp_runtime
         gy = gy.contiguous()

@@ -9,11 +9,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .activations import swiglu
+from .activations import swiglu, swiglu_output
 from .autograd import etp_grouped_linear
 from .gemm import fp8_compute_applies
 from .gemm import grouped_linear as plain_grouped_linear
 from .param import ETPShardedParam
+from .saved import rebuilt_in_backward
 
 __all__ = ["GroupedSwiGLUExperts", "grouped_linear"]
 
@@ -85,7 +86,11 @@ class GroupedSwiGLUExperts(nn.Module):
             )
         gate_up = grouped_linear(x, self.fc1_weight, tokens_per_expert)
         hidden = swiglu(gate_up, probs, quantize=self._fp8_operands(x))
-        return grouped_linear(hidden, self.fc2_weight, tokens_per_expert)
+        # fc2 keeps its input for the weight gradient; the SwiGLU keeps gate_up anyway, so
+        # backward runs the SwiGLU's forward kernel again instead ([Note: rebuilt activations]).
+        with rebuilt_in_backward(hidden, lambda: swiglu_output(gate_up, probs), [gate_up, probs],
+                                 "the experts' SwiGLU output"):
+            return grouped_linear(hidden, self.fc2_weight, tokens_per_expert)
 
     def _fp8_operands(self, x: torch.Tensor) -> bool:
         """Whether both GEMMs around the SwiGLU run in FP8, so that the SwiGLU kernels quantize

@@ -8,9 +8,10 @@ import torch
 
 from etp.autograd import _ETPWeightFunction
 from etp.config import ETPConfig
+from etp.gemm import row_amax
 
 
-def _ctx(log, needs_x=True, needs_w=True, fp8_wgrad=False):
+def _ctx(log, needs_x=True, needs_w=True, fp8_wgrad=False, x_row_amax=None, seen=None):
     x, gy = torch.ones(4, 3), torch.ones(4, 2)
     runtime = SimpleNamespace(
         acquire=lambda param, role, dtype: log.append("acquire") or torch.ones(2, 3),
@@ -21,11 +22,11 @@ def _ctx(log, needs_x=True, needs_w=True, fp8_wgrad=False):
                             etp_layout=SimpleNamespace(unpad=lambda t: t))
     op = SimpleNamespace(
         dgrad=lambda g, w, counts: log.append("dgrad") or g @ w,
-        wgrad=lambda g, x, counts, out=None, **kw: log.append("wgrad") or out,
+        wgrad=lambda g, x, counts, out=None, **kw: log.append("wgrad") or (seen if seen is not None else []).append(row_amax(x)) or out,
         writes_into=lambda x, g: True,
         quantize_ahead=lambda g, w: log.append("quantize_ahead"),
     )
-    return SimpleNamespace(saved_tensors=(x, None), param=param, op=op,
+    return SimpleNamespace(saved_tensors=(x, None), param=param, op=op, x_row_amax=x_row_amax,
                            needs_input_grad=(needs_x, needs_w, False, False, False)), gy
 
 
@@ -46,3 +47,14 @@ def test_fp8_wgrad_quantizes_the_gradient_ahead_and_no_weight_without_input_grad
     ctx, gy = _ctx(log, needs_x=False, fp8_wgrad=True)  # e.g. a first layer's input: no dgrad
     grad_x, *_ = _ETPWeightFunction.backward(ctx, gy)
     assert grad_x is None and log == ["wgrad_buffer", "wgrad", "reduce_grad"]
+
+
+def test_the_forward_rows_amax_reaches_a_saved_input_that_came_back_as_a_new_tensor():
+    # A rebuilt or recomputed saved input is a new tensor without the forward's attachment
+    # ([Note: rebuilt activations]): backward attaches the amax kept on ctx, so the FP8 weight
+    # gradient makes its per-expert scales from it instead of reading the input again.
+    log, seen = [], []
+    amax = torch.ones(4)
+    ctx, gy = _ctx(log, fp8_wgrad=True, x_row_amax=amax, seen=seen)
+    _ETPWeightFunction.backward(ctx, gy)
+    assert seen == [amax] and seen[0] is amax

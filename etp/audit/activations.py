@@ -3,7 +3,7 @@ category of the memory prediction (see [Note: ETP memory prediction] in
 ``etp/audit/predict.py``)."""
 from __future__ import annotations
 
-__all__ = ["activation_bytes", "logits_bytes", "moe_layers_on_stage", "regathered_expert_input_bytes", "value_bytes"]
+__all__ = ["activation_bytes", "logits_bytes", "moe_layers_on_stage", "expert_backward_bytes", "value_bytes"]
 
 
 def activation_bytes(recipe, micro_batch_size: int | None = None) -> int:
@@ -22,10 +22,9 @@ def activation_bytes(recipe, micro_batch_size: int | None = None) -> int:
       ``2 (a + g) kv / h`` with ``qk_layernorm`` (the norms' inputs; best effort, not measured);
     * routed experts, etp's ``ETPGroupedExperts`` (``moe_grouped_gemm``) behind etp's local
       dispatcher:
-      ``topk x 6 x moe_ffn / h``: per token copy, the SwiGLU's input (gate and up) and fc2's
-      input, 16-bit (the probabilities are applied inside the SwiGLU kernel, fc1's input is
-      gathered again from the layer's input in backward, ``regathered_expert_input_bytes``, and
-      the combine keeps only indices); megatron's ``SequentialMLP`` or any expert
+      ``topk x 4 x moe_ffn / h``: per token copy, the SwiGLU's input (gate and up), 16-bit (the
+      probabilities are applied inside the SwiGLU kernel, fc1's and fc2's inputs are rebuilt
+      in backward, ``expert_backward_bytes``, and the combine keeps only indices); megatron's ``SequentialMLP`` or any expert
       module behind megatron's own dispatchers (calibrated with ``alltoall``):
       ``topk x (4 + 8 x moe_ffn / h)``: the permuted input and the fc2 output (2 + 2 bytes per
       token copy) and, per copy, the fc1 output (gate and up, 2 x ffn), the SwiGLU output and
@@ -100,20 +99,38 @@ def logits_bytes(recipe, micro_batch_size: int | None = None) -> int:
             // recipe.parallel.tensor_model_parallel_size)
 
 
-def regathered_expert_input_bytes(recipe, micro_batch_size: int | None = None) -> int:
-    """Bytes of one MoE layer's expert input ``[s x b x topk, h]`` that etp's grouped experts
-    gather again in backward for fc1's weight gradient (behind etp's local dispatcher; 0 otherwise):
-    alive during that layer's expert backward, beside its weight gradients.
+def expert_backward_bytes(recipe, micro_batch_size: int | None = None, fp8: bool = False) -> int:
+    """Bytes one MoE layer of etp's grouped experts (behind etp's local dispatcher; 0 otherwise)
+    holds at the worst moment of its two GEMMs' backward (``etp.autograd``: the weight gradient,
+    then the input gradient), beyond what it kept from the forward and its weight gradients, per
+    token copy (``s x b x topk`` rows). fc1's backward holds its input, rebuilt ([Note: rebuilt
+    activations] in ``etp.saved``: gathered again from the layer's input, ``h``) and the SwiGLU's
+    input gradient (``2 x ffn``), 16-bit, and
+    with ``fp8`` (FP8 GEMMs and weight gradients) that gradient's rowwise FP8 copy (``2 x ffn``);
+    then during the weight gradient both operands' per-expert columnwise FP8 copies
+    (``2 x ffn + h``), or during the input gradient its result (``h``, 16-bit). fc2's the same
+    with its input the rebuilt SwiGLU output (``ffn``), its output gradient (``h``) and its
+    input gradient (``ffn``).
+
+    (Calibrated on Mixtral-8x7B's captured step at micro-batch 4, whose graph pool held fc1's
+    weight-gradient moment: BENCHMARKS.md, the memory audit.)
 
     Example::
 
-        regathered_expert_input_bytes(recipe, micro_batch_size=4) / 2**30
+        expert_backward_bytes(recipe, micro_batch_size=4, fp8=True) / 2**30
     """
     m = recipe.model
     if not (m.is_moe and _local_grouped(m)):
         return 0
     b = micro_batch_size or recipe.train.micro_batch_size
-    return (value_bytes(recipe) * m.seq_length * b * m.moe_router_topk * m.hidden_size
+    v, h, ffn, q = value_bytes(recipe), m.hidden_size, m.moe_ffn_hidden_size, 1 if fp8 else 0
+
+    def gemm(x: int, gy: int, dx: int) -> int:  # widths of the input, output gradient, input gradient
+        held = v * (x + gy) + q * gy
+        return held + max(q * (gy + x), v * dx)
+
+    per_copy = max(gemm(h, 2 * ffn, h), gemm(ffn, h, ffn))
+    return (per_copy * m.seq_length * b * m.moe_router_topk
             // recipe.parallel.tensor_model_parallel_size)
 
 
@@ -133,11 +150,10 @@ def _layer_factors(recipe) -> tuple[float, float]:
     scores = 6 * a * s / h if local else 0.0
     if m.is_moe and _local_grouped(m):
         # etp's ETPGroupedExperts: per token copy, the SwiGLU's input (gate and up, 2 x ffn:
-        # etp.activations saves it, the routing probabilities applied inside the kernel) and
-        # fc2's input (ffn). fc1's input is gathered again from the layer's input in backward
-        # (local_dispatcher.regathered_rows), and the combine keeps only indices, so fc2's output
-        # is not kept. 16-bit each.
-        routed = m.moe_router_topk * 6 * m.moe_ffn_hidden_size / h
+        # etp.activations saves it, the routing probabilities applied inside the kernel), 16-bit.
+        # fc1's input and fc2's are rebuilt in backward (expert_backward_bytes), and
+        # the combine keeps only indices, so fc2's output is not kept.
+        routed = m.moe_router_topk * 4 * m.moe_ffn_hidden_size / h
     elif m.is_moe:
         routed = m.moe_router_topk * (4 + 8 * m.moe_ffn_hidden_size / h)
     else:

@@ -38,8 +38,8 @@ The categories are the bytes alive throughout a step; the allocator's peak adds 
 
 * forward / backward: categories + the backward's transient: the weight gradients reduced
   from their GEMM's own output (``wgrad_in_place``: etp's grouped experts; two neighbours
-  alive at once) and the expert input gathered again beside them
-  (``regathered_expert_input_bytes``) less the logits the loss kept (``logits_bytes``), released by the output
+  alive at once) and the larger of the two expert GEMMs' backward transients beside them (the
+  input rebuilt, the activation gradients and their FP8 copies: ``expert_backward_bytes``) less the logits the loss kept (``logits_bytes``), released by the output
   layer's backward before them; or, if larger, the loss's: etp's cross-entropy writes the
   logits' gradient over the logits (``etp.megatron.cross_entropy``), and an ETP-sharded output
   layer with FP8 gathers quantizes it for its FP8 input-gradient GEMM (2 bytes per logit
@@ -73,7 +73,7 @@ outside the allocator (``RESERVED_OUTSIDE``) are a constant.
 from __future__ import annotations
 
 from ..config import ETPConfig
-from .activations import activation_bytes, logits_bytes, regathered_expert_input_bytes
+from .activations import activation_bytes, expert_backward_bytes, logits_bytes
 from .buffers import (
     SIXTEEN_BIT_WIRE_REDUCTIONS,
     gather_buffer_bytes,
@@ -215,9 +215,10 @@ def predict_peak(recipe, world_size: int, etp: ETPConfig | None = None, distribu
                   and recipe.model.untie_embeddings_and_output_weights)
     loss_transient = logits_bytes(recipe, b) if fp8_output else 0
     # In-place weight gradients (grouped experts) come after the output layer's backward has
-    # released those logits, beside the expert input their layer gathers again for fc1's.
+    # released those logits, beside the larger of their two GEMMs' backward transients.
     in_place = unpooled_wgrad_pair_bytes(_wgrad_order(recipe, etp, _wire_bytes(recipe, gathers))[1])
-    experts = in_place + regathered_expert_input_bytes(recipe, b)
+    fp8_experts = etp.gather_dtype == "fp8_tensorwise" and etp.expert_etp_size > 1 and etp.fp8_wgrad
+    experts = in_place + expert_backward_bytes(recipe, b, fp8=fp8_experts)
     backward_transient = max(loss_transient, experts - logits_bytes(recipe, b))
     # Fused Adam (megatron_fallbacks: fast, or apex / TE) steps in place; torch's foreach Adam
     # (megatron's stock fallback) holds one fp32 temporary per stepped element.

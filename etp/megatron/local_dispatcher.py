@@ -46,6 +46,8 @@ import contextlib
 import torch
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
+from ..saved import rebuilt_in_backward
+
 __all__ = ["LocalTokenDispatcher", "install_local_dispatchers", "local_permutation", "mark_permuted",
            "regathered_rows"]
 
@@ -60,20 +62,11 @@ def mark_permuted(permuted: torch.Tensor, tokens: torch.Tensor, rows: torch.Tens
     return permuted
 
 
-class _Rows:
-    """A saved tensor held as (source, row indices): re-gathered when backward unpacks it."""
-
-    __slots__ = ("tokens", "rows", "version")
-
-    def __init__(self, tokens, rows, version):
-        self.tokens, self.rows, self.version = tokens, rows, version
-
-
 def regathered_rows(permuted: torch.Tensor):
     """A ``torch.autograd.graph.saved_tensors_hooks`` context under which autograd keeps
     ``permuted`` (marked by ``mark_permuted``) as its source and row indices, gathering it again
-    when backward needs it; a no-op context for an unmarked tensor. Captures in a CUDA graph like
-    any gather.
+    when backward needs it ([Note: rebuilt activations] in ``etp.saved``); a no-op context for an
+    unmarked tensor.
 
     Example::
 
@@ -84,22 +77,11 @@ def regathered_rows(permuted: torch.Tensor):
     if source is None:
         return contextlib.nullcontext()
     tokens, rows, version = source
-    ptr, shape = permuted.data_ptr(), permuted.shape
-
-    def pack(t):
-        if t.data_ptr() == ptr and t.shape == shape and t.dtype == tokens.dtype:
-            return _Rows(tokens, rows, version)
-        return t
-
-    def unpack(saved):
-        if not isinstance(saved, _Rows):
-            return saved
-        if saved.tokens._version != saved.version:
-            raise RuntimeError("regathered_rows: the permuted tokens' source was modified in place after the "
-                               "forward; backward cannot gather the expert input again")
-        return saved.tokens.index_select(0, saved.rows)
-
-    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+    if tokens._version != version:
+        raise RuntimeError("regathered_rows: the permuted tokens' source was modified in place after "
+                           "mark_permuted; the marked rows are not its rows any more")
+    return rebuilt_in_backward(permuted, lambda: tokens.index_select(0, rows), [tokens, rows],
+                               "regathered_rows (the experts' permuted input)")
 
 
 def local_permutation(routing_map: torch.Tensor, topk: int) -> tuple[torch.Tensor, ...]:

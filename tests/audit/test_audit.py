@@ -224,10 +224,10 @@ def test_peak_phases_and_sdpa_activations():
                               etp={"etp_size": 2, "expert_etp_size": 2})
     local = recipe.replace(attention_backend="local")
     s, b, h, a, v = 2048, 2, 2048, 16, 32000
-    # Per layer, bytes per [s, b, h] element: 18 + topk x 6 ffn / h (etp's experts behind its
-    # local dispatcher: SwiGLU input, fc2 input per token copy) + 6 a s / h (local
+    # Per layer, bytes per [s, b, h] element: 18 + topk x 4 ffn / h (etp's experts behind its
+    # local dispatcher: the SwiGLU input per token copy) + 6 a s / h (local
     # scores), 8 layers, plus the bf16 logits the cross-entropy keeps.
-    moe = 4 * 6 * 1408 / h
+    moe = 4 * 4 * 1408 / h
     assert activation_bytes(local) == int(s * b * h * (18 + moe + 6 * a * s / h) * 8) + 2 * s * b * v
     assert activation_bytes(recipe) == int(s * b * h * (18 + moe) * 8) + 2 * s * b * v
     no_etp = recipe.etp.replace(etp_size=1, expert_etp_size=1)
@@ -337,7 +337,7 @@ def test_recompute_shrinks_activations_and_adds_its_gather_buffers():
     recipe = Recipe.from_yaml(ROOT / "recipes/moe_flagship.yaml", world_size=2, global_batch_size=8, micro_batch_size=2,
                               etp={"etp_size": 2, "expert_etp_size": 2})
     s, b, h, v, layers = 2048, 2, 2048, 32000, 8
-    per_layer = s * b * h * (18 + 4 * 6 * 1408 / h)  # SDPA: no score matrices; etp's experts
+    per_layer = s * b * h * (18 + 4 * 4 * 1408 / h)  # SDPA: no score matrices; etp's experts
     loss = 2 * s * b * v  # the bf16 logits the cross-entropy keeps
     full = recipe.replace(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     # 8 one-layer units keep their bf16 input; backward rebuilds one layer at a time.

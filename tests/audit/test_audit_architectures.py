@@ -171,12 +171,15 @@ def test_architecture_recipes_fit_their_gpus_with_etp_only_as_their_header_says(
 
 # Peaks allocated (GiB, rank 0) that etp-train --audit measured on 4 x H100 80GB (79.2 GiB each)
 # with each recipe's defaults and the overrides listed (BENCHMARKS.md, "The memory audit against
-# measured peaks"; measured 2026-11-27 on the tree of the commit that added this table).
+# measured peaks"): the experts rebuilding both GEMMs' inputs in backward (etp/saved.py), 2026-11-27;
+# DeepSeek-V3's 64-expert run at 6491b6f, when fc2's input was still kept (the prediction of today's
+# code is lower by the six MoE layers' SwiGLU outputs, and still within the tolerance).
 MEASURED_PEAKS_4XH100 = {
-    "moe_flagship": ((), 27.38),
-    "olmoe_1b_7b": ((), 49.28),
-    "qwen3_30b_a3b": ((), 54.63),
-    "mixtral_8x7b": ((), 45.24),
+    "moe_flagship": ((), 26.11),
+    "moe_wide": ((), 54.46),
+    "olmoe_1b_7b": ((), 45.29),
+    "qwen3_30b_a3b": ((), 52.48),
+    "mixtral_8x7b": ((), 43.06),
     "deepseek_v3_shaped": (("num_experts=64", "expert_model_parallel_size=1", "moe_token_dispatcher_type=local",
                             "cuda_graph=none", "seq_length=4096"), 57.51),
 }

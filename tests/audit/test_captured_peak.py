@@ -23,9 +23,11 @@ ELEMENTS = REPLICATED + 96 * 64 + 32 * 64 + 256 * 64 + 256 * 32 + 128 * 64
 LOGITS = 2 * 16 * 2 * 256
 # fc2's and fc1's full bf16 gradients, reduced from the grouped GEMM's output on the push
 # reduction's 16-bit wire, alive together (fc2's reduce-scatter pending while fc1's is written),
-# beside fc1's input gathered again: 2 x 16 tokens x top-2 rows of 64, bf16.
-REGATHERED = 2 * (2 * 16 * 2 * 64)
-IN_PLACE_PAIR = 2 * (8 * 64 * 64 + 8 * 64 * 32) + REGATHERED
+# beside fc1's backward transients (etp/audit/activations.py, expert_backward_bytes): per row of 2 x 16 tokens x
+# top-2, its input gathered again (64), the SwiGLU's input gradient (2 x 32) and fc1's input
+# gradient (64), bf16 (bf16 gathers: no FP8 copies).
+EXPERT_BACKWARD = 2 * (2 * 16 * 2) * (64 + 2 * 32 + 64)
+IN_PLACE_PAIR = 2 * (8 * 64 * 64 + 8 * 64 * 32) + EXPERT_BACKWARD
 
 
 def test_pool_holds_only_the_dense_gradients_on_a_sixteen_bit_wire():
@@ -39,7 +41,7 @@ def test_pool_holds_only_the_dense_gradients_on_a_sixteen_bit_wire():
     assert nccl["categories"]["wgrad_pool"] == 4 * (192 * 64 + 64 * 64 + 256 * 64 + 512 * 64 + 512 * 32)
     # The in-place pair comes after the output layer's backward released the logits.
     assert push["backward_transient"] == IN_PLACE_PAIR - LOGITS > 0
-    assert nccl["backward_transient"] == max(0, REGATHERED - LOGITS)  # the re-gathered input alone
+    assert nccl["backward_transient"] == max(0, EXPERT_BACKWARD - LOGITS)  # fc1's backward transients alone
 
 
 def test_captured_step_peaks_at_capture_or_step_without_activations():

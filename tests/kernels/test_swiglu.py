@@ -191,3 +191,17 @@ def test_handed_copy_is_consumed_once_and_row_amax_stays(monkeypatch):
     assert torch.equal(gemm.row_amax(x).double(), _row_amax64(x))
     x.add_(1)  # changed since: no stale amax
     assert gemm.row_amax(x) is None
+
+
+@pytest.mark.parametrize("rows,ffn", [(3, 5), (5, 130), (2, 1536)])
+def test_the_rebuilt_output_has_the_forward_bits(rows, ffn):
+    # Backward rebuilds fc2's input with swiglu_output ([Note: rebuilt activations]); the
+    # forward made it with quantize=True on the FP8 path: the values must be the same bits.
+    from etp.activations import swiglu_output
+
+    gen = torch.Generator().manual_seed(rows + ffn)
+    gate_up = (3 * torch.randn(rows, 2 * ffn, generator=gen)).to(torch.bfloat16).to(DEVICE)
+    probs = torch.rand(rows, generator=gen).to(DEVICE)
+    for quantize in (True, False):
+        h = swiglu_kernel(gate_up, probs, quantize=quantize, impl="triton")[0]
+        assert torch.equal(swiglu_output(gate_up, probs).view(torch.int16), h.view(torch.int16))

@@ -1,0 +1,71 @@
+"""Activations that backward rebuilds instead of keeping.
+
+[Note: rebuilt activations]
+A routed expert layer's largest saved tensors are ones that are cheap to make again from
+tensors the layer keeps anyway: fc1's input is K row copies of the layer's input (the router
+keeps that input; ``etp.megatron.local_dispatcher.regathered_rows`` gathers the rows again),
+and fc2's input is the SwiGLU of fc1's output (the SwiGLU keeps that output for its own
+backward; ``etp.modules`` runs the SwiGLU's forward kernel again). ``rebuilt_in_backward``
+is the one mechanism behind both: a ``saved_tensors_hooks`` context under which autograd
+saves one given tensor as a function that remakes it, bit for bit (a gather, an elementwise
+kernel), when backward unpacks it. (The rows' amax that the forward's FP8 GEMM found rides on
+that GEMM's ctx, ``etp.autograd``, so the FP8 weight gradient still makes its per-expert scales
+from it.) The inputs the function reads must not change in place after the forward:
+unpacking checks their versions and raises instead of rebuilding something else. Works under
+CUDA-graph capture like any other kernel of the backward.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Sequence
+
+import torch
+
+__all__ = ["rebuilt_in_backward"]
+
+
+class _Rebuilt:
+    """What autograd holds instead of the tensor: how to make it again, and the versions of
+    what that reads."""
+
+    __slots__ = ("rebuild", "inputs", "versions")
+
+    def __init__(self, rebuild, inputs, versions):
+        self.rebuild, self.inputs, self.versions = rebuild, inputs, versions
+
+
+def rebuilt_in_backward(tensor: torch.Tensor | None, rebuild: Callable[[], torch.Tensor],
+                        inputs: Sequence[torch.Tensor], what: str):
+    """A ``torch.autograd.graph.saved_tensors_hooks`` context under which autograd saves
+    ``tensor`` as ``rebuild`` (which must return the same values from ``inputs``) and calls it
+    when backward needs the tensor; see [Note: rebuilt activations]. Every other saved tensor
+    is kept as usual. A no-op context for ``tensor=None``. ``what`` names the tensor in the
+    error raised when an input was modified in place after the forward.
+
+    Example::
+
+        h = torch.relu(a)
+        with rebuilt_in_backward(h, lambda: torch.relu(a), [a], "relu(a)"):
+            y = h @ w                        # h is not kept for backward
+    """
+    if tensor is None:
+        return contextlib.nullcontext()
+    ptr, shape, dtype = tensor.data_ptr(), tensor.shape, tensor.dtype
+    inputs = tuple(t for t in inputs if t is not None)
+    versions = tuple(t._version for t in inputs)
+
+    def pack(t):
+        if t.data_ptr() == ptr and t.shape == shape and t.dtype == dtype:
+            return _Rebuilt(rebuild, inputs, versions)
+        return t
+
+    def unpack(saved):
+        if not isinstance(saved, _Rebuilt):
+            return saved
+        if tuple(t._version for t in saved.inputs) != saved.versions:
+            raise RuntimeError(f"{what}: an input it is rebuilt from was modified in place after the "
+                               f"forward; backward cannot make it again")
+        with torch.no_grad():
+            return saved.rebuild()
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
