@@ -70,7 +70,7 @@ def test_micro_batch_auto_takes_the_largest_share_of_the_rank_batch_that_fits():
     chosen one fits and every larger divisor of the rank's share does not."""
     from etp.audit import fits, predict_peak
 
-    for world, gpu_gib, expected in ((4, 80, 8), (8, 80, 4), (2, 80, 16), (4, 40, 4)):
+    for world, gpu_gib, expected in ((4, 80, 8), (8, 80, 4), (2, 80, 16), (4, 36, 4)):
         machine = Machine(world, world, **dict(H100, gpu_memory=gpu_gib * 2**30))
         recipe, notes = resolve_auto(Recipe.from_yaml(FLAGSHIP), machine)
         assert recipe.train.micro_batch_size == expected, (world, gpu_gib)

@@ -87,14 +87,14 @@ def recipes_flagship(k: int) -> Step:
 
 def recipes_architectures(k: int) -> Step:
     """The published architectures' recipes at their defaults against every peer that fits 80 GiB,
-    each at its largest micro-batch that fits (the distributed optimizer fits OLMoE only), and
+    each at its largest micro-batch that fits (the distributed optimizer fits OLMoE only, at 2), and
     DeepSeek-V3's features on 64 experts."""
     def arch(name: str, extra: str = "", iters: int = 14) -> str:
         return _train(k, f"--recipe recipes/{name}.yaml", extra, iters)
 
     fsdp2, mfsdp = "--set use_torch_fsdp2=true --set micro_batch_size={}", "--set use_megatron_fsdp=true --set micro_batch_size={}"
     runs = (Run("olmoe_defaults", arch("olmoe_1b_7b", "--audit {dir}/olmoe_audit.json"), k, 45, 180),
-            Run("olmoe_distopt_mb1", arch("olmoe_1b_7b", f"{DISTOPT} --set micro_batch_size=1"), k, 40, 180),
+            Run("olmoe_distopt_mb2", arch("olmoe_1b_7b", f"{DISTOPT} --set micro_batch_size=2"), k, 40, 180),
             Run("olmoe_fsdp2_mb4", arch("olmoe_1b_7b", fsdp2.format(4)), k, 35, 180),
             Run("olmoe_mfsdp_mb4", arch("olmoe_1b_7b", mfsdp.format(4)), k, 35, 180),
             Run("qwen3_defaults", arch("qwen3_30b_a3b", "--audit {dir}/qwen3_audit.json"), k, 55, 180),
