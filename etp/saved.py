@@ -12,7 +12,9 @@ kernel), when backward unpacks it. (The rows' amax that the forward's FP8 GEMM f
 that GEMM's ctx, ``etp.autograd``, so the FP8 weight gradient still makes its per-expert scales
 from it.) The inputs the function reads must not change in place after the forward:
 unpacking checks their versions and raises instead of rebuilding something else. Works under
-CUDA-graph capture like any other kernel of the backward.
+CUDA-graph capture like any other kernel of the backward. Under another saved-tensor policy (an
+outer ``saved_tensors_hooks``: torch's non-reentrant checkpoint, offloading) it steps aside: that
+policy already decides what is kept, and a rebuild would keep its inputs alive behind its back.
 """
 from __future__ import annotations
 
@@ -34,12 +36,20 @@ class _Rebuilt:
         self.rebuild, self.inputs, self.versions = rebuild, inputs, versions
 
 
+def _outer_policy() -> bool:
+    """Whether saved-tensor hooks are active here already (see the module note). torch keeps the
+    stack in C++; a torch without the query is taken to have none."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is not None and top(False) is not None
+
+
 def rebuilt_in_backward(tensor: torch.Tensor | None, rebuild: Callable[[], torch.Tensor],
                         inputs: Sequence[torch.Tensor], what: str):
     """A ``torch.autograd.graph.saved_tensors_hooks`` context under which autograd saves
     ``tensor`` as ``rebuild`` (which must return the same values from ``inputs``) and calls it
     when backward needs the tensor; see [Note: rebuilt activations]. Every other saved tensor
-    is kept as usual. A no-op context for ``tensor=None``. ``what`` names the tensor in the
+    is kept as usual. A no-op context for ``tensor=None`` and under an outer saved-tensor
+    policy (the module note). ``what`` names the tensor in the
     error raised when an input was modified in place after the forward.
 
     Example::
@@ -48,7 +58,7 @@ def rebuilt_in_backward(tensor: torch.Tensor | None, rebuild: Callable[[], torch
         with rebuilt_in_backward(h, lambda: torch.relu(a), [a], "relu(a)"):
             y = h @ w                        # h is not kept for backward
     """
-    if tensor is None:
+    if tensor is None or _outer_policy():
         return contextlib.nullcontext()
     ptr, shape, dtype = tensor.data_ptr(), tensor.shape, tensor.dtype
     inputs = tuple(t for t in inputs if t is not None)

@@ -34,6 +34,25 @@ def test_a_rebuilt_tensor_gives_the_same_gradients_and_is_not_kept():
     assert torch.allclose(a.grad, (a > 0) * w.sum(0, keepdim=True).detach())
 
 
+def test_an_outer_saved_tensor_policy_keeps_its_say():
+    # Under torch's non-reentrant checkpoint the checkpoint decides what is kept; a rebuild
+    # would hold its inputs alive behind it. The rebuild steps aside, the gradients stay right.
+    from torch.utils.checkpoint import checkpoint
+
+    a = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    calls = []
+
+    def block(a):
+        h = torch.relu(a)
+        with rebuilt_in_backward(h, lambda: calls.append(1) or torch.relu(a), [a], "relu(a)"):
+            return h.mm(w.t())
+
+    checkpoint(block, a, use_reentrant=False).sum().backward()
+    assert calls == []
+    assert torch.allclose(a.grad, (a > 0) * w.sum(0, keepdim=True).detach())
+
+
 def test_a_rebuilt_tensor_refuses_an_input_modified_in_place():
     a = torch.randn(6, 5)
     w = torch.randn(4, 5, requires_grad=True)
