@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import etp.modules
-from etp.gemm import grouped_linear_reference
+from etp.gemm import grouped_linear, grouped_linear_reference
 from etp.saved import rebuilt_in_backward
 
 
@@ -68,9 +68,7 @@ def test_a_rebuilt_tensor_refuses_an_input_modified_in_place():
 def test_the_experts_swiglu_output_is_rebuilt_with_the_same_bits(monkeypatch, rebuilt):
     # etp's grouped GEMM Function saves its input whole: tests/parity.py swaps in a loop of
     # torch.mm for the whole session once imported, which saves per-expert views instead.
-    import etp.gemm
-
-    monkeypatch.setattr(etp.modules, "plain_grouped_linear", etp.gemm.grouped_linear)
+    monkeypatch.setattr(etp.modules, "plain_grouped_linear", grouped_linear)
     experts = etp.modules.GroupedSwiGLUExperts(4, 8, 6, dtype=torch.float64)
     x = torch.randn(10, 8, dtype=torch.float64, requires_grad=True)
     counts = torch.tensor([3, 0, 5, 2])
