@@ -34,6 +34,33 @@ def test_a_rebuilt_tensor_gives_the_same_gradients_and_is_not_kept():
     assert torch.allclose(a.grad, (a > 0) * w.sum(0, keepdim=True).detach())
 
 
+def test_nested_rebuilds_both_apply():
+    # etp-train nests them: the experts' SwiGLU output inside the dispatcher's re-gathered
+    # input. Neither tensor may be kept (only the GEMMs save them: scaling saves nothing); the
+    # gradients match the closed form.
+    a = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    u = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    calls = []
+    x = a * 2.0
+    with rebuilt_in_backward(x, lambda: calls.append("x") or a * 2.0, [a], "2 a"):
+        y = x.mm(w.t())
+        h = y * 3.0
+        with rebuilt_in_backward(h, lambda: calls.append("h") or y * 3.0, [y], "3 y"):
+            z = h.mm(v.t()) + x.mm(u.t())  # x saved inside the inner context: the outer's
+    kept = [weakref.ref(x), weakref.ref(h)]
+    del x, h
+    gc.collect()
+    assert [r() for r in kept] == [None, None]
+    z.sum().backward()
+    assert sorted(calls) == ["h", "x", "x"]
+    g_y = 3.0 * v.detach().sum(0, keepdim=True).expand(6, 4)
+    assert torch.allclose(w.grad, g_y.t().mm(2.0 * a.detach()))
+    assert torch.allclose(a.grad, 2.0 * (g_y.mm(w.detach()) + u.detach().sum(0, keepdim=True)))
+    assert torch.allclose(u.grad, (2.0 * a.detach()).sum(0, keepdim=True).expand(3, 5))
+
+
 def test_an_outer_saved_tensor_policy_keeps_its_say():
     # Under torch's non-reentrant checkpoint the checkpoint decides what is kept; a rebuild
     # would hold its inputs alive behind it. The rebuild steps aside, the gradients stay right.
