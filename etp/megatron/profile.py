@@ -151,6 +151,14 @@ def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) ->
     return total
 
 
+def _steps(events: list) -> list:
+    """The host's ``ProfilerStep#N`` ranges. Newer torch also writes each step's GPU-side span
+    (category ``gpu_user_annotation``): counted too, every per-iteration figure would be
+    halved."""
+    return [e for e in events if e.get("ph") == "X" and e.get("cat") != "gpu_user_annotation"
+            and str(e.get("name", "")).startswith("ProfilerStep#")]
+
+
 def breakdown(trace: dict | list) -> dict:
     """Per-iteration milliseconds of each class plus ``wall``, ``busy``, ``host_gaps`` and
     ``exposed_communication`` (see [Note: time breakdown]), with ``iterations`` and the top
@@ -161,8 +169,7 @@ def breakdown(trace: dict | list) -> dict:
     """
     events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
     enclosing = _enclosing_names(events)
-    steps = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
-                   for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#"))
+    steps = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in _steps(events))
     totals = dict.fromkeys(CLASSES, 0.0)
     per_kernel: dict[str, list] = defaultdict(lambda: [0.0, 0, ""])
     spans: dict[str, list[tuple[float, float]]] = {"all": [], "communication": [], "compute": []}
@@ -218,8 +225,7 @@ def host_activity(trace: dict | list) -> dict:
         print(host["syncs"], host["sync_sites"][:3])
     """
     events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
-    steps = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")]
-    iterations = max(1, len(steps))
+    iterations = max(1, len(_steps(events)))
     ops: dict[tuple, list[tuple[float, float, str]]] = defaultdict(list)
     for e in events:
         if e.get("ph") == "X" and e.get("cat") == "cpu_op":
@@ -255,8 +261,8 @@ def host_activity(trace: dict | list) -> dict:
 
 def kernel_time_plausible(table: dict, flops_per_iter: float, peak_tflops: float) -> bool:
     """False when the trace's GEMM time is too short for the iteration's FLOPs at the GPU's
-    peak: the profiler missed kernels (it can miss the grouped GEMMs' kernels), so ``busy`` is
-    too low and ``host_gaps`` is only an upper bound."""
+    peak: the trace lacks kernels (a dropped buffer, or steps counted twice), so ``busy`` is too
+    low and ``host_gaps`` is only an upper bound."""
     gemm_ms = table["classes"]["gemm"] + table["classes"]["attention"]
     return gemm_ms > 0 and flops_per_iter / (gemm_ms * 1e-3) <= peak_tflops * 1e12
 

@@ -27,12 +27,12 @@ def test_sum_received_kernel_matches_reference_and_float64(rows, cols, peers, ac
 
 
 def test_sum_received_rounds_once_into_a_16_bit_out():
-    own = torch.full((3, 2), 1.0, dtype=torch.bfloat16)
-    received = torch.full((1, 3, 2), 2.0 ** -9, dtype=torch.bfloat16)  # below bf16's ulp at 1: kept in fp32
-    out = torch.empty(3, 2, dtype=torch.bfloat16)
+    own = torch.full((3, 2), 1.0, dtype=torch.bfloat16, device=DEVICE)
+    received = torch.full((1, 3, 2), 2.0 ** -9, dtype=torch.bfloat16, device=DEVICE)  # below bf16's ulp at 1
+    out = torch.empty(3, 2, dtype=torch.bfloat16, device=DEVICE)
     # 1 + 4 * 2^-9 = 1 + 2^-7 exactly; added one at a time in bf16 every term would vanish.
     sum_received(own, torch.cat([received] * 4), out, impl="triton")
-    assert torch.equal(out, torch.full((3, 2), 1.0 + 2.0 ** -7, dtype=torch.bfloat16))
+    assert torch.equal(out.cpu(), torch.full((3, 2), 1.0 + 2.0 ** -7, dtype=torch.bfloat16))
 
 
 def test_sum_received_rejects_mismatched_shapes():

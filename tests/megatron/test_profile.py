@@ -23,6 +23,9 @@ def _trace():
     events = [
         _range("ProfilerStep#1", 0, 1000, cat="user_annotation"), _range("ProfilerStep#2", 1000, 1000,
                                                                          cat="user_annotation"),
+        # torch >= 2.10 also writes each step's span on the GPU's timeline: not another iteration.
+        _range("ProfilerStep#1", 100, 500, tid=7, cat="gpu_user_annotation"),
+        _range("ProfilerStep#2", 1100, 200, tid=7, cat="gpu_user_annotation"),
         _range("aten::mm", 10, 10), _launch(15, 1), _kernel("nvjet_tst_128x256_64x4_2x1_v_bz_TNT", 100, 200, 1),
         _range("etp::attention", 30, 30, cat="user_annotation"),
         _range("aten::_scaled_dot_product_flash_attention", 35, 20), _launch(40, 2),
