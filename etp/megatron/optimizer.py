@@ -96,8 +96,9 @@ def get_etp_megatron_optimizer(config, model_chunks, fast_fallbacks: bool = True
         config: megatron-core ``OptimizerConfig``.
         model_chunks: the DDP-wrapped model chunks (a list, or one module).
         fast_fallbacks: without apex / TransformerEngine, run megatron-core's multi-tensor
-            helpers on torch foreach ops and torch's Adam fused ([Note: megatron fallbacks]);
-            and step without a host synchronization (``grad_norm`` is then a device tensor,
+            helpers on torch foreach ops ([Note: megatron fallbacks]), step AdamW with etp's
+            fused kernel, which also writes the bf16 weights ([Note: etp AdamW step]), and step
+            without a host synchronization (``grad_norm`` is then a device tensor,
             [Note: sync-free step]).
         kwargs: passed on (``config_overrides`` ...); ``pg_collection`` and
             ``use_gloo_process_groups`` are set here.
@@ -111,8 +112,8 @@ def get_etp_megatron_optimizer(config, model_chunks, fast_fallbacks: bool = True
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+    from . import adam_step, sync_free_step
     from . import fast_fallbacks as fallbacks
-    from . import sync_free_step
     from .ddp import ETPDistributedDataParallel
 
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
@@ -132,6 +133,7 @@ def get_etp_megatron_optimizer(config, model_chunks, fast_fallbacks: bool = True
                                        use_gloo_process_groups=False, **kwargs)
     if fast_fallbacks:
         fallbacks.fuse_adam(optimizer)
+        adam_step.install(optimizer)  # [Note: etp AdamW step]
         sync_free_step.install(optimizer)  # [Note: sync-free step]
     for opt in inner_optimizers(optimizer):
         if isinstance(opt, DistributedOptimizer):

@@ -83,11 +83,13 @@ def clip_coefficient(norm: torch.Tensor, clip_grad: float) -> torch.Tensor:
 
 
 def _fused_torch_adam(link):
-    """The link's torch Adam / AdamW when every param group runs the fused kernel (which
-    honours ``grad_scale``), else None."""
+    """The link's torch Adam / AdamW when every param group runs torch's fused kernel or etp's
+    (both honour ``grad_scale``), else None."""
     inner = getattr(link, "optimizer", None)
     if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
         return None
+    if getattr(inner, "etp_fused_step", False):  # etp's AdamW step ([Note: etp AdamW step])
+        return inner
     return inner if all(group.get("fused") for group in inner.param_groups) else None
 
 

@@ -1,6 +1,6 @@
 """etp.megatron.sync_free_step ([Note: sync-free step]) on 2 gloo ranks: the global norm, the
 clip and the Adam update against a float64 reference computed from every rank's gradients,
-through both clip routes (fused Adam's ``grad_scale``, and a foreach multiply), for a chain
+through both clip routes (fused Adam's ``grad_scale``, torch's or etp's, and a foreach multiply), for a chain
 of two links with different statistics groups. The real megatron-core optimizer (CUDA only)
 is compared with its own step in ``tests/test_megatron_train_gpu.py``."""
 from types import SimpleNamespace
@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from harness import run_distributed
 
-from etp.megatron import sync_free_step
+from etp.megatron import adam_step, sync_free_step
 
 SHAPES = [(5, 7), (3,), (11, 2)]
 LR, CLIP, EPS = 0.1, 0.5, 1.0  # eps 1: Adam's update then depends on the gradients' scale
@@ -20,6 +20,7 @@ class _Link:
     """The slice of megatron-core's MegatronOptimizer that the sync-free step touches."""
 
     def __init__(self, params, clip_grad, group, fused):
+        fused = fused is True  # "etp": torch's Adam, stepped by etp's kernel once install()ed
         self.optimizer = torch.optim.Adam(params, lr=LR, eps=EPS, fused=fused, foreach=False if fused else None)
         self.config = SimpleNamespace(clip_grad=clip_grad, log_num_zeros_in_grad=False)
         self.grad_scaler, self.group = None, group
@@ -90,6 +91,8 @@ def _step_on_ranks(ctx, fused, clip_grad):
             p.shared = index == 1 and ctx.rank != 0
         links.append(_Link(params, clip_grad, groups[index], fused))
         starts.append(start)
+    if fused == "etp":
+        assert adam_step.install(_Chain(links)) == 2
     ok, norm, zeros = sync_free_step.step(_Chain(links))
     assert ok is True and zeros is None and norm.shape == (1,) and norm.dtype == torch.float32
     norm_ref, coefficient = _expected(ctx.world_size, clip_grad)
@@ -101,7 +104,7 @@ def _step_on_ranks(ctx, fused, clip_grad):
     return coefficient
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["foreach-clip", "fused-grad-scale"])
+@pytest.mark.parametrize("fused", [False, True, "etp"], ids=["foreach-clip", "fused-grad-scale", "etp-adamw"])
 @pytest.mark.parametrize("clip_grad", [CLIP, 1e6], ids=["clips", "no-clip"])
 def test_step_matches_float64_clip_and_adam(fused, clip_grad):
     coefficients = run_distributed(_step_on_ranks, 2, fused, clip_grad)
