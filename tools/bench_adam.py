@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/: bench_provenance
 
 from bench_provenance import provenance  # noqa: E402 - puts this checkout's etp first on the path
+from diag.bench_overlap import back_to_back_ms  # noqa: E402 - one CUDA-event loop timer for the tools
 
 from etp.kernels import adam as adam_mod  # noqa: E402
 
@@ -50,14 +51,8 @@ def shard_sizes(recipe_path: str, etp: int) -> list[int]:
 def _time(fn, iters: int) -> float:
     for _ in range(3):
         fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+    return back_to_back_ms(fn, iters)
 
 
 def main() -> int:
@@ -121,7 +116,7 @@ def main() -> int:
         row["gb_per_s"] = row["bytes"] / row["ms"] / 1e6
         print(f"{name:40s} {row['ms']:8.2f} ms  {row['gb_per_s']:7.0f} GB/s", flush=True)
     report = {"recipe": args.recipe, "etp": args.etp, "tensors": len(sizes), "elements": total, "rows": rows,
-              "provenance": provenance(" ".join(sys.argv))}
+              "provenance": provenance(sys.argv)}
     Path(args.out).write_text(json.dumps(report, indent=1))
     return 0
 

@@ -67,7 +67,13 @@ def kernels(step, folder: Path) -> str:
     if not report:
         return "no JSON"
     fractions = ", ".join(f"{k} {v['fraction_of_copy_bw']:.2f}" for k, v in report["targets"].items())
-    return f"of copy bw: {fractions}; {'exact' if report['correctness']['all_exact'] else 'MISMATCH'}"
+    line = f"of copy bw: {fractions}; {'exact' if report['correctness']['all_exact'] else 'MISMATCH'}"
+    adam = _load(folder / "adam.json")
+    if adam:
+        rows = adam["rows"]
+        line += (f"; AdamW step: etp {rows['etp_fused_adamw']['ms']:.1f} ms against torch + copy "
+                 f"{rows['torch_fused_adamw_then_copy']['ms']:.1f} ms")
+    return line
 
 
 def ep_moves(step, folder: Path) -> str:

@@ -161,8 +161,10 @@ def checkpoint(k: int) -> Step:
 
 
 def kernels() -> Step:
+    adam = "python3 tools/bench_adam.py --recipe recipes/qwen3_30b_a3b.yaml --etp 4 --sweep --out {json}"
     return Step("kernels_1gpu", "FP8 kernels against copy bandwidth",
-                (Run("kernels", "python3 tools/bench_kernels.py --out {json}", 1, 60, 240),), headlines.kernels)
+                (Run("kernels", "python3 tools/bench_kernels.py --out {json}", 1, 60, 240),
+                 Run("adam", adam, 1, 40, 180)), headlines.kernels)
 
 
 def expert_parallel(k: int) -> list[Step]:
