@@ -136,7 +136,9 @@ Training (``recipe.train``, :class:`TrainSpec`):
         off itself | auto: step where the recipe and the machine allow it).
     megatron_fallbacks: fast (etp's own: without apex / TransformerEngine, megatron-core's
         multi-tensor helpers run as torch foreach ops and torch's Adam as its fused kernel,
-        etp.megatron.fast_fallbacks; and, with or without apex, the optimizer step keeps the grad
+        etp.megatron.fast_fallbacks (etp's optimizer: etp's fused AdamW, etp.megatron.adam_step),
+        and RoPE as one fused pass each way, etp.megatron.rope (every system, the same bits);
+        and, with or without apex, the optimizer step keeps the grad
         norm and the clip on the device, etp.megatron.sync_free_step | stock: megatron-core's own
         per-tensor fallbacks and its step, which reads the norm on the host).
     peak_tflops: None (etp's own: bf16 peak TFLOP/s per GPU for the MFU column; None -> by GPU

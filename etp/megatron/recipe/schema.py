@@ -369,8 +369,9 @@ class TrainSpec:
         "(etp.GraphedStep) and replay it", choices=("none", "step"),
     )
     megatron_fallbacks: str = _key(
-        "fast", _STR, "fast (torch foreach helpers and fused Adam without apex / TransformerEngine; the "
-        "optimizer step without a host wait, always) | stock (megatron-core's own fallbacks and step)", choices=("fast", "stock"),
+        "fast", _STR, "fast (torch foreach helpers, fused AdamW and fused RoPE without apex / "
+        "TransformerEngine; the optimizer step without a host wait, always) | stock (megatron-core's own "
+        "fallbacks and step)", choices=("fast", "stock"),
     )
     peak_tflops: float | None = _key(
         None, _FLOAT, "bf16 peak TFLOP/s per GPU for MFU (default: by GPU name)",

@@ -85,8 +85,15 @@ def build_model(recipe, device):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.module import Float16Module
 
+    from .. import rope
+
     model_parallel_cuda_manual_seed(recipe.train.seed)
     torch.manual_seed(recipe.train.seed)
+    # The model's arithmetic, the same bits either way: every system etp-train runs gets it.
+    if recipe.train.megatron_fallbacks == "fast":
+        rope.install()
+    else:
+        rope.uninstall()
     config = transformer_config(recipe, device)
     model = gpt_model(recipe, config).to(device)
     if m.is_moe:
