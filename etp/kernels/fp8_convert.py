@@ -83,3 +83,12 @@ def _quantize_f32(x, scale, FP8_MAX: tl.constexpr, SOFT: tl.constexpr):
     else:
         q = y.to(tl.float8e4nv)
     return q
+
+
+@triton.jit
+def _to_ty(y, TY: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """float32 -> ``TY`` rounded to nearest even. The Triton interpreter's own float32 -> bf16
+    conversion truncates: SOFT_BF16 rounds on the bits (``_f32_to_bf16_bits``) instead."""
+    if SOFT_BF16:
+        return _f32_to_bf16_bits(y).to(tl.bfloat16, bitcast=True)
+    return y.to(TY)

@@ -30,7 +30,7 @@ try:  # triton is optional on CPU-only installs; the reference serves there
     import triton.language as tl
 
     from etp.kernels.amax import cdiv, interpreter_active, next_pow2, select_impl
-    from etp.kernels.fp8_convert import _f32_to_bf16_bits
+    from etp.kernels.fp8_convert import _to_ty
     from etp.kernels.launch import launch
 except ImportError:  # pragma: no cover - exercised only without triton
     triton = None
@@ -54,14 +54,6 @@ def rope_reference(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 
 
 if triton is not None:
-
-    @triton.jit
-    def _rnd(y, TY: tl.constexpr, SOFT_BF16: tl.constexpr):
-        """float32 -> ``TY`` rounded to nearest even, back as float32 (the interpreter's own
-        bf16 conversion truncates: SOFT_BF16 rounds on the bits)."""
-        if SOFT_BF16:
-            return _f32_to_bf16_bits(y).to(tl.bfloat16, bitcast=True).to(tl.float32)
-        return y.to(TY).to(tl.float32)
 
     @triton.jit
     def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, rows, B, H, sx_s, sx_b, sx_h, D, ROT,
@@ -95,16 +87,16 @@ if triton is not None:
         cos = tl.load(cos_ptr + trig, mask=rmask, other=0.0).to(tl.float32)
         if BACKWARD:
             sin_p = tl.load(sin_ptr + s_idx[:, None] * ROT + partner[None, :], mask=rmask, other=0.0).to(tl.float32)
-            a = _rnd(x.to(tl.float32) * cos, TY, SOFT_BF16)
-            b = _rnd(xp.to(tl.float32) * sin_p, TY, SOFT_BF16)
+            a = _to_ty(x.to(tl.float32) * cos, TY, SOFT_BF16).to(tl.float32)
+            b = _to_ty(xp.to(tl.float32) * sin_p, TY, SOFT_BF16).to(tl.float32)
             y = a + tl.where(first[None, :], b, -b)
         else:
             sin = tl.load(sin_ptr + trig, mask=rmask, other=0.0).to(tl.float32)
-            a = _rnd(x.to(tl.float32) * cos, TY, SOFT_BF16)
+            a = _to_ty(x.to(tl.float32) * cos, TY, SOFT_BF16).to(tl.float32)
             signed = tl.where(first[None, :], -xp.to(tl.float32), xp.to(tl.float32))
-            b = _rnd(signed * sin, TY, SOFT_BF16)
+            b = _to_ty(signed * sin, TY, SOFT_BF16).to(tl.float32)
             y = a + b
-        y = tl.where(rotated[None, :], _rnd(y, TY, SOFT_BF16).to(TY), x)
+        y = tl.where(rotated[None, :], _to_ty(y, TY, SOFT_BF16), x)
         tl.store(out_ptr + r64[:, None] * D + c[None, :], y, mask=mask)
 
 

@@ -17,9 +17,10 @@ Here, per layer and micro-batch:
 * ``order``: a stable ``argsort`` of the flattened ``idx``: rows sorted by expert and, within
   an expert, by token (megatron's ``permute`` order, so experts see the same rows);
 * ``inverse``: where each (token, k) pair went;
-* dispatch gathers ``x[order // K]``; combine gathers ``y[inverse]`` and sums the K rows of
-  each token in a fixed order (fp32 accumulation, deterministic, no atomics). Each is the
-  other's backward (``_Permute`` / ``_Unpermute``).
+* dispatch gathers ``x[order // K]``; combine sums the K rows ``y[inverse]`` of each token in
+  a fixed order (fp32 accumulation, deterministic, no atomics), in one pass that never writes
+  the gathered rows (``etp.kernels.gather_sum``). Each is the other's backward (``_Permute`` /
+  ``_Unpermute``).
 
 The permuted tokens are K copies of the layer's input, and the experts' first GEMM would keep
 them for its weight gradient: K x hidden 16-bit values per token, the largest tensor a MoE
@@ -46,6 +47,7 @@ import contextlib
 import torch
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
+from ..kernels.gather_sum import gather_sum
 from ..saved import rebuilt_in_backward
 
 __all__ = ["LocalTokenDispatcher", "install_local_dispatchers", "local_permutation", "mark_permuted",
@@ -129,10 +131,9 @@ class _Unpermute(torch.autograd.Function):
 
 
 def _combine(rows: torch.Tensor, inverse: torch.Tensor, topk: int) -> torch.Tensor:
-    # The K rows of token t, in k order, summed in fp32 (torch's sum accumulates in fp32 for
-    # bf16) and rounded once.
-    gathered = rows.index_select(0, inverse).view(-1, topk, rows.shape[-1])
-    return gathered.sum(dim=1, dtype=torch.float32).to(rows.dtype)
+    # The K rows of token t, in k order, summed in fp32 and rounded once, in one pass that
+    # never writes the gathered [T*K, H] copy ([Note: fused gather-sum]).
+    return gather_sum(rows, inverse, topk)
 
 
 class LocalTokenDispatcher(MoETokenDispatcher):
