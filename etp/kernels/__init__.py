@@ -15,8 +15,9 @@
 * :func:`transpose_last2` - tiled transpose of FP8 matrices (the backward GEMM operand).
 * :func:`embedding_backward` - deterministic, capture-safe embedding weight gradient.
 * :func:`multi_tensor_adamw` - one AdamW pass over fp32 masters that writes the bf16 weights.
-* :func:`rope` - megatron-core's unfused RoPE in one pass each way, the same bits.
-* :func:`gather_sum` - each token's sum of its K expert rows in one pass (the local combine).
+* ``etp.kernels.rope.rope`` - megatron-core's unfused RoPE in one pass each way, the same bits.
+* ``etp.kernels.gather_sum.gather_sum`` - each token's sum of its K expert rows in one pass
+  (the local combine). These two are not re-exported here: the names are their modules'.
 
 Every op takes ``impl="auto" | "triton" | "torch"``; the pure-torch references
 in :mod:`etp.kernels.reference` define the numerics and are the CPU fallback.
@@ -31,9 +32,7 @@ from etp.kernels.cast import MultiTensorCastPlan, amax_to_scale, multi_tensor_ca
 from etp.kernels.colwise import grouped_colwise_layout, quantize_grouped_colwise
 from etp.kernels.dequantize import dequantize_fp8
 from etp.kernels.embedding import embedding_backward
-from etp.kernels.gather_sum import gather_sum
 from etp.kernels.reference import FP8_E4M3_MAX
-from etp.kernels.rope import rope
 from etp.kernels.swiglu import swiglu, swiglu_backward
 from etp.kernels.transpose import transpose_last2
 
@@ -43,7 +42,6 @@ __all__ = [
     "amax_to_scale",
     "dequantize_fp8",
     "embedding_backward",
-    "gather_sum",
     "multi_tensor_adamw",
     "multi_tensor_amax",
     "multi_tensor_cast_fp8",
@@ -51,7 +49,6 @@ __all__ = [
     "grouped_colwise_layout",
     "quantize_grouped_colwise",
     "quantize_rowwise",
-    "rope",
     "swiglu",
     "swiglu_backward",
     "transpose_last2",
