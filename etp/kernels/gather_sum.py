@@ -16,31 +16,39 @@ from __future__ import annotations
 
 import torch
 
+from etp.kernels.amax import accumulator_dtype
+
 try:  # triton is optional on CPU-only installs; the reference serves there
     import triton
     import triton.language as tl
 
-    from etp.kernels.amax import cdiv, interpreter_active, select_impl
+    from etp.kernels.amax import _DTYPE_CODE, cdiv, interpreter_active, load_ty, select_impl
     from etp.kernels.fp8_convert import _to_ty
     from etp.kernels.launch import launch
 except ImportError:  # pragma: no cover - exercised only without triton
     triton = None
 
-__all__ = ["gather_sum", "gather_sum_reference"]
+__all__ = ["gather_sum", "gather_sum_reference", "sum_in_k_order"]
 
 _TOKENS = 4     # tokens per program
 _COLUMNS = 1024  # columns per program
 
 
+def sum_in_k_order(per_pair: torch.Tensor) -> torch.Tensor:
+    """``per_pair[:, 0] + ... + per_pair[:, K-1]`` of ``[T, K, H]`` rows, added one k at a time in
+    float32 (float64 for float64 rows), not rounded back: the order every combine of etp's
+    (local and expert-parallel) reproduces bit for bit."""
+    acc = per_pair[:, 0].to(accumulator_dtype(per_pair.dtype))
+    for k in range(1, per_pair.shape[1]):
+        acc += per_pair[:, k]
+    return acc
+
+
 def gather_sum_reference(rows: torch.Tensor, inverse: torch.Tensor, topk: int) -> torch.Tensor:
-    """The definition of ``gather_sum``: token t's K rows ``rows[inverse[t*K : t*K+K]]`` added
-    one k at a time in float32 (float64 for float64 rows), rounded once to ``rows.dtype``."""
-    acc_dtype = torch.float64 if rows.dtype == torch.float64 else torch.float32
-    idx = inverse.view(-1, topk)
-    acc = rows.index_select(0, idx[:, 0]).to(acc_dtype)
-    for k in range(1, topk):
-        acc += rows.index_select(0, idx[:, k]).to(acc_dtype)
-    return acc.to(rows.dtype)
+    """The definition of ``gather_sum``: token t's K rows ``rows[inverse[t*K : t*K+K]]`` summed
+    by ``sum_in_k_order``, rounded once to ``rows.dtype``."""
+    per_pair = rows.index_select(0, inverse).view(-1, topk, rows.shape[1])
+    return sum_in_k_order(per_pair).to(rows.dtype)
 
 
 if triton is not None:
@@ -59,8 +67,6 @@ if triton is not None:
             acc += tl.load(rows_ptr + r[:, None] * row_stride + h[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + t64[:, None] * H + h[None, :], _to_ty(acc, TY, SOFT_BF16), mask=mask)
 
-    _TL_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-
 
 def gather_sum(rows: torch.Tensor, inverse: torch.Tensor, topk: int, *, impl: str = "auto") -> torch.Tensor:
     """``[T, H]``: each token's sum of its ``topk`` rows of ``rows`` [T*K, H], row
@@ -74,7 +80,7 @@ def gather_sum(rows: torch.Tensor, inverse: torch.Tensor, topk: int, *, impl: st
     if rows.dim() != 2 or inverse.dim() != 1 or topk < 1 or inverse.numel() % topk:
         raise ValueError(f"gather_sum: rows {tuple(rows.shape)} must be [T*K, H] and inverse {tuple(inverse.shape)} "
                          f"[T*K] with T*K a multiple of topk={topk}")
-    if triton is None or rows.dtype not in _TL_TYPES or not select_impl(impl, rows.device):
+    if triton is None or rows.dtype not in _DTYPE_CODE or not select_impl(impl, rows.device):
         return gather_sum_reference(rows, inverse, topk)
     tokens, columns = inverse.numel() // topk, rows.shape[1]
     if rows.stride(1) != 1:
@@ -82,7 +88,7 @@ def gather_sum(rows: torch.Tensor, inverse: torch.Tensor, topk: int, *, impl: st
     out = torch.empty(tokens, columns, dtype=rows.dtype, device=rows.device)
     if tokens and columns:
         launch(_gather_sum_kernel, (cdiv(tokens, _TOKENS), cdiv(columns, _COLUMNS)), rows, inverse.contiguous(), out,
-               tokens, columns, rows.stride(0), K=topk, TY=_TL_TYPES[rows.dtype],
+               tokens, columns, rows.stride(0), K=topk, TY=load_ty(rows.dtype, soft=False),
                SOFT_BF16=interpreter_active() and rows.dtype == torch.bfloat16, TOKENS=_TOKENS, COLUMNS=_COLUMNS,
                num_warps=4, enable_fp_fusion=False)
     return out

@@ -29,7 +29,7 @@ try:  # triton is optional on CPU-only installs; the reference serves there
     import triton
     import triton.language as tl
 
-    from etp.kernels.amax import cdiv, interpreter_active, next_pow2, select_impl
+    from etp.kernels.amax import _DTYPE_CODE, cdiv, interpreter_active, load_ty, next_pow2, select_impl
     from etp.kernels.fp8_convert import _to_ty
     from etp.kernels.launch import launch
 except ImportError:  # pragma: no cover - exercised only without triton
@@ -100,18 +100,15 @@ if triton is not None:
         tl.store(out_ptr + r64[:, None] * D + c[None, :], y, mask=mask)
 
 
-_TL_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32} if triton else {}
-
-
 def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
-    if x.dtype not in _TL_TYPES:
+    if x.dtype not in _DTYPE_CODE:
         raise ValueError(f"rope: {x.dtype} activations: the kernel takes bfloat16, float16 or float32")
     s, b, h, d = x.shape
     out = torch.empty((s, b, h, d), dtype=x.dtype, device=x.device)
     rows = s * b * h
     if rows:
         launch(_rope_kernel, (cdiv(rows, _ROWS),), x, cos, sin, out, rows, b, h, x.stride(0), x.stride(1),
-               x.stride(2), d, cos.shape[-1], TY=_TL_TYPES[x.dtype], BACKWARD=backward,
+               x.stride(2), d, cos.shape[-1], TY=load_ty(x.dtype, soft=False), BACKWARD=backward,
                SOFT_BF16=interpreter_active() and x.dtype == torch.bfloat16, ROWS=_ROWS, BLOCK_D=next_pow2(d),
                num_warps=4, enable_fp_fusion=False)
     return out

@@ -13,6 +13,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from etp.kernels.gather_sum import sum_in_k_order
+
 __all__ = ["EPContext", "Backend", "first_pairs", "sum_pairs"]
 
 
@@ -86,12 +88,9 @@ class Backend:
 
 def sum_pairs(per_pair: torch.Tensor, out: torch.Tensor) -> None:
     """``out[t] = per_pair[t, 0] + ... + per_pair[t, K-1]`` accumulated in fp32 (fp64 for fp64),
-    one k at a time: the summation order every backend reproduces bit for bit."""
-    acc_dtype = torch.float64 if out.dtype == torch.float64 else torch.float32
-    acc = per_pair[:, 0].to(acc_dtype)
-    for k in range(1, per_pair.shape[1]):
-        acc = acc + per_pair[:, k].to(acc_dtype)
-    out.copy_(acc)
+    one k at a time (``etp.kernels.gather_sum.sum_in_k_order``): the summation order every
+    backend reproduces bit for bit."""
+    out.copy_(sum_in_k_order(per_pair))
 
 
 def first_pairs(key: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
