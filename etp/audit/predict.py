@@ -38,7 +38,9 @@ The categories are the bytes alive throughout a step; the allocator's peak adds 
 
 * forward / backward: categories + the backward's transient: the weight gradients reduced
   from their GEMM's own output (``wgrad_in_place``: etp's grouped experts; two neighbours
-  alive at once) and the larger of the two expert GEMMs' backward transients beside them (the
+  alive at once) plus the largest gradient of grouped experts left whole (a fresh 16-bit
+  tensor until megatron-core's DDP hook adds it into ``main_grad``), and the larger of the
+  two expert GEMMs' backward transients beside them (the
   input rebuilt, the activation gradients and their FP8 copies: ``expert_backward_bytes``) less the logits the loss kept (``logits_bytes``), released by the output
   layer's backward before them; or, if larger, the loss's: etp's cross-entropy writes the
   logits' gradient over the logits (``etp.megatron.cross_entropy``), and an ETP-sharded output
@@ -158,6 +160,16 @@ def _wgrad_order(recipe, etp: ETPConfig, wire_bytes: int) -> tuple[list, list[in
     return shapes, in_place
 
 
+def _unsharded_expert_wgrad_bytes(recipe, etp: ETPConfig) -> int:
+    """The largest 16-bit weight gradient of grouped experts that ETP leaves whole: their
+    grouped GEMM returns a fresh ``[E, out, in]`` gradient, which megatron-core's DDP hook adds
+    into ``main_grad`` and frees before the next one (so one at a time, beside that GEMM's
+    backward transients). Sharded experts' gradients are ``wgrad_in_place`` or pooled instead."""
+    param_bytes = 2 if (recipe.train.bf16 or recipe.train.fp16) else 4
+    return max((numel * param_bytes for weight, layout, numel in weights_on_rank(recipe, etp)
+                if layout is None and weight.expert and len(weight.shape) == 3), default=0)
+
+
 def _finalize_transient(recipe, etp: ETPConfig) -> int:
     """The finalize's flat fp32 copy of the replicated parameters' gradients, all-reduced over
     their ETP group (dense and expert groups one after the other; none of size 1)."""
@@ -218,7 +230,8 @@ def predict_peak(recipe, world_size: int, etp: ETPConfig | None = None, distribu
     # released those logits, beside the larger of their two GEMMs' backward transients.
     in_place = unpooled_wgrad_pair_bytes(_wgrad_order(recipe, etp, _wire_bytes(recipe, gathers))[1])
     fp8_experts = etp.gather_dtype == "fp8_tensorwise" and etp.expert_etp_size > 1 and etp.fp8_wgrad
-    experts = in_place + expert_backward_bytes(recipe, b, fp8=fp8_experts)
+    experts = (in_place + _unsharded_expert_wgrad_bytes(recipe, etp)
+               + expert_backward_bytes(recipe, b, fp8=fp8_experts))
     backward_transient = max(loss_transient, experts - logits_bytes(recipe, b))
     # Fused Adam (megatron_fallbacks: fast, or apex / TE) steps in place; torch's foreach Adam
     # (megatron's stock fallback) holds one fp32 temporary per stepped element.
@@ -255,7 +268,13 @@ def fits(peak: dict, gpu_bytes: int) -> bool:
 
         fits(predict_peak(recipe, 2), 80 * 2**30)
     """
-    return peak["fit_peak"] * FRAGMENTATION + peak["outside_allocator"] + RESERVED_OUTSIDE <= gpu_bytes
+    return fit_bytes(peak) <= gpu_bytes
+
+
+def fit_bytes(peak: dict) -> float:
+    """The GPU bytes ``fits`` asks of a prediction of ``predict_peak``: its ``fit_peak`` with
+    fragmentation, the memory outside the allocator and its symmetric-memory bytes."""
+    return peak["fit_peak"] * FRAGMENTATION + peak["outside_allocator"] + RESERVED_OUTSIDE
 
 
 def largest_micro_batch(recipe, world_size: int, gpu_bytes: int, etp: ETPConfig | None = None,

@@ -41,6 +41,17 @@ def test_a_recipe_that_cannot_be_captured_stays_eager_and_fp8_follows_the_batch(
     assert resolve_auto(wide, Machine(4, 4, **H100))[0].etp.gather_dtype == "fp8_tensorwise"
 
 
+def test_an_eager_step_takes_fp8_gathers_where_only_they_fit():
+    """Fitting comes before the host-bound rule: DeepSeek-V3's shape at 8 x 80 GiB needs FP8's
+    halved gathers; with more memory the eager step keeps bf16."""
+    dsv3 = Recipe.from_yaml(ROOT / "recipes" / "deepseek_v3_shaped.yaml")
+    tight, notes = resolve_auto(dsv3, Machine(8, 8, **H100))
+    assert tight.train.cuda_graph == "none" and tight.etp.gather_dtype == "fp8_tensorwise"
+    assert any("only FP8 gathers fit this GPU" in n for n in notes), notes
+    roomy, _ = resolve_auto(dsv3, Machine(8, 8, **dict(H100, gpu_memory=141 * 2**30)))
+    assert roomy.etp.gather_dtype == "param"
+
+
 def test_experts_that_read_token_counts_on_the_host_stay_eager():
     """fp32 experts, and any experts on a GPU older than sm90, run one GEMM per expert sized by
     counts read on the host, which a capture cannot hold: auto leaves those recipes eager and

@@ -26,7 +26,7 @@ always wins. In the order they are decided:
   not bound by its host: captured, or eager with at least ``FP8_EAGER_TOKENS`` tokens per
   micro-batch; bf16 (the parameters' own) otherwise. An eager FP8 GEMM issues more launches
   than a bf16 one, so on a host-bound eager step FP8 is slower although it moves half the bytes
-  (BENCHMARKS.md, "Recipes").
+  (BENCHMARKS.md, "Recipes"), unless only FP8's halved gathers fit the GPU (memory audit).
 * ``etp.gather_reuse: auto``: the most reuse the memory audit predicts to fit the GPU ("step"
   with several micro-batches, "pass" with one, else "chain"); "chain" without a GPU to size
   against.
@@ -161,6 +161,17 @@ def _gather_dtype(recipe, machine: Machine, captured: bool, notes: list[str]) ->
         why = "a captured step" if captured else f"{tokens} tokens per micro-batch (>= {FP8_EAGER_TOKENS})"
         notes.append(f"etp.gather_dtype auto -> fp8_tensorwise: half the gathered bytes and FP8 GEMMs pay on {why}")
         return "fp8_tensorwise"
+    if machine.gpu_memory is not None:
+        from ...audit.predict import fit_bytes, predict_peak
+
+        # Fitting comes before speed: FP8 gathers hold half the gathered bytes.
+        need = {dtype: fit_bytes(predict_peak(recipe.replace(etp={"gather_dtype": dtype, "gather_reuse": "chain"}),
+                                              machine.world_size)) for dtype in ("param", "fp8_tensorwise")}
+        if need["param"] > machine.gpu_memory >= need["fp8_tensorwise"]:
+            notes.append(f"etp.gather_dtype auto -> fp8_tensorwise: only FP8 gathers fit this GPU (the memory audit "
+                         f"with its margins: bf16 {need['param'] / 2**30:.1f} GiB, FP8 "
+                         f"{need['fp8_tensorwise'] / 2**30:.1f} GiB of {machine.gpu_memory / 2**30:.0f})")
+            return "fp8_tensorwise"
     notes.append(f"etp.gather_dtype auto -> param: an eager step of {tokens} tokens per micro-batch is bound by "
                  "its host, where FP8's extra launches cost more than its bytes save")
     return "param"
