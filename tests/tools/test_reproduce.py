@@ -59,8 +59,12 @@ def test_every_etp_train_command_runs_today(n):
         if "etp.megatron.train" not in argv:
             continue
         args = train._parse(argv[argv.index("etp.megatron.train") + 1:])  # unknown flags exit here
-        overrides = {**parse_overrides(args.set), "train_iters": args.train_iters, "log_interval": args.log_interval}
+        run_keys = {"train_iters": args.train_iters, "log_interval": args.log_interval}
+        overrides = {**parse_overrides(args.set), **{k: v for k, v in run_keys.items() if v is not None}}
         recipe = Recipe.from_yaml(ROOT / args.recipe, **overrides)  # removed or invalid keys raise here
+        if args.tune:  # --tune launches its own runs on the visible GPUs
+            assert "--nproc-per-node" not in argv, command
+            continue
         world = int(argv[argv.index("--nproc-per-node") + 1])
         # as etp-train resolves it under torchrun on one host of 80 GiB sm90 GPUs
         recipe, _ = resolve_auto(recipe, Machine(world, world, cuda=True, gpu_memory=80 * 2**30, sm90=True))

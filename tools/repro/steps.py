@@ -68,21 +68,47 @@ def expert_stack(k: int) -> Step:
 
 
 def recipes_wide(k: int) -> Step:
+    """The defaults, the best hand-written command before auto, and the peer at half and a quarter of
+    a rank's share of the batch (its largest that fit: 32 of 64 on 2×H200, 16 of 32 on 4×H100)."""
+    share = 128 // k
     runs = (Run("etp_defaults", _train(k, WIDE), k, 50, 180),
             Run("etp_fp8_step_eager", _train(k, WIDE, FP8_STEP_EAGER), k, 45, 180),
-            Run("distopt_mb16", _train(k, WIDE, f"{DISTOPT} --set micro_batch_size=16"), k, 50, 180),
-            Run("distopt_mb8", _train(k, WIDE, f"{DISTOPT} --set micro_batch_size=8"), k, 50, 180))
+            *(Run(f"distopt_mb{mb}", _train(k, WIDE, f"{DISTOPT} --set micro_batch_size={mb}"), k, 50, 180)
+              for mb in (share // 2, share // 4)))
     return Step(f"recipes_wide_{k}gpu", "The recipes against their peers", runs, headlines.recipes)
 
 
 def recipes_flagship(k: int) -> Step:
-    """The defaults (micro_batch_size auto), micro-batch 2, and the peer at 2, 4 and 8 (its largest that fits)."""
+    """The defaults (micro_batch_size auto), micro-batch 2, and the peer at a rank's whole share of
+    the batch and at half of it."""
+    share = 32 // k
     runs = (Run("etp_defaults", _train(k, FLAGSHIP), k, 50, 180),
             Run("etp_mb2", _train(k, FLAGSHIP, "--set micro_batch_size=2"), k, 50, 180),
-            Run("distopt_mb2", _train(k, FLAGSHIP, f"{DISTOPT} --set micro_batch_size=2"), k, 50, 180),
-            Run("distopt_mb4", _train(k, FLAGSHIP, f"{DISTOPT} --set micro_batch_size=4"), k, 50, 180),
-            Run("distopt_mb8", _train(k, FLAGSHIP, f"{DISTOPT} --set micro_batch_size=8"), k, 50, 180))
+            *(Run(f"distopt_mb{mb}", _train(k, FLAGSHIP, f"{DISTOPT} --set micro_batch_size={mb}"), k, 50, 180)
+              for mb in (share, share // 2)))
     return Step(f"recipes_flagship_{k}gpu", "The recipes against their peers", runs, headlines.recipes)
+
+
+def recipes_deepseek_v3_features() -> Step:
+    """DeepSeek-V3's features (64 experts, sequences of 4096) on 2 GPUs of 140 GiB (H200): etp at its
+    defaults beside the distributed optimizer, Megatron-FSDP and torch FSDP2 at micro-batch 4."""
+    features = ("--recipe recipes/deepseek_v3_shaped.yaml --set num_experts=64 --set expert_model_parallel_size=1 "
+                "--set moe_token_dispatcher_type=local --set seq_length=4096")
+    runs = (Run("etp_defaults", _train(2, features, "--audit {dir}/etp_defaults_audit.json", 12), 2, 60, 180),
+            Run("distopt_mb4", _train(2, features, f"{DISTOPT} --set micro_batch_size=4", 12), 2, 45, 180),
+            Run("megatron_fsdp_mb4", _train(2, features, "--set use_megatron_fsdp=true --set micro_batch_size=4", 12),
+                2, 50, 180),
+            Run("fsdp2_mb4", _train(2, features, "--set use_torch_fsdp2=true --set micro_batch_size=4", 12), 2, 45, 180))
+    return Step("recipes_deepseek_v3_features_2gpu", "The recipes against their peers", runs, headlines.recipes)
+
+
+def tune(k: int, label: str, names: tuple[str, ...]) -> Step:
+    """``etp-train --tune`` on each recipe, capture and FP8 gathers pinned (what auto picks on sm90):
+    the candidates are ``gather_reuse`` x the three largest micro-batches that fit."""
+    pinned = "--set cuda_graph=step --set etp.gather_dtype=fp8_tensorwise"
+    runs = tuple(Run(f"tune_{name}", f"python3 -m etp.megatron.train --recipe recipes/{name}.yaml {pinned} "
+                                     f"--tune {{dir}}/{name}_best.yaml", k, 240, 480) for name in names)
+    return Step(f"tune_{label}_{k}gpu", "The recipes against their peers", runs, headlines.none)
 
 
 def recipes_architectures(k: int) -> Step:
@@ -180,12 +206,13 @@ def gpu_tests(n: int) -> list[Step]:
     """The test files that need a GPU (``needs CUDA`` skips, ``ETP_TEST_BACKEND=nccl``)."""
     nccl = ("ETP_TEST_BACKEND=nccl", "ETP_TEST_TIMEOUT=240")
     suites = (
-        ("tests_kernels", 1, (), "tests/kernels tests/test_fp8.py tests/test_gemm.py", 240),
+        ("tests_kernels", 1, (), "tests/kernels tests/test_fp8.py tests/test_gemm.py", 360),
         ("tests_transport", n, nccl, "tests/transport/test_transport_gpu.py tests/transport/test_stream_ops_gpu.py "
                                      "tests/test_graphs_gpu.py", 300),
         ("tests_megatron", n, nccl, "tests/megatron/test_fp8_recipe_gpu.py tests/megatron/test_megatron_train_gpu.py "
                                     "tests/megatron/test_attention_gpu.py tests/megatron/test_local_dispatcher.py "
-                                    "tests/megatron/test_megatron_fallbacks.py tests/audit/test_memory_audit.py", 300),
+                                    "tests/megatron/test_megatron_fallbacks.py tests/megatron/test_rope_install.py "
+                                    "tests/megatron/test_adam_step.py tests/audit/test_memory_audit.py", 300),
         ("tests_ep", n, nccl, "tests/ep/test_ep_gpu.py tests/megatron/test_ep_megatron.py", 180),
         (f"tests_parity_{n}gpu", n, (*nccl, f"ETP_TEST_SIZES=2,{n}"),
          "tests/test_parity.py tests/megatron/test_megatron_linears.py", 300),
@@ -208,8 +235,11 @@ def build_steps(n: int) -> list[Step]:
     sizes = sorted({2, n})
     steps = [expert_stack(k) for k in sizes]
     steps += [make(k) for make in (recipes_wide, recipes_flagship) for k in sizes]
+    steps.append(recipes_deepseek_v3_features())
+    steps += [tune(k, "recipes", ("moe_flagship", "moe_wide")) for k in sizes]
     if n >= 4:  # the architectures' recipes are sized for 4 GPUs of 80 GiB
-        steps += [recipes_architectures(n), precision_olmoe(n)]
+        steps += [recipes_architectures(n), precision_olmoe(n),
+                  tune(n, "architectures", ("olmoe_1b_7b", "qwen3_30b_a3b", "mixtral_8x7b"))]
     steps.append(kernels())
     steps += [s for k in sizes for s in expert_parallel(k)]
     steps += [memory_audit(k) for k in sizes]
