@@ -136,7 +136,12 @@ def format_timeline(summary: dict | None) -> str:
 def format_spread(ranks: list[list[dict]]) -> str:
     """Where the spread of an issue-bound step comes from: ``ranks`` holds every rank's
     ``windows()``. Per rank, its host time per iteration (all phases) over the windows, min to
-    max; then the (rank, phase) whose host time varies most.
+    max; the (rank, phase) whose host time varies most; and which rank's host was the slowest in
+    each window in the first phase (the forward, which waits on nothing: later phases also hold
+    the time a host blocks on its device while that device waits for a peer), with that slowest
+    time's range. An issue-bound step waits at every gather for its slowest rank, so when the
+    slowest rank changes from window to window the spread is each host's own jitter, not one
+    rank's steady lag.
 
     Example::
 
@@ -154,4 +159,11 @@ def format_spread(ranks: list[list[dict]]) -> str:
                 widest = (max(values) - min(values), rank, phase, min(values), max(values))
     _, rank, phase, low, high = widest
     rows.append(f"  widest: rank {rank}'s {phase}, {low:.1f} .. {high:.1f} ms")
+    first = next(iter(ranks[0][0]["host_ms"]))
+    per_window = [[windows[i]["host_ms"].get(first, 0.0) for windows in ranks] for i in range(len(ranks[0]))]
+    slowest = [max(range(len(times)), key=times.__getitem__) for times in per_window]
+    counts = ", ".join(f"rank {r} in {slowest.count(r)}" for r in range(len(ranks)) if r in slowest)
+    peaks = [max(times) for times in per_window]
+    rows.append(f"  slowest {first} host per window: {counts} of {len(per_window)} "
+                f"({min(peaks):.1f} .. {max(peaks):.1f} ms)")
     return "\n".join(rows)

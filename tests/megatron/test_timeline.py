@@ -94,4 +94,7 @@ def test_windows_and_the_spread_name_the_rank_and_phase_that_moved(scripted):
     text = tl.format_spread([windows, slow])
     assert "rank 0: all phases 15.0 .. 15.0" in text and "rank 1: all phases 15.0 .. 20.0" in text
     assert "widest: rank 1's backward, 5.0 .. 10.0 ms" in text
+    assert "slowest forward host per window: rank 0 in 2 of 2 (10.0 .. 10.0 ms)" in text  # ties: the first rank
+    quicker = [{**w, "host_ms": {**w["host_ms"], "forward": 12.0 - i}} for i, w in enumerate(slow)]
+    assert "slowest forward host per window: rank 1 in 2 of 2 (11.0 .. 12.0 ms)" in tl.format_spread([windows, quicker])
     assert "fewer than two" in tl.format_spread([[]])
