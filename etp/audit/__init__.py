@@ -19,6 +19,7 @@ from .measure import SCHEMA_VERSION, MemoryAudit
 from .predict import (
            WeightSpec,
            activation_bytes,
+           fit_bytes,
            fits,
            largest_micro_batch,
            predict_memory,
@@ -26,5 +27,5 @@ from .predict import (
            weight_inventory,
 )
 
-__all__ = ["CATEGORIES", "SCHEMA_VERSION", "MemoryAudit", "WeightSpec", "activation_bytes", "ep_dispatcher_bytes", "fits",
-           "largest_micro_batch", "predict_memory", "predict_peak", "weight_inventory"]
+__all__ = ["CATEGORIES", "SCHEMA_VERSION", "MemoryAudit", "WeightSpec", "activation_bytes", "ep_dispatcher_bytes",
+           "fit_bytes", "fits", "largest_micro_batch", "predict_memory", "predict_peak", "weight_inventory"]

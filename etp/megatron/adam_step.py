@@ -35,14 +35,11 @@ import types
 import torch
 
 from ..kernels.adam import multi_tensor_adamw
+from .fast_fallbacks import inner_optimizers
 
 __all__ = ["install", "unsupported_reason"]
 
 log = logging.getLogger(__name__)
-
-
-def _links(optimizer) -> list:
-    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
 def unsupported_reason(adam) -> str | None:
@@ -128,7 +125,7 @@ def install(optimizer) -> int:
     or not) with etp's fused AdamW ([Note: etp AdamW step]). Returns how many links it took;
     logs once per link it left to torch, and why."""
     taken = 0
-    for link in _links(optimizer):
+    for link in inner_optimizers(optimizer):
         adam = getattr(link, "optimizer", None)
         if adam is None or getattr(link, "is_stub_optimizer", False):
             continue

@@ -35,7 +35,8 @@ import logging
 
 import torch
 
-__all__ = ["foreach_l2_norm", "foreach_scale", "fuse_adam", "have_fused_kernels", "install", "uninstall"]
+__all__ = ["foreach_l2_norm", "foreach_scale", "fuse_adam", "have_fused_kernels", "inner_optimizers", "install",
+           "uninstall"]
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,11 @@ def install() -> bool:
 def uninstall() -> None:
     """Puts megatron-core's local fallbacks back where ``install`` replaced them."""
     _rebind(replace=False)
+
+
+def inner_optimizers(optimizer) -> list:
+    """The optimizers a megatron-core ``ChainedOptimizer`` holds (or the optimizer itself)."""
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
 def _torch_adams(optimizer) -> list:

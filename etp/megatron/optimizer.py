@@ -26,6 +26,7 @@ from ..groups import new_groups
 from ..param import ETPShardedParam
 from ..quant import quantize_shards
 from ..wrap import is_expert_param, prefetch_after_step, runtime_of
+from .fast_fallbacks import inner_optimizers
 
 __all__ = ["etp_copy_index", "get_etp_megatron_optimizer", "inner_optimizers", "param_pairs"]
 
@@ -41,11 +42,6 @@ def _stats_group(replicate: dist.ProcessGroup | None) -> dist.ProcessGroup | Non
         return None
     partition = [tuple(r for r, i in enumerate(everyone) if i == value) for value in sorted(set(everyone))]
     return new_groups(partition)
-
-
-def inner_optimizers(optimizer) -> list:
-    """The optimizers a megatron-core ``ChainedOptimizer`` holds (or the optimizer itself)."""
-    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
 def param_pairs(inner) -> list[tuple]:

@@ -24,6 +24,7 @@ import importlib
 
 import torch
 
+from ..derived import per_version
 from ..kernels.rope import rope
 
 __all__ = ["fused_apply_rotary_pos_emb", "install", "uninstall"]
@@ -51,9 +52,11 @@ def fused_apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale: float 
     each way where ``etp.kernels.rope`` covers the call ([Note: RoPE in megatron-core])."""
     if not _covered(t, freqs, config, cu_seqlens):
         return _megatrons()(t, freqs, config=config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
-    # megatron-core's rounding of the tables: cos / sin in float32, scaled, then the activations' dtype
-    cos = (torch.cos(freqs) * mscale).to(t.dtype)
-    sin = (torch.sin(freqs) * mscale).to(t.dtype)
+    # megatron-core's rounding of the tables: cos / sin in float32, scaled, then the activations'
+    # dtype. megatron's rotary embedding is lru-cached, so one freqs tensor serves the query and
+    # key of every layer, every step: the tables are made once on it, not twice per layer.
+    cos, sin = per_version(freqs, ("rope_tables", t.dtype, mscale), lambda: (
+        (torch.cos(freqs) * mscale).to(t.dtype), (torch.sin(freqs) * mscale).to(t.dtype)))
     return rope(t, cos, sin)
 
 

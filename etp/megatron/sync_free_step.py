@@ -41,7 +41,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from .fast_fallbacks import foreach_l2_norm  # the foreach norm megatron's clipping runs on
+from .fast_fallbacks import foreach_l2_norm, inner_optimizers  # foreach_l2_norm: the norm megatron's clipping runs on
 
 __all__ = ["clip_coefficient", "grad_norm", "install", "step", "unsupported_reason"]
 
@@ -50,13 +50,9 @@ log = logging.getLogger(__name__)
 _EPS = 1.0e-6  # megatron-core's clip_grad_by_total_norm_fp32
 
 
-def _links(optimizer) -> list:
-    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
-
-
 def unsupported_reason(optimizer) -> str | None:
     """Why ``step`` cannot replace this optimizer's step, or None when it can."""
-    for link in _links(optimizer):
+    for link in inner_optimizers(optimizer):
         if getattr(link, "grad_scaler", None) is not None:
             return "fp16 loss scaling (its inf check decides on the host whether to step)"
         if getattr(link.config, "log_num_zeros_in_grad", False):
@@ -69,7 +65,7 @@ def grad_norm(optimizer) -> torch.Tensor:
     fp32 device tensor (no host synchronization). A collective over every link's statistics
     group: every rank calls it."""
     squares = []
-    for link in _links(optimizer):
+    for link in inner_optimizers(optimizer):
         norm, _ = foreach_l2_norm(0, None, [link.get_main_grads_for_grad_norm()], False)
         square = norm.square()
         dist.all_reduce(square, group=link.get_grad_stats_parallel_group())
@@ -115,7 +111,7 @@ def step(optimizer):
     when ``clip_grad`` is 0, as megatron's), ``num_zeros`` is None."""
     if optimizer.prepare_grads():  # bf16 / fp32: a Python False, no synchronization
         return False, None, None
-    links = _links(optimizer)
+    links = inner_optimizers(optimizer)
     clipping = [link for link in links if link.config.clip_grad > 0.0]
     norm = None
     if clipping:

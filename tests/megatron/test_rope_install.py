@@ -42,6 +42,18 @@ def test_same_bits_as_megatron(config, mscale):
     assert torch.equal(ours.grad, theirs.grad)
 
 
+def test_tables_made_once_per_freqs_follow_its_changes():
+    """The cos / sin tables kept on ``freqs`` serve the next call, and are made again once
+    ``freqs`` changes in place: each call still matches megatron-core's bit for bit."""
+    config, freqs = _config(), _freqs(6, 16)
+    x = torch.randn(6, 2, 4, 16, generator=torch.Generator().manual_seed(1)).to(DEVICE, torch.bfloat16)
+    for scale in (1.0, 3.0):
+        freqs.mul_(scale)  # 1.0: the tables of the first pass stay valid
+        for _ in range(2):
+            want = rope_utils.apply_rotary_pos_emb(x, freqs, config=config, cp_group=object())
+            assert torch.equal(rope.fused_apply_rotary_pos_emb(x, freqs, config), want)
+
+
 def test_install_binds_once_and_uninstall_restores():
     try:
         rope.uninstall()

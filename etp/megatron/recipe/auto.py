@@ -162,7 +162,7 @@ def _gather_dtype(recipe, machine: Machine, captured: bool, notes: list[str]) ->
         notes.append(f"etp.gather_dtype auto -> fp8_tensorwise: half the gathered bytes and FP8 GEMMs pay on {why}")
         return "fp8_tensorwise"
     if machine.gpu_memory is not None:
-        from ...audit.predict import fit_bytes, predict_peak
+        from ...audit import fit_bytes, predict_peak
 
         # Fitting comes before speed: FP8 gathers hold half the gathered bytes.
         need = {dtype: fit_bytes(predict_peak(recipe.replace(etp={"gather_dtype": dtype, "gather_reuse": "chain"}),
