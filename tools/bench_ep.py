@@ -124,29 +124,63 @@ def _parse_backend(spec):
     return name, fields, options
 
 
+def _move_fns(disp, idx, weights, x, handle):
+    """Every move of one dispatcher as a callable (the backward moves as autograd calls them)."""
+    recv_x, recv_w = disp._recv_x, disp._recv_w
+    grad = torch.randn_like(x)
+
+    def dispatch_bwd():
+        disp._move_combine(recv_x, handle, backward=True)
+        disp._move_combine_pairs(recv_w, handle)
+
+    return {"dispatch": lambda: disp.dispatch(x, weights, handle), "combine": lambda: disp.combine(recv_x, handle),
+            "dispatch_bwd": dispatch_bwd,
+            "combine_bwd": lambda: disp._move_dispatch(grad, None, handle, backward=True)}
+
+
 @torch.no_grad()
 def _time_moves(disp, idx, weights, x, args):
-    """Every move of one dispatcher (the backward moves as autograd calls them)."""
+    """Every move of one dispatcher, and ``prepare``."""
     state = {"handle": disp.prepare(idx)}
 
     def prepare():
         state["handle"] = disp.prepare(idx)
 
     times = {"prepare_s": _time(prepare, args.iters, args.warmup)}
-    handle, recv_x, recv_w = state["handle"], disp._recv_x, disp._recv_w
-    grad = torch.randn_like(x)
-    times["dispatch_s"] = _time(lambda: disp.dispatch(x, weights, handle), args.iters, args.warmup)
-    times["combine_s"] = _time(lambda: disp.combine(recv_x, handle), args.iters, args.warmup)
-
-    def dispatch_bwd():
-        disp._move_combine(recv_x, handle, backward=True)
-        disp._move_combine_pairs(recv_w, handle)
-
-    times["dispatch_bwd_s"] = _time(dispatch_bwd, args.iters, args.warmup)
-    times["combine_bwd_s"] = _time(lambda: disp._move_dispatch(grad, None, handle, backward=True), args.iters,
-                                   args.warmup)
+    handle = state["handle"]
+    for move, fn in _move_fns(disp, idx, weights, x, handle).items():
+        times[f"{move}_s"] = _time(fn, args.iters, args.warmup)
     disp.check()
     return times, handle
+
+
+@torch.no_grad()
+def _trace_moves(disp, idx, weights, x, handle, label, top: int = 8):
+    """``--trace``: one profiled call of ``prepare`` and of each move; rank 0 prints each one's
+    span and its ``top`` kernels (and collectives) by device time: where a move's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    moves = {**_move_fns(disp, idx, weights, x, handle), "prepare": lambda: disp.prepare(idx)}  # prepare last
+    for move, fn in moves.items():
+        fn()
+        torch.cuda.synchronize()
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            began = time.perf_counter()
+            fn()
+            issued = time.perf_counter()
+            torch.cuda.synchronize()
+            ended = time.perf_counter()
+        if dist.get_rank() != 0:
+            continue
+        kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+        kernels.sort(key=lambda e: -e.self_device_time_total)
+        busy = sum(e.self_device_time_total for e in kernels) / 1e3
+        print(f"trace {label} {move}: host issue {(issued - began) * 1e3:.2f} ms, done {(ended - began) * 1e3:.2f} ms, "
+              f"kernels {busy:.2f} ms", flush=True)
+        for e in kernels[:top]:
+            print(f"    {e.self_device_time_total / 1e3:8.3f} ms  x{e.count:<3d} {e.key[:110]}", flush=True)
+    disp.check()
 
 
 def _wire(disp, handle):
@@ -227,6 +261,8 @@ def bench_workload(name, spec, args):
             times, handle = _time_moves(disp, idx, weights, x, args)
             rows.append(_row(name, backend, times, _wire(disp, handle), megatron, args, a2a_cache))
             rows[-1]["dedup"] = info["every_pair_MB"] / max(rows[-1]["dispatch_MB"], 1e-9)
+            if args.trace and DEVICE.type == "cuda":
+                _trace_moves(disp, idx, weights, x, handle, f"{name} {backend}")
         disp = None
         if DEVICE.type == "cuda":
             torch.cuda.empty_cache()
@@ -396,6 +432,8 @@ def _parser():
     parser.add_argument("--sweep-combine", default="push,pull")
     parser.add_argument("--sweep-order", default="rotated,sequential")
     parser.add_argument("--sweep-chunks", default="1,2,4")
+    parser.add_argument("--trace", action="store_true",
+                        help="also profile one call of each move: its span and top kernels (rank 0 prints)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--benchmarks-md", default=None)
     parser.add_argument("--targets", nargs="+", metavar="LABEL=JSON",
@@ -410,9 +448,10 @@ def main(argv=None):
     args = _parser().parse_args(argv)
     if args.targets:
         return targets(args.targets)
+    own_group = not dist.is_initialized()  # a test may call main() inside its own group
     if args.cpu_smoke:
         DEVICE = torch.device("cpu")
-        if not dist.is_initialized():
+        if own_group:
             dist.init_process_group("gloo")
         args.workloads, args.iters, args.warmup, args.no_megatron = "smoke", 2, 1, True
         if args.backends == _parser().get_default("backends"):
@@ -438,7 +477,7 @@ def main(argv=None):
             Path(args.out).write_text(json.dumps(results, indent=1, default=str))
         if args.benchmarks_md:
             Path(args.benchmarks_md).write_text(md)
-    if not args.cpu_smoke:
+    if own_group:  # else gloo's threads abort the interpreter at exit
         dist.destroy_process_group()
     return results
 

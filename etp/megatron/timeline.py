@@ -21,6 +21,11 @@ includes any idle time the device spent waiting for launches inside the phase. C
 record per phase end (a few microseconds), and nothing on CPU runs (no events: ``summary``
 is None).
 
+Every phase also notes the issuing thread's own CPU time (``time.thread_time``) and its
+context switches (``getrusage(RUSAGE_THREAD)``, Linux): when a phase's wall time moves while its
+CPU time does not, the thread was off the CPU, blocked (voluntary switches: a lock, a device
+synchronization, the GIL) or preempted (involuntary ones), rather than doing more work.
+
 Every log window's host and device time per phase is kept too (``windows``), and etp-train
 gathers every rank's (``summary()["ranks"]``): an ETP step waits at each gather for the slowest
 rank, so when the iterations of an issue-bound step spread, the rank and the phase whose host
@@ -37,6 +42,7 @@ Example (``etp-train --timeline``)::
 from __future__ import annotations
 
 import contextlib
+import resource
 import statistics
 import time
 
@@ -45,12 +51,23 @@ import torch
 __all__ = ["HostLeadTimeline", "format_spread", "format_timeline"]
 
 
+def _thread_clock() -> tuple[float, int, int]:
+    """The calling thread's CPU seconds and its (voluntary, involuntary) context switches;
+    switches are 0 where ``RUSAGE_THREAD`` does not exist (not Linux)."""
+    who = getattr(resource, "RUSAGE_THREAD", None)
+    if who is None:
+        return time.thread_time(), 0, 0
+    usage = resource.getrusage(who)
+    return time.thread_time(), usage.ru_nvcsw, usage.ru_nivcsw
+
+
 class HostLeadTimeline:
     """Per-phase host time, device time and lead, over every log window but the first (warm-up)."""
 
     def __init__(self, device: torch.device) -> None:
         self.enabled = device.type == "cuda"
-        self._marks: list[tuple[str, float, float, torch.cuda.Event]] = []  # name, began, ended, event
+        # name, began, ended, event, (CPU seconds, voluntary, involuntary switches) spent in the phase
+        self._marks: list[tuple[str, float, float, torch.cuda.Event, tuple]] = []
         self._windows: list[dict] = []
         self._anchor = None
         if self.enabled:
@@ -64,12 +81,13 @@ class HostLeadTimeline:
     @contextlib.contextmanager
     def phase(self, name: str):
         """Marks the end of phase ``name`` on the host's clock and on the current stream."""
-        began = time.perf_counter()
+        began, clock = time.perf_counter(), _thread_clock()
         yield
         if self.enabled:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
-            self._marks.append((name, began, time.perf_counter(), event))
+            spent = tuple(b - a for a, b in zip(clock, _thread_clock()))
+            self._marks.append((name, began, time.perf_counter(), event, spent))
 
     def window_done(self, iterations: int) -> None:
         """Closes a log window of ``iterations`` iterations; the caller has just synchronized
@@ -79,12 +97,16 @@ class HostLeadTimeline:
         anchor_host, anchor_event = self._anchor
         phases: dict[str, dict] = {}
         device_prev = 0.0
-        for name, began, ended, event in self._marks:
+        for name, began, ended, event, (cpu_s, voluntary, involuntary) in self._marks:
             device_end = anchor_event.elapsed_time(event)  # ms after the anchor
             host_end = (ended - anchor_host) * 1e3
-            entry = phases.setdefault(name, {"calls": 0, "host_ms": 0.0, "device_ms": 0.0, "leads": []})
+            entry = phases.setdefault(name, {"calls": 0, "host_ms": 0.0, "device_ms": 0.0, "leads": [],
+                                             "cpu_ms": 0.0, "voluntary": 0, "involuntary": 0})
             entry["calls"] += 1
             entry["host_ms"] += (ended - began) * 1e3
+            entry["cpu_ms"] += cpu_s * 1e3
+            entry["voluntary"] += voluntary
+            entry["involuntary"] += involuntary
             entry["device_ms"] += device_end - device_prev
             entry["leads"].append(device_end - host_end)
             device_prev = device_end
@@ -93,10 +115,15 @@ class HostLeadTimeline:
         self._set_anchor()
 
     def windows(self) -> list[dict]:
-        """Every log window but the first: per phase, ``host_ms`` and ``device_ms`` per iteration."""
+        """Every log window but the first: per phase and per iteration, ``host_ms``,
+        ``device_ms``, the issuing thread's ``cpu_ms`` and its ``switches`` (voluntary,
+        involuntary)."""
         return [{"iterations": w["iterations"],
                  "host_ms": {n: e["host_ms"] / w["iterations"] for n, e in w["phases"].items()},
-                 "device_ms": {n: e["device_ms"] / w["iterations"] for n, e in w["phases"].items()}}
+                 "device_ms": {n: e["device_ms"] / w["iterations"] for n, e in w["phases"].items()},
+                 "cpu_ms": {n: e["cpu_ms"] / w["iterations"] for n, e in w["phases"].items()},
+                 "switches": {n: (e["voluntary"] / w["iterations"], e["involuntary"] / w["iterations"])
+                              for n, e in w["phases"].items()}}
                 for w in self._windows[1:]]
 
     def summary(self) -> dict | None:
@@ -166,4 +193,11 @@ def format_spread(ranks: list[list[dict]]) -> str:
     peaks = [max(times) for times in per_window]
     rows.append(f"  slowest {first} host per window: {counts} of {len(per_window)} "
                 f"({min(peaks):.1f} .. {max(peaks):.1f} ms)")
+    if all("cpu_ms" in w for windows in ranks for w in windows):
+        # The slowest rank's issuing thread in each window: did it work longer, or wait longer?
+        cpu = [ranks[r][i]["cpu_ms"].get(first, 0.0) for i, r in enumerate(slowest)]
+        switches = [ranks[r][i]["switches"].get(first, (0, 0)) for i, r in enumerate(slowest)]
+        rows.append(f"  its thread on the CPU: {min(cpu):.1f} .. {max(cpu):.1f} ms; context switches per iteration "
+                    f"{min(s[0] for s in switches):.0f} .. {max(s[0] for s in switches):.0f} voluntary, "
+                    f"{min(s[1] for s in switches):.0f} .. {max(s[1] for s in switches):.0f} involuntary")
     return "\n".join(rows)

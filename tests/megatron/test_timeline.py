@@ -9,6 +9,8 @@ from etp.megatron import timeline as tl
 class _Clock:
     host = 0.0    # seconds, what time.perf_counter() returns
     device = 0.0  # ms, when the device will have finished what is issued now
+    cpu = 0.0     # seconds the issuing thread ran (time.thread_time())
+    blocked = 0   # its voluntary context switches
 
 
 class _Event:
@@ -26,13 +28,16 @@ class _Event:
 def scripted(monkeypatch):
     monkeypatch.setattr(tl.time, "perf_counter", lambda: _Clock.host)
     monkeypatch.setattr(tl.torch.cuda, "Event", _Event)
-    _Clock.host, _Clock.device = 0.0, 0.0
+    monkeypatch.setattr(tl, "_thread_clock", lambda: (_Clock.cpu, _Clock.blocked, 1))
+    _Clock.host, _Clock.device, _Clock.cpu, _Clock.blocked = 0.0, 0.0, 0.0, 0
     return tl.HostLeadTimeline(torch.device("cuda"))
 
 
 def _phase(timeline, name, host_ms, device_done_ms):
     with timeline.phase(name):
         _Clock.host += host_ms / 1e3
+        _Clock.cpu += host_ms / 2e3  # on the CPU half of the time, blocked twice
+        _Clock.blocked += 2
         _Clock.device = device_done_ms  # what the phase issued completes then (ms after anchor)
 
 
@@ -88,6 +93,8 @@ def test_windows_and_the_spread_name_the_rank_and_phase_that_moved(scripted):
     windows = scripted.windows()
     assert len(windows) == 2 and scripted.summary()["windows"] == windows  # the warm-up window is dropped
     assert windows[0]["host_ms"] == pytest.approx({"forward": 10.0, "backward": 5.0})
+    assert windows[0]["cpu_ms"] == pytest.approx({"forward": 5.0, "backward": 2.5})
+    assert windows[0]["switches"] == {"forward": (2.0, 0.0), "backward": (2.0, 0.0)}
     # a second rank whose backward host time doubled in its second window
     slow = [{"iterations": 1, "host_ms": {"forward": 10.0, "backward": 5.0}, "device_ms": {}},
             {"iterations": 1, "host_ms": {"forward": 10.0, "backward": 10.0}, "device_ms": {}}]
@@ -97,4 +104,8 @@ def test_windows_and_the_spread_name_the_rank_and_phase_that_moved(scripted):
     assert "slowest forward host per window: rank 0 in 2 of 2 (10.0 .. 10.0 ms)" in text  # ties: the first rank
     quicker = [{**w, "host_ms": {**w["host_ms"], "forward": 12.0 - i}} for i, w in enumerate(slow)]
     assert "slowest forward host per window: rank 1 in 2 of 2 (11.0 .. 12.0 ms)" in tl.format_spread([windows, quicker])
+    # the slowest rank's own CPU time and switches, per window: the wall time moved, its work did not
+    waited = [{**w, "cpu_ms": {"forward": 6.0}, "switches": {"forward": (40.0 + i, 1.0)}} for i, w in enumerate(quicker)]
+    assert ("its thread on the CPU: 6.0 .. 6.0 ms; context switches per iteration 40 .. 41 voluntary, 1 .. 1 "
+            "involuntary") in tl.format_spread([windows, waited])
     assert "fewer than two" in tl.format_spread([[]])
