@@ -135,14 +135,14 @@ def test_tune_times_the_candidates_and_writes_overrides_etp_train_accepts(tmp_pa
             "--set", "micro_batch_size=1", "--set", "seq_length=32"]
     done = subprocess.run([*base, "--tune", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
-    # CPU: gather_reuse chain / step at micro-batch 1 (the only size under a global batch of 2 on
-    # 2 ranks); cuda_graph and FP8 have one choice here.
+    # CPU: gather_reuse chain / kept (for one micro-batch per rank: "pass") at micro-batch 1 (the
+    # only size under a global batch of 2 on 2 ranks); cuda_graph and FP8 have one choice here.
     assert done.stdout.count("etp-train --tune [") == 2 * 2
     table = [line for line in done.stdout.splitlines() if line.startswith("| ") and "ms/iter" not in line]
     assert len(table) == 2 and sum("fastest" in line for line in table) == 1
-    assert {"etp.gather_reuse=chain", "etp.gather_reuse=step"} <= {w for line in table for w in line.split()}
+    assert {"etp.gather_reuse=chain", "etp.gather_reuse=pass"} <= {w for line in table for w in line.split()}
     best = yaml.safe_load(out.read_text())
-    assert set(best) == {"cuda_graph", "micro_batch_size", "etp"} and best["etp"]["gather_reuse"] in ("chain", "step")
+    assert set(best) == {"cuda_graph", "micro_batch_size", "etp"} and best["etp"]["gather_reuse"] in ("chain", "pass")
     # etp-train takes the file as it is: the recipe it builds carries the winner's values (a run of
     # it would only repeat the candidate's own run above).
     from etp.megatron.train import _load, _parse
@@ -156,3 +156,16 @@ def test_tune_times_the_candidates_and_writes_overrides_etp_train_accepts(tmp_pa
 
     assert main([*base[3:], "--overrides", str(bad)]) == 2
     assert "expected a YAML mapping" in capsys.readouterr().err
+
+
+def test_tune_candidates_keep_weights_as_auto_would_at_each_micro_batch():
+    from etp.megatron.trainer.tune import candidates
+
+    recipe = Recipe.from_yaml(TINY, global_batch_size=8, micro_batch_size="auto",
+                              etp={"gather_reuse": "auto"}, world_size=2)
+    found = {(c.overrides["micro_batch_size"], c.overrides["etp"]["gather_reuse"]) for c in candidates(
+        recipe, Machine(world_size=2, ranks_per_host=2))}
+    # 4 samples per rank: micro-batches of 4 (one per step: kept for the pass), 2 and 1 (kept for the step)
+    assert found == {(4, "chain"), (4, "pass"), (2, "chain"), (2, "step"), (1, "chain"), (1, "step")}
+    resolved, _ = resolve_auto(recipe, Machine(world_size=2, ranks_per_host=2, **H100))
+    assert (resolved.train.micro_batch_size, resolved.etp.gather_reuse) in found

@@ -78,3 +78,43 @@ def test_bad_window_is_refused(tmp_path, flag):
     done = subprocess.run([sys.executable, str(SAMPLER), "--out", str(tmp_path / "o"), flag,
                            "-m", "etp.megatron.train"], cwd=root, timeout=60, capture_output=True, text=True)
     assert done.returncode != 0 and "must be positive" in done.stderr
+
+
+# Iterations of 40 ms; iteration 4 also spends 120 ms in ``lagging``.
+UNEVEN_TRAIN = textwrap.dedent("""
+    import time
+
+    def spin(seconds):
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    def lagging():  # its own loop: the innermost frame is the place reported
+        end = time.perf_counter() + 0.12
+        while time.perf_counter() < end:
+            pass
+
+    def train():
+        for iteration in range(8):
+            spin(0.04)
+            if iteration == 4:
+                lagging()
+
+    if __name__ == "__main__":
+        train()
+""")
+
+
+def test_slow_minus_fast_names_where_the_slow_iteration_went(tmp_path):
+    root = _fake_project(tmp_path)
+    (root / "etp" / "megatron" / "train.py").write_text(UNEVEN_TRAIN)
+    out = tmp_path / "out"
+    subprocess.run([sys.executable, str(SAMPLER), "--out", str(out), "--iterations", "1:8",
+                    "-m", "etp.megatron.train"], cwd=root, check=True, timeout=120, capture_output=True)
+    report = json.loads((out / "host_samples_rank0.json").read_text())
+    per = report["per_iteration_ms"]
+    assert sorted(per) == ["2", "3", "4", "5", "6"]  # the window's first and last iterations are cut
+    assert per["4"] > 2.5 * per["3"]
+    top = report["slow_minus_fast"][0]
+    assert top["where"].endswith("(lagging)"), top
+    assert 80 < top["ms"] < 160 and top["fast_ms"] == 0

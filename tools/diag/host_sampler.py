@@ -18,6 +18,12 @@ Only a window is sampled, so start-up and the first iterations' compilation stay
 while the local ``iteration`` of ``etp/megatron/train.py``'s ``train`` is in ``[A, B)``. Each rank writes ``host_samples_rank{R}.json``
 (rank from ``RANK``) with the counts as milliseconds of wall time.
 
+With ``--iterations``, the samples are also kept per iteration (``first_etp`` and
+``first_megatron`` keys): ``slow_minus_fast`` lists the places that took more samples in
+the slowest third of the sampled iterations than in the fastest third (per iteration), which
+says whether a slow iteration spends its extra time in one place or spreads it everywhere (a
+slower host).
+
     torchrun --standalone --nproc-per-node 2 tools/diag/host_sampler.py --out /tmp/hs --iterations 10:30 \\
         -m etp.megatron.train --recipe recipes/moe_flagship.yaml --set world_size=2 ...
 """
@@ -55,6 +61,8 @@ class Sampler(threading.Thread):
         self.first_etp: collections.Counter = collections.Counter()
         self.first_megatron: collections.Counter = collections.Counter()
         self.samples = 0
+        self.current = None  # the iteration read at the last gate check
+        self.per_iteration: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
         self.window = (0.0, 0.0)
         self.done = threading.Event()
 
@@ -70,7 +78,7 @@ class Sampler(threading.Thread):
     def _inside(self, now: float, end: float) -> bool:
         if self.iterations is None:
             return now < end
-        iteration = self._iteration()
+        iteration = self.current = self._iteration()
         return iteration is not None and self.iterations[0] <= iteration < self.iterations[1]
 
     def run(self) -> None:
@@ -139,6 +147,10 @@ class Sampler(threading.Thread):
             frame, depth = frame.f_back, depth + 1
         self.first_etp[etp or "(no etp frame)"] += 1
         self.first_megatron[meg or "(no megatron frame)"] += 1
+        if self.current is not None:
+            per = self.per_iteration[self.current]
+            per[" ".join(filter(None, (meg, etp))) or "(neither)"] += 1
+            per[None] += 1  # the iteration's total
 
     def report(self, top: int) -> dict:
         # Each sample stands for the wall time between samples, which the GIL can stretch past
@@ -150,7 +162,43 @@ class Sampler(threading.Thread):
 
         return {"samples": self.samples, "iterations": self.iterations, "interval_ms": 1e3 * self.interval, "ms_per_sample": ms, "window_s": round(self.window[1] - self.window[0], 3),
                 "self": table(self.self_counts), "inclusive": table(self.inclusive),
-                "first_etp": table(self.first_etp), "first_megatron": table(self.first_megatron)}
+                "first_etp": table(self.first_etp), "first_megatron": table(self.first_megatron),
+                **slow_minus_fast(self.per_iteration, ms, top)}
+
+
+def slow_minus_fast(per_iteration: dict, ms: float, top: int) -> dict:
+    """Per sampled iteration its ms; and per place (first megatron and etp frames) its ms per
+    iteration in the slowest third of the iterations minus that in the fastest third, largest first."""
+    # The first and last iterations of the window are cut by the gate: only whole ones count.
+    whole = sorted(per_iteration)[1:-1]
+    if len(whole) < 3:
+        return {"per_iteration_ms": {}, "slow_minus_fast": []}
+    ranked = sorted(whole, key=lambda i: per_iteration[i][None])
+    third = max(1, len(ranked) // 3)
+    fast, slow = ranked[:third], ranked[-third:]
+    places = {k for i in whole for k in per_iteration[i] if k is not None}
+
+    def mean(its, key):
+        return sum(per_iteration[i][key] for i in its) / len(its) * ms
+
+    diff = sorted(((mean(slow, k) - mean(fast, k), k) for k in places), reverse=True)
+    return {"per_iteration_ms": {i: round(per_iteration[i][None] * ms, 1) for i in whole},
+            "slow_minus_fast": [{"where": k, "ms": round(d, 2), "fast_ms": round(mean(fast, k), 2)}
+                                for d, k in diff[:top]]}
+
+
+def _provenance_module():
+    """This checkout's ``etp/provenance.py`` (standard library only), loaded by its path: the
+    program sampled may import its own ``etp`` package (a test's stand-in), so this tool must
+    neither import ``etp`` first (the program would get this one) nor after it."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "etp",
+                        "provenance.py")
+    spec = importlib.util.spec_from_file_location("_etp_provenance", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def main() -> None:
@@ -176,6 +224,7 @@ def main() -> None:
         except (ValueError, AssertionError):
             raise ValueError(f"--iterations {args.iterations!r}: expected A:B with 0 <= A < B, e.g. 10:30") from None
     os.makedirs(args.out, exist_ok=True)
+    provenance = _provenance_module().run_provenance
     sys.setswitchinterval(min(sys.getswitchinterval(), args.interval_ms / 2e3))  # the sampler gets its turns
     sampler = Sampler(threading.get_ident(), args.interval_ms / 1e3, args.after_s, args.for_s, iterations)
     sampler.start()
@@ -189,9 +238,6 @@ def main() -> None:
             print(f"host_sampler: rank {rank}: the program ended before the window closed "
                   f"({sampler.samples} samples)", file=sys.stderr)
         path = os.path.join(args.out, f"host_samples_rank{rank}.json")
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/
-        from bench_provenance import provenance
-
         with open(path, "w") as f:
             json.dump({"provenance": provenance(launched), **sampler.report(args.top)}, f, indent=1)
         print(f"host_sampler: rank {rank}: {sampler.samples} samples -> {path}", file=sys.stderr)

@@ -67,7 +67,9 @@ def candidates(recipe, machine: Machine, micro_batches: int = 3) -> list[Candida
     if "etp.gather_dtype" in recipe.auto:
         choices["etp.gather_dtype"] = ["param", "fp8_tensorwise"] if machine.sm90 and recipe.train.bf16 else ["param"]
     if "etp.gather_reuse" in recipe.auto:
-        choices["etp.gather_reuse"] = ["chain", "step"]
+        # "keep": the weights stay gathered as long as auto would keep them at that micro-batch
+        # size ("step" over several micro-batches, "pass" for one), so auto's pick is a candidate.
+        choices["etp.gather_reuse"] = ["chain", "keep"]
     sizes, found = _micro_batches(recipe, machine), []
     for values in itertools.product(*choices.values()):
         chosen = dict(zip(choices, values))
@@ -75,6 +77,9 @@ def candidates(recipe, machine: Machine, micro_batches: int = 3) -> list[Candida
         for size in sizes:
             overrides = {"micro_batch_size": size, **{k: v for k, v in chosen.items() if not k.startswith("etp.")}}
             etp = {k[4:]: v for k, v in chosen.items() if k.startswith("etp.")}
+            if etp.get("gather_reuse") == "keep":
+                several = recipe.replace(micro_batch_size=size).num_microbatches(machine.world_size) > 1
+                etp["gather_reuse"] = "step" if several else "pass"
             if etp:
                 overrides["etp"] = etp
             candidate = Candidate(overrides)
