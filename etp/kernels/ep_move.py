@@ -38,9 +38,10 @@ different peers.
 
 ``rows`` (a power of two), ``num_warps`` and ``stages`` are launch parameters (the
 ``EPConfig`` fields ``tile_rows`` / ``num_warps`` / ``num_stages``). ``rows`` counts rows of
-a copy; a reduction over K rows takes ``rows // K`` output rows, so one setting reads about
-the same bytes per iteration everywhere (default: ``_TILE_ELEMS`` elements, see
-``tile_rows``); ``stages`` is lowered to what fits in shared memory.
+a copy; a reduction over K rows takes ``rows // K`` output rows and a push to K pairs
+``rows // K`` input rows, so one setting moves about the same bytes per iteration everywhere
+(default: ``_TILE_ELEMS`` elements, see ``tile_rows``); ``stages`` is lowered to what fits in
+shared memory.
 """
 from __future__ import annotations
 
@@ -81,18 +82,20 @@ def row_block(h: int) -> int:
     return _MAX_BLOCK_H
 
 
-def tile_rows(rows, h: int, loads_per_row: int = 1) -> int:
+def tile_rows(rows, h: int, fan: int = 1) -> int:
     """ROWS of a tile. ``rows`` (None: ``_TILE_ELEMS`` elements' worth) counts rows of a copy,
-    which loads one row per row it writes; a kernel that loads ``loads_per_row`` rows per
-    row it writes (a reduction over K) takes ``rows // loads_per_row``, so that one setting
-    means about the same bytes per iteration in every kernel (a power of two, at least 1)."""
+    which reads one row per row it writes; a kernel that reads ``fan`` rows per row it writes
+    (a reduction over K) or writes ``fan`` rows per row it reads (a push to a token's K pairs)
+    takes ``rows // fan``, so that one setting means about the same bytes per iteration in every
+    kernel (a power of two, at least 1). A push of tall tiles ([16, 1024] to K = 8 pairs) runs
+    several times slower than one of [2, 1024] tiles (``tools/diag/probe_push.py``)."""
     if rows is None:
         # Capped: a tall, narrow tile would also pipeline ROWS x K routing entries per stage
         # (tens of KB of shared memory that the data-tile budget below does not count).
         rows = max(1, min(_MAX_AUTO_ROWS, _TILE_ELEMS // row_block(h)))
     elif not isinstance(rows, int) or rows < 1 or rows & (rows - 1):
         raise ValueError(f"rows={rows!r}: expected a power of two >= 1 (a tile is a tl.arange)")
-    fit = max(1, rows // loads_per_row)
+    fit = max(1, rows // fan)
     return 1 << (fit.bit_length() - 1)
 
 
@@ -365,7 +368,7 @@ def push_rows(x, w, pair_row, pair_rank, x_table, w_table, *, mode: int, me: int
     x_table = x_table if x_table is not None else w_table
     if mode == X_DEDUP:
         _check_dedup_world(x_table)
-    ROWS = tile_rows(rows, H)
+    ROWS = tile_rows(rows, H, K)
     launch(_push_kernel, _grid(num_ctas), x, w if w is not None else x, pair_row, pair_rank, x_table,
            w_table if w_table is not None else x_table, tokens, H, me, t_max,
            K=K, X_MODE=mode, HAS_W=w is not None, SKIP_LOCAL=skip_local, ROWS=ROWS,

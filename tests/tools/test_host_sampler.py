@@ -118,3 +118,15 @@ def test_slow_minus_fast_names_where_the_slow_iteration_went(tmp_path):
     top = report["slow_minus_fast"][0]
     assert top["where"].endswith("(lagging)"), top
     assert 80 < top["ms"] < 160 and top["fast_ms"] == 0
+
+
+def test_the_gate_names_etp_trains_own_loop():
+    # The gate reads the local ``iteration`` of etp-train's ``train``: it must name where that lives.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_sampler", SAMPLER)
+    sampler = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sampler)
+    from etp.megatron.trainer import loop
+
+    assert loop.train.__code__.co_filename.endswith(sampler.TRAIN_FILES) and "iteration" in loop.train.__code__.co_varnames

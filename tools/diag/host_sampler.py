@@ -15,7 +15,7 @@ backward), or ``(autograd engine: C++ nodes)`` when it runs none.
 
 Only a window is sampled, so start-up and the first iterations' compilation stay out: either
 ``--after-s`` seconds after start, for ``--for-s``, or (``--iterations A:B``, for ``etp-train``)
-while the local ``iteration`` of ``etp/megatron/train.py``'s ``train`` is in ``[A, B)``. Each rank writes ``host_samples_rank{R}.json``
+while the local ``iteration`` of ``etp/megatron/trainer/loop.py``'s ``train`` is in ``[A, B)``. Each rank writes ``host_samples_rank{R}.json``
 (rank from ``RANK``) with the counts as milliseconds of wall time.
 
 With ``--iterations``, the samples are also kept per iteration (``first_etp`` and
@@ -39,6 +39,9 @@ import threading
 import time
 
 _DEPTH = 64
+# Where etp-train's ``train`` (whose local ``iteration`` gates --iterations) lives; a test's
+# stand-in is a train.py.
+TRAIN_FILES = ("etp/megatron/trainer/loop.py", "etp/megatron/train.py")
 _ENGINE_CPP = "(autograd engine: C++ nodes)"
 
 
@@ -70,7 +73,7 @@ class Sampler(threading.Thread):
         """The sampled thread's training iteration (``train``'s local), None outside the loop."""
         frame = sys._current_frames().get(self.target)
         while frame is not None:
-            if frame.f_code.co_name == "train" and frame.f_code.co_filename.endswith("etp/megatron/train.py"):
+            if frame.f_code.co_name == "train" and frame.f_code.co_filename.endswith(TRAIN_FILES):
                 return frame.f_locals.get("iteration")
             frame = frame.f_back
         return None
