@@ -19,12 +19,12 @@ De-duplication is reported as what it is: ``dedup`` = bytes of every (token, exp
 another rank / the bytes moved, with ``a2a every pair`` the all-to-all of all those rows.
 
 A backend may carry ``tune()`` options and ``EPConfig`` fields, ``/``-separated, in a row of
-its own: ``nccl@chunks=4``, ``symm_dedup@combine=pull/peer_order=sequential`` (the combine
+its own: ``nccl@num_ctas=64``, ``symm_dedup@combine=pull/peer_order=sequential`` (the combine
 that pulls, peers in rank order: what it was before pushing), ``hierarchical@ranks_per_host=2``
 (hosts declared: 2 hosts x 2 on one 4-GPU machine). ``--ranks-per-host`` declares them for
 every backend (the ``symm_*`` backends are then unavailable). ``--sweep`` times forward dispatch and combine over a grid of launch
 options instead (``--sweep-*``; symm backends: also ``--sweep-combine`` push / pull and
-``--sweep-order`` rotated / sequential peers; nccl backends: ``--sweep-chunks``).
+``--sweep-order`` rotated / sequential peers; nccl backends: ``--sweep-ctas``).
 
     torchrun --nproc-per-node=4 tools/bench_ep.py --out ep.json --benchmarks-md ep.md
     torchrun --nproc-per-node=4 tools/bench_ep.py --backends nccl,symm_dedup,hierarchical@ranks_per_host=2
@@ -278,7 +278,7 @@ def _sweep_backend(disp, backend, workload, idx, weights, x, args, a2a_cache):
     grid = (dict(num_ctas=_ints(args.sweep_ctas), tile_rows=_ints(args.sweep_rows), num_warps=_ints(args.sweep_warps),
                  num_stages=_ints(args.sweep_stages), combine=args.sweep_combine.split(","),
                  peer_order=args.sweep_order.split(","))
-            if symm else dict(chunks=_ints(args.sweep_chunks), num_ctas=_ints(args.sweep_ctas)))
+            if symm else dict(num_ctas=_ints(args.sweep_ctas)))
     backends = {id(b): b for b in (disp.dispatch_backend, disp.combine_backend)}.values()
     rows = []
     for values in itertools.product(*grid.values()):
@@ -287,7 +287,7 @@ def _sweep_backend(disp, backend, workload, idx, weights, x, args, a2a_cache):
             setting["tile_rows"] = setting["tile_rows"] or None
         for b in backends:
             b.tune(**setting)
-        handle = disp.prepare(idx)  # the nccl backends' chunking is part of the plan
+        handle = disp.prepare(idx)
         wire = _wire(disp, handle)
         row = dict(workload=workload, backend=backend, **setting)
         for move, fn in (("dispatch", lambda h=handle: disp.dispatch(x, weights, h)),
@@ -413,7 +413,7 @@ def targets(labelled_paths):
 def _parser():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="sonicmoe,deepseek_v3")
-    parser.add_argument("--backends", default="nccl,nccl@chunks=4,nccl_padded,symm_push,symm_allgather,symm_dedup")
+    parser.add_argument("--backends", default="nccl,nccl_padded,symm_push,symm_allgather,symm_dedup")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--capacity-factor", type=float, default=1.25)
@@ -424,14 +424,13 @@ def _parser():
     parser.add_argument("--num-stages", type=int, default=3)
     parser.add_argument("--no-megatron", action="store_true", help="skip megatron-core's dispatcher baseline")
     parser.add_argument("--sweep", action="store_true", help="time forward moves over the grids below instead")
-    # num_ctas and chunks cost no compile; every (rows, warps, stages) compiles each kernel once.
+    # num_ctas costs no compile; every (rows, warps, stages) compiles each kernel once.
     parser.add_argument("--sweep-ctas", default="132")
     parser.add_argument("--sweep-rows", default="0", help="0: automatic")
     parser.add_argument("--sweep-warps", default="8")
     parser.add_argument("--sweep-stages", default="3")
     parser.add_argument("--sweep-combine", default="push,pull")
     parser.add_argument("--sweep-order", default="rotated,sequential")
-    parser.add_argument("--sweep-chunks", default="1,2,4")
     parser.add_argument("--trace", action="store_true",
                         help="also profile one call of each move: its span and top kernels (rank 0 prints)")
     parser.add_argument("--out", default=None)
@@ -455,7 +454,7 @@ def main(argv=None):
             dist.init_process_group("gloo")
         args.workloads, args.iters, args.warmup, args.no_megatron = "smoke", 2, 1, True
         if args.backends == _parser().get_default("backends"):
-            args.backends = "reference,nccl,nccl@chunks=3,nccl_padded"
+            args.backends = "reference,nccl,nccl_padded"
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))

@@ -43,7 +43,7 @@ step() {
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -4
 python3 -c "import torch, triton, megatron.core as m; print('torch', torch.__version__, 'triton', triton.__version__, 'nccl', torch.cuda.nccl.version(), 'megatron-core', m.__version__)"
-BACKENDS="nccl,nccl@chunks=4,nccl_padded,symm_push,symm_push@combine=pull,symm_allgather,symm_dedup"
+BACKENDS="nccl,nccl_padded,symm_push,symm_push@combine=pull,symm_allgather,symm_dedup"
 BACKENDS="$BACKENDS,symm_dedup@combine=pull/peer_order=sequential"
 
 # (a) and (b) side by side, two GPUs each

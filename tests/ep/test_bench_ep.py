@@ -17,7 +17,7 @@ def _smoke(ctx, out):
     sys.path.insert(0, str(TOOLS))
     import bench_ep
 
-    backends = "reference,nccl,nccl@chunks=3,nccl_padded,hierarchical@ranks_per_host=1"
+    backends = "reference,nccl,nccl@kernels=torch,nccl_padded,hierarchical@ranks_per_host=1"
     bench_ep.main(["--cpu-smoke", "--backends", backends, "--out", out])
     spec = bench_ep.WORKLOADS["smoke"]
     return spec
@@ -30,13 +30,13 @@ def test_bench_ep_cpu_smoke(tmp_path):
     assert results["provenance"]["command"] and results["world_size"] == 2
     [info] = results["workloads"]
     rows = {row["backend"]: row for row in results["rows"]}
-    assert set(rows) == {"reference", "nccl", "nccl@chunks=3", "nccl_padded", "hierarchical@ranks_per_host=1"}, rows
+    assert set(rows) == {"reference", "nccl", "nccl@kernels=torch", "nccl_padded", "hierarchical@ranks_per_host=1"}, rows
     for name, row in rows.items():
         assert "error" not in row, row
         for move in ("dispatch", "combine", "dispatch_bwd", "combine_bwd"):
             assert row[f"{move}_ms"] > 0 and row[f"{move}_a2a_ms"] > 0 and row[f"{move}_MB"] >= 0, (name, move)
     # Every pair's row to the other rank, as the routing has it: the non-deduplicating backends.
-    for name in ("reference", "nccl", "nccl@chunks=3"):
+    for name in ("reference", "nccl", "nccl@kernels=torch"):
         assert math.isclose(rows[name]["dispatch_MB"], info["every_pair_MB"]), name
         assert math.isclose(rows[name]["dedup"], 1.0)
     # nccl_padded moves its whole per-peer capacity: ceil(1.25 x T x K / W) rows of H fp32.

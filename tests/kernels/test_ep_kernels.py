@@ -387,7 +387,7 @@ def test_symm_backend_on_cpu_is_graph_safe_and_allocation_free(name):
 # ---------------------------------------------------------------- the nccl backends' kernels on CPU
 # Two gloo ranks; the pack / unpack steps forced onto the Triton kernels (the interpreter),
 # which is what runs on a GPU (CPU tensors otherwise take the torch path).
-def _nccl_on_cpu(ctx, name, chunks):
+def _nccl_on_cpu(ctx, name):
     from dataclasses import replace
 
     from etp import ep
@@ -411,21 +411,21 @@ def _nccl_on_cpu(ctx, name, chunks):
     cfg = ep.EPConfig(num_experts=4, topk=2, hidden_size=8, max_tokens_per_rank=6, dtype=torch.float32,
                       num_ctas=2, tile_rows=4, num_stages=2, backend=name)
     disp, ref_disp = ep.ExpertDispatcher(cfg), ep.ExpertDispatcher(replace(cfg, backend="reference"))
-    disp.dispatch_backend.tune(kernels="triton", chunks=chunks)
+    disp.dispatch_backend.tune(kernels="triton")
     gen = torch.Generator().manual_seed(7 + ctx.rank)
     errors = []
     for tokens in (6, 3 + ctx.rank, 0, 5):  # shrinking: stale rows must be zeroed
-        errors += _layer_against_reference(disp, ref_disp, gen, tokens, f"{name} chunks={chunks} ")
+        errors += _layer_against_reference(disp, ref_disp, gen, tokens, f"{name} ")
     per_step, allocs, *_ = _steady_moves(disp, gen, launches)
     return errors, per_step, allocs
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton interpreter on CPU tensors")
-@pytest.mark.parametrize("name, chunks", [pytest.param("nccl", 3, marks=pytest.mark.slow), ("nccl_padded", 2)])
-def test_nccl_backend_kernels_match_reference_without_allocating(name, chunks):
+@pytest.mark.parametrize("name", [pytest.param("nccl", marks=pytest.mark.slow), "nccl_padded"])
+def test_nccl_backend_kernels_match_reference_without_allocating(name):
     from harness import run_distributed
 
-    for errors, per_step, allocs in run_distributed(_nccl_on_cpu, 2, name, chunks):
+    for errors, per_step, allocs in run_distributed(_nccl_on_cpu, 2, name):
         assert not errors, errors
         assert per_step[0] and all(step == per_step[0] for step in per_step[1:]), "launch arguments changed"
         assert {fn for fn, _, _ in per_step[0]} == {"push_rows", "pull_reduce", "pull_pairs", "zero_tail",

@@ -17,10 +17,7 @@ a two-buffer table: the exchange buffer, or this rank's receive rows for a local
 exchanges, and scatters the arrival rows into the receive layout (``copy_rows``); combine
 gathers ``expert_out`` rows into the arrival region, exchanges back, and sums each token's K
 rows in fp32 in k order (``pull_reduce`` over the exchange buffer and ``expert_out``:
-bit-identical to ``reference``). With ``tune(chunks=n)`` the exchange runs as n
-``all_to_all_single`` calls (async) so that the unpack of one chunk overlaps the transfer of
-the next (dispatch) and the pack of one the transfer of the previous (combine). Runs on gloo
-too (the CPU tests).
+bit-identical to ``reference``). Runs on gloo too (the CPU tests).
 """
 from __future__ import annotations
 
@@ -56,7 +53,6 @@ class NcclBackend(Backend):
         self._peer_rows = self._peer_counts = None
         self._arrival, send = self._regions()
         self._launch = dict(num_ctas=cfg.num_ctas, rows=cfg.tile_rows, num_warps=cfg.num_warps, stages=cfg.num_stages)
-        self._chunks = 1
         total = self._arrival + send
         self._rows = torch.zeros(total, cfg.hidden_size, dtype=cfg.dtype, device=ctx.device)
         self._w = torch.zeros(total, dtype=cfg.weight_dtype, device=ctx.device)
@@ -74,17 +70,10 @@ class NcclBackend(Backend):
         self._totals[t.data_ptr()] = torch.zeros(2, dtype=torch.int64, device=self.ctx.device)
         return t
 
-    def tune(self, *, chunks=None, kernels=None, num_ctas=None, tile_rows=None, num_warps=None,
-             num_stages=None) -> None:
-        """``chunks``: how many ``all_to_all_single`` calls one move's exchange takes (from
-        the next ``prepare`` on: the chunking is part of a handle's plan). ``kernels``:
-        ``"triton"`` (default on CUDA) or ``"torch"`` (default on CPU, where Triton runs in its
-        slow interpreter) for the pack / unpack steps. The rest as ``EPConfig``'s fields of
-        those names, for the Triton kernels."""
-        if chunks is not None:
-            if not isinstance(chunks, int) or chunks < 1:
-                raise ValueError(f"chunks={chunks!r}: expected an int >= 1")
-            self._chunks = chunks
+    def tune(self, *, kernels=None, num_ctas=None, tile_rows=None, num_warps=None, num_stages=None) -> None:
+        """``kernels``: ``"triton"`` (default on CUDA) or ``"torch"`` (default on CPU, where
+        Triton runs in its slow interpreter) for the pack / unpack steps. The rest as
+        ``EPConfig``'s fields of those names, for the Triton kernels."""
         if kernels is not None:
             if kernels not in ("triton", "torch"):
                 raise ValueError(f"kernels={kernels!r}: expected 'triton' or 'torch'")
@@ -95,52 +84,41 @@ class NcclBackend(Backend):
     def on_prepare(self, handle):
         with record_function("etp::ep_nccl_plan"):
             handle.backend_state[self.name] = plan_exchange(
-                handle, self.ctx, chunks=self._chunks, arrival_rows=self._arrival, peer_rows=self._peer_rows,
+                handle, self.ctx, arrival_rows=self._arrival, peer_rows=self._peer_rows,
                 peer_counts=self._peer_counts)
 
-    def _exchange(self, buf, plan, c: int, *, forward: bool):
-        """Chunk c's ``all_to_all_single``: send region -> peers' arrival regions (dispatch)
-        or back (combine)."""
-        (s0, s1), (r0, r1) = plan.send_range[c], plan.recv_range[c]
-        out, inp, out_splits, in_splits = buf[r0:r1], buf[s0:s1], plan.recv_splits[c], plan.send_splits[c]
+    def _exchange(self, buf, plan, *, forward: bool) -> None:
+        """The ``all_to_all_single``: send region -> peers' arrival regions (dispatch) or back."""
+        (s0, s1), (r0, r1) = plan.send_range, plan.recv_range
+        out, inp, out_splits, in_splits = buf[r0:r1], buf[s0:s1], plan.recv_splits, plan.send_splits
         if not forward:
             out, inp, out_splits, in_splits = inp, out, in_splits, out_splits
-        # One chunk: a plain (synchronous) collective; several: async, waited for chunk by chunk.
-        several = len(plan.send_range) > 1
         with record_function("etp::ep_all_to_all_single"):
-            work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.ctx.group, async_op=several)
-        return work if several else _Done()
+            dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.ctx.group)
 
     def dispatch(self, x, w, handle, out_x, out_w):
         plan, x = handle.backend_state[self.name], x.contiguous()
         w = None if w is None else w.contiguous().to(out_w.dtype)
         with record_function("etp::ep_nccl_pack"):
             self._pack.pack(x, w, plan, out_x, out_w)
-        chunks = range(len(plan.send_range))
-        works = [(self._exchange(self._rows, plan, c, forward=True),
-                  None if w is None else self._exchange(self._w, plan, c, forward=True)) for c in chunks]
+        self._exchange(self._rows, plan, forward=True)
+        if w is not None:
+            self._exchange(self._w, plan, forward=True)
         with record_function("etp::ep_nccl_unpack"):
-            for c, (rows_work, w_work) in zip(chunks, works):
-                r0, r1 = plan.recv_range[c]
-                rows_work.wait()
-                self._pack.unpack(self._rows, plan, r0, r1, out_x)
-                if w_work is not None:
-                    w_work.wait()
-                    self._pack.unpack(self._w, plan, r0, r1, out_w)
+            r0, r1 = plan.recv_range
+            self._pack.unpack(self._rows, plan, r0, r1, out_x)
+            if w is not None:
+                self._pack.unpack(self._w, plan, r0, r1, out_w)
             tokens_per_expert = handle.layout.tokens_per_expert
             self._pack.zero_tail(out_x, tokens_per_expert, self._totals[out_x.data_ptr()])
             if w is not None:
                 self._pack.zero_tail(out_w, tokens_per_expert, self._totals[out_w.data_ptr()])
 
     def _return(self, values, buf, plan):
-        """Gathers ``values``' arrival rows chunk by chunk and sends them back (async)."""
-        works = []
+        """Gathers ``values``' arrival rows and sends them back."""
         with record_function("etp::ep_nccl_pack"):
-            for c, (r0, r1) in enumerate(plan.recv_range):
-                self._pack.gather(values, buf, plan, r0, r1)
-                works.append(self._exchange(buf, plan, c, forward=False))
-        for work in works:
-            work.wait()
+            self._pack.gather(values, buf, plan, *plan.recv_range)
+        self._exchange(buf, plan, forward=False)
 
     def combine(self, y, handle, out):
         plan, y = handle.backend_state[self.name], y.contiguous()
@@ -153,14 +131,6 @@ class NcclBackend(Backend):
         self._return(v, self._w, plan)
         with record_function("etp::ep_nccl_unpack"):
             self._pack.pairs(v, plan, out.view(-1))
-
-
-class _Done:
-    """The work of a collective issued synchronously: nothing left to wait for."""
-
-    @staticmethod
-    def wait():
-        return True
 
 
 class NcclPaddedBackend(NcclBackend):
