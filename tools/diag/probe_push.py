@@ -20,6 +20,8 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # etp from this checkout
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/diag/
+from bench_overlap import back_to_back_ms  # noqa: E402 - one timing loop for the diag tools
 from bench_provenance import provenance  # noqa: E402
 
 from etp.kernels import ep_move as km  # noqa: E402
@@ -29,15 +31,9 @@ SHAPES = {"sonicmoe": (32768, 4096, 8), "deepseek_v3": (16384, 7168, 8)}  # T, H
 
 
 def _time(fn, iters=10):
-    fn()
+    fn()  # compiles
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters / 1e3
+    return back_to_back_ms(fn, iters) / 1e3
 
 
 def _torch_pack(exchange, pair_row, x, k):
