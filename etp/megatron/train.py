@@ -154,7 +154,7 @@ def _tune(args, recipe, options, torchrun: bool) -> int:
         print(f"etp-train: {note}", flush=True)
     base = [*(["--overrides", args.overrides] if args.overrides else []),
             *(item for value in args.set for item in ("--set", value))]
-    tune(recipe, args.recipe, base, args.tune, machine)
+    tune(recipe, args.recipe, base, args.tune, machine, json_path=options.json_path)
     return 0
 
 

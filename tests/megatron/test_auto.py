@@ -4,6 +4,7 @@ valid values; ``etp-train --tune`` times the candidates and writes the fastest a
 that ``--overrides`` applies."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -133,7 +134,9 @@ def test_tune_times_the_candidates_and_writes_overrides_etp_train_accepts(tmp_pa
     out = tmp_path / "best.yaml"
     base = [sys.executable, "-m", "etp.megatron.train", "--recipe", str(TINY), "--set", "global_batch_size=2",
             "--set", "micro_batch_size=1", "--set", "seq_length=32"]
-    done = subprocess.run([*base, "--tune", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    report = tmp_path / "tune.json"
+    done = subprocess.run([*base, "--tune", str(out), "--json", str(report)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stderr
     # CPU: gather_reuse chain / kept (for one micro-batch per rank: "pass") at micro-batch 1 (the
     # only size under a global batch of 2 on 2 ranks); cuda_graph and FP8 have one choice here.
@@ -143,6 +146,12 @@ def test_tune_times_the_candidates_and_writes_overrides_etp_train_accepts(tmp_pa
     assert {"etp.gather_reuse=chain", "etp.gather_reuse=pass"} <= {w for line in table for w in line.split()}
     best = yaml.safe_load(out.read_text())
     assert set(best) == {"cuda_graph", "micro_batch_size", "etp"} and best["etp"]["gather_reuse"] in ("chain", "pass")
+    # --json: every candidate's figures, the fastest marked, and where they came from
+    data = json.loads(report.read_text())
+    assert data["best_overrides"] == best and "--tune" in data["provenance"]["command"]
+    assert len(data["candidates"]) == 2 and sum(c["fastest"] for c in data["candidates"]) == 1
+    fastest = next(c for c in data["candidates"] if c["fastest"])
+    assert fastest["overrides"] == best and fastest["ms_per_iter"] == min(c["ms_per_iter"] for c in data["candidates"])
     # etp-train takes the file as it is: the recipe it builds carries the winner's values (a run of
     # it would only repeat the candidate's own run above).
     from etp.megatron.train import _load, _parse
@@ -156,6 +165,8 @@ def test_tune_times_the_candidates_and_writes_overrides_etp_train_accepts(tmp_pa
 
     assert main([*base[3:], "--overrides", str(bad)]) == 2
     assert "expected a YAML mapping" in capsys.readouterr().err
+    assert main([*base[3:], "--tune", str(out), "--resume"]) == 2
+    assert "drop --resume" in capsys.readouterr().err
 
 
 def test_tune_candidates_keep_weights_as_auto_would_at_each_micro_batch():

@@ -107,7 +107,7 @@ def tune(k: int, label: str, names: tuple[str, ...]) -> Step:
     the candidates are ``gather_reuse`` x the three largest micro-batches that fit."""
     pinned = "--set cuda_graph=step --set etp.gather_dtype=fp8_tensorwise"
     runs = tuple(Run(f"tune_{name}", f"python3 -m etp.megatron.train --recipe recipes/{name}.yaml {pinned} "
-                                     f"--tune {{dir}}/{name}_best.yaml", k, 240, 480) for name in names)
+                                     f"--tune {{dir}}/{name}_best.yaml --json {{json}}", k, 240, 480) for name in names)
     return Step(f"tune_{label}_{k}gpu", "The recipes against their peers", runs, headlines.none)
 
 

@@ -132,8 +132,9 @@ def _run(recipe_path: str, base_args: list[str], candidate: Candidate, machine: 
 
 
 def tune(recipe, recipe_path: str, base_args: list[str], out_path: str, machine: Machine,
-         iters: int = TUNE_ITERS) -> list[Candidate]:
-    """Runs every candidate, prints the table and writes the fastest's overrides to ``out_path``.
+         iters: int = TUNE_ITERS, json_path: str | None = None) -> list[Candidate]:
+    """Runs every candidate, prints the table and writes the fastest's overrides to ``out_path``
+    (and, with ``json_path``, every candidate's figures with the run's provenance).
 
     ``base_args``: the run's own ``--set`` arguments (each candidate's come after them)."""
     import yaml
@@ -156,7 +157,20 @@ def tune(recipe, recipe_path: str, base_args: list[str], out_path: str, machine:
     print(format_table(found, best), flush=True)
     Path(out_path).write_text(yaml.safe_dump(best.overrides, sort_keys=True))
     print(f"etp-train --tune: wrote {out_path}: etp-train --recipe {recipe_path} --overrides {out_path}", flush=True)
+    if json_path:
+        Path(json_path).write_text(json.dumps(tune_report(found, best), indent=1))
+        print(f"etp-train --tune: wrote {json_path}", flush=True)
     return found
+
+
+def tune_report(found: list[Candidate], best: Candidate) -> dict:
+    """``--tune --json``'s report: this process's provenance, every candidate (its time, or
+    why it was skipped or failed) and the fastest's overrides."""
+    from ...provenance import run_provenance
+
+    rows = [{"candidate": c.label(), "overrides": c.overrides, "ms_per_iter": c.ms_per_iter,
+             "tflops_per_rank": c.tflops, "fastest": c is best, "skipped": c.skipped, "error": c.error} for c in found]
+    return {"provenance": run_provenance(), "candidates": rows, "best_overrides": best.overrides}
 
 
 def format_table(found: list[Candidate], best: Candidate) -> str:
@@ -172,6 +186,7 @@ def format_table(found: list[Candidate], best: Candidate) -> str:
 
 
 def run_options_for_tune(options: RunOptions) -> None:
-    """--tune times fresh runs: it takes no checkpoint or output options of its own."""
-    if options.resume or options.json_path or options.audit_path or options.profile_dir:
-        raise TrainError("--tune runs its candidates from scratch: drop --resume, --json, --audit and --profile")
+    """--tune times fresh runs: it takes no checkpoint or output options of its own (``--json``
+    is its own report: every candidate's figures)."""
+    if options.resume or options.audit_path or options.profile_dir:
+        raise TrainError("--tune runs its candidates from scratch: drop --resume, --audit and --profile")
