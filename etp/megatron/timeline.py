@@ -81,7 +81,7 @@ class HostLeadTimeline:
     @contextlib.contextmanager
     def phase(self, name: str):
         """Marks the end of phase ``name`` on the host's clock and on the current stream."""
-        began, clock = time.perf_counter(), _thread_clock()
+        began, clock = time.perf_counter(), _thread_clock() if self.enabled else None
         yield
         if self.enabled:
             event = torch.cuda.Event(enable_timing=True)

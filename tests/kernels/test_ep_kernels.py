@@ -209,6 +209,19 @@ def test_tile_shapes():
     assert km.tile_rows(16, 4096, 3) == 4 and km.tile_rows(2, 4096, 3) == 1  # a reduction: rows // K
     with pytest.raises(ValueError, match="power of two"):
         km.tile_rows(3, 4096)
+
+
+@pytest.mark.parametrize("h, rows, want", [(7168, None, 2), (4096, None, 1), (4096, 16, 2)])
+def test_a_push_tiles_rows_over_its_k_pairs(monkeypatch, h, rows, want):
+    # A push writes each token to its K pairs: its tile holds rows // K tokens (tall tiles ran
+    # several times slower on wide rows), which the results alone would never show.
+    seen = {}
+    monkeypatch.setattr(km, "launch", lambda kernel, grid, *args, **meta: seen.update(meta))
+    tokens, k = 4, 8
+    x = torch.zeros(tokens, h, dtype=torch.bfloat16)
+    pairs = torch.zeros(tokens * k, dtype=torch.int64)
+    km.push_rows(x, None, pairs, pairs, km.table_of([x], x.device), None, mode=km.X_ROWS, rows=rows)
+    assert seen["ROWS"] == want and seen["K"] == k
     with pytest.raises(ValueError, match="at most 64 ranks"):
         km.pull_reduce(torch.zeros(65, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
                        torch.zeros(1, dtype=torch.int64), torch.zeros(1, 4), dedup=True)

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from .validation import RecipeError
 
-__all__ = ["FP8_EAGER_TOKENS", "Machine", "resolve_auto"]
+__all__ = ["FP8_EAGER_TOKENS", "Machine", "kept_reuse", "resolve_auto"]
 
 #: Tokens per micro-batch from which an eager step's GEMMs are long enough for FP8 to pay.
 FP8_EAGER_TOKENS = 16384
@@ -177,6 +177,13 @@ def _gather_dtype(recipe, machine: Machine, captured: bool, notes: list[str]) ->
     return "param"
 
 
+def kept_reuse(recipe, world_size: int) -> str:
+    """The ``gather_reuse`` that keeps every weight gathered as long as its micro-batches allow:
+    ``step`` across several micro-batches, ``pass`` (forward to backward) for one. What ``auto``
+    takes when it fits, and ``--tune``'s candidate beside ``chain``."""
+    return "step" if recipe.num_microbatches(world_size) > 1 else "pass"
+
+
 def _gather_reuse(recipe, machine: Machine, notes: list[str]) -> str | None:
     if "etp.gather_reuse" not in recipe.auto:
         return None
@@ -185,8 +192,7 @@ def _gather_reuse(recipe, machine: Machine, notes: list[str]) -> str | None:
         return "chain"
     from ...audit import fits, predict_peak
 
-    micro = recipe.num_microbatches(machine.world_size)
-    for reuse in (("step" if micro > 1 else "pass"), "chain"):
+    for reuse in (kept_reuse(recipe, machine.world_size), "chain"):
         candidate = recipe.replace(etp={"gather_reuse": reuse})
         peak = predict_peak(candidate, machine.world_size)
         if reuse == "chain" or fits(peak, machine.gpu_memory):

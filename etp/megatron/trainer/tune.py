@@ -18,7 +18,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..recipe.auto import Machine
+from ..recipe.auto import Machine, kept_reuse
 from .options import RunOptions, TrainError
 
 __all__ = ["Candidate", "candidates", "tune"]
@@ -78,8 +78,7 @@ def candidates(recipe, machine: Machine, micro_batches: int = 3) -> list[Candida
             overrides = {"micro_batch_size": size, **{k: v for k, v in chosen.items() if not k.startswith("etp.")}}
             etp = {k[4:]: v for k, v in chosen.items() if k.startswith("etp.")}
             if etp.get("gather_reuse") == "keep":
-                several = recipe.replace(micro_batch_size=size).num_microbatches(machine.world_size) > 1
-                etp["gather_reuse"] = "step" if several else "pass"
+                etp["gather_reuse"] = kept_reuse(recipe.replace(micro_batch_size=size), machine.world_size)
             if etp:
                 overrides["etp"] = etp
             candidate = Candidate(overrides)
