@@ -146,11 +146,11 @@ class ExpertDispatcher:
         self._check_topk_idx(topk_idx)
         cfg, ctx = self.cfg, self.ctx
         with record_function("etp::ep_prepare"):
-            self._meta.copy_(count_pairs(topk_idx, cfg.num_experts))
+            _, blocks = count_pairs(topk_idx, cfg.num_experts, out=self._meta, return_blocks=True)
             with record_function("etp::ep_count_all_gather"):
                 _all_gather(self._meta_all.view(-1), self._meta, group=self.group)
             layout = pair_rows(topk_idx, self._meta_all, ctx.rank, self.capacity,
-                               cfg.expert_capacity(ctx.world_size))
+                               cfg.expert_capacity(ctx.world_size), blocks=blocks)
             torch.maximum(self._status[0], layout.needed, out=self._status[0])
             self._status[1].add_(self._meta_all[:, cfg.num_experts + 1])
         self._generation += 1

@@ -1,7 +1,11 @@
 """Routing layout by prefix sums, on device: where every (token, expert) pair goes.
 
-Pure torch: ``prepare`` allocates these temporaries every step (from the caching
-allocator; a preallocated / Triton layout is still to be written, see docs/ep.md).
+``count_pairs`` and ``pair_rows`` run the Triton kernels of ``etp.kernels.ep_layout`` on a
+GPU (four launches in all, see [Note: layout in blocks] there) and the pure-torch
+``count_pairs_torch`` / ``pair_rows_torch`` on CPU; the torch functions define the results,
+which the kernels match bit for bit (``tests/kernels/test_ep_layout.py``). Either way the
+layout's tensors are allocated per call (from the caching allocator) and no host value
+depends on the routing, so ``prepare`` is capturable.
 
 [Note: receive layout]
 Rank ``d``'s receive buffer holds its local experts' rows expert by expert; within one
@@ -23,7 +27,9 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Layout", "count_pairs", "plan", "pair_rows", "META_COLUMNS"]
+from etp.kernels import ep_layout
+
+__all__ = ["Layout", "count_pairs", "plan", "pair_rows", "count_pairs_torch", "pair_rows_torch", "META_COLUMNS"]
 
 #: Extra columns of the exchanged metadata after the E per-expert counts: tokens T, and
 #: the number of out-of-range expert indices.
@@ -57,8 +63,53 @@ class Layout(NamedTuple):
     tokens: torch.Tensor
 
 
-def count_pairs(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """[E + META_COLUMNS] int64: pairs per expert, then T, then the out-of-range indices."""
+def _use_kernel(tensor: torch.Tensor, kernel: bool | None) -> bool:
+    # None: the kernels on a GPU; tests force them on CPU (under the Triton interpreter).
+    return tensor.is_cuda if kernel is None else kernel
+
+
+def count_pairs(topk_idx: torch.Tensor, num_experts: int, *, out: torch.Tensor | None = None,
+                return_blocks: bool = False, kernel: bool | None = None):
+    """[E + META_COLUMNS] int64: pairs per expert, then T, then the out-of-range indices.
+
+    ``out``: written there (and returned). ``return_blocks``: returns ``(meta, blocks)``,
+    ``blocks`` being what ``pair_rows`` reuses instead of counting again (the kernels' block
+    prefix; None from the torch path). ``kernel``: the Triton kernels (None: on CUDA tensors).
+
+    Example::
+
+        meta, blocks = count_pairs(topk_idx, num_experts, out=meta_buffer, return_blocks=True)
+    """
+    if _use_kernel(topk_idx, kernel):
+        meta, blocks = ep_layout.count_pairs(topk_idx, num_experts, out)
+    else:
+        meta, blocks = count_pairs_torch(topk_idx, num_experts), None
+        if out is not None:
+            meta = out.copy_(meta)
+    return (meta, blocks) if return_blocks else meta
+
+
+def pair_rows(topk_idx: torch.Tensor, meta: torch.Tensor, rank: int, capacity: int,
+              expert_capacity: int | None, *, blocks: torch.Tensor | None = None,
+              kernel: bool | None = None) -> Layout:
+    """The full layout of this rank from the all-gathered counts ``meta`` [W, E + 2]. See
+    [Note: receive layout]. ``blocks``: from this rank's ``count_pairs(...,
+    return_blocks=True)`` (None: counted again); ``kernel`` as in ``count_pairs``.
+
+    Example::
+
+        layout = pair_rows(topk_idx, meta_all, rank, capacity, None, blocks=blocks)
+    """
+    if not _use_kernel(topk_idx, kernel):
+        return pair_rows_torch(topk_idx, meta, rank, capacity, expert_capacity)
+    num_experts = meta.shape[1] - META_COLUMNS
+    if blocks is None:
+        _, blocks = ep_layout.count_pairs(topk_idx, num_experts)
+    return Layout(*ep_layout.pair_rows(topk_idx, meta, blocks, rank, capacity, expert_capacity))
+
+
+def count_pairs_torch(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``count_pairs`` in pure torch: the reference."""
     flat = topk_idx.reshape(-1)
     valid = (flat >= 0) & (flat < num_experts)
     bins = torch.where(valid, flat, num_experts)
@@ -87,9 +138,9 @@ def plan(meta: torch.Tensor, rank: int, capacity: int, expert_capacity: int | No
     return kept, base, tokens_per_expert, needed
 
 
-def pair_rows(topk_idx: torch.Tensor, meta: torch.Tensor, rank: int, capacity: int,
-              expert_capacity: int | None) -> Layout:
-    """The full layout of this rank. See [Note: receive layout]."""
+def pair_rows_torch(topk_idx: torch.Tensor, meta: torch.Tensor, rank: int, capacity: int,
+                    expert_capacity: int | None) -> Layout:
+    """``pair_rows`` in pure torch: the reference. See [Note: receive layout]."""
     world = meta.shape[0]
     num_experts = meta.shape[1] - META_COLUMNS
     local = num_experts // world

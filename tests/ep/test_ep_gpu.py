@@ -200,7 +200,7 @@ def _allocations(ctx, name):
                 counts.append(torch.cuda.memory_stats()["allocation.all.allocated"] - before)
         reserved = torch.cuda.memory_reserved()
         for _ in range(3):
-            handle = disp.prepare(idx)  # the layout's prefix sums are torch ops: temporaries
+            handle = disp.prepare(idx)  # the layout allocates its tensors per call: temporaries
         torch.cuda.synchronize()
     return counts, torch.cuda.memory_reserved() - reserved
 
