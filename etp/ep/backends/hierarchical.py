@@ -12,13 +12,11 @@ Then a rank holds two *sources* for its host: its own tokens (their pairs to thi
 and the rows relayed to it.
 
 * dispatch: pack the rows to send (``index_select``), exchange them (and their routing
-  weights) over the rail, push both sources into this host's receive buffers; this rank's
-  own tokens go while the rail exchange is in flight, the relayed ones after it lands.
+  weights) over the rail, push both sources into this host's receive buffers.
 * combine: each source row's sum over its pairs on this host (fp32, k order), pulled within
-  the host, the relayed rows' first; their sums go back over the rail while the own rows'
-  are pulled; each token adds its own host's sum and the returned ones in the order of its
-  first pair to each host (fp32). Like ``symm_dedup``, partial sums per host are rounded to
-  the row dtype.
+  the host; the relayed rows' sums go back over the rail; each token adds its own host's
+  sum and the returned ones in the order of its first pair to each host (fp32). Like
+  ``symm_dedup``, partial sums per host are rounded to the row dtype.
 * combine of routing weights (backward): one value per pair, pulled within the host and
   returned over the rail in the same way (exact: each pair is on one host).
 
@@ -86,12 +84,9 @@ class HierarchicalBackend(Backend):
     def alloc_rows(self, rows, width=None, dtype=None):
         return self._intra.alloc_rows(rows, width, dtype)
 
-    def _rail(self, out, inp, out_splits, in_splits, async_op=False):
-        """The exchange between hosts; ``async_op``: returns its work (``wait()`` orders the
-        current stream after it) and leaves the current stream free meanwhile."""
+    def _rail(self, out, inp, out_splits, in_splits):
         with record_function("etp::ep_hier_rail_all_to_all"):
-            return dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.groups.rail_group,
-                                          async_op=async_op)
+            dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.groups.rail_group)
 
     def on_prepare(self, handle):
         with record_function("etp::ep_hier_plan"):
@@ -147,27 +142,19 @@ class HierarchicalBackend(Backend):
             if w is not None:
                 w = w.to(out_w.dtype)
                 torch.index_select(w, 0, plan.send_tok, out=self._send_w[:S])
-        works = [self._rail(self._relay[:R], self._send[:S], plan.recv_splits, plan.send_splits, async_op=True)]
+        self._rail(self._relay[:R], self._send[:S], plan.recv_splits, plan.send_splits)
         if w is not None:
-            works.append(self._rail(self._relay_w[:R], self._send_w[:S], plan.recv_splits, plan.send_splits,
-                                    async_op=True))
+            self._rail(self._relay_w[:R], self._send_w[:S], plan.recv_splits, plan.send_splits)
         sources = [(x.contiguous(), w, plan.own_row, plan.own_rank),
                    (self._relay[:R], None if w is None else self._relay_w[:R], plan.relay_row, plan.relay_rank)]
-        # The own tokens are pushed while the rail exchange runs; the relayed ones once it landed.
-        self._intra.push(sources, out_x, out_w, handle.layout.tokens_per_expert,
-                         before={1: lambda: [work.wait() for work in works]})
+        self._intra.push(sources, out_x, out_w, handle.layout.tokens_per_expert)
 
     def combine(self, y, handle, out):
         plan, T, t_max = handle.backend_state[self.name], handle.tokens, self.ctx.cfg.max_tokens_per_rank
         S, R = plan.send_tok.numel(), sum(plan.recv_splits)
-        works = []
-        # The relayed rows' sums first: their rail exchange runs while the own rows' are pulled.
-        self._intra.reduce(y, [(plan.relay_row, plan.relay_rank, self._relay[:R]),
-                               (plan.own_row, plan.own_rank, self._sums[:T])], handle.layout.tokens_per_expert,
-                           before={1: lambda: works.append(self._rail(self._sums[t_max:t_max + S], self._relay[:R],
-                                                                      plan.send_splits, plan.recv_splits,
-                                                                      async_op=True))})
-        works[0].wait()
+        self._intra.reduce(y, [(plan.own_row, plan.own_rank, self._sums[:T]),
+                               (plan.relay_row, plan.relay_rank, self._relay[:R])], handle.layout.tokens_per_expert)
+        self._rail(self._sums[t_max:t_max + S], self._relay[:R], plan.send_splits, plan.recv_splits)
         with record_function("etp::ep_hier_sum_hosts"):
             if self._kernels:
                 km.pull_reduce(self._sums_table, plan.sum_row, self._zeros[:plan.sum_row.numel()], out)

@@ -5,10 +5,7 @@ Each *source* is rows (``[N, H]``), their routing weights (``[N, K]`` or None) a
 ``(row, local rank)`` (``[N*K]`` each, row -1: the pair does not go to this host). ``push``
 writes row n to row ``row[n*K + k]`` of host rank ``local_rank[...]``'s receive buffer;
 ``reduce`` sums, per source row, the rows its pairs point at (fp32 in k order, fp64 for
-fp64 rows); ``pairs`` reads one value per pair. ``push`` and ``reduce`` take ``before``: per
-source index, a callable run just before that source is moved (the ``hierarchical`` backend
-waits there for the rail exchange that delivers a source, or starts the one that sends the
-previous source's sums, so the rail and the host's moves overlap).
+fp64 rows); ``pairs`` reads one value per pair.
 
 * ``SymmIntra``: symmetric memory over the host group (GPU, NVLink): the move kernels of
   ``etp.kernels.ep_move`` (push, pull-reduce), fenced by barriers, as ``symm_push``.
@@ -27,11 +24,6 @@ from etp.kernels import ep_move as km
 __all__ = ["GlooIntra", "SymmIntra"]
 
 
-def _run(before, index: int) -> None:
-    if before and index in before:
-        before[index]()
-
-
 class SymmIntra:
     """Within-host moves over symmetric memory (``ctx``: the host group's context)."""
 
@@ -43,12 +35,11 @@ class SymmIntra:
     def alloc_rows(self, rows, width=None, dtype=None):
         return self.symm.alloc_rows(rows, width, dtype)
 
-    def push(self, sources, out_x, out_w, tokens_per_expert, before=None):
+    def push(self, sources, out_x, out_w, tokens_per_expert):
         symm = self.symm
         symm._barrier()
         with record_function("etp::ep_hier_intra_push"):
-            for index, (rows, w, row, rank) in enumerate(sources):
-                _run(before, index)
+            for rows, w, row, rank in sources:
                 km.push_rows(rows, w, row, rank, symm._table(out_x), None if w is None else symm._table(out_w),
                              mode=km.X_ROWS, **symm._launch)
         symm._barrier()
@@ -56,18 +47,17 @@ class SymmIntra:
         if out_w is not None:
             symm._select(out_w, None, out_w, tokens_per_expert, identity=True, zero_only=True)
 
-    def _pull(self, values, stage, sources, tokens_per_expert, kernel, before=None):
+    def _pull(self, values, stage, sources, tokens_per_expert, kernel):
         symm = self.symm
         symm._barrier()
         table = symm._staged(values.contiguous(), stage, tokens_per_expert)
         symm._barrier()
-        for index, (row, rank, out) in enumerate(sources):
-            _run(before, index)
+        for row, rank, out in sources:
             kernel(table, row, rank, out, **symm._launch)
 
-    def reduce(self, y, sources, tokens_per_expert, before=None):
+    def reduce(self, y, sources, tokens_per_expert):
         with record_function("etp::ep_hier_intra_pull_reduce"):
-            self._pull(y, self.symm._stage, sources, tokens_per_expert, km.pull_reduce, before)
+            self._pull(y, self.symm._stage, sources, tokens_per_expert, km.pull_reduce)
 
     def pairs(self, v, sources, tokens_per_expert):
         with record_function("etp::ep_hier_intra_pull_pairs"):
@@ -101,9 +91,7 @@ class GlooIntra:
         dist.all_to_all_single(recv, counts, group=self.ctx.group)
         return pairs, counts.tolist(), recv.tolist()
 
-    def push(self, sources, out_x, out_w, tokens_per_expert, before=None):
-        for index in range(len(sources)):  # every source is read at once here
-            _run(before, index)
+    def push(self, sources, out_x, out_w, tokens_per_expert):
         rows = torch.cat([src[0].to(out_x.dtype) for src in sources])
         row, rank = torch.cat([src[2] for src in sources]), torch.cat([src[3] for src in sources])
         pairs, counts, recv_counts = self._route(row, rank)
@@ -126,10 +114,9 @@ class GlooIntra:
         per_pair[pairs] = got
         return per_pair.split([src[0].numel() for src in sources])
 
-    def reduce(self, y, sources, tokens_per_expert, before=None):
+    def reduce(self, y, sources, tokens_per_expert):
         with record_function("etp::ep_hier_intra_pull_reduce"):
-            for index, ((_, _, out), values) in enumerate(zip(sources, self._per_pair(y, sources))):
-                _run(before, index)
+            for (_, _, out), values in zip(sources, self._per_pair(y, sources)):
                 if out.shape[0]:
                     sum_pairs(values.view(out.shape[0], -1, out.shape[1]), out)
 
