@@ -62,7 +62,7 @@ def _index(device: torch.device | int | None) -> int:
 
 def current_raw_stream(device: torch.device | int | None = None) -> int:
     """``device``'s (default: the current device's) current stream as a raw ``cudaStream_t``
-    (what driver calls such as ``cuStreamWriteValue32`` take), without making a
+    (what driver calls such as ``cuStreamBatchMemOp`` take), without making a
     ``torch.cuda.Stream`` object (see ``current_stream``)."""
     return torch._C._cuda_getCurrentRawStream(_index(device))
 

@@ -5,8 +5,8 @@ every peer arrives; the copy-engine gather needs two per gather, so an expert st
 of them would each hold an SM beside the GEMMs while they spin. Here a
 barrier is, on the current stream, one fenced flag write into every peer's pad ("this rank
 reached barrier ``n`` of channel ``c``") and one flag wait per peer on this rank's own pad
-("peer ``p`` reached it"): ``cuStreamWriteValue32`` / ``cuStreamWaitValue32``, the stream's
-front end, no kernel, no SM. The write's memory fence orders everything the stream did before
+("peer ``p`` reached it"), all in one ``cuStreamBatchMemOp`` (``stream_ops.MemoryOps``, laid out
+once per channel; only the barrier number changes), the stream's front end, no kernel, no SM. The write's memory fence orders everything the stream did before
 it (the peer copies of a gather, the optimizer's update of a shard the stream waited for)
 before the flag, as the kernel barrier's release/acquire does.
 
@@ -49,6 +49,7 @@ class FlagBarrier:
         self._pads: list[int] | None = None  # the pad's address on every rank
         self._pad = None  # keeps this rank's pad alive
         self._count = [0] * channels
+        self._fences: dict[int, object] = {}  # channel -> its MemoryOps (addresses fixed, values set per barrier)
 
     def materialize(self) -> None:
         """Allocates, zeroes and rendezvouses the flag pads (a collective over the group)."""
@@ -64,9 +65,6 @@ class FlagBarrier:
     def __call__(self, channel: int, stream: torch.cuda.Stream | int | None = None) -> None:
         """Barrier number ``n + 1`` of ``channel`` on ``stream`` (default: the current stream; or
         its raw ``cuda_stream`` handle)."""
-        from .stream_ops import stream_handle, wait_value_geq, write_value
-
-        stream = stream_handle(stream)  # once for all of this barrier's flag operations
         if not 0 <= channel < self.channels:
             raise RuntimeError(
                 f"etp flag barrier: channel {channel} out of range: {self.channels} streams fence "
@@ -74,10 +72,20 @@ class FlagBarrier:
                 "warm-up); use transport='nccl' for a process that gathers on that many streams")
         self._count[channel] += 1
         value = self._count[channel]
-        for step in range(1, self.world):
-            write_value(self._flag((self.rank + step) % self.world, channel, self.rank), value, stream)
-        for step in range(1, self.world):
-            wait_value_geq(self._flag(self.rank, channel, (self.rank - step) % self.world), value, stream)
+        fence = self._fences.get(channel)
+        if fence is None:
+            fence = self._fences[channel] = self._fence(channel)
+        fence.set_value(value)
+        fence.enqueue(stream)
+
+    def _fence(self, channel: int):
+        """Arrive at every peer, then wait for every peer's arrival: one batch, one driver call."""
+        from .stream_ops import WAIT_GEQ, WRITE, MemoryOps
+
+        steps = range(1, self.world)
+        return MemoryOps([(WRITE, self._flag((self.rank + step) % self.world, channel, self.rank), 0) for step in steps]
+                         + [(WAIT_GEQ, self._flag(self.rank, channel, (self.rank - step) % self.world), 0)
+                            for step in steps])
 
     def nbytes(self) -> int:
         """The flag pad (symmetric memory, outside torch's allocator)."""

@@ -8,10 +8,12 @@ barrier kernels that spin on an SM each. Here nothing that overlaps a GEMM runs 
 
 * on the RS side stream, right after the wgrad GEMM: for every peer ``p``, a copy-engine copy
   of the full gradient's rows of ``p`` into ``p``'s staging slot (a symmetric-memory buffer),
-  then a fenced write that sets ``p``'s READY flag of the slot. Before the copy the stream
-  waits on this rank's own flag pad until ``p`` has freed the slot.
+  then a fenced write that sets ``p``'s READY flag of the slot. Before the copies the stream
+  waits on this rank's own flag pad until every peer has freed the slot.
   Waits and writes are stream memory operations (``etp.transport.stream_ops``): the stream's
-  front end, no kernel.
+  front end, no kernel; each side's are one batch (``MemoryOps``: one driver call, laid out once
+  per slot, as the staging views are made once per slot and shape: an eager step issues these
+  for every weight, and their host cost adds up).
 * when the runtime finalizes the reduction (one weight later, on the compute stream): wait
   for the peers' READY flags of the slot, then one memory-bound kernel
   (``etp.kernels.sum_received.sum_received``) sums this rank's own rows and the received ones
@@ -110,6 +112,8 @@ class CopyEnginePushReduce(SixteenBitWireReduce):
         self._flags = None  # (local int32 pad, the pads' addresses by rank)
         self._issued = 0
         self._loaded: set[tuple] = set()  # sum-kernel specializations launched once already
+        self._fences: dict[tuple, object] = {}  # (step, slot) -> its MemoryOps (the flags' addresses are fixed)
+        self._views: dict[tuple, torch.Tensor] = {}  # (owner, slot, dtype, shape) -> staging view
 
     # ------------------------------------------------------------------ set-up (collective)
     def reserve(self, param: torch.Tensor, wire_dtype: torch.dtype) -> None:
@@ -133,6 +137,7 @@ class CopyEnginePushReduce(SixteenBitWireReduce):
             peers = [buffer if r == self.rank else handle.get_buffer(r, (nbytes,), torch.uint8, offset)
                      for r in range(self.world)]
             self._staging, self._shard_bytes = (buffer, peers), shard_bytes
+            self._views.clear()  # views of the old staging
         torch.cuda.synchronize(self.device)  # every flag initialized before any peer may write one
         dist.barrier(group=self.process_group)
 
@@ -150,24 +155,55 @@ class CopyEnginePushReduce(SixteenBitWireReduce):
     def _slot_view(self, owner: int, seq: int, full: torch.Tensor, rows: int) -> torch.Tensor:
         """``owner``'s staging of sequence ``seq``: ``[world - 1, rows, ...]`` of ``full``'s
         dtype; index ``k`` holds the rows sent by the rank ``k + 1`` before ``owner``."""
-        start = (seq % self.SLOTS) * (self.world - 1) * self._shard_bytes
-        count = (self.world - 1) * rows * full[0].numel()
-        nbytes = count * full.element_size()
-        region = self._staging[1][owner][start : start + nbytes]
-        return region.view(full.dtype).view(self.world - 1, rows, *full.shape[1:])
+        key = (owner, seq % self.SLOTS, full.dtype, rows, full.shape[1:])
+        view = self._views.get(key)
+        if view is None:
+            start = (seq % self.SLOTS) * (self.world - 1) * self._shard_bytes
+            nbytes = (self.world - 1) * rows * full[0].numel() * full.element_size()
+            region = self._staging[1][owner][start : start + nbytes]
+            view = self._views[key] = region.view(full.dtype).view(self.world - 1, rows, *full.shape[1:])
+        return view
+
+    def _fence(self, step: str, slot: int):
+        """The flag operations of ``step`` on ``slot``, laid out once (``stream_ops.MemoryOps``):
+
+        * ``push_free``: wait until every peer has summed what we put in this slot last, and
+          clear those FREE flags (before the copies);
+        * ``push_ready``: set every peer's READY flag of the slot (fenced after the copies);
+        * ``receive``: wait for every peer's READY of the slot, and clear them;
+        * ``release``: set FREE of the slot at every peer (this rank has summed their rows).
+        """
+        fence = self._fences.get((step, slot))
+        if fence is not None:
+            return fence
+        from .stream_ops import WAIT_GEQ, WRITE, MemoryOps
+
+        to = [(self.rank + k) % self.world for k in range(1, self.world)]  # the peers pushed to
+        by = [(self.rank - k) % self.world for k in range(1, self.world)]  # the peers pushing here
+        if step == "push_free":
+            frees = [self._flag(self.rank, _FREE, peer, slot) for peer in to]
+            ops = [(WAIT_GEQ, free, 1) for free in frees] + [(WRITE, free, 0) for free in frees]
+        elif step == "push_ready":
+            ops = [(WRITE, self._flag(peer, _READY, self.rank, slot), 1) for peer in to]
+        elif step == "receive":
+            readies = [self._flag(self.rank, _READY, peer, slot) for peer in by]
+            ops = [(WAIT_GEQ, ready, 1) for ready in readies] + [(WRITE, ready, 0) for ready in readies]
+        elif step == "release":
+            ops = [(WRITE, self._flag(peer, _FREE, self.rank, slot), 1) for peer in by]
+        else:
+            raise ValueError(f"etp push reduce: unknown fence step {step!r}")
+        fence = self._fences[(step, slot)] = MemoryOps(ops)
+        return fence
 
     def _push(self, full: torch.Tensor, rows: int, seq: int) -> None:
-        from .stream_ops import wait_value_geq, write_value
-
         slot = seq % self.SLOTS
         stream = current_raw_stream()
-        for step in range(1, self.world):
-            peer = (self.rank + step) % self.world
-            free = self._flag(self.rank, _FREE, peer, slot)
-            wait_value_geq(free, 1, stream)  # the peer has summed what we put in this slot last
-            write_value(free, 0, stream)
-            self._slot_view(peer, seq, full, rows)[step - 1].copy_(full[peer * rows : (peer + 1) * rows])
-            write_value(self._flag(peer, _READY, self.rank, slot), 1, stream)
+        self._fence("push_free", slot).enqueue(stream)
+        staged = [self._slot_view((self.rank + k) % self.world, seq, full, rows) for k in range(1, self.world)]
+        for k, view in enumerate(staged, start=1):
+            peer = (self.rank + k) % self.world
+            view[k - 1].copy_(full[peer * rows : (peer + 1) * rows])
+        self._fence("push_ready", slot).enqueue(stream)
 
     def _load_sum_kernel(self, wire: torch.dtype, out: torch.dtype, accumulate: bool) -> None:
         """Launches the sum kernel's specialization once on one element (see the module doc)."""
@@ -180,24 +216,11 @@ class CopyEnginePushReduce(SixteenBitWireReduce):
                      torch.zeros(1, dtype=out, device=self.device), accumulate=accumulate)
 
     def _receive(self, full: torch.Tensor, rows: int, seq: int) -> torch.Tensor:
-        from .stream_ops import wait_value_geq, write_value
-
-        slot = seq % self.SLOTS
-        stream = current_raw_stream()
-        for k in range(self.world - 1):
-            ready = self._flag(self.rank, _READY, (self.rank - k - 1) % self.world, slot)
-            wait_value_geq(ready, 1, stream)
-            write_value(ready, 0, stream)
+        self._fence("receive", seq % self.SLOTS).enqueue(current_raw_stream())
         return self._slot_view(self.rank, seq, full, rows)
 
     def _release(self, seq: int) -> None:
-        from .stream_ops import write_value
-
-        slot = seq % self.SLOTS
-        stream = current_raw_stream()
-        for k in range(self.world - 1):
-            source = (self.rank - k - 1) % self.world
-            write_value(self._flag(source, _FREE, self.rank, slot), 1, stream)
+        self._fence("release", seq % self.SLOTS).enqueue(current_raw_stream())
 
     def reduce_scatter(self, full, group, target, mean, async_op) -> Handle:
         rows = full.shape[0] // self.world

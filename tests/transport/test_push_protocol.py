@@ -107,10 +107,17 @@ class _Rows:
 
 
 def _transports(device: Device, monkeypatch) -> list:
-    monkeypatch.setattr(stream_ops, "wait_value_geq",
-                        lambda address, value, stream=None: device.enqueue(("wait", address, value)))
-    monkeypatch.setattr(stream_ops, "write_value",
-                        lambda address, value, stream=None: device.enqueue(("write", address, value)))
+    kinds = {stream_ops.WAIT_GEQ: "wait", stream_ops.WRITE: "write"}
+
+    class RecordedOps:  # a batch is its operations in order on the stream (cuStreamBatchMemOp)
+        def __init__(self, ops) -> None:
+            self.ops = list(ops)
+
+        def enqueue(self, stream=None) -> None:
+            for kind, address, value in self.ops:
+                device.enqueue((kinds[kind], address, value))
+
+    monkeypatch.setattr(stream_ops, "MemoryOps", RecordedOps)
     # No CUDA here: the transport's stream lookups (etp.streams) hand out stand-ins.
     monkeypatch.setattr(push_reduce, "current_raw_stream", lambda *a, **k: 0)
     monkeypatch.setattr(push_reduce, "current_stream", lambda *a, **k: types.SimpleNamespace(wait_event=lambda e: None))
@@ -118,7 +125,7 @@ def _transports(device: Device, monkeypatch) -> list:
     for rank in range(device.world):
         t = push_reduce.CopyEnginePushReduce.__new__(push_reduce.CopyEnginePushReduce)
         t.rank, t.world, t._issued = rank, device.world, 0
-        t.device, t._staging, t._loaded = torch.device("cpu"), None, set()
+        t.device, t._staging, t._loaded, t._fences, t._views = torch.device("cpu"), None, set(), {}, {}
         pad = torch.zeros(2 * device.world * t.SLOTS, dtype=torch.int32)
         t.init_flags(pad)
         t._flags = (pad, [r * PAD_STRIDE for r in range(device.world)])

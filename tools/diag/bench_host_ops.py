@@ -54,7 +54,7 @@ def cases():
     from etp.gemm import DenseGemm, GroupedGemm, quantize_activation
     from etp.kernels import quantize_rowwise, transpose_last2
     from etp.quant import FP8Weight
-    from etp.transport.stream_ops import wait_value_geq, write_value
+    from etp.transport.stream_ops import WAIT_GEQ, WRITE, MemoryOps
 
     dev = torch.device("cuda")
     x = torch.randn(64, 256, device=dev, dtype=torch.bfloat16)
@@ -83,14 +83,38 @@ def cases():
     def fresh(t):  # a new tensor each call, as activations are (costs the "x + 0" case)
         return t + 0
 
+    # One push reduce-scatter's flag operations at world 4 (etp.transport.push_reduce): push 3
+    # waits + 3 clears, then 3 READY writes; receive 3 waits + 3 clears; release 3 writes.
+    flags = [flag.data_ptr() + 4 * k for k in range(3)]
+    batches = [[(WAIT_GEQ, f, 0) for f in flags] + [(WRITE, f, 0) for f in flags], [(WRITE, f, 0) for f in flags],
+               [(WAIT_GEQ, f, 0) for f in flags] + [(WRITE, f, 0) for f in flags], [(WRITE, f, 0) for f in flags]]
+    singles = [MemoryOps([op]) for batch in batches for op in batch]
+    laid_out = [MemoryOps(batch) for batch in batches]
+    write_one, wait_one = MemoryOps([(WRITE, flag.data_ptr(), 1)]), MemoryOps([(WAIT_GEQ, flag.data_ptr(), 0)])
+
+    def one_by_one():
+        for ops in singles:
+            ops.enqueue(handle)
+
+    def built_each_time():
+        for batch in batches:
+            MemoryOps(batch).enqueue(handle)
+
+    def laid_out_once():
+        for ops in laid_out:
+            ops.enqueue(handle)
+
     return _launch_cases(wq) | {
         "torch.empty": lambda: torch.empty(64, 256, device=dev, dtype=torch.bfloat16),
         "x + 0 (one elementwise launch)": lambda: x + 0,
         "torch.cuda.current_stream()": torch.cuda.current_stream,
         "event.record()": lambda: event.record(stream),
         "stream.wait_event()": lambda: other.wait_event(event),
-        "write_value (cuStreamWriteValue32)": lambda: write_value(flag.data_ptr(), 1, handle),
-        "wait_value_geq, satisfied (cuStreamWaitValue32)": lambda: wait_value_geq(flag.data_ptr(), 0, handle),
+        "one flag write (MemoryOps of 1, laid out)": lambda: write_one.enqueue(handle),
+        "one flag wait, satisfied (MemoryOps of 1, laid out)": lambda: wait_one.enqueue(handle),
+        "a push reduce's 15 flag operations (world 4), a driver call each": one_by_one,
+        "the same 15 in 4 batches built at each call": built_each_time,
+        "the same 15 in 4 batches laid out once (push_reduce's way)": laid_out_once,
         "1.0 / scale": lambda: 1.0 / scale,
         "F.linear bf16": lambda: F.linear(x, w),
         "DenseGemm.forward bf16": lambda: DenseGemm.forward(x, w, None),
