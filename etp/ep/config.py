@@ -72,6 +72,10 @@ class EPConfig:
             host, ``hierarchical`` more than one. Declaring fewer than a machine has runs the
             cross-host code on one machine (the tests' 4 ranks as 2 hosts x 2). See [Note:
             host groups] in ``etp.ep.backends.hosts``.
+        capturable: the moves will be captured in a CUDA graph, so no backend may read split
+            sizes on the host: ``backend="auto"`` chooses among the capturable backends only
+            (from the same profile and cache), and a named backend that reads them
+            (``nccl``, ``hierarchical``, ``reference``) is refused.
 
     Example::
 
@@ -95,6 +99,7 @@ class EPConfig:
     num_stages: int = 3
     cache_dir: Optional[str] = None
     ranks_per_host: Optional[int] = None
+    capturable: bool = False
 
     def __post_init__(self):
         for name in ("num_experts", "topk", "hidden_size", "max_tokens_per_rank", "num_ctas", "num_stages"):

@@ -33,7 +33,7 @@ from etp.ep.backends import EPContext, backend_class
 from etp.ep.config import EPConfig
 from etp.ep.handle import EPHandle, HandleState
 from etp.ep.layout import META_COLUMNS, count_pairs, pair_rows
-from etp.ep.profiler import choose
+from etp.ep.profiler import choose, pick_fastest
 
 __all__ = ["ExpertDispatcher"]
 
@@ -42,12 +42,28 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 def _resolve_backends(cfg: EPConfig, group, dispatcher_cls, agree_group=None) -> dict:
     """``{"dispatch": name, "combine": name, "source": ...}``: the profiler's cached choice for
-    ``auto`` (with every candidate's times), else the configured names."""
+    ``auto`` (with every candidate's times; with ``cfg.capturable`` the fastest capturable
+    backend of each side from those times), else the configured names."""
+    def reads_host_splits(name: str) -> bool:
+        return backend_class(name, group, cfg.ranks_per_host).needs_host_layout
+
     if cfg.backend == "auto":
-        return choose(cfg, group, dispatcher_cls, agree_group=agree_group)
+        entry = choose(cfg, group, dispatcher_cls, agree_group=agree_group)
+        if cfg.capturable and any(reads_host_splits(entry[side]) for side in ("dispatch", "combine")):
+            ms = {n: t for n, t in entry.get("ms", {}).items() if not reads_host_splits(n)}
+            if not ms:
+                raise ValueError(f"EPConfig.capturable: none of the profiled backends {sorted(entry.get('ms', {}))} "
+                                 "moves tokens without reading split sizes on the host; use symm_* or nccl_padded")
+            entry = {**entry, **pick_fastest(ms), "source": f"{entry['source']}, capturable"}
+        return entry
     names = cfg.backend.split("+")
     if len(names) > 2:
         raise ValueError(f"EPConfig.backend={cfg.backend!r}: at most '<dispatch>+<combine>'")
+    if cfg.capturable:
+        hosted = [n for n in names if reads_host_splits(n)]
+        if hosted:
+            raise ValueError(f"EPConfig.backend={cfg.backend!r} with capturable=True: {hosted[0]} reads split "
+                             "sizes on the host, which a CUDA graph cannot; use auto, symm_* or nccl_padded")
     return {"dispatch": names[0], "combine": names[-1], "source": "config"}
 
 

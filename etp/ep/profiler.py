@@ -34,7 +34,7 @@ import torch.distributed as dist
 from etp.ep.backends import available_backends
 from etp.ep.config import EPConfig
 
-__all__ = ["profile", "choose", "cache_path", "cache_key"]
+__all__ = ["profile", "choose", "cache_path", "cache_key", "pick_fastest"]
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ _SCORE = {"dispatch": lambda t: t["dispatch"] + t["combine_backward"],
           "combine": lambda t: t["combine"] + t["dispatch_backward"]}
 
 
-def _pick(times: dict) -> dict:
+def pick_fastest(times: dict) -> dict:
     """``{"dispatch": name, "combine": name}``: the fastest of ``times`` (name -> move -> time)."""
     return {side: min(times, key=lambda n: fn(times[n])) for side, fn in _SCORE.items()}
 
@@ -157,10 +157,12 @@ def profile(cfg: EPConfig, group: Optional[dist.ProcessGroup] = None, *, iters: 
     names = candidates or available_backends(group, cfg.ranks_per_host)
     measured = {}
     for name in names:
-        disp = dispatcher_cls(replace(cfg, backend=name, validate=False), group, name=f"profile:{name}")
+        # capturable=False: every candidate is timed, eager; the capturable choice is made from the times
+        disp = dispatcher_cls(replace(cfg, backend=name, validate=False, capturable=False), group,
+                              name=f"profile:{name}")
         measured[name] = _time_moves(disp, cfg, group, iters, warmup)
         del disp
-    chosen = _pick(measured)
+    chosen = pick_fastest(measured)
     if report is not None:
         report.update(chosen, ms={n: {k: round(v * 1e3, 4) for k, v in t.items()} for n, t in measured.items()})
     return chosen["dispatch"], chosen["combine"]
@@ -202,7 +204,7 @@ def _merge_reports(entry: dict, agree_group) -> dict:
     if not names:
         raise RuntimeError(f"the expert-parallel groups share no EP backend to choose from: {everyone}")
     ms = {n: {move: max(ms[n][move] for ms in everyone) for move in everyone[0][n]} for n in names}
-    return {**_pick(ms), "ms": ms}
+    return {**pick_fastest(ms), "ms": ms}
 
 
 def _read_cache(path: Path) -> dict:

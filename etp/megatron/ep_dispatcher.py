@@ -17,8 +17,11 @@ weights and runs ``ExpertDispatcher.prepare`` (its small count all-gather); the 
   host sync) and ``tokens_per_expert`` on the host; ``combine`` takes the experts' valid
   rows as they are (nothing is padded back to the receive capacity, in either direction).
 * ``trim=False``: the static ``[capacity, H]`` buffers and device ``tokens_per_expert``
-  (rows past the valid ones are zero with zero probability): no host sync, capturable in
-  a CUDA graph with a ``symm_*`` backend, for experts that take padded input.
+  (rows past the valid ones are zero with zero probability): no host sync, for experts that
+  take padded input with device counts (etp's ``ETPGroupedExperts``: its grouped GEMMs run
+  the valid rows only). With ``capturable=True`` too (etp-train's ``cuda_graph: step``),
+  ``backend="auto"`` chooses among the backends that read no split sizes on the host
+  (``EPConfig.capturable``), and the layer is captured with the rest of the step.
 
 Composes with ETP's sharding of the expert weights (``etp.expert_etp_size``: the weights of
 this rank's experts sharded over its expert-data-parallel ranks, e.g. EP 2 x expert ETP 2 at
@@ -54,6 +57,8 @@ class EtpTokenDispatcher(MoETokenDispatcher):
             None: its default)
             (a ``capacity_factor`` drops the rows past each expert's capacity).
         trim: give the experts only the valid rows (see the module docstring).
+        capturable: the step will be captured in a CUDA graph: needs ``trim=False``; see
+            ``EPConfig.capturable``.
         agree_group: see :class:`etp.ep.ExpertDispatcher` (``install_etp_dispatchers`` passes
             the world when every rank holds the same MoE layers).
 
@@ -66,8 +71,11 @@ class EtpTokenDispatcher(MoETokenDispatcher):
     def __init__(self, num_local_experts: int, local_expert_indices: list[int], config, pg_collection=None, *,
                  max_tokens_per_rank: int, backend: str = "auto", capacity_factor: Optional[float] = None,
                  num_ctas: Optional[int] = None, trim: bool = True, weight_dtype: torch.dtype = torch.float32,
-                 device: Optional[torch.device] = None, agree_group=None):
+                 device: Optional[torch.device] = None, agree_group=None, capturable: bool = False):
         super().__init__(config=config, pg_collection=pg_collection)
+        if capturable and trim:
+            raise ValueError("EtpTokenDispatcher: capturable=True needs trim=False (trim reads the token counts "
+                             "on the host, which a CUDA graph cannot)")
         if self.tp_size > 1:
             raise ValueError(f"EtpTokenDispatcher: expert tensor parallel size {self.tp_size} > 1 is not supported")
         if getattr(config, "moe_shared_expert_overlap", False):
@@ -81,7 +89,8 @@ class EtpTokenDispatcher(MoETokenDispatcher):
             num_experts=config.num_moe_experts, topk=self.topk, hidden_size=config.hidden_size,
             max_tokens_per_rank=max_tokens_per_rank, dtype=torch.bfloat16 if config.bf16 else params_dtype,
             backend=backend, capacity_factor=capacity_factor, drop_tokens=capacity_factor is not None,
-            weight_dtype=weight_dtype, **({} if num_ctas is None else {"num_ctas": num_ctas}))
+            weight_dtype=weight_dtype, capturable=capturable,
+            **({} if num_ctas is None else {"num_ctas": num_ctas}))
         self.dispatcher = ep.ExpertDispatcher(self.ep_config, self.ep_group, name="moe", device=device,
                                               agree_group=agree_group)
         if self.dispatcher.ctx.experts_per_rank != num_local_experts:
@@ -130,10 +139,14 @@ class EtpTokenDispatcher(MoETokenDispatcher):
         return hidden_states.view(self.hidden_shape)
 
 
-def install_etp_dispatchers(model: torch.nn.Module, *, max_tokens_per_rank: int, backend: str = "auto") -> int:
+def install_etp_dispatchers(model: torch.nn.Module, *, max_tokens_per_rank: int, backend: str = "auto",
+                            capturable: bool = False) -> int:
     """Replaces the ``token_dispatcher`` of every megatron-core ``MoELayer`` in ``model`` with an
     ``EtpTokenDispatcher`` on the layer's own expert-parallel group (recipe key
-    ``moe_token_dispatcher_type: etp``); returns how many. Call after building the model, on
+    ``moe_token_dispatcher_type: etp``); returns how many. ``capturable``: the step will be
+    captured in a CUDA graph (``cuda_graph: step``): the experts get the padded buffers and
+    device counts (``trim=False``) and the backends read no split sizes on the host; without
+    it the experts get the valid rows (one host sync per layer). Call after building the model, on
     every rank (without pipeline parallelism every rank holds the same MoE layers, so
     ``backend="auto"`` chooses once for all EP groups over the world: [Note: one choice for
     every EP group] in ``etp.ep.profiler``).
@@ -151,4 +164,5 @@ def install_etp_dispatchers(model: torch.nn.Module, *, max_tokens_per_rank: int,
     agree = dist.group.WORLD if same_layers else None
     return replace_token_dispatchers(model, lambda old, config, groups: EtpTokenDispatcher(
         old.num_local_experts, list(old.local_expert_indices), config=config, pg_collection=groups,
-        max_tokens_per_rank=max_tokens_per_rank, backend=backend, agree_group=agree))
+        max_tokens_per_rank=max_tokens_per_rank, backend=backend, agree_group=agree,
+        trim=not capturable, capturable=capturable))

@@ -340,6 +340,39 @@ def _two_groups_choose(ctx, cache_dir, agree):
     return first.backend_names, first.backend_report["source"], second.backend_names, second.backend_report["source"]
 
 
+def _capturable_choice(ctx, cache_dir):
+    """``nccl`` times fastest, ``nccl_padded`` second, ``reference`` slowest."""
+    from etp.ep import profiler
+
+    order = {"nccl": 1e-3, "nccl_padded": 2e-3, "reference": 3e-3}
+    profiler._time_moves = lambda disp, cfg, group, iters, warmup: dict.fromkeys(
+        ("dispatch", "combine", "dispatch_backward", "combine_backward"), order[disp.cfg.backend])
+    captured = ep.ExpertDispatcher(_config(ctx.world_size, backend="auto", cache_dir=cache_dir, capturable=True))
+    plain = ep.ExpertDispatcher(_config(ctx.world_size, backend="auto", cache_dir=cache_dir))
+    refused = []
+    for name in ("nccl", "nccl_padded+reference", "hierarchical"):
+        try:
+            ep.ExpertDispatcher(_config(ctx.world_size, backend=name, capturable=True))
+        except ValueError as exc:
+            refused.append(str(exc))
+    return plain.backend_names, captured.backend_names, captured.backend_report["source"], refused, \
+        plain.backend_report["source"]
+
+
+def test_capturable_auto_takes_the_fastest_backend_that_reads_no_host_splits(tmp_path):
+    """A dispatcher to be captured in a CUDA graph: ``auto`` keeps the profile (and its cache)
+    but chooses among the backends that read no split sizes on the host; a named one that
+    reads them is refused with the reason. The capturable dispatcher comes first: it profiles
+    (every candidate timed), the plain one reads the cache."""
+    for plain, captured, source, refused, plain_source in run_distributed(_capturable_choice, 2, str(tmp_path)):
+        assert plain == ("nccl", "nccl") and plain_source == "cache"
+        assert captured == ("nccl_padded", "nccl_padded") and source == "profiled, capturable"
+        assert len(refused) == 3
+        assert "nccl reads split sizes on the host" in refused[0]
+        assert "reference reads split sizes on the host" in refused[1]
+        assert "hierarchical" in refused[2]
+
+
 @pytest.mark.parametrize("agree", [pytest.param(False, marks=pytest.mark.slow), True])  # False: the hazard itself
 def test_coexisting_ep_groups_choose_one_backend_with_an_agree_group(tmp_path, agree):
     """Two EP groups choosing on their own can end with different backends, which makes the

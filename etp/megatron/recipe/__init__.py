@@ -131,8 +131,10 @@ Training (``recipe.train``, :class:`TrainSpec`):
         captured and eager runs alike, so the two train bit for bit alike).
     cuda_graph: none (etp's own | step: etp-train captures one micro-batch's forward + backward in
         a CUDA graph with etp.GraphedStep after three eager warm-ups and replays it for every
-        micro-batch; needs CUDA, moe_token_dispatcher_type local for MoE models (megatron's
-        dispatchers synchronize with the host), no recompute, TP 1; it turns overlap_grad_reduce
+        micro-batch; needs CUDA, moe_token_dispatcher_type local or etp for MoE models (megatron's
+        dispatchers synchronize with the host; etp's then gives the experts its padded receive
+        buffers with device counts and moves tokens with a backend that reads no split sizes on
+        the host), no recompute, TP 1; it turns overlap_grad_reduce
         off itself | auto: step where the recipe and the machine allow it).
     megatron_fallbacks: fast (etp's own: without apex / TransformerEngine, megatron-core's
         multi-tensor helpers run as torch foreach ops and torch's Adam as its fused kernel,

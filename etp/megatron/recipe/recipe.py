@@ -192,9 +192,12 @@ class Recipe(RecipeQuantities):
         if p.tensor_model_parallel_size != 1:
             _fail("tensor_model_parallel_size", p.tensor_model_parallel_size,
                   "must be 1 with cuda_graph=step (capture-safe embedding)")
-        if m.is_moe and m.moe_token_dispatcher_type != "local":
+        if m.is_moe and m.moe_token_dispatcher_type not in ("local", "etp"):
             _fail("moe_token_dispatcher_type", m.moe_token_dispatcher_type,
-                  "must be local with cuda_graph=step (megatron's dispatchers synchronize with the host)")
+                  "must be local or etp with cuda_graph=step (megatron's dispatchers synchronize with the host)")
+        if m.is_moe and m.moe_token_dispatcher_type == "etp" and not m.moe_grouped_gemm:
+            _fail("moe_grouped_gemm", False, "must be true with cuda_graph=step and moe_token_dispatcher_type=etp "
+                  "(megatron's per-expert MLPs size their GEMMs by token counts read on the host)")
         if p.overlap_param_gather:
             _fail("overlap_param_gather", True, "must be false with cuda_graph=step (its all-gathers are "
                   "waited for in forward hooks, which a replay does not run)")

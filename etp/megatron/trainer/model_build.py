@@ -107,7 +107,8 @@ def build_model(recipe, device):
     elif m.moe_token_dispatcher_type == "etp":
         from ..ep_dispatcher import install_etp_dispatchers
 
-        install_etp_dispatchers(model, max_tokens_per_rank=m.seq_length * recipe.train.micro_batch_size)
+        install_etp_dispatchers(model, max_tokens_per_rank=m.seq_length * recipe.train.micro_batch_size,
+                                capturable=recipe.train.cuda_graph == "step")
     if recipe.train.bf16 and not recipe.parallel.use_torch_fsdp2:  # FSDP2 gathers fp32 masters in bf16 itself
         from ..model import fp32_router_counts
 
