@@ -16,10 +16,11 @@
 #     and (d) the rows "symm_push@combine=pull" and "symm_dedup@combine=pull/peer_order=sequential"
 #     are the combines as they were (pulled from the peers, peers in rank order) beside the
 #     pushed, rotated ones
-# (e) 4 GPUs: the flagship recipe at world 4, eager (cuda_graph=none: the etp dispatcher cannot
-#     be captured yet), global batch 16, dense ETP 4, 15 iterations: EP 4 with the etp
-#     dispatcher / megatron's alltoall, EP 2 x expert ETP 2 (etp dispatcher), EP 1 x expert
-#     ETP 4 (the recipe's own local dispatcher)
+# (e) 4 GPUs: the flagship recipe at world 4, each run at its defaults (cuda_graph auto: captured
+#     with etp's or the local dispatcher, eager with megatron's alltoall, which syncs with the
+#     host), global batch 16, dense ETP 4, 15 iterations: EP 4 with the etp dispatcher (and
+#     eager) / megatron's alltoall, EP 2 x expert ETP 2 (etp dispatcher), EP 1 x expert ETP 4
+#     (the recipe's own local dispatcher)
 # (t) the targets table (tools/bench_ep.py --targets), and what backend=auto chose
 set -uo pipefail
 OUT=${OUT:-/tmp/etp_ep}; mkdir -p "$OUT"
@@ -66,9 +67,11 @@ TAIL=12 step d_bench_4gpu 240 torchrun --standalone --nproc-per-node 4 tools/ben
 TRAIN="torchrun --standalone --nproc-per-node 4 -m etp.megatron.train --recipe recipes/moe_flagship.yaml"
 # --log-interval 1: every iteration is a log window, so (t) compares the runs over their
 # steady second half (tools/bench_ep.py steady_ms), not over compilation and warm-up.
-AT4="--set global_batch_size=16 --set etp.etp_size=4 --set cuda_graph=none --train-iters 15 --log-interval 1"
+AT4="--set global_batch_size=16 --set etp.etp_size=4 --train-iters 15 --log-interval 1"
 TAIL=4 step e_ep4_etp 110 $TRAIN $AT4 --set expert_model_parallel_size=4 --set etp.expert_etp_size=1 \
   --set moe_token_dispatcher_type=etp --json "$OUT/e_ep4_etp.json"
+TAIL=4 step e_ep4_etp_eager 110 $TRAIN $AT4 --set cuda_graph=none --set expert_model_parallel_size=4 \
+  --set etp.expert_etp_size=1 --set moe_token_dispatcher_type=etp --json "$OUT/e_ep4_etp_eager.json"
 TAIL=4 step e_ep4_alltoall 110 $TRAIN $AT4 --set expert_model_parallel_size=4 --set etp.expert_etp_size=1 \
   --set moe_token_dispatcher_type=alltoall --json "$OUT/e_ep4_alltoall.json"
 # A hang prints every rank's Python stacks into the log after 90 s (ETP_DUMP_STACKS_AFTER).
@@ -78,7 +81,7 @@ TAIL=4 step e_ep1_xetp4 110 $TRAIN $AT4 --set etp.expert_etp_size=4 --json "$OUT
 
 # (t) the targets, from whatever ran; what backend=auto chose, with every candidate's times
 files=()
-for f in bench_ep_2gpu bench_ep_4gpu e_ep4_etp e_ep4_alltoall e_ep2_xetp2 e_ep1_xetp4; do
+for f in bench_ep_2gpu bench_ep_4gpu e_ep4_etp e_ep4_etp_eager e_ep4_alltoall e_ep2_xetp2 e_ep1_xetp4; do
   [[ -s "$OUT/$f.json" ]] && files+=("${f#e_}=$OUT/$f.json")
 done
 if (( ${#files[@]} )); then
