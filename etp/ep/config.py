@@ -53,11 +53,9 @@ class EPConfig:
         validate: check ``topk_idx`` on the host in ``prepare`` (a host sync). ``None``:
             on for CPU tensors, off on GPU, where bad indices are counted on device,
             left out of the exchange, and raised by ``check()``.
-        num_ctas: thread blocks the Triton copy kernels use (the symm backends). 132 (an
-            H100 / H200's SMs): on 2 x H200 ``symm_dedup`` moves SonicMoE's workload at 1.50x /
-            1.70x NCCL's all-to-all bandwidth (dispatch / combine) on 132, 1.40x / 1.09x on 66,
-            0.79x / 0.56x on 32 (BENCHMARKS.md); fewer leave SMs to compute that runs beside
-            the move, at that cost.
+        num_ctas: thread blocks the Triton copy kernels use (the symm backends); the default
+            is an H100 / H200's SM count. Fewer leave SMs to compute that runs beside the move,
+            and move slower: the copies are bound by how many blocks issue loads and stores.
         tile_rows: rows each of those blocks copies per loop iteration (a power of two;
             the reductions, which read K rows per row they write, take ``tile_rows // K``).
             ``None``: about 32 KB of bf16 rows per iteration. See [Note: row tiles] in
