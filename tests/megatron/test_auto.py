@@ -42,6 +42,18 @@ def test_a_recipe_that_cannot_be_captured_stays_eager_and_fp8_follows_the_batch(
     assert resolve_auto(wide, Machine(4, 4, **H100))[0].etp.gather_dtype == "fp8_tensorwise"
 
 
+def test_etp_dispatcher_is_captured_only_when_asked():
+    """Captured, etp's dispatcher gives the experts padded receive buffers the memory audit does
+    not count: auto keeps it eager and says so; cuda_graph=step set by hand captures it."""
+    ep = dict(moe_token_dispatcher_type="etp", expert_model_parallel_size=4, micro_batch_size=2,
+              etp={"etp_size": 4, "expert_etp_size": 1})
+    recipe, notes = resolve_auto(Recipe.from_yaml(FLAGSHIP, **ep), Machine(4, 4, **H100))
+    assert recipe.train.cuda_graph == "none"
+    assert any(n.startswith("cuda_graph auto -> none: etp's dispatcher captures with its padded") for n in notes), notes
+    forced, _ = resolve_auto(Recipe.from_yaml(FLAGSHIP, **ep, cuda_graph="step"), Machine(4, 4, **H100))
+    assert forced.train.cuda_graph == "step" and forced.etp.gather_dtype == "fp8_tensorwise"
+
+
 def test_an_eager_step_takes_fp8_gathers_where_only_they_fit():
     """Fitting comes before the host-bound rule: DeepSeek-V3's shape at 8 x 80 GiB needs FP8's
     halved gathers; with more memory the eager step keeps bf16."""

@@ -207,17 +207,16 @@ def summarize(directory: str, report_json: str, skip: int | None = None, file=sy
 
 
 def _provenance_module():
-    """This checkout's ``etp/provenance.py`` (standard library only), loaded by its path: the
-    program run may import its own ``etp`` package (a test's stand-in), so this tool must not
-    import this checkout's ``etp`` (the program would get it)."""
+    """This checkout's ``etp/provenance.py``, through ``host_sampler``'s loader (by path: the
+    program run may import its own ``etp`` package, a test's stand-in, which this tool must
+    not shadow). ``host_sampler`` is loaded by its path too, for the same reason."""
     import importlib.util
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "etp",
-                        "provenance.py")
-    spec = importlib.util.spec_from_file_location("_etp_provenance", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    spec = importlib.util.spec_from_file_location(
+        "_host_sampler", os.path.join(os.path.dirname(os.path.abspath(__file__)), "host_sampler.py"))
+    sampler = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sampler)
+    return sampler._provenance_module()
 
 
 def main() -> None:

@@ -18,7 +18,9 @@ always wins. In the order they are decided:
   (BENCHMARKS.md, "Recipes": micro-batch 4 against 2 on the flagship, 2 against 1 on OLMoE,
   etp and its peers alike).
 * ``cuda_graph: auto``: ``step`` wherever the recipe can be captured (CUDA; megatron's
-  dispatchers, activation recompute, tensor parallelism and both FSDPs cannot), ``none`` otherwise. A
+  dispatchers, activation recompute, tensor parallelism and both FSDPs cannot; etp's dispatcher
+  can, with padded expert buffers the memory audit does not count yet, so only when set
+  explicitly), ``none`` otherwise. A
   captured step issues no host launches: small micro-batches stop being bound by the host.
   Capture turns ``overlap_grad_reduce`` off itself (DDP's reductions start after the
   replayed backward).
@@ -143,6 +145,14 @@ def _cuda_graph(recipe, machine: Machine, notes: list[str]) -> str | None:
         recipe.replace(cuda_graph="step")
     except RecipeError as error:
         notes.append(f"cuda_graph auto -> none: this recipe cannot be captured ({error})")
+        return "none"
+    if recipe.model.is_moe and recipe.model.moe_token_dispatcher_type == "etp":
+        # Captured, etp's dispatcher gives the experts its padded receive buffers: EP x
+        # min(topk, local experts) rows per token where eager gives them topk. The memory audit
+        # does not count those rows yet, so auto cannot tell whether they fit.
+        notes.append("cuda_graph auto -> none: etp's dispatcher captures with its padded receive buffers (expert "
+                     "parallel size x min(topk, local experts) rows per token), which the memory audit does not "
+                     "count yet; set cuda_graph=step to capture it")
         return "none"
     notes.append("cuda_graph auto -> step: every micro-batch replays one captured forward + backward "
                  "(no host launches)")
