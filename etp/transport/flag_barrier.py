@@ -5,10 +5,11 @@ every peer arrives; the copy-engine gather needs two per gather, so an expert st
 of them would each hold an SM beside the GEMMs while they spin. Here a
 barrier is, on the current stream, one fenced flag write into every peer's pad ("this rank
 reached barrier ``n`` of channel ``c``") and one flag wait per peer on this rank's own pad
-("peer ``p`` reached it"), all in one ``cuStreamBatchMemOp`` (``stream_ops.MemoryOps``, laid out
-once per channel; only the barrier number changes), the stream's front end, no kernel, no SM. The write's memory fence orders everything the stream did before
-it (the peer copies of a gather, the optimizer's update of a shard the stream waited for)
-before the flag, as the kernel barrier's release/acquire does.
+("peer ``p`` reached it"), all in one ``cuStreamBatchMemOp`` (``stream_ops.MemoryOps``, laid
+out once per channel; only the barrier number changes): the stream's front end, no kernel, no
+SM. The write's memory fence orders everything the stream did before it (the peer copies of a
+gather, the optimizer's update of a shard the stream waited for) before the flag, as the
+kernel barrier's release/acquire does.
 
 Channels: each stream that fences gets its own channel (a row of the pad), so a synchronous
 gather on the compute stream never pairs with a prefetch on the gather stream. Barrier numbers

@@ -52,6 +52,8 @@ before the first wait that precedes it (``_load_sum_kernel``).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
@@ -64,6 +66,15 @@ from .symm_pool import flag_pad, rendezvous_offset, symm_mem_module
 __all__ = ["CopyEnginePushReduce"]
 
 _READY, _FREE = 0, 1
+
+
+class _SlotFences(NamedTuple):
+    """One staging slot's flag operations (``stream_ops.MemoryOps`` each)."""
+
+    push_free: object  # wait until every peer has summed what we put here last; clear those FREE flags
+    push_ready: object  # set every peer's READY flag (fenced after the copies)
+    receive: object  # wait for every peer's READY flag; clear them
+    release: object  # set FREE at every peer (this rank has summed their rows)
 
 
 class _PushHandle(Handle):
@@ -112,7 +123,7 @@ class CopyEnginePushReduce(SixteenBitWireReduce):
         self._flags = None  # (local int32 pad, the pads' addresses by rank)
         self._issued = 0
         self._loaded: set[tuple] = set()  # sum-kernel specializations launched once already
-        self._fences: dict[tuple, object] = {}  # (step, slot) -> its MemoryOps (the flags' addresses are fixed)
+        self._fences: dict[int, _SlotFences] = {}  # slot -> its flag operations, laid out once
         self._views: dict[tuple, torch.Tensor] = {}  # (owner, slot, dtype, shape) -> staging view
 
     # ------------------------------------------------------------------ set-up (collective)
@@ -164,46 +175,31 @@ class CopyEnginePushReduce(SixteenBitWireReduce):
             view = self._views[key] = region.view(full.dtype).view(self.world - 1, rows, *full.shape[1:])
         return view
 
-    def _fence(self, step: str, slot: int):
-        """The flag operations of ``step`` on ``slot``, laid out once (``stream_ops.MemoryOps``):
+    def _slot_fences(self, slot: int) -> "_SlotFences":
+        """``slot``'s four flag-operation batches, laid out once (``stream_ops.MemoryOps``; the
+        flags' addresses are fixed once materialized)."""
+        fences = self._fences.get(slot)
+        if fences is None:
+            from .stream_ops import WAIT_GEQ, WRITE, MemoryOps
 
-        * ``push_free``: wait until every peer has summed what we put in this slot last, and
-          clear those FREE flags (before the copies);
-        * ``push_ready``: set every peer's READY flag of the slot (fenced after the copies);
-        * ``receive``: wait for every peer's READY of the slot, and clear them;
-        * ``release``: set FREE of the slot at every peer (this rank has summed their rows).
-        """
-        fence = self._fences.get((step, slot))
-        if fence is not None:
-            return fence
-        from .stream_ops import WAIT_GEQ, WRITE, MemoryOps
-
-        to = [(self.rank + k) % self.world for k in range(1, self.world)]  # the peers pushed to
-        by = [(self.rank - k) % self.world for k in range(1, self.world)]  # the peers pushing here
-        if step == "push_free":
+            to = [(self.rank + k) % self.world for k in range(1, self.world)]  # the peers pushed to
+            by = [(self.rank - k) % self.world for k in range(1, self.world)]  # the peers pushing here
             frees = [self._flag(self.rank, _FREE, peer, slot) for peer in to]
-            ops = [(WAIT_GEQ, free, 1) for free in frees] + [(WRITE, free, 0) for free in frees]
-        elif step == "push_ready":
-            ops = [(WRITE, self._flag(peer, _READY, self.rank, slot), 1) for peer in to]
-        elif step == "receive":
             readies = [self._flag(self.rank, _READY, peer, slot) for peer in by]
-            ops = [(WAIT_GEQ, ready, 1) for ready in readies] + [(WRITE, ready, 0) for ready in readies]
-        elif step == "release":
-            ops = [(WRITE, self._flag(peer, _FREE, self.rank, slot), 1) for peer in by]
-        else:
-            raise ValueError(f"etp push reduce: unknown fence step {step!r}")
-        fence = self._fences[(step, slot)] = MemoryOps(ops)
-        return fence
+            fences = self._fences[slot] = _SlotFences(
+                push_free=MemoryOps([(WAIT_GEQ, f, 1) for f in frees] + [(WRITE, f, 0) for f in frees]),
+                push_ready=MemoryOps([(WRITE, self._flag(peer, _READY, self.rank, slot), 1) for peer in to]),
+                receive=MemoryOps([(WAIT_GEQ, r, 1) for r in readies] + [(WRITE, r, 0) for r in readies]),
+                release=MemoryOps([(WRITE, self._flag(peer, _FREE, self.rank, slot), 1) for peer in by]))
+        return fences
 
     def _push(self, full: torch.Tensor, rows: int, seq: int) -> None:
-        slot = seq % self.SLOTS
-        stream = current_raw_stream()
-        self._fence("push_free", slot).enqueue(stream)
-        staged = [self._slot_view((self.rank + k) % self.world, seq, full, rows) for k in range(1, self.world)]
-        for k, view in enumerate(staged, start=1):
+        fences, stream = self._slot_fences(seq % self.SLOTS), current_raw_stream()
+        fences.push_free.enqueue(stream)
+        for k in range(1, self.world):
             peer = (self.rank + k) % self.world
-            view[k - 1].copy_(full[peer * rows : (peer + 1) * rows])
-        self._fence("push_ready", slot).enqueue(stream)
+            self._slot_view(peer, seq, full, rows)[k - 1].copy_(full[peer * rows : (peer + 1) * rows])
+        fences.push_ready.enqueue(stream)
 
     def _load_sum_kernel(self, wire: torch.dtype, out: torch.dtype, accumulate: bool) -> None:
         """Launches the sum kernel's specialization once on one element (see the module doc)."""
@@ -216,11 +212,11 @@ class CopyEnginePushReduce(SixteenBitWireReduce):
                      torch.zeros(1, dtype=out, device=self.device), accumulate=accumulate)
 
     def _receive(self, full: torch.Tensor, rows: int, seq: int) -> torch.Tensor:
-        self._fence("receive", seq % self.SLOTS).enqueue(current_raw_stream())
+        self._slot_fences(seq % self.SLOTS).receive.enqueue(current_raw_stream())
         return self._slot_view(self.rank, seq, full, rows)
 
     def _release(self, seq: int) -> None:
-        self._fence("release", seq % self.SLOTS).enqueue(current_raw_stream())
+        self._slot_fences(seq % self.SLOTS).release.enqueue(current_raw_stream())
 
     def reduce_scatter(self, full, group, target, mean, async_op) -> Handle:
         rows = full.shape[0] // self.world

@@ -82,6 +82,7 @@ class MemoryOps:
 
     def __init__(self, ops) -> None:
         ops = list(ops)
+        self._count = len(ops)
         self._params = (_MemOp * max(1, len(ops)))()
         for param, (kind, address, value) in zip(self._params, ops):
             if kind not in (WAIT_GEQ, WRITE):
@@ -94,12 +95,12 @@ class MemoryOps:
                         for first in range(0, len(ops), _BATCH)]
 
     def __len__(self) -> int:
-        return sum(count for count, _ in self._chunks)
+        return self._count
 
     def set_value(self, value: int) -> None:
         """Sets every operation's value (taken modulo 2**32) for the enqueues that follow."""
         value &= 0xFFFFFFFF
-        for index in range(len(self)):
+        for index in range(self._count):
             self._params[index].value = value
 
     def enqueue(self, stream: torch.cuda.Stream | int | None = None) -> None:
