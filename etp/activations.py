@@ -18,38 +18,43 @@ __all__ = ["swiglu", "swiglu_output"]
 
 class _SwiGLUFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate_up, probs, quantize):
+    def forward(ctx, gate_up, probs, quantize, valid_rows):
         amax = gate_up.new_empty(gate_up.shape[0], dtype=torch.float32) if quantize else None
-        h, q, scale_inv = swiglu_kernel(gate_up, probs, quantize=quantize, amax_out=amax)
-        ctx.save_for_backward(gate_up, probs)
+        h, q, scale_inv = swiglu_kernel(gate_up, probs, quantize=quantize, amax_out=amax, valid_rows=valid_rows)
+        ctx.save_for_backward(gate_up, probs, valid_rows)
         ctx.quantize = quantize
         return attach_rowwise_fp8(h, q, scale_inv, amax) if quantize else h
 
     @staticmethod
     def backward(ctx, grad_h):
-        gate_up, probs = ctx.saved_tensors
+        gate_up, probs, valid_rows = ctx.saved_tensors
         probs_grad = probs is not None and ctx.needs_input_grad[1]
         amax = gate_up.new_empty(gate_up.shape[0], dtype=torch.float32) if ctx.quantize else None
         grad_gate_up, grad_probs, q, scale_inv = swiglu_backward(
-            gate_up, grad_h, probs, probs_grad=probs_grad, quantize=ctx.quantize, amax_out=amax)
+            gate_up, grad_h, probs, probs_grad=probs_grad, quantize=ctx.quantize, amax_out=amax,
+            valid_rows=valid_rows)
         if q is not None:
             attach_rowwise_fp8(grad_gate_up, q, scale_inv, amax)
-        return grad_gate_up, grad_probs, None
+        return grad_gate_up, grad_probs, None, None
 
 
-def swiglu(gate_up: torch.Tensor, probs: torch.Tensor | None = None, quantize: bool = False) -> torch.Tensor:
+def swiglu(gate_up: torch.Tensor, probs: torch.Tensor | None = None, quantize: bool = False,
+           valid_rows: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(gate) * up`` (times ``probs[:, None]``) of ``gate_up [T, 2 * ffn]`` (gate columns
     first), differentiable in ``gate_up`` and ``probs``; one fused kernel each way on CUDA.
-    ``quantize``: the next GEMMs run in FP8 (see the module docstring).
+    ``quantize``: the next GEMMs run in FP8 (see the module docstring). ``valid_rows``: a
+    one-element device tensor; both directions compute only the rows below it (a padded
+    buffer: [Note: valid rows] in ``etp.kernels.blockwise``).
 
     Example::
 
         h = swiglu(x @ w1.t())             # [T, ffn]
     """
-    return _SwiGLUFunction.apply(gate_up.contiguous(), probs, quantize)
+    return _SwiGLUFunction.apply(gate_up.contiguous(), probs, quantize, valid_rows)
 
 
-def swiglu_output(gate_up: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
+def swiglu_output(gate_up: torch.Tensor, probs: torch.Tensor | None = None,
+                  valid_rows: torch.Tensor | None = None) -> torch.Tensor:
     """``swiglu``'s output alone, not differentiable: the same kernel and the same bits, what
     backward rebuilds fc2's input with ([Note: rebuilt activations] in ``etp.saved``).
 
@@ -57,4 +62,4 @@ def swiglu_output(gate_up: torch.Tensor, probs: torch.Tensor | None = None) -> t
 
         h = swiglu_output(gate_up, probs)   # equal to swiglu(gate_up, probs) bit for bit
     """
-    return swiglu_kernel(gate_up.contiguous(), probs, quantize=False)[0]
+    return swiglu_kernel(gate_up.contiguous(), probs, quantize=False, valid_rows=valid_rows)[0]

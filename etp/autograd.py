@@ -58,7 +58,7 @@ class _ETPWeightFunction(torch.autograd.Function):
             cfg = param.etp_config
             fp8 = dict(fp8=cfg.fp8_wgrad)
             if cfg.fp8_wgrad and weight is not None:
-                op.quantize_ahead(gy, weight)  # its rows' amax serves the FP8 wgrad, its q the dgrad
+                op.quantize_ahead(gy, weight, counts)  # its rows' amax serves the FP8 wgrad, its q the dgrad
             if op.writes_into(x, gy):
                 padded = runtime.wgrad_buffer(param)
                 op.wgrad(gy, x, counts, out=param.etp_layout.unpad(padded), **fp8)

@@ -35,7 +35,7 @@ from .streams import to_device_async
 
 __all__ = [
     "DenseGemm", "GroupedGemm", "attach_rowwise_fp8", "fp8_compute_applies", "grouped_linear",
-    "grouped_linear_reference", "quantize_activation", "row_amax",
+    "grouped_linear_reference", "quantize_activation", "row_amax", "valid_rows_of",
 ]
 
 # [Note: FP8 operands handed over]
@@ -112,12 +112,15 @@ def row_amax(x: torch.Tensor) -> torch.Tensor | None:
     return None if handed is None else handed[5]
 
 
-def quantize_activation(x: torch.Tensor, keep: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activation(x: torch.Tensor, keep: bool = False,
+                        valid_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """On-the-fly FP8 (e4m3) quantization of a 2-D activation or gradient, one scale per row,
     in one fused pass: ``(q, scale_inv)`` with ``x ~= q * scale_inv[:, None]``; the attached
     quantization when the producing kernel made one (``attach_rowwise_fp8``). The rows'
     amax stays attached to ``x`` (``row_amax``); the FP8 copy too with ``keep``, for a
-    later GEMM (else the one GEMM that consumes it frees it)."""
+    later GEMM (else the one GEMM that consumes it frees it). ``valid_rows``: a padded buffer's
+    valid length on the device, past which rows are left unquantized ([Note: valid rows] in
+    ``etp.kernels.blockwise``)."""
     handed = _handed(x)
     if handed is not None and handed[3] is not None:
         if not keep:
@@ -126,7 +129,7 @@ def quantize_activation(x: torch.Tensor, keep: bool = False) -> tuple[torch.Tens
             attach_rowwise_fp8(x, None, None, handed[5])
         return handed[3], handed[4]
     amax = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-    q, scale_inv = quantize_rowwise(x.contiguous(), amax_out=amax, inverse=True)
+    q, scale_inv = quantize_rowwise(x.contiguous(), amax_out=amax, inverse=True, valid_rows=valid_rows)
     # The FP8 copy stays attached only with ``keep``: else the one GEMM that consumes it frees it.
     attach_rowwise_fp8(x, q if keep else None, scale_inv if keep else None, amax)
     return q, scale_inv
@@ -164,7 +167,7 @@ class DenseGemm:
         return True
 
     @staticmethod
-    def quantize_ahead(gy: torch.Tensor, w) -> None:
+    def quantize_ahead(gy: torch.Tensor, w, counts: torch.Tensor | None) -> None:
         """Nothing: dense weight gradients are never FP8 GEMMs (see ``GroupedGemm``'s)."""
 
     @staticmethod
@@ -205,6 +208,18 @@ def _offsets(counts: torch.Tensor, device: torch.device) -> torch.Tensor:
                        lambda: torch.cumsum(counts.to(device=device), 0, dtype=torch.int32))
 
 
+def valid_rows_of(counts: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The rows the grouped GEMMs over ``counts`` read, as a one-element device tensor (the
+    last of ``_offsets``): the row-local kernels between them stop there ([Note: valid rows] in
+    ``etp.kernels.blockwise``), which matters when the rows are a padded receive buffer.
+
+    Example::
+
+        h = swiglu(gate_up, probs, valid_rows=valid_rows_of(counts, gate_up.device))
+    """
+    return _offsets(counts, device)[-1:]
+
+
 def _splits(counts: torch.Tensor) -> list[int]:
     return [int(c) for c in counts.tolist()]
 
@@ -216,7 +231,7 @@ class GroupedGemm:
     @staticmethod
     def forward(x: torch.Tensor, w, counts: torch.Tensor) -> torch.Tensor:
         if _scaled_grouped_ok(x, w):
-            xq, x_inv = quantize_activation(x)
+            xq, x_inv = quantize_activation(x, valid_rows=valid_rows_of(counts, x.device))
             scale_b = w.scale_rows(w.data.shape[0], w.data.shape[1])
             return torch._scaled_grouped_mm(xq, w.data.transpose(-2, -1), x_inv, scale_b,
                                             offs=_offsets(counts, x.device), out_dtype=x.dtype,
@@ -229,7 +244,7 @@ class GroupedGemm:
     @staticmethod
     def dgrad(gy: torch.Tensor, w, counts: torch.Tensor) -> torch.Tensor:
         if _scaled_grouped_ok(gy, w):
-            gq, g_inv = quantize_activation(gy)
+            gq, g_inv = quantize_activation(gy, valid_rows=valid_rows_of(counts, gy.device))
             # [E, out, in] column-major per expert: the transposed copy of the FP8 weight.
             w_col = w.data_transposed().transpose(-2, -1)
             scale_b = w.scale_rows(w.data.shape[0], w.data.shape[2])
@@ -247,13 +262,13 @@ class GroupedGemm:
         return not _use_grouped_mm(x, gy.shape[-1], x.shape[-1])
 
     @staticmethod
-    def quantize_ahead(gy: torch.Tensor, w) -> None:
+    def quantize_ahead(gy: torch.Tensor, w, counts: torch.Tensor) -> None:
         """Quantizes ``gy`` rowwise now for the FP8 input-gradient GEMM with ``w`` (when it
         will be one) and keeps it attached ([Note: FP8 operands handed over]): ETP's backward
         runs the weight gradient first, and the FP8 weight-gradient GEMM makes its scales from
         the rows' amax, which only this quantization finds in the same read of ``gy``."""
         if _scaled_grouped_ok(gy, w):
-            quantize_activation(gy, keep=True)
+            quantize_activation(gy, keep=True, valid_rows=valid_rows_of(counts, gy.device))
 
     @staticmethod
     def wgrad(gy, x, counts, out: torch.Tensor | None = None, fp8: bool = False) -> torch.Tensor:

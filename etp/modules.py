@@ -11,7 +11,7 @@ from torch import nn
 
 from .activations import swiglu, swiglu_output
 from .autograd import etp_grouped_linear
-from .gemm import fp8_compute_applies
+from .gemm import fp8_compute_applies, valid_rows_of
 from .gemm import grouped_linear as plain_grouped_linear
 from .param import ETPShardedParam
 from .saved import rebuilt_in_backward
@@ -85,10 +85,13 @@ class GroupedSwiGLUExperts(nn.Module):
                 f"{self.num_experts} experts"
             )
         gate_up = grouped_linear(x, self.fc1_weight, tokens_per_expert)
-        hidden = swiglu(gate_up, probs, quantize=self._fp8_operands(x))
+        # x may be a padded buffer (captured expert parallelism) whose valid length only the
+        # device knows: the SwiGLU stops where the GEMMs do ([Note: valid rows]).
+        valid = valid_rows_of(tokens_per_expert, x.device) if x.is_cuda else None
+        hidden = swiglu(gate_up, probs, quantize=self._fp8_operands(x), valid_rows=valid)
         # fc2 keeps its input for the weight gradient; the SwiGLU keeps gate_up anyway, so
         # backward runs the SwiGLU's forward kernel again instead ([Note: rebuilt activations]).
-        with rebuilt_in_backward(hidden, lambda: swiglu_output(gate_up, probs), [gate_up, probs],
+        with rebuilt_in_backward(hidden, lambda: swiglu_output(gate_up, probs, valid), [gate_up, probs],
                                  "the experts' SwiGLU output"):
             return grouped_linear(hidden, self.fc2_weight, tokens_per_expert)
 

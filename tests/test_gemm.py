@@ -97,14 +97,15 @@ def test_quantize_ahead_hands_the_rowwise_fp8_to_both_gemms(monkeypatch):
     w = FP8Weight(torch.zeros(2, 32, 16, dtype=torch.float8_e4m3fn), torch.ones(2), torch.ones(2), False,
                   torch.zeros(64, 16, dtype=torch.float8_e4m3fn), 64)
     assert gemm.row_amax(gy) is None
-    gemm.GroupedGemm.quantize_ahead(gy, w)
+    counts = torch.tensor([5, 7])
+    gemm.GroupedGemm.quantize_ahead(gy, w, counts)
     torch.testing.assert_close(gemm.row_amax(gy).double(), gy.double().abs().amax(dim=1), rtol=0, atol=0)
     q, _ = gemm._handed(gy)[3:5]
-    gemm.GroupedGemm.quantize_ahead(gy, w)  # already there: not quantized again
+    gemm.GroupedGemm.quantize_ahead(gy, w, counts)  # already there: not quantized again
     assert gemm._handed(gy)[3] is q
     got_q, _ = gemm.quantize_activation(gy)
     assert got_q is q and gemm.row_amax(gy) is not None  # the dgrad's operand; the amax stays
-    gemm.DenseGemm.quantize_ahead(gy, w)  # dense wgrads are never FP8: nothing attached again
+    gemm.DenseGemm.quantize_ahead(gy, w, None)  # dense wgrads are never FP8: nothing attached again
     assert gemm._handed(gy)[3] is None
 
 

@@ -70,6 +70,7 @@ def _quantize_blockwise_kernel(
     q_ptr,
     s_ptr,
     amax_ptr,  # HAS_AMAX: each block's amax, stored beside its scale
+    valid_ptr,  # HAS_VALID (ROW_MODE): the device scalar bounding the rows computed
     R,
     C,
     NBR,
@@ -84,6 +85,7 @@ def _quantize_blockwise_kernel(
     ROW_MODE: tl.constexpr,  # BR == 1: each of the TR tile rows is its own block
     HAS_AMAX: tl.constexpr,
     INVERSE: tl.constexpr = False,  # store 1 / s (what the scaled GEMMs take) instead of s
+    HAS_VALID: tl.constexpr = False,
 ):
     """Per block b of expert e: s = FP8_MAX / max_{i in b} |x_i| (1 where 0),
     q_i = e4m3fn(clamp(x_i * s, -FP8_MAX, FP8_MAX)).
@@ -100,6 +102,8 @@ def _quantize_blockwise_kernel(
     if ROW_MODE:
         rows = pid_r * TR + ar
         rmask = rows < R
+        if HAS_VALID:
+            rmask = rmask & (rows < tl.load(valid_ptr))
     else:
         rows = pid_r * BR + ar
         rmask = (ar < BR) & (rows < R)
@@ -133,6 +137,7 @@ def _quantize_blockwise_looped_kernel(
     q_ptr,
     s_ptr,
     amax_ptr,  # HAS_AMAX: each block's amax, stored beside its scale
+    valid_ptr,  # HAS_VALID (ROW_MODE): the device scalar bounding the rows computed
     R,
     C,
     NBR,
@@ -268,7 +273,7 @@ def _launch_quantize_blockwise(x: torch.Tensor, block_rows: int, block_cols: int
     grid = (cdiv(rows, tr) if row_mode else nbr, nbc, n_exp)
     _check_grid(grid, "quantize_blockwise")
     launch(_quantize_blockwise_kernel, grid,
-        _soft_view(x3, soft), _soft_view(q3, soft), s, s, rows, cols, nbr, nbc,
+        _soft_view(x3, soft), _soft_view(q3, soft), s, s, s, rows, cols, nbr, nbc,
         DTYPE=_DTYPE_CODE[x.dtype], SOFT=soft, FP8_MAX=FP8_E4M3_MAX,
         BR=block_rows, BC=block_cols, TR=tr, TC=tc, ROW_MODE=row_mode, HAS_AMAX=False,
         num_warps=8 if tr * tc >= 8192 else 4,
@@ -331,6 +336,28 @@ def check_row_amax_out(amax_out: Optional[torch.Tensor], rows: int, device: torc
                          f"{amax_out.dtype} {tuple(amax_out.shape)} on {amax_out.device}")
 
 
+# [Note: valid rows]
+# Captured expert parallelism hands the experts a static ``[capacity, h]`` receive buffer whose
+# valid length, the sum of the per-expert token counts, lives only on the device (a host read
+# would be a synchronization a CUDA graph cannot hold). The grouped GEMMs already stop at their
+# last offset; the row-local kernels between them (the rowwise FP8 quantization, the SwiGLU
+# and its backward) take that count as ``valid_rows``, a one-element device tensor, and compute
+# only the rows below it, leaving the others unwritten: at expert parallel size EP the
+# capacity holds about EP x the valid rows, every one of which an unbounded kernel would read
+# and write. Rows past it are never read by the GEMMs, the per-expert quantizations or the
+# dispatcher's combine, so their contents do not matter.
+
+
+def check_valid_rows(valid_rows: Optional[torch.Tensor], device: torch.device) -> None:
+    """``valid_rows``: None, or a one-element int32 / int64 tensor on ``device`` (see [Note:
+    valid rows])."""
+    if valid_rows is not None and (valid_rows.numel() != 1 or valid_rows.dtype not in (torch.int32, torch.int64)
+                                   or valid_rows.device != device):
+        raise ValueError(f"valid_rows must be a one-element int32 / int64 tensor on {device}, got "
+                         f"{valid_rows.dtype} {tuple(valid_rows.shape)} on {valid_rows.device}: pass the "
+                         "grouped GEMMs' last offset, e.g. torch.cumsum(counts, 0)[-1:]")
+
+
 def fill_row_amax(amax_out: Optional[torch.Tensor], x: torch.Tensor) -> None:
     """The reference paths' ``amax_out``: each row's max |x| (exact in x's dtype; NaN
     propagates; 0 for zero-width rows)."""
@@ -343,7 +370,7 @@ def fill_row_amax(amax_out: Optional[torch.Tensor], x: torch.Tensor) -> None:
 
 
 def quantize_rowwise(x: torch.Tensor, *, amax_out: Optional[torch.Tensor] = None, inverse: bool = False,
-                     impl: str = "auto") -> Tuple[torch.Tensor, torch.Tensor]:
+                     valid_rows: Optional[torch.Tensor] = None, impl: str = "auto") -> Tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D activation to float8_e4m3fn with one float32 scale per row.
 
     ``scale_r = 448 / amax(x[r, :])`` (1.0 for an all-zero or zero-width row) and
@@ -365,6 +392,9 @@ def quantize_rowwise(x: torch.Tensor, *, amax_out: Optional[torch.Tensor] = None
         inverse: return ``1 / scale_r`` (correctly rounded, as ``torch.reciprocal``), the
             dequantization factor the scaled GEMMs take, stored by the kernel itself instead
             of a separate reciprocal pass (two launches and their host time per GEMM).
+        valid_rows: optional one-element integer tensor on x's device: rows at and past it
+            may be left unwritten in every output ([Note: valid rows]; the one-pass path skips
+            them, the two-pass path, for rows wider than ``16384``, computes every row).
         impl: ``"auto"``, ``"triton"`` or ``"torch"`` as for the other ops.
 
     Returns:
@@ -382,6 +412,7 @@ def quantize_rowwise(x: torch.Tensor, *, amax_out: Optional[torch.Tensor] = None
     rows, cols = x.shape
     device = x.device
     check_row_amax_out(amax_out, rows, device)
+    check_valid_rows(valid_rows, device)
     if cols == 0:
         # max over an empty row is 0, so the scale is 1.0 (as for an all-zero row; 1 / 1 = 1).
         if amax_out is not None:
@@ -395,8 +426,10 @@ def quantize_rowwise(x: torch.Tensor, *, amax_out: Optional[torch.Tensor] = None
         return q, (s.reciprocal() if inverse else s)
     soft = interpreter_active()
     staged = soft and device.type == "cuda"
+    valid = valid_rows
     if staged:
         x = x.cpu()
+        valid = None if valid_rows is None else valid_rows.cpu()
     q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(rows, dtype=torch.float32, device=x.device)
     amax = (torch.empty(rows, dtype=torch.float32) if staged else amax_out) if amax_out is not None else None
@@ -408,9 +441,10 @@ def quantize_rowwise(x: torch.Tensor, *, amax_out: Optional[torch.Tensor] = None
         tr = max(1, 8192 // tc)  # ~8K elements in registers per program
         # NBC = 1, so the kernel's [rows, 1] scale layout is s's [rows].
         launch(_quantize_blockwise_kernel, (cdiv(rows, tr), 1, 1),
-            _soft_view(x, soft), _soft_view(q, soft), s, s if amax is None else amax,
+            _soft_view(x, soft), _soft_view(q, soft), s, s if amax is None else amax, s if valid is None else valid,
             rows, cols, rows, 1, DTYPE=_DTYPE_CODE[x.dtype], SOFT=soft, FP8_MAX=FP8_E4M3_MAX,
             BR=1, BC=cols, TR=tr, TC=tc, ROW_MODE=True, HAS_AMAX=amax is not None, INVERSE=inverse,
+            HAS_VALID=valid is not None,
             num_warps=8, **EXACT_FP,
         )
     if not staged:

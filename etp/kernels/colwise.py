@@ -120,8 +120,13 @@ def _grouped_per_expert_kernel(x_ptr, ends_ptr, pends_ptr, scale_ptr, q_ptr, C, 
                                LOG_E: tl.constexpr, TP: tl.constexpr, TC: tl.constexpr):
     """One [TP padded positions x TC columns] tile of q_t: each position's expert by a binary
     search of the padded ends, its source row, the expert's scale; read once, stored
-    transposed. Padding positions, and those past the last segment, store zeros."""
-    p = tl.program_id(0).to(tl.int64) * TP + tl.arange(0, TP)
+    transposed. Padding positions store zeros, and so do those past the last segment in the
+    tile that holds its end; tiles wholly past it store nothing (the GEMM stops at its last
+    offset: a padded receive buffer's tail, [Note: valid rows] in ``etp.kernels.blockwise``)."""
+    p0 = tl.program_id(0).to(tl.int64) * TP
+    # T_PAD, or 0 for a tile wholly past the last segment: one bound per program.
+    limit = tl.where(p0 < tl.load(pends_ptr + E - 1), T_PAD, 0)
+    p = p0 + tl.arange(0, TP)
     cols = tl.program_id(1) * TC + tl.arange(0, TC)
     cols_ok = cols < C
     # e = the number of padded ends <= p (E for positions past the last segment).
@@ -146,10 +151,11 @@ def _grouped_per_expert_kernel(x_ptr, ends_ptr, pends_ptr, scale_ptr, q_ptr, C, 
     x = _to_f32(tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=rows_ok[:, None] & cols_ok[None, :],
                         other=0), DTYPE, SOFT)
     q = _quantize_f32(x, scale[:, None], FP8_MAX, SOFT)
-    # Past the last segment x loaded as 0, so the whole width is stored (zeros there): a mask
-    # that varies along p per element would keep the store from vectorising (several times slower).
+    # Past the last segment x loaded as 0, so the tile's whole width is stored (zeros there): a
+    # mask that varies along p per element would keep the store from vectorising (several times
+    # slower); ``limit`` is one value per program.
     tl.store(q_ptr + cols[:, None].to(tl.int64) * T_PAD + p[None, :], tl.trans(q),
-             mask=cols_ok[:, None] & (p < T_PAD)[None, :])
+             mask=cols_ok[:, None] & (p < limit)[None, :])
 
 
 def quantize_grouped_colwise(
@@ -160,7 +166,8 @@ def quantize_grouped_colwise(
 
     Args:
         x: contiguous bf16 / fp16 / fp32 ``[T, C]``, rows sorted by expert.
-        counts: ``[E]`` integer tokens per expert (on ``x``'s device; sums to T).
+        counts: ``[E]`` integer tokens per expert (on ``x``'s device; sums to at most T: the
+            rows past the sum, a padded buffer's tail, are not read).
         row_amax: optional float32 ``[T]``, each row's ``max |x[t, :]|`` (what the rowwise
             quantization of ``x`` for the forward / input-gradient GEMM stored with
             ``amax_out``): then one scale per *expert*, ``448 / max`` over its rows, and x is
@@ -173,7 +180,8 @@ def quantize_grouped_colwise(
     Returns:
         ``(q_t, scale_inv, padded_ends)``: ``q_t [C, T_pad]`` float8_e4m3fn with
         ``q_t[c, p] ~= x[t, c] / scale_inv[e, c]`` for token t of expert e at padded position
-        p; ``scale_inv [E, C]`` float32 (``amax / 448``, 1.0 for an all-zero column; equal
+        p (the positions past ``padded_ends[-1]``, which the GEMM does not read, unspecified);
+        ``scale_inv [E, C]`` float32 (``amax / 448``, 1.0 for an all-zero column; equal
         along C with ``row_amax``);
         ``padded_ends [E]`` int32 cumulative padded segment ends (the GEMM's offsets).
 

@@ -30,7 +30,14 @@ import triton
 import triton.language as tl
 
 from etp.kernels.amax import _DTYPE_CODE, _abs_bits, _to_f32, cdiv, interpreter_active, select_impl
-from etp.kernels.blockwise import _amax_to_scale, _reciprocal_rn, _soft_view, check_row_amax_out, fill_row_amax
+from etp.kernels.blockwise import (
+    _amax_to_scale,
+    _reciprocal_rn,
+    _soft_view,
+    check_row_amax_out,
+    check_valid_rows,
+    fill_row_amax,
+)
 from etp.kernels.fp8_convert import _f32_to_bf16_bits, _quantize_f32
 from etp.kernels.launch import launch
 from etp.kernels.reference import FP8_E4M3_MAX, SUPPORTED_INPUT_DTYPES, swiglu_backward_ref, swiglu_ref
@@ -61,6 +68,15 @@ def _round(x, DTYPE: tl.constexpr, SOFT: tl.constexpr):
 
 
 @triton.jit
+def _rows_ok(rows, R, valid_ptr, HAS_VALID: tl.constexpr):
+    """The rows a program computes: below R and, with HAS_VALID, below the device scalar at
+    valid_ptr (see [Note: valid rows] in ``etp.kernels.blockwise``)."""
+    if HAS_VALID:
+        return (rows < R) & (rows < tl.load(valid_ptr))
+    return rows < R
+
+
+@triton.jit
 def _load_gate_up(gu_rows, cols, mask, FFN, DTYPE: tl.constexpr, SOFT: tl.constexpr):
     """The gate and up halves of a [rows, cols] tile of ``[g | u]``, widened to float32."""
     g = _to_f32(tl.load(gu_rows + cols[None, :], mask=mask, other=0), DTYPE, SOFT)
@@ -88,13 +104,14 @@ def _rowwise_fp8(acc, src_rows, q_rows, sinv_ptr, amax_ptr, rows, rows_ok, width
 
 
 @triton.jit
-def _swiglu_fwd_kernel(gu_ptr, p_ptr, h_ptr, q_ptr, sinv_ptr, amax_ptr, R, FFN,
+def _swiglu_fwd_kernel(gu_ptr, p_ptr, h_ptr, q_ptr, sinv_ptr, amax_ptr, valid_ptr, R, FFN,
                        DTYPE: tl.constexpr, PDTYPE: tl.constexpr, SOFT: tl.constexpr,
                        FP8_MAX: tl.constexpr, HAS_PROBS: tl.constexpr, QUANT: tl.constexpr,
-                       HAS_AMAX: tl.constexpr, TR: tl.constexpr, TC: tl.constexpr):
-    """h[r] = silu(g[r]) * u[r] (* p[r]) for TR rows; with QUANT also the rowwise FP8 of h."""
+                       HAS_AMAX: tl.constexpr, HAS_VALID: tl.constexpr, TR: tl.constexpr, TC: tl.constexpr):
+    """h[r] = silu(g[r]) * u[r] (* p[r]) for TR rows; with QUANT also the rowwise FP8 of h.
+    HAS_VALID: only the rows below the device scalar at valid_ptr."""
     rows = tl.program_id(0) * TR + tl.arange(0, TR)
-    rows_ok = rows < R
+    rows_ok = _rows_ok(rows, R, valid_ptr, HAS_VALID)
     r64 = rows.to(tl.int64)
     gu_rows = gu_ptr + r64[:, None] * (2 * FFN)
     h_rows = h_ptr + r64[:, None] * FFN
@@ -119,14 +136,15 @@ def _swiglu_fwd_kernel(gu_ptr, p_ptr, h_ptr, q_ptr, sinv_ptr, amax_ptr, R, FFN,
 
 
 @triton.jit
-def _swiglu_bwd_kernel(gu_ptr, gh_ptr, p_ptr, dgu_ptr, dp_ptr, q_ptr, sinv_ptr, amax_ptr, R, FFN,
+def _swiglu_bwd_kernel(gu_ptr, gh_ptr, p_ptr, dgu_ptr, dp_ptr, q_ptr, sinv_ptr, amax_ptr, valid_ptr, R, FFN,
                        DTYPE: tl.constexpr, PDTYPE: tl.constexpr, SOFT: tl.constexpr,
                        FP8_MAX: tl.constexpr, HAS_PROBS: tl.constexpr, PROBS_GRAD: tl.constexpr,
-                       QUANT: tl.constexpr, HAS_AMAX: tl.constexpr, TR: tl.constexpr, TC: tl.constexpr):
+                       QUANT: tl.constexpr, HAS_AMAX: tl.constexpr, HAS_VALID: tl.constexpr, TR: tl.constexpr,
+                       TC: tl.constexpr):
     """d[g | u][r] from dh[r]; with PROBS_GRAD dp[r] = sum(dh * silu(g) * u); with QUANT the
     rowwise FP8 of d[g | u] (one scale over both halves of the row)."""
     rows = tl.program_id(0) * TR + tl.arange(0, TR)
-    rows_ok = rows < R
+    rows_ok = _rows_ok(rows, R, valid_ptr, HAS_VALID)
     r64 = rows.to(tl.int64)
     gu_rows = gu_ptr + r64[:, None] * (2 * FFN)
     dgu_rows = dgu_ptr + r64[:, None] * (2 * FFN)
@@ -209,7 +227,8 @@ def _check_amax_out(amax_out: Optional[torch.Tensor], quantize: bool, gate_up: t
 
 
 def swiglu(gate_up: torch.Tensor, probs: Optional[torch.Tensor] = None, *, quantize: bool = False,
-           amax_out: Optional[torch.Tensor] = None, impl: str = "auto") -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+           amax_out: Optional[torch.Tensor] = None, valid_rows: Optional[torch.Tensor] = None,
+           impl: str = "auto") -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """``h = silu(gate) * up`` (times ``probs[:, None]`` when given) in one pass.
 
     Args:
@@ -219,6 +238,10 @@ def swiglu(gate_up: torch.Tensor, probs: Optional[torch.Tensor] = None, *, quant
             result, with the inverse scales the scaled GEMMs take).
         amax_out: with ``quantize``, optional float32 ``[T]`` that receives each row's
             ``max |h[t, :]|`` (``quantize_rowwise``'s ``amax_out``).
+        valid_rows: optional one-element integer tensor on ``gate_up``'s device: only the rows
+            below it are computed, the rest of every output left unwritten (a padded buffer
+            whose valid length only the device knows: [Note: valid rows] in
+            ``etp.kernels.blockwise``).
         impl: ``"auto"`` (Triton on CUDA, the torch reference elsewhere), ``"triton"`` or ``"torch"``.
 
     Returns:
@@ -232,12 +255,13 @@ def swiglu(gate_up: torch.Tensor, probs: Optional[torch.Tensor] = None, *, quant
     """
     ffn = _check(gate_up, probs)
     _check_amax_out(amax_out, quantize, gate_up)
+    check_valid_rows(valid_rows, gate_up.device)
     if not _kernel_applies(impl, gate_up, probs):
         h, q, s_inv = swiglu_ref(gate_up, probs, quantize=quantize)
         fill_row_amax(amax_out, h)
         return h, q, s_inv
     device, soft = gate_up.device, interpreter_active()
-    gate_up, probs, amax = _staged(gate_up), _staged(probs), _staged(amax_out)
+    gate_up, probs, amax, valid = _staged(gate_up), _staged(probs), _staged(amax_out), _staged(valid_rows)
     rows = gate_up.shape[0]
     h = torch.empty((rows, ffn), dtype=gate_up.dtype, device=gate_up.device)
     q = torch.empty((rows, ffn), dtype=torch.float8_e4m3fn, device=h.device) if quantize else h
@@ -245,10 +269,11 @@ def swiglu(gate_up: torch.Tensor, probs: Optional[torch.Tensor] = None, *, quant
     tr, tc = _launch_shape(ffn)
     launch(_swiglu_fwd_kernel, (cdiv(rows, tr),),
         _soft_view(gate_up, soft), _soft_view(probs, soft) if probs is not None else gate_up,
-        _soft_view(h, soft), _soft_view(q, soft), s_inv, s_inv if amax is None else amax, rows, ffn,
+        _soft_view(h, soft), _soft_view(q, soft), s_inv, s_inv if amax is None else amax,
+        s_inv if valid is None else valid, rows, ffn,
         DTYPE=_DTYPE_CODE[gate_up.dtype], PDTYPE=_DTYPE_CODE[probs.dtype] if probs is not None else 2,
         SOFT=soft, FP8_MAX=FP8_E4M3_MAX, HAS_PROBS=probs is not None, QUANT=quantize,
-        HAS_AMAX=amax is not None, TR=tr, TC=tc, num_warps=_WARPS,
+        HAS_AMAX=amax is not None, HAS_VALID=valid is not None, TR=tr, TC=tc, num_warps=_WARPS,
     )
     _unstage(amax_out, amax)
     if not quantize:
@@ -259,7 +284,7 @@ def swiglu(gate_up: torch.Tensor, probs: Optional[torch.Tensor] = None, *, quant
 def swiglu_backward(
     gate_up: torch.Tensor, grad_h: torch.Tensor, probs: Optional[torch.Tensor] = None, *,
     probs_grad: bool = False, quantize: bool = False, amax_out: Optional[torch.Tensor] = None,
-    impl: str = "auto",
+    valid_rows: Optional[torch.Tensor] = None, impl: str = "auto",
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Gradients of :func:`swiglu` in one pass.
 
@@ -271,7 +296,7 @@ def swiglu_backward(
         quantize: also return the rowwise FP8 quantization of ``d gate_up`` (one scale per row
             over all ``2 * ffn`` columns) with its inverse scales.
         amax_out: with ``quantize``, optional float32 ``[T]`` for each row's ``max |d gate_up|``.
-        impl: as for :func:`swiglu`.
+        valid_rows, impl: as for :func:`swiglu`.
 
     Returns:
         ``(grad_gate_up, grad_probs, q, scale_inv)``; the last three are None when not asked for.
@@ -289,6 +314,7 @@ def swiglu_backward(
         raise ValueError("probs_grad=True needs probs")
     grad_h = grad_h.contiguous()
     _check_amax_out(amax_out, quantize, gate_up)
+    check_valid_rows(valid_rows, gate_up.device)
     if not _kernel_applies(impl, gate_up, probs):
         dgu, grad_probs, q, s_inv = swiglu_backward_ref(gate_up, grad_h, probs, probs_grad=probs_grad,
                                                         quantize=quantize)
@@ -296,6 +322,7 @@ def swiglu_backward(
         return dgu, grad_probs, q, s_inv
     device, soft = gate_up.device, interpreter_active()
     gate_up, grad_h, probs, amax = _staged(gate_up), _staged(grad_h), _staged(probs), _staged(amax_out)
+    valid = _staged(valid_rows)
     rows = gate_up.shape[0]
     dgu = torch.empty_like(gate_up)
     dp = torch.empty(rows, dtype=torch.float32, device=dgu.device) if probs_grad else dgu
@@ -305,10 +332,11 @@ def swiglu_backward(
     launch(_swiglu_bwd_kernel, (cdiv(rows, tr),),
         _soft_view(gate_up, soft), _soft_view(grad_h, soft),
         _soft_view(probs, soft) if probs is not None else gate_up,
-        _soft_view(dgu, soft), dp, _soft_view(q, soft), s_inv, s_inv if amax is None else amax, rows, ffn,
+        _soft_view(dgu, soft), dp, _soft_view(q, soft), s_inv, s_inv if amax is None else amax,
+        s_inv if valid is None else valid, rows, ffn,
         DTYPE=_DTYPE_CODE[gate_up.dtype], PDTYPE=_DTYPE_CODE[probs.dtype] if probs is not None else 2,
         SOFT=soft, FP8_MAX=FP8_E4M3_MAX, HAS_PROBS=probs is not None, PROBS_GRAD=probs_grad,
-        QUANT=quantize, HAS_AMAX=amax is not None, TR=tr, TC=tc, num_warps=_WARPS,
+        QUANT=quantize, HAS_AMAX=amax is not None, HAS_VALID=valid is not None, TR=tr, TC=tc, num_warps=_WARPS,
     )
     _unstage(amax_out, amax)
     grad_probs = dp.to(device=device, dtype=probs.dtype) if probs_grad else None

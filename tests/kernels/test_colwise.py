@@ -102,3 +102,36 @@ def test_fp8_wgrad_against_float64(scales):
             continue
         rel = ((dw[e].double() - ref).norm() / ref.norm()).item()
         assert rel < 0.05, (e, rel)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),
+                    reason="FP8 GEMMs need an sm90+ GPU")
+def test_fp8_wgrad_of_a_padded_buffer_reads_only_the_valid_rows():
+    """[Note: valid rows]: a captured expert-parallel receive buffer has rows past the counts'
+    sum. The rowwise quantization stops at the valid length, the per-expert operands leave the
+    tail past their last segment unwritten, and the FP8 weight-gradient GEMM stops at its last
+    offset: with NaN in every padded row and NaN bytes forced into the operands' tail, the
+    result equals the trimmed buffer's and stays finite."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    counts = torch.tensor([100, 0, 37, 256, 1], device="cuda")
+    tokens, capacity = int(counts.sum()), 1024
+    x = torch.full((capacity, 192), float("nan"), device="cuda", dtype=torch.bfloat16)
+    gy = torch.full((capacity, 320), float("nan"), device="cuda", dtype=torch.bfloat16)
+    x[:tokens] = torch.randn(tokens, 192, device="cuda", generator=gen, dtype=torch.bfloat16)
+    gy[:tokens] = torch.randn(tokens, 320, device="cuda", generator=gen, dtype=torch.bfloat16) * 1e-4
+    trimmed = GroupedGemm.wgrad(gy[:tokens].clone(), x[:tokens].clone(), counts, fp8=True)
+    valid = torch.cumsum(counts, 0)[-1:]
+    quantize_activation(x, valid_rows=valid), quantize_activation(gy, valid_rows=valid)
+    padded = GroupedGemm.wgrad(gy, x, counts, fp8=True)
+    assert torch.isfinite(padded).all()
+    torch.testing.assert_close(padded, trimmed, rtol=0, atol=0)
+
+    # The GEMM's own contract: nothing past the last offset is read.
+    gq, g_inv, offs = quantize_grouped_colwise(gy, counts, row_amax=row_amax(gy))
+    xq, x_inv, _ = quantize_grouped_colwise(x, counts, row_amax=row_amax(x))
+    end = int(offs[-1])
+    for q in (gq, xq):
+        q.view(torch.uint8)[:, end:] = 0x7F  # e4m3 NaN
+    result = torch._scaled_grouped_mm(gq, xq.t(), g_inv.reshape(-1), x_inv.reshape(-1), offs=offs,
+                                      out_dtype=torch.bfloat16, use_fast_accum=True)
+    torch.testing.assert_close(result, trimmed, rtol=0, atol=0)

@@ -78,6 +78,50 @@ def test_kernels_against_float64(rows, ffn, with_probs, dtype):
     assert torch.equal(s_inv, torch.reciprocal(scale_ref))
 
 
+@pytest.mark.parametrize("valid", [0, 5, 12], ids=["none", "some", "all"])
+def test_valid_rows_bound_every_row_local_kernel(valid):
+    """[Note: valid rows]: with a device count of valid rows, the SwiGLU both ways and the
+    rowwise quantization compute the rows below it exactly as unbounded and never touch the
+    others (their amax entries keep a sentinel; the padded rows hold NaN, which would reach
+    the valid rows' outputs through nothing but a row-mixing bug)."""
+    rows, ffn = 12, 130
+    gen = torch.Generator().manual_seed(valid)
+    gate_up = (3 * torch.randn(rows, 2 * ffn, generator=gen)).to(torch.bfloat16)
+    gate_up[valid:] = float("nan")
+    gate_up = gate_up.to(DEVICE)
+    probs = torch.rand(rows, generator=gen).to(DEVICE)
+    grad_h = torch.randn(rows, ffn, generator=gen).to(torch.bfloat16).to(DEVICE)
+    bound = torch.tensor([valid], dtype=torch.int32, device=DEVICE)
+    sentinel = -7.0
+
+    def amax_buffer():
+        return torch.full((rows,), sentinel, device=DEVICE)
+
+    full_amax, amax = torch.empty(rows, device=DEVICE), amax_buffer()
+    h_full, q_full, s_full = swiglu_kernel(gate_up, probs, quantize=True, amax_out=full_amax, impl="triton")
+    h, q, s_inv = swiglu_kernel(gate_up, probs, quantize=True, amax_out=amax, valid_rows=bound, impl="triton")
+    assert torch.equal(h[:valid], h_full[:valid]) and torch.equal(s_inv[:valid], s_full[:valid])
+    assert torch.equal(q[:valid].view(torch.uint8), q_full[:valid].view(torch.uint8))
+    assert torch.equal(amax[:valid], full_amax[:valid]) and bool((amax[valid:] == sentinel).all())
+
+    full_amax, amax = torch.empty(rows, device=DEVICE), amax_buffer()
+    d_full, p_full, _, _ = swiglu_backward(gate_up, grad_h, probs, probs_grad=True, quantize=True,
+                                           amax_out=full_amax, impl="triton")
+    d, dp, _, _ = swiglu_backward(gate_up, grad_h, probs, probs_grad=True, quantize=True, amax_out=amax,
+                                  valid_rows=bound.long(), impl="triton")
+    assert torch.equal(d[:valid], d_full[:valid]) and torch.equal(dp[:valid], p_full[:valid])
+    assert torch.equal(amax[:valid], full_amax[:valid]) and bool((amax[valid:] == sentinel).all())
+
+    x = h_full.nan_to_num()
+    x[valid:] = float("nan")
+    full_amax, amax = torch.empty(rows, device=DEVICE), amax_buffer()
+    q_full, s_full = quantize_rowwise(x, amax_out=full_amax, inverse=True, impl="triton")
+    q, s_inv = quantize_rowwise(x, amax_out=amax, inverse=True, valid_rows=bound, impl="triton")
+    assert torch.equal(q[:valid].view(torch.uint8), q_full[:valid].view(torch.uint8))
+    assert torch.equal(s_inv[:valid], s_full[:valid])
+    assert torch.equal(amax[:valid], full_amax[:valid]) and bool((amax[valid:] == sentinel).all())
+
+
 def test_bad_input_names_the_fix():
     with pytest.raises(ValueError, match="2 \\* ffn"):
         swiglu_kernel(torch.zeros(3, 5))
@@ -91,6 +135,10 @@ def test_bad_input_names_the_fix():
         swiglu_backward(torch.zeros(3, 4), torch.zeros(3, 2), quantize=True, amax_out=torch.zeros(4))
     with pytest.raises(ValueError, match="amax_out must be a contiguous float32 \\[3\\]"):
         quantize_rowwise(torch.zeros(3, 4), amax_out=torch.zeros(3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="valid_rows must be a one-element int32 / int64 tensor"):
+        swiglu_kernel(torch.zeros(3, 4), valid_rows=torch.tensor([1.0]))
+    with pytest.raises(ValueError, match="valid_rows must be a one-element"):
+        quantize_rowwise(torch.zeros(3, 4), valid_rows=torch.tensor([1, 2]))
 
 
 def test_experts_module_matches_eager_float64():
@@ -117,6 +165,35 @@ def test_experts_module_matches_eager_float64():
     torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(probs.grad.double(), p64.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(experts.fc1_weight.grad.double(), w1.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the valid-row bound applies to CUDA tensors")
+def test_experts_on_a_padded_buffer_match_the_trimmed_rows():
+    """[Note: valid rows]: the experts fed a padded receive buffer (rows past the counts' sum
+    full of NaN, as captured expert parallelism hands them over) give the trimmed buffer's
+    outputs and gradients on the valid rows and finite weight gradients."""
+    torch.manual_seed(0)
+    experts = etp.GroupedSwiGLUExperts(3, 64, 96, dtype=torch.bfloat16, device="cuda")
+    counts = torch.tensor([40, 0, 25], device="cuda")
+    tokens, capacity = int(counts.sum()), 256
+
+    def run(rows):
+        experts.zero_grad(set_to_none=True)
+        x = torch.full((rows, 64), float("nan"), device="cuda", dtype=torch.bfloat16)
+        x[:tokens] = data
+        probs = torch.zeros(rows, device="cuda")
+        probs[:tokens] = weights
+        x.requires_grad_(True), probs.requires_grad_(True)
+        y = experts(x, counts, probs)
+        y[:tokens].backward(grad)
+        return (y[:tokens].detach(), x.grad[:tokens], probs.grad[:tokens], experts.fc1_weight.grad.clone(),
+                experts.fc2_weight.grad.clone())
+
+    data = torch.randn(tokens, 64, device="cuda", dtype=torch.bfloat16)
+    weights, grad = torch.rand(tokens, device="cuda"), torch.randn(tokens, 64, device="cuda", dtype=torch.bfloat16)
+    for trimmed, padded in zip(run(tokens), run(capacity)):
+        assert torch.isfinite(padded).all()
+        torch.testing.assert_close(padded, trimmed, rtol=1e-2, atol=1e-3)
 
 
 class _Consumer(torch.autograd.Function):
