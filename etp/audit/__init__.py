@@ -13,6 +13,7 @@ Example::
     ...
     print(audit.format_table(predict_memory(recipe, world_size)))
 """
+from .activations import padded_expert_rows
 from .categories import CATEGORIES
 from .ep_buffers import ep_dispatcher_bytes
 from .measure import SCHEMA_VERSION, MemoryAudit
@@ -28,4 +29,5 @@ from .predict import (
 )
 
 __all__ = ["CATEGORIES", "SCHEMA_VERSION", "MemoryAudit", "WeightSpec", "activation_bytes", "ep_dispatcher_bytes",
-           "fit_bytes", "fits", "largest_micro_batch", "predict_memory", "predict_peak", "weight_inventory"]
+           "fit_bytes", "fits", "largest_micro_batch", "padded_expert_rows", "predict_memory", "predict_peak",
+           "weight_inventory"]

@@ -3,7 +3,8 @@ category of the memory prediction (see [Note: ETP memory prediction] in
 ``etp/audit/predict.py``)."""
 from __future__ import annotations
 
-__all__ = ["activation_bytes", "logits_bytes", "moe_layers_on_stage", "expert_backward_bytes", "value_bytes"]
+__all__ = ["activation_bytes", "expert_backward_bytes", "logits_bytes", "moe_layers_on_stage", "padded_expert_rows",
+           "value_bytes"]
 
 
 def activation_bytes(recipe, micro_batch_size: int | None = None) -> int:
@@ -28,7 +29,10 @@ def activation_bytes(recipe, micro_batch_size: int | None = None) -> int:
       module behind megatron's own dispatchers (calibrated with ``alltoall``):
       ``topk x (4 + 8 x moe_ffn / h)``: the permuted input and the fc2 output (2 + 2 bytes per
       token copy) and, per copy, the fc1 output (gate and up, 2 x ffn), the SwiGLU output and
-      its probability-weighted copy (ffn each); a dense MLP (a dense layer of
+      its probability-weighted copy (ffn each); etp's dispatcher in a captured step adds the
+      SwiGLU input of its receive buffer's padding, ``(R - topk) x 4 x moe_ffn / h`` with ``R``
+      its rows per token (``padded_expert_rows``; the flagship at EP 4: eager and captured
+      runs both measured within the same margin of this count); a dense MLP (a dense layer of
       ``moe_layer_freq``) counts ``4 + 8 x ffn / h`` once, shared experts
       ``8 x moe_shared_expert_intermediate_size / h`` (a dense MLP's interior: their input is
       the router's, their output summed into the routed one; best effort, not measured);
@@ -134,6 +138,21 @@ def expert_backward_bytes(recipe, micro_batch_size: int | None = None, fp8: bool
             // recipe.parallel.tensor_model_parallel_size)
 
 
+def padded_expert_rows(recipe) -> int:
+    """Expert rows per token the experts are handed: ``topk``, or, with etp's dispatcher in a
+    captured step (``cuda_graph: step``), its receive capacity per token, ``EP x min(topk,
+    experts per rank)``, valid rows and padding alike.
+
+    Example::
+
+        padded_expert_rows(recipe)   # 16 for top-4 of 64 experts at EP 4, captured
+    """
+    m, ep = recipe.model, recipe.parallel.expert_model_parallel_size
+    if m.is_moe and m.moe_token_dispatcher_type == "etp" and recipe.train.cuda_graph == "step":
+        return ep * min(m.moe_router_topk, m.num_experts // ep)
+    return m.moe_router_topk
+
+
 def _local_grouped(m) -> bool:
     return getattr(m, "moe_grouped_gemm", False) and getattr(m, "moe_token_dispatcher_type", "") == "local"
 
@@ -156,6 +175,10 @@ def _layer_factors(recipe) -> tuple[float, float]:
         routed = m.moe_router_topk * 4 * m.moe_ffn_hidden_size / h
     elif m.is_moe:
         routed = m.moe_router_topk * (4 + 8 * m.moe_ffn_hidden_size / h)
+        # etp's dispatcher captured hands the experts its padded receive buffer: the SwiGLU's
+        # input exists for every row of it, not only the valid ones ([Note: valid rows] in
+        # etp.kernels.blockwise: the kernels skip the padding, the allocation does not).
+        routed += (padded_expert_rows(recipe) - m.moe_router_topk) * 4 * m.moe_ffn_hidden_size / h
     else:
         routed = 0.0
     # Shared experts: a dense MLP's interior (8 x width / h), its input being the router's and

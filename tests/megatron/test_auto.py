@@ -42,27 +42,46 @@ def test_a_recipe_that_cannot_be_captured_stays_eager_and_fp8_follows_the_batch(
     assert resolve_auto(wide, Machine(4, 4, **H100))[0].etp.gather_dtype == "fp8_tensorwise"
 
 
-def test_etp_dispatcher_is_captured_only_when_asked():
-    """Captured, etp's dispatcher gives the experts padded receive buffers the memory audit does
-    not count: auto keeps it eager and says so; cuda_graph=step set by hand captures it."""
-    ep = dict(moe_token_dispatcher_type="etp", expert_model_parallel_size=4, micro_batch_size=2,
-              etp={"etp_size": 4, "expert_etp_size": 1})
-    recipe, notes = resolve_auto(Recipe.from_yaml(FLAGSHIP, **ep), Machine(4, 4, **H100))
-    assert recipe.train.cuda_graph == "none"
-    assert any(n.startswith("cuda_graph auto -> none: etp's dispatcher captures with its padded") for n in notes), notes
-    forced, _ = resolve_auto(Recipe.from_yaml(FLAGSHIP, **ep, cuda_graph="step"), Machine(4, 4, **H100))
+def test_etp_dispatcher_is_captured_where_its_padded_rows_fit():
+    """Captured, etp's dispatcher hands the experts its padded receive buffer (EP x min(topk,
+    local experts) rows per token, 16 here against topk 4): auto captures where the memory
+    audit counts those rows into the GPU, stays eager and says why where they do not, and an
+    explicit cuda_graph=step still captures."""
+    from etp.audit import activation_bytes, padded_expert_rows
+
+    ep = dict(moe_token_dispatcher_type="etp", expert_model_parallel_size=4, micro_batch_size=4,
+              global_batch_size=16, etp={"etp_size": 4, "expert_etp_size": 1})
+    h200 = Machine(4, 4, **dict(H100, gpu_name="NVIDIA H200", gpu_memory=141 * 2**30))
+    recipe, notes = resolve_auto(Recipe.from_yaml(FLAGSHIP, **ep), h200)
+    assert recipe.train.cuda_graph == "step" and recipe.etp.gather_dtype == "fp8_tensorwise"
+    assert any(n.startswith("cuda_graph auto -> step") and "16 expert rows per token" in n for n in notes), notes
+    captured = recipe.replace(etp={"gather_dtype": "param"})
+    assert padded_expert_rows(captured) == 16 and padded_expert_rows(captured.replace(cuda_graph="none")) == 4
+    # The padding's SwiGLU input, 12 rows x 2 x ffn 16-bit values per token, over 8 layers.
+    extra = activation_bytes(captured) - activation_bytes(captured.replace(cuda_graph="none"))
+    assert extra == 8 * 12 * 2 * 1408 * 2 * 2048 * 4
+    small = Machine(4, 4, **dict(H100, gpu_memory=40 * 2**30))
+    eager, notes = resolve_auto(Recipe.from_yaml(FLAGSHIP, **ep), small)
+    assert eager.train.cuda_graph == "none"
+    assert any(n.startswith("cuda_graph auto -> none: captured, etp's dispatcher hands the experts 16 rows") for n in notes)
+    forced, _ = resolve_auto(Recipe.from_yaml(FLAGSHIP, **ep, cuda_graph="step"), small)
     assert forced.train.cuda_graph == "step" and forced.etp.gather_dtype == "fp8_tensorwise"
 
 
 def test_an_eager_step_takes_fp8_gathers_where_only_they_fit():
-    """Fitting comes before the host-bound rule: DeepSeek-V3's shape at 8 x 80 GiB needs FP8's
-    halved gathers; with more memory the eager step keeps bf16."""
+    """Fitting comes before the host-bound rule: DeepSeek-V3's shape at 8 x 80 GiB, eager (its
+    captured step's padded expert rows do not fit), needs FP8's halved gathers; with more
+    memory an eager step keeps bf16."""
     dsv3 = Recipe.from_yaml(ROOT / "recipes" / "deepseek_v3_shaped.yaml")
     tight, notes = resolve_auto(dsv3, Machine(8, 8, **H100))
     assert tight.train.cuda_graph == "none" and tight.etp.gather_dtype == "fp8_tensorwise"
     assert any("only FP8 gathers fit this GPU" in n for n in notes), notes
-    roomy, _ = resolve_auto(dsv3, Machine(8, 8, **dict(H100, gpu_memory=141 * 2**30)))
+    roomy_gpu = Machine(8, 8, **dict(H100, gpu_memory=141 * 2**30))
+    roomy, _ = resolve_auto(dsv3.replace(cuda_graph="none"), roomy_gpu)
     assert roomy.etp.gather_dtype == "param"
+    # With that memory auto captures the step instead (its padded expert rows fit), and FP8 pays.
+    captured, notes = resolve_auto(dsv3, roomy_gpu)
+    assert captured.train.cuda_graph == "step" and captured.etp.gather_dtype == "fp8_tensorwise", notes
 
 
 def test_experts_that_read_token_counts_on_the_host_stay_eager():

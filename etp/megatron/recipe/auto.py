@@ -19,8 +19,8 @@ always wins. In the order they are decided:
   etp and its peers alike).
 * ``cuda_graph: auto``: ``step`` wherever the recipe can be captured (CUDA; megatron's
   dispatchers, activation recompute, tensor parallelism and both FSDPs cannot; etp's dispatcher
-  can, with padded expert buffers the memory audit does not count yet, so only when set
-  explicitly), ``none`` otherwise. A
+  can, handing the experts its padded receive buffer, so only where the memory audit says those
+  rows fit), ``none`` otherwise. A
   captured step issues no host launches: small micro-batches stop being bound by the host.
   Capture turns ``overlap_grad_reduce`` off itself (DDP's reductions start after the
   replayed backward).
@@ -147,15 +147,38 @@ def _cuda_graph(recipe, machine: Machine, notes: list[str]) -> str | None:
         notes.append(f"cuda_graph auto -> none: this recipe cannot be captured ({error})")
         return "none"
     if recipe.model.is_moe and recipe.model.moe_token_dispatcher_type == "etp":
-        # Captured, etp's dispatcher gives the experts its padded receive buffers: EP x
-        # min(topk, local experts) rows per token where eager gives them topk. The memory audit
-        # does not count those rows yet, so auto cannot tell whether they fit.
-        notes.append("cuda_graph auto -> none: etp's dispatcher captures with its padded receive buffers (expert "
-                     "parallel size x min(topk, local experts) rows per token), which the memory audit does not "
-                     "count yet; set cuda_graph=step to capture it")
-        return "none"
+        return _capture_etp_dispatcher(recipe, machine, notes)
     notes.append("cuda_graph auto -> step: every micro-batch replays one captured forward + backward "
                  "(no host launches)")
+    return "step"
+
+
+def _capture_etp_dispatcher(recipe, machine: Machine, notes: list[str]) -> str:
+    """Captured, etp's dispatcher hands the experts its padded receive buffer, EP x min(topk,
+    local experts) rows per token where eager hands them topk (``padded_expert_rows``): the
+    step is captured where the memory audit says those rows fit, with the gathers auto would
+    then take (FP8 where it can, the least reuse), and stays eager otherwise."""
+    from ...audit import fit_bytes, padded_expert_rows, predict_peak
+
+    captured = recipe.replace(cuda_graph="step")
+    etp = {}
+    if "etp.gather_dtype" in recipe.auto:
+        etp["gather_dtype"] = "fp8_tensorwise" if machine.sm90 and recipe.train.bf16 else "param"
+    if "etp.gather_reuse" in recipe.auto:
+        etp["gather_reuse"] = "chain"
+    if etp:
+        captured = captured.replace(etp=etp)
+    rows = padded_expert_rows(captured)
+    if machine.gpu_memory is not None:
+        need = fit_bytes(predict_peak(captured, machine.world_size))
+        if need > machine.gpu_memory:
+            notes.append(f"cuda_graph auto -> none: captured, etp's dispatcher hands the experts {rows} rows per "
+                         f"token (its padded receive buffer), which do not fit (memory audit: "
+                         f"{need / 2**30:.1f} GiB of {machine.gpu_memory / 2**30:.0f})")
+            return "none"
+    notes.append(f"cuda_graph auto -> step: every micro-batch replays one captured forward + backward, etp's "
+                 f"dispatcher with its padded receive buffer ({rows} expert rows per token, counted by the memory "
+                 "audit)")
     return "step"
 
 
@@ -206,8 +229,8 @@ def _gather_reuse(recipe, machine: Machine, notes: list[str]) -> str | None:
         candidate = recipe.replace(etp={"gather_reuse": reuse})
         peak = predict_peak(candidate, machine.world_size)
         if reuse == "chain" or fits(peak, machine.gpu_memory):
-            span = "the whole step" if reuse == "step" else "from its forward to its backward"
-            why = (f"every weight stays gathered for {span}: the memory audit predicts "
+            span = "for the whole step" if reuse == "step" else "from its forward to its backward"
+            why = (f"every weight stays gathered {span}: the memory audit predicts "
                    f"{peak['device_peak'] / 2**30:.1f} GiB of {machine.gpu_memory / 2**30:.0f}"
                    if reuse != "chain" else "resident weights would not fit the GPU (memory audit)")
             notes.append(f"etp.gather_reuse auto -> {reuse}: {why}")
