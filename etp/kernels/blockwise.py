@@ -97,6 +97,9 @@ def _quantize_blockwise_kernel(
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     e = tl.program_id(2).to(tl.int64)
+    if ROW_MODE and HAS_VALID:
+        if pid_r * TR >= tl.load(valid_ptr):
+            return  # every row of this program is past the valid count
     ar = tl.arange(0, TR)
     ac = tl.arange(0, TC)
     if ROW_MODE:

@@ -124,8 +124,8 @@ def _grouped_per_expert_kernel(x_ptr, ends_ptr, pends_ptr, scale_ptr, q_ptr, C, 
     tile that holds its end; tiles wholly past it store nothing (the GEMM stops at its last
     offset: a padded receive buffer's tail, [Note: valid rows] in ``etp.kernels.blockwise``)."""
     p0 = tl.program_id(0).to(tl.int64) * TP
-    # T_PAD, or 0 for a tile wholly past the last segment: one bound per program.
-    limit = tl.where(p0 < tl.load(pends_ptr + E - 1), T_PAD, 0)
+    if p0 >= tl.load(pends_ptr + E - 1):
+        return  # a tile wholly past the last segment
     p = p0 + tl.arange(0, TP)
     cols = tl.program_id(1) * TC + tl.arange(0, TC)
     cols_ok = cols < C
@@ -153,9 +153,9 @@ def _grouped_per_expert_kernel(x_ptr, ends_ptr, pends_ptr, scale_ptr, q_ptr, C, 
     q = _quantize_f32(x, scale[:, None], FP8_MAX, SOFT)
     # Past the last segment x loaded as 0, so the tile's whole width is stored (zeros there): a
     # mask that varies along p per element would keep the store from vectorising (several times
-    # slower); ``limit`` is one value per program.
+    # slower).
     tl.store(q_ptr + cols[:, None].to(tl.int64) * T_PAD + p[None, :], tl.trans(q),
-             mask=cols_ok[:, None] & (p < limit)[None, :])
+             mask=cols_ok[:, None] & (p < T_PAD)[None, :])
 
 
 def quantize_grouped_colwise(

@@ -77,6 +77,13 @@ def _rows_ok(rows, R, valid_ptr, HAS_VALID: tl.constexpr):
 
 
 @triton.jit
+def _past_valid(valid_ptr, TR: tl.constexpr):
+    """Whether this program's rows all lie at or past the valid count: it returns at once
+    (masked-off rows alone would still run every loop step, about half a live program's time)."""
+    return tl.program_id(0) * TR >= tl.load(valid_ptr)
+
+
+@triton.jit
 def _load_gate_up(gu_rows, cols, mask, FFN, DTYPE: tl.constexpr, SOFT: tl.constexpr):
     """The gate and up halves of a [rows, cols] tile of ``[g | u]``, widened to float32."""
     g = _to_f32(tl.load(gu_rows + cols[None, :], mask=mask, other=0), DTYPE, SOFT)
@@ -110,6 +117,9 @@ def _swiglu_fwd_kernel(gu_ptr, p_ptr, h_ptr, q_ptr, sinv_ptr, amax_ptr, valid_pt
                        HAS_AMAX: tl.constexpr, HAS_VALID: tl.constexpr, TR: tl.constexpr, TC: tl.constexpr):
     """h[r] = silu(g[r]) * u[r] (* p[r]) for TR rows; with QUANT also the rowwise FP8 of h.
     HAS_VALID: only the rows below the device scalar at valid_ptr."""
+    if HAS_VALID:
+        if _past_valid(valid_ptr, TR):
+            return
     rows = tl.program_id(0) * TR + tl.arange(0, TR)
     rows_ok = _rows_ok(rows, R, valid_ptr, HAS_VALID)
     r64 = rows.to(tl.int64)
@@ -143,6 +153,9 @@ def _swiglu_bwd_kernel(gu_ptr, gh_ptr, p_ptr, dgu_ptr, dp_ptr, q_ptr, sinv_ptr, 
                        TC: tl.constexpr):
     """d[g | u][r] from dh[r]; with PROBS_GRAD dp[r] = sum(dh * silu(g) * u); with QUANT the
     rowwise FP8 of d[g | u] (one scale over both halves of the row)."""
+    if HAS_VALID:
+        if _past_valid(valid_ptr, TR):
+            return
     rows = tl.program_id(0) * TR + tl.arange(0, TR)
     rows_ok = _rows_ok(rows, R, valid_ptr, HAS_VALID)
     r64 = rows.to(tl.int64)
