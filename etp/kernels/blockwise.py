@@ -140,7 +140,6 @@ def _quantize_blockwise_looped_kernel(
     q_ptr,
     s_ptr,
     amax_ptr,  # HAS_AMAX: each block's amax, stored beside its scale
-    valid_ptr,  # HAS_VALID (ROW_MODE): the device scalar bounding the rows computed
     R,
     C,
     NBR,
