@@ -395,8 +395,7 @@ def quantize_rowwise(x: torch.Tensor, *, amax_out: Optional[torch.Tensor] = None
             dequantization factor the scaled GEMMs take, stored by the kernel itself instead
             of a separate reciprocal pass (two launches and their host time per GEMM).
         valid_rows: optional one-element integer tensor on x's device: rows at and past it
-            may be left unwritten in every output ([Note: valid rows]; the one-pass path skips
-            them, the two-pass path, for rows wider than ``16384``, computes every row).
+            may be left unwritten ([Note: valid rows]; rows over 16384 wide: every row written).
         impl: ``"auto"``, ``"triton"`` or ``"torch"`` as for the other ops.
 
     Returns:
@@ -428,10 +427,8 @@ def quantize_rowwise(x: torch.Tensor, *, amax_out: Optional[torch.Tensor] = None
         return q, (s.reciprocal() if inverse else s)
     soft = interpreter_active()
     staged = soft and device.type == "cuda"
-    valid = valid_rows
-    if staged:
-        x = x.cpu()
-        valid = None if valid_rows is None else valid_rows.cpu()
+    valid = valid_rows.cpu() if staged and valid_rows is not None else valid_rows
+    x = x.cpu() if staged else x
     q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(rows, dtype=torch.float32, device=x.device)
     amax = (torch.empty(rows, dtype=torch.float32) if staged else amax_out) if amax_out is not None else None
@@ -446,8 +443,7 @@ def quantize_rowwise(x: torch.Tensor, *, amax_out: Optional[torch.Tensor] = None
             _soft_view(x, soft), _soft_view(q, soft), s, s if amax is None else amax, s if valid is None else valid,
             rows, cols, rows, 1, DTYPE=_DTYPE_CODE[x.dtype], SOFT=soft, FP8_MAX=FP8_E4M3_MAX,
             BR=1, BC=cols, TR=tr, TC=tc, ROW_MODE=True, HAS_AMAX=amax is not None, INVERSE=inverse,
-            HAS_VALID=valid is not None,
-            num_warps=8, **EXACT_FP,
+            HAS_VALID=valid is not None, num_warps=8, **EXACT_FP,
         )
     if not staged:
         return q, s
