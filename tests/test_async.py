@@ -262,7 +262,10 @@ def _train(ctx, model_name, overrides):
     return train_parity(ctx, config, steps=6, make_model=make)
 
 
-@pytest.mark.parametrize("overrides", [dict(), dict(prefetch=False), dict(async_reduce=False),
+# The default and everything-off-with-checks run by default; each switch alone is a heavier
+# repeat (-m slow).
+@pytest.mark.parametrize("overrides", [dict(), pytest.param(dict(prefetch=False), marks=pytest.mark.slow),
+                                       pytest.param(dict(async_reduce=False), marks=pytest.mark.slow),
                                        dict(prefetch=False, async_reduce=False, debug_checks=True)])
 def test_tied_weights_train_like_the_reference(overrides):
     for result in run_distributed(_train, 2, "tied", overrides):

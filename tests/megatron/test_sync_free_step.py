@@ -104,8 +104,14 @@ def _step_on_ranks(ctx, fused, clip_grad):
     return coefficient
 
 
-@pytest.mark.parametrize("fused", [False, True, "etp"], ids=["foreach-clip", "fused-grad-scale", "etp-adamw"])
-@pytest.mark.parametrize("clip_grad", [CLIP, 1e6], ids=["clips", "no-clip"])
+_OPTIMIZERS = [(False, "foreach-clip"), (True, "fused-grad-scale"), ("etp", "etp-adamw")]
+
+
+# Every optimizer clipping; without clipping one of them by default (the others: -m slow).
+@pytest.mark.parametrize("fused,clip_grad", [
+    *(pytest.param(fused, CLIP, id=f"clips-{name}") for fused, name in _OPTIMIZERS),
+    *(pytest.param(fused, 1e6, id=f"no-clip-{name}", marks=() if fused is True else pytest.mark.slow)
+      for fused, name in _OPTIMIZERS)])
 def test_step_matches_float64_clip_and_adam(fused, clip_grad):
     coefficients = run_distributed(_step_on_ranks, 2, fused, clip_grad)
     assert (coefficients[0] < 0.2) == (clip_grad == CLIP)  # the clipping case does clip hard
