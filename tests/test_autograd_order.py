@@ -24,7 +24,7 @@ def _ctx(log, needs_x=True, needs_w=True, fp8_wgrad=False, x_row_amax=None, seen
         dgrad=lambda g, w, counts: log.append("dgrad") or g @ w,
         wgrad=lambda g, x, counts, out=None, **kw: log.append("wgrad") or (seen if seen is not None else []).append(row_amax(x)) or out,
         writes_into=lambda x, g: True,
-        quantize_ahead=lambda g, w: log.append("quantize_ahead"),
+        quantize_ahead=lambda g, w, counts: log.append("quantize_ahead"),
     )
     return SimpleNamespace(saved_tensors=(x, None), param=param, op=op, x_row_amax=x_row_amax,
                            needs_input_grad=(needs_x, needs_w, False, False, False)), gy

@@ -29,10 +29,10 @@ def activation_bytes(recipe, micro_batch_size: int | None = None) -> int:
       module behind megatron's own dispatchers (calibrated with ``alltoall``):
       ``topk x (4 + 8 x moe_ffn / h)``: the permuted input and the fc2 output (2 + 2 bytes per
       token copy) and, per copy, the fc1 output (gate and up, 2 x ffn), the SwiGLU output and
-      its probability-weighted copy (ffn each); etp's dispatcher in a captured step adds the
-      SwiGLU input of its receive buffer's padding, ``(R - topk) x 4 x moe_ffn / h`` with ``R``
-      its rows per token (``padded_expert_rows``; the flagship at EP 4: eager and captured
-      runs both measured within the same margin of this count); a dense MLP (a dense layer of
+      its probability-weighted copy (ffn each); etp's grouped experts behind etp's dispatcher:
+      ``R x 4 x moe_ffn / h + 2 x topk``, the SwiGLU's input of every row handed over (``R``
+      per token: ``padded_expert_rows``, topk eager, the receive capacity captured) and 2 bytes
+      per token copy (calibrated on three measured runs of the flagship); a dense MLP (a dense layer of
       ``moe_layer_freq``) counts ``4 + 8 x ffn / h`` once, shared experts
       ``8 x moe_shared_expert_intermediate_size / h`` (a dense MLP's interior: their input is
       the router's, their output summed into the routed one; best effort, not measured);
@@ -173,12 +173,15 @@ def _layer_factors(recipe) -> tuple[float, float]:
         # fc1's input and fc2's are rebuilt in backward (expert_backward_bytes), and
         # the combine keeps only indices, so fc2's output is not kept.
         routed = m.moe_router_topk * 4 * m.moe_ffn_hidden_size / h
+    elif m.is_moe and getattr(m, "moe_grouped_gemm", False) and m.moe_token_dispatcher_type == "etp":
+        # etp's ETPGroupedExperts behind etp's dispatcher: the SwiGLU's input for every row the
+        # dispatcher hands over, valid or padding (captured: its receive capacity; the kernels
+        # skip the padding, the allocation does not: [Note: valid rows] in etp.kernels.blockwise),
+        # and 2 bytes per token copy (calibrated on the flagship at EP 4, eager and captured, and
+        # EP 2 captured: BENCHMARKS.md, the memory audit).
+        routed = padded_expert_rows(recipe) * 4 * m.moe_ffn_hidden_size / h + 2 * m.moe_router_topk
     elif m.is_moe:
         routed = m.moe_router_topk * (4 + 8 * m.moe_ffn_hidden_size / h)
-        # etp's dispatcher captured hands the experts its padded receive buffer: the SwiGLU's
-        # input exists for every row of it, not only the valid ones ([Note: valid rows] in
-        # etp.kernels.blockwise: the kernels skip the padding, the allocation does not).
-        routed += (padded_expert_rows(recipe) - m.moe_router_topk) * 4 * m.moe_ffn_hidden_size / h
     else:
         routed = 0.0
     # Shared experts: a dense MLP's interior (8 x width / h), its input being the router's and
