@@ -13,9 +13,8 @@ and the rows relayed to it.
 
 * dispatch: pack the rows to send (``index_select``), exchange them (and their routing
   weights) over the rail, push both sources into this host's receive buffers.
-* combine: each source row's sum over its pairs on this host (fp32, k order), the rows
-  written back within the host into the source rows' per-pair slots and summed there; the
-  relayed rows' sums go back over the rail; each token adds its own host's
+* combine: each source row's sum over its pairs on this host (fp32, k order), pulled within
+  the host; the relayed rows' sums go back over the rail; each token adds its own host's
   sum and the returned ones in the order of its first pair to each host (fp32). Like
   ``symm_dedup``, partial sums per host are rounded to the row dtype.
 * combine of routing weights (backward): one value per pair, pulled within the host and
@@ -67,9 +66,7 @@ class HierarchicalBackend(Backend):
         from etp.ep.backends import symm_unavailable_reason
 
         symm = not symm_unavailable_reason(ctx.group)
-        # A rank's pairs: its own tokens' and those of the rows relayed to it, K each.
-        slots = ctx.cfg.max_tokens_per_rank * groups.hosts * ctx.cfg.topk
-        self._intra = SymmIntra(intra_ctx, slots) if symm else GlooIntra(intra_ctx)
+        self._intra = SymmIntra(intra_ctx) if symm else GlooIntra(intra_ctx)
         self._kernels = symm  # the per-host sums: a kernel beside symmetric memory, torch beside gloo
         cfg, device = ctx.cfg, ctx.device
         T, K, H = cfg.max_tokens_per_rank, cfg.topk, cfg.hidden_size
@@ -93,8 +90,7 @@ class HierarchicalBackend(Backend):
 
     def on_prepare(self, handle):
         with record_function("etp::ep_hier_plan"):
-            plan = handle.backend_state[self.name] = self._plan(handle)
-        self._intra.plan([(plan.own_row, plan.own_rank), (plan.relay_row, plan.relay_rank)])
+            handle.backend_state[self.name] = self._plan(handle)
 
     def _plan(self, handle) -> _Plan:
         lay, g = handle.layout, self.groups

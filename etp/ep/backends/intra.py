@@ -8,11 +8,7 @@ writes row n to row ``row[n*K + k]`` of host rank ``local_rank[...]``'s receive 
 fp64 rows); ``pairs`` reads one value per pair.
 
 * ``SymmIntra``: symmetric memory over the host group (GPU, NVLink): the move kernels of
-  ``etp.kernels.ep_move``, fenced by barriers, as ``symm_push``: ``push`` writes each row into
-  its receivers' rows; ``reduce`` has every receiver write each of its rows back into the
-  per-pair slot of the rank holding the source row (posted NVLink writes, no staging copy;
-  ``plan`` tells the receivers the slots once per ``prepare``), then each holder sums its K
-  slots locally in k order, the order the pulled sums had.
+  ``etp.kernels.ep_move`` (push, pull-reduce), fenced by barriers, as ``symm_push``.
 * ``GlooIntra``: ``all_to_all_single`` over the host group with the rows' receive indices
   beside them (any process group, CPU included: the tests' hosts).
 """
@@ -24,7 +20,6 @@ from torch.autograd.profiler import record_function
 
 from etp.ep.backends.base import sum_pairs
 from etp.kernels import ep_move as km
-from etp.kernels.ep_pack import copy_rows
 
 __all__ = ["GlooIntra", "SymmIntra"]
 
@@ -32,41 +27,13 @@ __all__ = ["GlooIntra", "SymmIntra"]
 class SymmIntra:
     """Within-host moves over symmetric memory (``ctx``: the host group's context)."""
 
-    def __init__(self, ctx, slots: int):
-        """``slots``: the most pairs the sources of one ``plan`` hold on this rank."""
+    def __init__(self, ctx):
         from etp.ep.backends.symm import _SymmBackend
 
-        # The tables, barriers and row selection of every symm backend; rows are never pulled
-        # here, so no [capacity, H] staging buffer.
-        self.symm = _SymmBackend(ctx, stage_rows=False)
-        self._slots = slots
-        # Per pair of the rows this rank holds: the expert row its receiver writes back in reduce.
-        self._pairs = self.symm.alloc_rows(slots, ctx.cfg.hidden_size)
-        # Receive row -> its holder's slot, written by the holders in plan (and push_meta's
-        # per-source table, which nothing here reads).
-        self._pair_map = self.symm.alloc_rows(ctx.capacity, None, torch.int64)
-        self._pair_red = self.symm.alloc_rows(ctx.world_size * slots, None, torch.int64)
-        self._pairs_here = km.table_of([self._pairs], ctx.device)
-        self._zeros = torch.zeros(slots, dtype=torch.int64, device=ctx.device)
-        self._slot_of: list[torch.Tensor] = []
+        self.symm = _SymmBackend(ctx)  # the buffers, tables, barriers and row selection of every symm backend
 
     def alloc_rows(self, rows, width=None, dtype=None):
         return self.symm.alloc_rows(rows, width, dtype)
-
-    def plan(self, sources) -> None:
-        """Tells every receiver, for each of its rows, the slot of the pair it came from:
-        ``sources`` is ``(row, local rank)`` per source, their pairs numbered in order."""
-        symm = self.symm
-        row, rank = torch.cat([src[0] for src in sources]), torch.cat([src[1] for src in sources])
-        if row.numel() > self._slots:
-            raise ValueError(f"hierarchical: {row.numel()} pairs on this rank, its slots hold {self._slots}")
-        symm._barrier()
-        with record_function("etp::ep_hier_intra_push_meta"):
-            km.push_meta(row, rank, symm._table(self._pair_map), symm._table(self._pair_red), symm.ctx.world_size,
-                         symm.ctx.rank, self._slots, 1, **symm._launch)
-        symm._barrier()
-        slot = torch.where(row >= 0, torch.arange(row.numel(), device=row.device), -1)
-        self._slot_of = list(slot.split([src[0].numel() for src in sources]))
 
     def push(self, sources, out_x, out_w, tokens_per_expert):
         symm = self.symm
@@ -89,15 +56,8 @@ class SymmIntra:
             kernel(table, row, rank, out, **symm._launch)
 
     def reduce(self, y, sources, tokens_per_expert):
-        symm = self.symm
-        symm._barrier()
-        with record_function("etp::ep_hier_intra_push_back"):
-            copy_rows(y.contiguous(), self._pair_map, symm._table(self._pairs), 0, y.shape[0], scatter=True,
-                      tokens_per_expert=tokens_per_expert, slot_rows=self._slots, **symm._launch)
-        symm._barrier()
-        with record_function("etp::ep_hier_intra_slot_reduce"):
-            for (_, _, out), slot in zip(sources, self._slot_of):
-                km.pull_reduce(self._pairs_here, slot, self._zeros[:slot.numel()], out, **symm._launch)
+        with record_function("etp::ep_hier_intra_pull_reduce"):
+            self._pull(y, self.symm._stage, sources, tokens_per_expert, km.pull_reduce)
 
     def pairs(self, v, sources, tokens_per_expert):
         with record_function("etp::ep_hier_intra_pull_pairs"):
@@ -109,9 +69,6 @@ class GlooIntra:
 
     def __init__(self, ctx):
         self.ctx, self.topk = ctx, ctx.cfg.topk
-
-    def plan(self, sources) -> None:
-        """Nothing: each move routes its own pairs."""
 
     def alloc_rows(self, rows, width=None, dtype=None):
         shape = (rows,) if width is None else (rows, width)

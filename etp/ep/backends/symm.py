@@ -67,8 +67,7 @@ __all__ = ["SYMM_BACKENDS"]
 class _SymmBackend(Backend):
     needs_host_layout = False
 
-    def __init__(self, ctx, stage_rows: bool = True):
-        """``stage_rows=False``: no ``[capacity, H]`` staging buffer (a user that never pulls rows)."""
+    def __init__(self, ctx):
         super().__init__(ctx)
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -88,10 +87,8 @@ class _SymmBackend(Backend):
                             stages=cfg.num_stages)
         # How the de-duplicated combine moves partial sums, and whether per-peer loops rotate.
         self._push_combine, self._rotate = True, True
-        self._stage = self.alloc_rows(ctx.capacity, cfg.hidden_size) if stage_rows else None
+        self._stage = self.alloc_rows(ctx.capacity, cfg.hidden_size)
         self._stage_w = self.alloc_rows(ctx.capacity, None, cfg.weight_dtype)
-        # The buffer whose signal pad the barriers use (any rendezvoused buffer would do).
-        self._fence = self._buffers[(self._stage if stage_rows else self._stage_w).data_ptr()][1]
 
     def alloc_rows(self, rows, width=None, dtype=None):
         shape = (rows,) if width is None else (rows, width)
@@ -129,7 +126,7 @@ class _SymmBackend(Backend):
 
     def _barrier(self):
         with record_function("etp::ep_symm_barrier"):
-            self._fence.barrier(channel=0)
+            self._buffers[self._stage.data_ptr()][1].barrier(channel=0)
 
     def _select(self, src, src_map, out, tokens_per_expert, *, identity=False, zero_only=False, local=None):
         """Valid rows from ``src`` (unless zero_only; this rank's own slot from ``local``),
