@@ -16,11 +16,11 @@
 #     and (d) the rows "symm_push@combine=pull" and "symm_dedup@combine=pull/peer_order=sequential"
 #     are the combines as they were (pulled from the peers, peers in rank order) beside the
 #     pushed, rotated ones
-# (e) 4 GPUs: the flagship recipe at world 4, each dispatcher at its best (etp's captured with
-#     cuda_graph=step, megatron's alltoall eager: it syncs with the host; the local dispatcher
-#     captured by auto), global batch 16, dense ETP 4, 15 iterations: EP 4 with the etp dispatcher (and
-#     eager) / megatron's alltoall, EP 2 x expert ETP 2 (etp dispatcher), EP 1 x expert ETP 4
-#     (the recipe's own local dispatcher)
+# (e) 4 GPUs: the flagship recipe at world 4, each dispatcher at its defaults (etp's and the local
+#     one captured by auto where the audit fits them, megatron's alltoall eager: it syncs with the
+#     host), global batch 16, dense ETP 4, 15 iterations: EP 4 with the etp dispatcher (and eager)
+#     / megatron's alltoall, EP 2 x expert ETP 2 (etp dispatcher), EP 1 x expert ETP 4 (the
+#     recipe's own local dispatcher)
 # (t) the targets table (tools/bench_ep.py --targets), and what backend=auto chose
 set -uo pipefail
 OUT=${OUT:-/tmp/etp_ep}; mkdir -p "$OUT"
@@ -68,7 +68,7 @@ TRAIN="torchrun --standalone --nproc-per-node 4 -m etp.megatron.train --recipe r
 # --log-interval 1: every iteration is a log window, so (t) compares the runs over their
 # steady second half (tools/bench_ep.py steady_ms), not over compilation and warm-up.
 AT4="--set global_batch_size=16 --set etp.etp_size=4 --train-iters 15 --log-interval 1"
-TAIL=4 step e_ep4_etp 110 $TRAIN $AT4 --set cuda_graph=step --set expert_model_parallel_size=4 \
+TAIL=4 step e_ep4_etp 110 $TRAIN $AT4 --set expert_model_parallel_size=4 \
   --set etp.expert_etp_size=1 --set moe_token_dispatcher_type=etp --json "$OUT/e_ep4_etp.json"
 TAIL=4 step e_ep4_etp_eager 110 $TRAIN $AT4 --set cuda_graph=none --set expert_model_parallel_size=4 \
   --set etp.expert_etp_size=1 --set moe_token_dispatcher_type=etp --json "$OUT/e_ep4_etp_eager.json"
