@@ -79,7 +79,7 @@ def _rows_ok(rows, R, valid_ptr, HAS_VALID: tl.constexpr):
 @triton.jit
 def _past_valid(valid_ptr, TR: tl.constexpr):
     """Whether this program's rows all lie at or past the valid count: it returns at once
-    (masked-off rows alone would still run every loop step, about half a live program's time)."""
+    (with its rows only masked off it would still run every loop step)."""
     return tl.program_id(0) * TR >= tl.load(valid_ptr)
 
 
