@@ -11,6 +11,7 @@ from torch import nn
 
 from etp import ETPConfig, build_etp_groups, finalize_grads, wrap_module_params_etp
 from etp.audit import CATEGORIES, MemoryAudit
+from etp.transport.symm_pool import _ALIGN as SLOT_ALIGN
 
 F32 = 4  # bytes per fp32 element
 # Hand counts for nn.Linear(8, 30) -> nn.Linear(30, 8) over ETP = 2 with pad_for_alignment 4:
@@ -75,11 +76,16 @@ def _audit_ranks(ctx):
     assert records == [], [r.getMessage() for r in records]  # silent by default, even at DEBUG
 
     params = PARAM_ELEMENTS * F32
+    # On CUDA the shards live in the copy-engine transport's symmetric pool, whose slots start
+    # on SLOT_ALIGN-byte boundaries: the pool's storage, alignment included, is what they hold.
+    held = params
+    if ctx.device.type == "cuda":
+        held = sum(-(-n * F32 // SLOT_ALIGN) * SLOT_ALIGN for n in (16 * 8, 4 * 30)) + (30 + 8) * F32
     # Adam: exp_avg + exp_avg_sq like each param, plus a 0-dim fp32 "step" per param, which
     # torch keeps on the host (only tensors on the audited device count).
     steps = NUM_PARAMS * F32 if ctx.device.type == "cpu" else 0
     adam = 2 * PARAM_ELEMENTS * F32 + steps
-    expected = {"params": params, "main_grad": params, "optimizer": adam,
+    expected = {"params": held, "main_grad": params, "optimizer": adam,
                 "gather_fwd": GATHERED_ELEMENTS * F32, "gather_bwd": GATHERED_BWD_ELEMENTS * F32,
                 "gather_recompute": 0,  # no recompute in this model
                 # one fp32 wgrad buffer per padded shape, back in the pool after its reduce-scatter
@@ -107,7 +113,11 @@ def _audit_ranks(ctx):
     fp8_report, _ = _train_one_step(ctx, base.replace(gather_dtype="fp8_tensorwise"))
     assert fp8_report["bytes"]["gather_fwd"] == GATHERED_ELEMENTS
     assert fp8_report["bytes"]["gather_bwd"] == GATHERED_BWD_ELEMENTS
-    assert fp8_report["bytes"]["fp8_shards"] == SHARD_ELEMENTS
+    # one byte per shard element; on CUDA in the pool's aligned slots, as the shards above
+    fp8_held = SHARD_ELEMENTS
+    if ctx.device.type == "cuda":
+        fp8_held = sum(-(-n // SLOT_ALIGN) * SLOT_ALIGN for n in (16 * 8, 4 * 30))
+    assert fp8_report["bytes"]["fp8_shards"] == fp8_held, (fp8_report["bytes"], fp8_held)
     assert fp8_report["bytes"]["wgrad_pool"] == GATHERED_ELEMENTS * F32  # gradients stay fp32
 
     # The flag on: allocations at INFO, acquires / releases at DEBUG, on the etp.cache logger.
