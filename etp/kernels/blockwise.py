@@ -65,6 +65,23 @@ def _reciprocal_rn(x):
 
 
 @triton.jit
+def rows_below(rows, R, valid_ptr, HAS_VALID: tl.constexpr):
+    """The rows a program computes: below R and, with HAS_VALID, below the device scalar at
+    valid_ptr ([Note: valid rows])."""
+    if HAS_VALID:
+        return (rows < R) & (rows < tl.load(valid_ptr))
+    return rows < R
+
+
+@triton.jit
+def past_valid(valid_ptr, TR: tl.constexpr):
+    """Whether the TR rows of this program (along grid axis 0) all lie at or past the valid
+    count: it returns at once (with its rows only masked off it would still run every loop
+    step)."""
+    return tl.program_id(0) * TR >= tl.load(valid_ptr)
+
+
+@triton.jit
 def _quantize_blockwise_kernel(
     x_ptr,
     q_ptr,
@@ -98,15 +115,13 @@ def _quantize_blockwise_kernel(
     pid_c = tl.program_id(1)
     e = tl.program_id(2).to(tl.int64)
     if ROW_MODE and HAS_VALID:
-        if pid_r * TR >= tl.load(valid_ptr):
-            return  # every row of this program is past the valid count
+        if past_valid(valid_ptr, TR):
+            return
     ar = tl.arange(0, TR)
     ac = tl.arange(0, TC)
     if ROW_MODE:
         rows = pid_r * TR + ar
-        rmask = rows < R
-        if HAS_VALID:
-            rmask = rmask & (rows < tl.load(valid_ptr))
+        rmask = rows_below(rows, R, valid_ptr, HAS_VALID)
     else:
         rows = pid_r * BR + ar
         rmask = (ar < BR) & (rows < R)

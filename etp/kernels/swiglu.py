@@ -37,6 +37,8 @@ from etp.kernels.blockwise import (
     check_row_amax_out,
     check_valid_rows,
     fill_row_amax,
+    past_valid,
+    rows_below,
 )
 from etp.kernels.fp8_convert import _f32_to_bf16_bits, _quantize_f32
 from etp.kernels.launch import launch
@@ -65,22 +67,6 @@ def _round(x, DTYPE: tl.constexpr, SOFT: tl.constexpr):
         return h, h.to(tl.float32)
     else:
         return x, x
-
-
-@triton.jit
-def _rows_ok(rows, R, valid_ptr, HAS_VALID: tl.constexpr):
-    """The rows a program computes: below R and, with HAS_VALID, below the device scalar at
-    valid_ptr (see [Note: valid rows] in ``etp.kernels.blockwise``)."""
-    if HAS_VALID:
-        return (rows < R) & (rows < tl.load(valid_ptr))
-    return rows < R
-
-
-@triton.jit
-def _past_valid(valid_ptr, TR: tl.constexpr):
-    """Whether this program's rows all lie at or past the valid count: it returns at once
-    (with its rows only masked off it would still run every loop step)."""
-    return tl.program_id(0) * TR >= tl.load(valid_ptr)
 
 
 @triton.jit
@@ -118,10 +104,10 @@ def _swiglu_fwd_kernel(gu_ptr, p_ptr, h_ptr, q_ptr, sinv_ptr, amax_ptr, valid_pt
     """h[r] = silu(g[r]) * u[r] (* p[r]) for TR rows; with QUANT also the rowwise FP8 of h.
     HAS_VALID: only the rows below the device scalar at valid_ptr."""
     if HAS_VALID:
-        if _past_valid(valid_ptr, TR):
+        if past_valid(valid_ptr, TR):
             return
     rows = tl.program_id(0) * TR + tl.arange(0, TR)
-    rows_ok = _rows_ok(rows, R, valid_ptr, HAS_VALID)
+    rows_ok = rows_below(rows, R, valid_ptr, HAS_VALID)
     r64 = rows.to(tl.int64)
     gu_rows = gu_ptr + r64[:, None] * (2 * FFN)
     h_rows = h_ptr + r64[:, None] * FFN
@@ -154,10 +140,10 @@ def _swiglu_bwd_kernel(gu_ptr, gh_ptr, p_ptr, dgu_ptr, dp_ptr, q_ptr, sinv_ptr, 
     """d[g | u][r] from dh[r]; with PROBS_GRAD dp[r] = sum(dh * silu(g) * u); with QUANT the
     rowwise FP8 of d[g | u] (one scale over both halves of the row)."""
     if HAS_VALID:
-        if _past_valid(valid_ptr, TR):
+        if past_valid(valid_ptr, TR):
             return
     rows = tl.program_id(0) * TR + tl.arange(0, TR)
-    rows_ok = _rows_ok(rows, R, valid_ptr, HAS_VALID)
+    rows_ok = rows_below(rows, R, valid_ptr, HAS_VALID)
     r64 = rows.to(tl.int64)
     gu_rows = gu_ptr + r64[:, None] * (2 * FFN)
     dgu_rows = dgu_ptr + r64[:, None] * (2 * FFN)

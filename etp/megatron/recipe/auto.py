@@ -161,13 +161,10 @@ def _capture_etp_dispatcher(recipe, machine: Machine, notes: list[str]) -> str:
     from ...audit import fit_bytes, padded_expert_rows, predict_peak
 
     captured = recipe.replace(cuda_graph="step")
-    etp = {}
-    if "etp.gather_dtype" in recipe.auto:
-        etp["gather_dtype"] = "fp8_tensorwise" if machine.sm90 and recipe.train.bf16 else "param"
-    if "etp.gather_reuse" in recipe.auto:
-        etp["gather_reuse"] = "chain"
-    if etp:
-        captured = captured.replace(etp=etp)
+    etp = {"gather_dtype": _gather_dtype(captured, machine, True, []),  # auto's own choice for a captured step
+           "gather_reuse": "chain" if "etp.gather_reuse" in recipe.auto else None}
+    if any(value is not None for value in etp.values()):
+        captured = captured.replace(etp={key: value for key, value in etp.items() if value is not None})
     rows = padded_expert_rows(captured)
     if machine.gpu_memory is not None:
         need = fit_bytes(predict_peak(captured, machine.world_size))
