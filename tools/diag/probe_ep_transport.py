@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # etp from this checkout
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: bench_provenance
 from bench_provenance import provenance  # noqa: E402
 
@@ -62,6 +63,116 @@ def _median_max_ms(fn, iters):
     return t.item()
 
 
+def _probe_workload(T, H, K, E, *, iters, ctas, streams):
+    """Times every transport on one workload's rows; returns its JSON entry."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from etp.kernels.ep_move import table_of
+    from etp.kernels.ep_pack import copy_rows
+
+    group = dist.group.WORLD
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = T * K
+    chunk = rows // world
+    send = symm_mem.empty(rows, H, dtype=torch.bfloat16, device="cuda")
+    send.normal_()
+    send_h = symm_mem.rendezvous(send, group)
+    recv = symm_mem.empty(rows, H, dtype=torch.bfloat16, device="cuda")
+    recv.zero_()
+    recv_h = symm_mem.rendezvous(recv, group)
+    peers_recv = [recv_h.get_buffer(p, (rows, H), torch.bfloat16) for p in range(world)]
+    peers_send = [send_h.get_buffer(p, (rows, H), torch.bfloat16) for p in range(world)]
+    plain_out = torch.empty_like(send)
+    pieces = E // world
+    piece = chunk // pieces
+
+    table = table_of(peers_recv, send.device)
+    # send row i goes to peer i // chunk, at that peer's row rank * chunk + i % chunk
+    i = torch.arange(rows, device="cuda")
+    slot = (i // chunk) * rows + rank * chunk + i % chunk
+
+    def sm_push(num_ctas):
+        copy_rows(send, slot, table, 0, rows, scatter=True, slot_rows=rows, num_ctas=num_ctas)
+        recv_h.barrier(channel=0)
+
+    sm_pushes = tuple(("sm_push" if n == ctas[0] else f"sm_push_{n}_ctas", functools.partial(sm_push, n))
+                      for n in ctas)
+
+    def ce_all():
+        own = slice(rank * chunk, (rank + 1) * chunk)
+        fan_out(lambda p: None if p == rank else peers_recv[p][own].copy_(send[p * chunk:(p + 1) * chunk]),
+                local=lambda: recv[own].copy_(send[own]))
+
+    host_ms = []
+
+    def p2p_pieces():
+        t0 = time.perf_counter()
+        ops = []
+        for step in range(1, world):
+            to, frm = (rank + step) % world, (rank - step) % world
+            for e in range(pieces):
+                lo = to * chunk + e * piece
+                ops.append(dist.P2POp(dist.isend, send[lo:lo + piece], to))
+                at = e * world * piece + frm * piece
+                ops.append(dist.P2POp(dist.irecv, plain_out[at:at + piece], frm))
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        host_ms.append((time.perf_counter() - t0) * 1e3)
+
+    def a2a():
+        dist.all_to_all_single(plain_out, send)
+
+    def fan_out(copy_one, local=None):
+        main = torch.cuda.current_stream()
+        for p in range(world):
+            streams[p].wait_stream(main)
+        for step in range(world):
+            p = (rank + step) % world
+            with torch.cuda.stream(streams[p]):
+                copy_one(p)
+        if local is not None:
+            local()
+        for p in range(world):
+            main.wait_stream(streams[p])
+        recv_h.barrier(channel=0)
+
+    def ce():
+        fan_out(lambda p: peers_recv[p][rank * chunk:(rank + 1) * chunk].copy_(
+            send[p * chunk:(p + 1) * chunk]))
+
+    def ce_pieces():
+        def copy_pieces(p):
+            for i in range(pieces):
+                lo = p * chunk + i * piece
+                peers_recv[p][rank * chunk + i * piece:rank * chunk + (i + 1) * piece].copy_(
+                    send[lo:lo + piece])
+        fan_out(copy_pieces)
+
+    def ce_pull():
+        send_h.barrier(channel=1)  # the peers' send rows are ready
+        fan_out(lambda p: recv[p * chunk:(p + 1) * chunk].copy_(
+            peers_send[p][rank * chunk:(rank + 1) * chunk]))
+
+    entry = {"T": T, "H": H, "K": K, "E": E, "bytes_per_rank": rows * H * 2,
+             "bytes_leaving_rank": (world - 1) * chunk * H * 2}
+    for label, fn in (("a2a", a2a), ("ce", ce), ("ce_pieces", ce_pieces), ("ce_pull", ce_pull),
+                      ("ce_all", ce_all),
+                      ("p2p_pieces", p2p_pieces)) + sm_pushes:
+        ms = _median_max_ms(fn, iters)
+        entry[label] = {"ms": round(ms, 3),
+                        "GB_per_s_leaving": round(entry["bytes_leaving_rank"] / ms / 1e6, 1)}
+    entry["p2p_pieces"]["host_ms"] = round(statistics.median(host_ms), 3)
+    for label, fn in (("ce_all", ce_all), sm_pushes[0]):  # every row where it belongs
+        recv.zero_()
+        dist.barrier()
+        fn()
+        torch.cuda.synchronize()
+        entry[label]["rows_correct"] = all(
+            torch.equal(recv[p * chunk:(p + 1) * chunk], peers_send[p][rank * chunk:(rank + 1) * chunk])
+            for p in range(world))
+    return entry
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
@@ -71,119 +182,14 @@ def main():
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    import torch.distributed._symmetric_memory as symm_mem
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # etp from this checkout
-    from etp.kernels.ep_move import table_of
-    from etp.kernels.ep_pack import copy_rows
-
-    group = dist.group.WORLD
     streams = [torch.cuda.Stream() for _ in range(world)]
     results = {}
+    ctas = [int(n) for n in args.num_ctas.split(",")]
     for name, (T, H, K, E) in WORKLOADS.items():
-        rows = T * K
-        chunk = rows // world
-        send = symm_mem.empty(rows, H, dtype=torch.bfloat16, device="cuda")
-        send.normal_()
-        send_h = symm_mem.rendezvous(send, group)
-        recv = symm_mem.empty(rows, H, dtype=torch.bfloat16, device="cuda")
-        recv.zero_()
-        recv_h = symm_mem.rendezvous(recv, group)
-        peers_recv = [recv_h.get_buffer(p, (rows, H), torch.bfloat16) for p in range(world)]
-        peers_send = [send_h.get_buffer(p, (rows, H), torch.bfloat16) for p in range(world)]
-        plain_out = torch.empty_like(send)
-        pieces = E // world
-        piece = chunk // pieces
-
-        table = table_of(peers_recv, send.device)
-        # send row i goes to peer i // chunk, at that peer's row rank * chunk + i % chunk
-        i = torch.arange(rows, device="cuda")
-        slot = (i // chunk) * rows + rank * chunk + i % chunk
-
-        def sm_push(num_ctas):
-            copy_rows(send, slot, table, 0, rows, scatter=True, slot_rows=rows, num_ctas=num_ctas)
-            recv_h.barrier(channel=0)
-
-        ctas = [int(n) for n in args.num_ctas.split(",")]
-        sm_pushes = tuple(("sm_push" if n == ctas[0] else f"sm_push_{n}_ctas", functools.partial(sm_push, n))
-                          for n in ctas)
-
-        def ce_all():
-            own = slice(rank * chunk, (rank + 1) * chunk)
-            fan_out(lambda p: None if p == rank else peers_recv[p][own].copy_(send[p * chunk:(p + 1) * chunk]),
-                    local=lambda: recv[own].copy_(send[own]))
-
-        host_ms = []
-
-        def p2p_pieces():
-            t0 = time.perf_counter()
-            ops = []
-            for step in range(1, world):
-                to, frm = (rank + step) % world, (rank - step) % world
-                for e in range(pieces):
-                    lo = to * chunk + e * piece
-                    ops.append(dist.P2POp(dist.isend, send[lo:lo + piece], to))
-                    at = e * world * piece + frm * piece
-                    ops.append(dist.P2POp(dist.irecv, plain_out[at:at + piece], frm))
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-            host_ms.append((time.perf_counter() - t0) * 1e3)
-
-        def a2a():
-            dist.all_to_all_single(plain_out, send)
-
-        def fan_out(copy_one, local=None):
-            main = torch.cuda.current_stream()
-            for p in range(world):
-                streams[p].wait_stream(main)
-            for step in range(world):
-                p = (rank + step) % world
-                with torch.cuda.stream(streams[p]):
-                    copy_one(p)
-            if local is not None:
-                local()
-            for p in range(world):
-                main.wait_stream(streams[p])
-            recv_h.barrier(channel=0)
-
-        def ce():
-            fan_out(lambda p: peers_recv[p][rank * chunk:(rank + 1) * chunk].copy_(
-                send[p * chunk:(p + 1) * chunk]))
-
-        def ce_pieces():
-            def copy_pieces(p):
-                for i in range(pieces):
-                    lo = p * chunk + i * piece
-                    peers_recv[p][rank * chunk + i * piece:rank * chunk + (i + 1) * piece].copy_(
-                        send[lo:lo + piece])
-            fan_out(copy_pieces)
-
-        def ce_pull():
-            send_h.barrier(channel=1)  # the peers' send rows are ready
-            fan_out(lambda p: recv[p * chunk:(p + 1) * chunk].copy_(
-                peers_send[p][rank * chunk:(rank + 1) * chunk]))
-
-        entry = {"T": T, "H": H, "K": K, "E": E, "bytes_per_rank": rows * H * 2,
-                 "bytes_leaving_rank": (world - 1) * chunk * H * 2}
-        for label, fn in (("a2a", a2a), ("ce", ce), ("ce_pieces", ce_pieces), ("ce_pull", ce_pull),
-                          ("ce_all", ce_all),
-                          ("p2p_pieces", p2p_pieces)) + sm_pushes:
-            ms = _median_max_ms(fn, args.iters)
-            entry[label] = {"ms": round(ms, 3),
-                            "GB_per_s_leaving": round(entry["bytes_leaving_rank"] / ms / 1e6, 1)}
-        entry["p2p_pieces"]["host_ms"] = round(statistics.median(host_ms), 3)
-        for label, fn in (("ce_all", ce_all), sm_pushes[0]):  # every row where it belongs
-            recv.zero_()
-            dist.barrier()
-            fn()
-            torch.cuda.synchronize()
-            entry[label]["rows_correct"] = all(
-                torch.equal(recv[p * chunk:(p + 1) * chunk], peers_send[p][rank * chunk:(rank + 1) * chunk])
-                for p in range(world))
+        entry = _probe_workload(T, H, K, E, iters=args.iters, ctas=ctas, streams=streams)
         results[name] = entry
         if rank == 0:
             print(name, json.dumps(entry), flush=True)
-        del send, recv, peers_recv, peers_send, plain_out, table, i, slot
         torch.cuda.empty_cache()
     if rank == 0 and args.out:
         Path(args.out).write_text(json.dumps({"world": world, "gpu": torch.cuda.get_device_name(),
