@@ -98,6 +98,23 @@ def init():
 
 
 
+def median_call_ms(fn, iters: int, before=None) -> float:
+    """Median device ms of one call of ``fn`` over ``iters`` calls, each between its own event
+    pair after a synchronize (and after ``before()``, e.g. a barrier that lines the ranks up)."""
+    times = []
+    for _ in range(iters):
+        if before is not None:
+            before()
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
 def back_to_back_ms(fn, k: int) -> float:
     """Device ms per call of ``fn`` over ``k`` calls back to back (one event pair around the
     loop; the caller synchronizes before)."""
@@ -108,6 +125,7 @@ def back_to_back_ms(fn, k: int) -> float:
     b.record()
     torch.cuda.synchronize()
     return a.elapsed_time(b) / k
+
 
 class Timer:
     """Side-stream timing with CUDA events (host clock on CPU)."""
@@ -123,21 +141,15 @@ class Timer:
 
     def alone(self, op, iters) -> float:
         """Median ms of ``op`` on the side stream."""
+        if self.cuda:
+            with torch.cuda.stream(self.side):
+                return median_call_ms(op, iters, before=self.sync)
         times = []
         for _ in range(iters):
             self.sync()
-            if not self.cuda:
-                start = time.perf_counter()
-                op()
-                times.append((time.perf_counter() - start) * 1e3)
-                continue
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(self.side):
-                a.record()
-                op()
-                b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
+            start = time.perf_counter()
+            op()
+            times.append((time.perf_counter() - start) * 1e3)
         return statistics.median(times)
 
     def gemms_alone(self, gemm, k) -> float:

@@ -41,24 +41,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # etp from this ch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: bench_provenance
 from bench_provenance import provenance  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/diag/
+from bench_overlap import median_call_ms  # noqa: E402 - one timing loop for the diag tools
+
 WORKLOADS = {"sonicmoe": (32768, 4096, 8, 128), "deepseek_v3": (16384, 7168, 8, 256)}  # T, H, K, E
 
 
 def _median_max_ms(fn, iters):
-    times = []
+    """The slowest rank's median ms of one call (ranks lined up by a barrier before each)."""
     for _ in range(3):
         fn()
-    torch.cuda.synchronize()
-    for _ in range(iters):
-        dist.barrier()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    t = torch.tensor([statistics.median(times)], device="cuda")
+    t = torch.tensor([median_call_ms(fn, iters, before=dist.barrier)], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 

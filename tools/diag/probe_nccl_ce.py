@@ -25,7 +25,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 import tempfile
 import traceback
@@ -37,6 +36,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: bench_provenance
 
 from bench_provenance import provenance  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/diag/
+from bench_overlap import median_call_ms  # noqa: E402 - one timing loop for the diag tools
 
 
 def profile_kernels(fn) -> dict:
@@ -52,19 +54,6 @@ def profile_kernels(fn) -> dict:
     kernels = [(e["name"][:80], e.get("args", {}).get("grid")) for e in events if e.get("cat") == "kernel"]
     memcpy = [e["name"] for e in events if e.get("cat") in ("gpu_memcpy", "gpu_memset") or "Memcpy" in e.get("name", "")]
     return {"kernels": kernels, "memcpy": len(memcpy), "memcpy_names": sorted(set(memcpy))[:5]}
-
-
-def time_ms(fn, iters=10) -> float:
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def step(report, name, fn):
@@ -128,7 +117,7 @@ def main(argv) -> int:
         part = torch.empty(numel, dtype=torch.bfloat16, device=device)
         fn = lambda: dist.reduce_scatter_tensor(part, full, group=group)  # noqa: E731
         fn()
-        return {"profile": profile_kernels(fn), "ms": time_ms(fn)}
+        return {"profile": profile_kernels(fn), "ms": median_call_ms(fn, 10)}
 
     step(report, "max_ctas_4_reduce_scatter", capped)
     zero_group = {}
@@ -139,7 +128,7 @@ def main(argv) -> int:
         zero_group["g"] = group = dist.new_group(list(range(world)), backend="nccl", pg_options=options)
         fn = lambda: dist.all_gather_into_tensor(out, shard, group=group)  # noqa: E731
         fn()
-        return {"profile": profile_kernels(fn), "ms": time_ms(fn)}
+        return {"profile": profile_kernels(fn), "ms": median_call_ms(fn, 10)}
 
     step(report, "zero_cta_plain_buffers", zero_plain)
 
@@ -157,10 +146,10 @@ def main(argv) -> int:
         fn = lambda: dist.all_gather_into_tensor(window, mine, group=group)  # noqa: E731  in place
         fn()
         ok = torch.equal(window[rank * numel : (rank + 1) * numel], shard)
-        return {"profile": profile_kernels(fn), "ms": time_ms(fn), "own_rows_intact": ok}
+        return {"profile": profile_kernels(fn), "ms": median_call_ms(fn, 10), "own_rows_intact": ok}
 
     step(report, "zero_cta_nccl_symmetric_window", zero_symm)
-    report["baseline_default_all_gather_ms"] = time_ms(lambda: dist.all_gather_into_tensor(out, shard))
+    report["baseline_default_all_gather_ms"] = median_call_ms(lambda: dist.all_gather_into_tensor(out, shard), 10)
     if rank == 0:
         _write(report, args.out)
     dist.barrier()
