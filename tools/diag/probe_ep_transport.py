@@ -56,113 +56,125 @@ def _median_max_ms(fn, iters):
     return t.item()
 
 
-def _probe_workload(T, H, K, E, *, iters, ctas, streams):
-    """Times every transport on one workload's rows; returns its JSON entry."""
-    import torch.distributed._symmetric_memory as symm_mem
+class _Moves:
+    """One workload's rows in symmetric memory, and every way of moving them: one method each,
+    all with the same effect (rank ``r``'s rows for peer ``p`` land at ``p``'s rows ``r * chunk``
+    on), except ``p2p_pieces``, which lands them sorted by expert, then source."""
 
-    from etp.kernels.ep_move import table_of
-    from etp.kernels.ep_pack import copy_rows
+    def __init__(self, T, H, K, E, streams):
+        import torch.distributed._symmetric_memory as symm_mem
 
-    group = dist.group.WORLD
-    rank, world = dist.get_rank(), dist.get_world_size()
-    rows = T * K
-    chunk = rows // world
-    send = symm_mem.empty(rows, H, dtype=torch.bfloat16, device="cuda")
-    send.normal_()
-    send_h = symm_mem.rendezvous(send, group)
-    recv = symm_mem.empty(rows, H, dtype=torch.bfloat16, device="cuda")
-    recv.zero_()
-    recv_h = symm_mem.rendezvous(recv, group)
-    peers_recv = [recv_h.get_buffer(p, (rows, H), torch.bfloat16) for p in range(world)]
-    peers_send = [send_h.get_buffer(p, (rows, H), torch.bfloat16) for p in range(world)]
-    plain_out = torch.empty_like(send)
-    pieces = E // world
-    piece = chunk // pieces
+        from etp.kernels.ep_move import table_of
 
-    table = table_of(peers_recv, send.device)
-    # send row i goes to peer i // chunk, at that peer's row rank * chunk + i % chunk
-    i = torch.arange(rows, device="cuda")
-    slot = (i // chunk) * rows + rank * chunk + i % chunk
+        group = dist.group.WORLD
+        self.rank, self.world, self.streams = dist.get_rank(), dist.get_world_size(), streams
+        self.rows, self.chunk = T * K, T * K // self.world
+        self.send = symm_mem.empty(self.rows, H, dtype=torch.bfloat16, device="cuda")
+        self.send.normal_()
+        self.send_h = symm_mem.rendezvous(self.send, group)
+        self.recv = symm_mem.empty(self.rows, H, dtype=torch.bfloat16, device="cuda")
+        self.recv.zero_()
+        self.recv_h = symm_mem.rendezvous(self.recv, group)
+        shape = (self.rows, H)
+        self.peers_recv = [self.recv_h.get_buffer(p, shape, torch.bfloat16) for p in range(self.world)]
+        self.peers_send = [self.send_h.get_buffer(p, shape, torch.bfloat16) for p in range(self.world)]
+        self.plain_out = torch.empty_like(self.send)
+        self.pieces = E // self.world
+        self.piece = self.chunk // self.pieces
+        self.table = table_of(self.peers_recv, self.send.device)
+        # send row i goes to peer i // chunk, at that peer's row rank * chunk + i % chunk
+        i = torch.arange(self.rows, device="cuda")
+        self.slot = (i // self.chunk) * self.rows + self.rank * self.chunk + i % self.chunk
+        self.host_ms = []
 
-    def sm_push(num_ctas):
-        copy_rows(send, slot, table, 0, rows, scatter=True, slot_rows=rows, num_ctas=num_ctas)
-        recv_h.barrier(channel=0)
+    def _to(self, p):
+        return slice(p * self.chunk, (p + 1) * self.chunk)
 
-    sm_pushes = tuple(("sm_push" if n == ctas[0] else f"sm_push_{n}_ctas", functools.partial(sm_push, n))
-                      for n in ctas)
-
-    def ce_all():
-        own = slice(rank * chunk, (rank + 1) * chunk)
-        fan_out(lambda p: None if p == rank else peers_recv[p][own].copy_(send[p * chunk:(p + 1) * chunk]),
-                local=lambda: recv[own].copy_(send[own]))
-
-    host_ms = []
-
-    def p2p_pieces():
-        t0 = time.perf_counter()
-        ops = []
-        for step in range(1, world):
-            to, frm = (rank + step) % world, (rank - step) % world
-            for e in range(pieces):
-                lo = to * chunk + e * piece
-                ops.append(dist.P2POp(dist.isend, send[lo:lo + piece], to))
-                at = e * world * piece + frm * piece
-                ops.append(dist.P2POp(dist.irecv, plain_out[at:at + piece], frm))
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        host_ms.append((time.perf_counter() - t0) * 1e3)
-
-    def a2a():
-        dist.all_to_all_single(plain_out, send)
-
-    def fan_out(copy_one, local=None):
+    def _fan_out(self, copy_one, local=None):
         main = torch.cuda.current_stream()
-        for p in range(world):
-            streams[p].wait_stream(main)
-        for step in range(world):
-            p = (rank + step) % world
-            with torch.cuda.stream(streams[p]):
+        for p in range(self.world):
+            self.streams[p].wait_stream(main)
+        for step in range(self.world):
+            p = (self.rank + step) % self.world
+            with torch.cuda.stream(self.streams[p]):
                 copy_one(p)
         if local is not None:
             local()
-        for p in range(world):
-            main.wait_stream(streams[p])
-        recv_h.barrier(channel=0)
+        for p in range(self.world):
+            main.wait_stream(self.streams[p])
+        self.recv_h.barrier(channel=0)
 
-    def ce():
-        fan_out(lambda p: peers_recv[p][rank * chunk:(rank + 1) * chunk].copy_(
-            send[p * chunk:(p + 1) * chunk]))
+    def a2a(self):
+        dist.all_to_all_single(self.plain_out, self.send)
 
-    def ce_pieces():
+    def ce(self):
+        own = self._to(self.rank)
+        self._fan_out(lambda p: self.peers_recv[p][own].copy_(self.send[self._to(p)]))
+
+    def ce_all(self):
+        own = self._to(self.rank)
+        self._fan_out(lambda p: None if p == self.rank else self.peers_recv[p][own].copy_(self.send[self._to(p)]),
+                      local=lambda: self.recv[own].copy_(self.send[own]))
+
+    def ce_pieces(self):
         def copy_pieces(p):
-            for i in range(pieces):
-                lo = p * chunk + i * piece
-                peers_recv[p][rank * chunk + i * piece:rank * chunk + (i + 1) * piece].copy_(
-                    send[lo:lo + piece])
-        fan_out(copy_pieces)
+            for e in range(self.pieces):
+                at = e * self.piece
+                src, dst = p * self.chunk + at, self.rank * self.chunk + at
+                self.peers_recv[p][dst:dst + self.piece].copy_(self.send[src:src + self.piece])
+        self._fan_out(copy_pieces)
 
-    def ce_pull():
-        send_h.barrier(channel=1)  # the peers' send rows are ready
-        fan_out(lambda p: recv[p * chunk:(p + 1) * chunk].copy_(
-            peers_send[p][rank * chunk:(rank + 1) * chunk]))
+    def ce_pull(self):
+        self.send_h.barrier(channel=1)  # the peers' send rows are ready
+        self._fan_out(lambda p: self.recv[self._to(p)].copy_(self.peers_send[p][self._to(self.rank)]))
 
-    entry = {"T": T, "H": H, "K": K, "E": E, "bytes_per_rank": rows * H * 2,
-             "bytes_leaving_rank": (world - 1) * chunk * H * 2}
-    for label, fn in (("a2a", a2a), ("ce", ce), ("ce_pieces", ce_pieces), ("ce_pull", ce_pull),
-                      ("ce_all", ce_all),
-                      ("p2p_pieces", p2p_pieces)) + sm_pushes:
+    def p2p_pieces(self):
+        t0 = time.perf_counter()
+        ops = []
+        for step in range(1, self.world):
+            to, frm = (self.rank + step) % self.world, (self.rank - step) % self.world
+            for e in range(self.pieces):
+                lo = to * self.chunk + e * self.piece
+                ops.append(dist.P2POp(dist.isend, self.send[lo:lo + self.piece], to))
+                at = (e * self.world + frm) * self.piece
+                ops.append(dist.P2POp(dist.irecv, self.plain_out[at:at + self.piece], frm))
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        self.host_ms.append((time.perf_counter() - t0) * 1e3)
+
+    def sm_push(self, num_ctas):
+        from etp.kernels.ep_pack import copy_rows
+
+        copy_rows(self.send, self.slot, self.table, 0, self.rows, scatter=True, slot_rows=self.rows,
+                  num_ctas=num_ctas)
+        self.recv_h.barrier(channel=0)
+
+    def rows_correct(self, move) -> bool:
+        """Runs ``move`` into zeroed rows: did every peer's rows for this rank land?"""
+        self.recv.zero_()
+        dist.barrier()
+        move()
+        torch.cuda.synchronize()
+        return all(torch.equal(self.recv[self._to(p)], self.peers_send[p][self._to(self.rank)])
+                   for p in range(self.world))
+
+
+def _probe_workload(T, H, K, E, *, iters, ctas, streams):
+    """Times every transport on one workload's rows; returns its JSON entry."""
+    m = _Moves(T, H, K, E, streams)
+    sm_pushes = [("sm_push" if n == ctas[0] else f"sm_push_{n}_ctas", functools.partial(m.sm_push, n))
+                 for n in ctas]
+    moves = [("a2a", m.a2a), ("ce", m.ce), ("ce_pieces", m.ce_pieces), ("ce_pull", m.ce_pull),
+             ("ce_all", m.ce_all), ("p2p_pieces", m.p2p_pieces)] + sm_pushes
+    entry = {"T": T, "H": H, "K": K, "E": E, "bytes_per_rank": m.rows * H * 2,
+             "bytes_leaving_rank": (m.world - 1) * m.chunk * H * 2}
+    for label, fn in moves:
         ms = _median_max_ms(fn, iters)
         entry[label] = {"ms": round(ms, 3),
                         "GB_per_s_leaving": round(entry["bytes_leaving_rank"] / ms / 1e6, 1)}
-    entry["p2p_pieces"]["host_ms"] = round(statistics.median(host_ms), 3)
-    for label, fn in (("ce_all", ce_all), sm_pushes[0]):  # every row where it belongs
-        recv.zero_()
-        dist.barrier()
-        fn()
-        torch.cuda.synchronize()
-        entry[label]["rows_correct"] = all(
-            torch.equal(recv[p * chunk:(p + 1) * chunk], peers_send[p][rank * chunk:(rank + 1) * chunk])
-            for p in range(world))
+    entry["p2p_pieces"]["host_ms"] = round(statistics.median(m.host_ms), 3)
+    for label, fn in (("ce_all", m.ce_all), sm_pushes[0]):
+        entry[label]["rows_correct"] = m.rows_correct(fn)
     return entry
 
 
