@@ -36,6 +36,13 @@ time. ``ROTATE`` interleaves the sources (iteration i takes rank ``me + 1 + i mo
 at any moment each rank's programs spread over all peers and different ranks start at
 different peers.
 
+[Note: own rows]
+A de-duplicating dispatch pushes each token once per peer rank into a per-token slot there,
+and each rank then expands the slots into its expert-sorted rows. This rank's own tokens need
+no slot: ``push_rows(own=out)`` stores them straight into their final rows in the same loop
+as the peer pushes, so those local stores run while the posted NVLink stores drain instead of
+in the expansion after the barrier, which then skips them (``select_rows(kept_rows=...)``).
+
 ``rows`` (a power of two), ``num_warps`` and ``stages`` are launch parameters (the
 ``EPConfig`` fields ``tile_rows`` / ``num_warps`` / ``num_stages``). ``rows`` counts rows of
 a copy; a reduction over K rows takes ``rows // K`` output rows and a push to K pairs
@@ -118,11 +125,13 @@ def _token_tile(it, n_h, T, H, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
 
 
 @triton.jit
-def _push_kernel(x_ptr, w_ptr, row_ptr, rank_ptr, x_table, w_table, T, H, me, T_max,
+def _push_kernel(x_ptr, w_ptr, row_ptr, rank_ptr, x_table, w_table, own_ptr, T, H, me, T_max,
                  K: tl.constexpr, X_MODE: tl.constexpr, HAS_W: tl.constexpr, SKIP_LOCAL: tl.constexpr,
-                 ROWS: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr, STAGES: tl.constexpr):
+                 OWN: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr,
+                 STAGES: tl.constexpr):
     """X_ROWS: ``x_table[d][pair_row[p]] = x[t]``; X_DEDUP: ``x_table[d][me*T_max + t] = x[t]``
-    once per destination d of token t (SKIP_LOCAL: not for d = me); HAS_W:
+    once per destination d of token t (SKIP_LOCAL: not for d = me; OWN: instead
+    ``own[pair_row[p]] = x[t]`` for each pair to d = me, its final row here); HAS_W:
     ``w_table[d][pair_row[p]] = w[p]``. A tile of ROWS tokens is read once and stored K times."""
     n_h = tl.cdiv(H, BLOCK_H) if X_MODE != 0 else 1
     for it in tl.range(tl.program_id(0), tl.cdiv(T, ROWS) * n_h, tl.num_programs(0), num_stages=STAGES):
@@ -144,6 +153,10 @@ def _push_kernel(x_ptr, w_ptr, row_ptr, rank_ptr, x_table, w_table, T, H, me, T_
                 d = tl.load(rank_ptr + pair0 + k, mask=live, other=0)
                 send = row >= 0
                 if X_MODE == 2:
+                    if OWN:  # local stores beside the posted peer stores: see [Note: own rows]
+                        mine = send & (d == me)
+                        dst_own = tl.multiple_of(own_ptr + tl.where(mine, row, 0) * H, ALIGN)
+                        tl.store(dst_own[:, None] + h[None, :], vals, mask=mine[:, None] & hmask[None, :])
                     send, seen = _first_of_rank(send, d, seen)
                     if SKIP_LOCAL:
                         send = send & (d != me)
@@ -198,10 +211,11 @@ def _pull_pairs_kernel(table, row_ptr, rank_ptr, out_ptr, N, BLOCK: tl.constexpr
 @triton.jit
 def _select_kernel(src_ptr, map_ptr, local_ptr, out_ptr, tpe_ptr, totals_ptr, H, local_first, local_rows,
                    E_LOCAL: tl.constexpr, E_PAD: tl.constexpr, IDENTITY: tl.constexpr, ZERO_ONLY: tl.constexpr,
-                   HAS_LOCAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr):
+                   HAS_LOCAL: tl.constexpr, KEEP_LOCAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+                   STAGES: tl.constexpr):
     """``out[r] = src[map[r]]`` (IDENTITY: ``src[r]``; HAS_LOCAL: ``local[map[r] - local_first]``
-    where ``map[r] - local_first`` lies in ``[0, local_rows)``; 0 where ``map[r] < 0``) for
-    r < sum(tokens_per_expert),
+    where ``map[r] - local_first`` lies in ``[0, local_rows)``, KEEP_LOCAL: those rows left as
+    they are; 0 where ``map[r] < 0``) for r < sum(tokens_per_expert),
     skipped with ZERO_ONLY; rows in ``[that, totals[0])`` are zeroed (they held the previous
     step's rows). Program 0 stores the new total in ``totals[1]`` (every program reads
     ``totals[0]``, so it cannot be overwritten here; the launcher copies [1] to [0] after)."""
@@ -236,6 +250,10 @@ def _select_kernel(src_ptr, map_ptr, local_ptr, out_ptr, tpe_ptr, totals_ptr, H,
                 mine = (q >= local_first) & (q < local_first + local_rows)
                 own = local_ptr + (tl.where(copy & mine, q - local_first, 0) * H)[:, None] + h[None, :]
                 ptrs = tl.where(mine[:, None], own, ptrs)
+            if KEEP_LOCAL:  # push_rows(own=out) wrote them already
+                kept = (q >= local_first) & (q < local_first + local_rows)
+                copy = copy & ~kept
+                keep = keep & ~(kept & (r < total))
             vals = tl.load(ptrs, mask=copy[:, None] & hmask[None, :], other=0.0)
         tl.store(out_ptr + (r64 * H)[:, None] + h[None, :], vals, mask=keep[:, None] & hmask[None, :])
 
@@ -356,22 +374,26 @@ def _stages(stages: int, rows: int, h: int, elem_bytes: int, loads: int = 1) -> 
 
 
 def push_rows(x, w, pair_row, pair_rank, x_table, w_table, *, mode: int, me: int = 0, t_max: int = 0,
-              skip_local: bool = False, num_ctas: int = 32, rows=None, num_warps: int = DEFAULT_NUM_WARPS,
-              stages: int = DEFAULT_STAGES) -> None:
+              skip_local: bool = False, own=None, num_ctas: int = 32, rows=None,
+              num_warps: int = DEFAULT_NUM_WARPS, stages: int = DEFAULT_STAGES) -> None:
     """Writes x rows (``mode``: X_NONE / X_ROWS / X_DEDUP; ``skip_local``: X_DEDUP leaves
     out this rank's own slot) and, if ``w`` is given, routing weights into the peers'
-    buffers named by the tables. See ``_push_kernel``."""
+    buffers named by the tables. ``own`` (X_DEDUP, local ``[rows, H]``): each pair to this
+    rank also writes its token straight into ``own[pair_row]``. See ``_push_kernel``."""
     tokens, H = x.shape
     if tokens == 0:
         return
+    if own is not None and (mode != X_DEDUP or own.dtype != x.dtype or own.dim() != 2 or own.shape[1] != H):
+        raise ValueError(f"push_rows: own must be a [rows, {H}] {x.dtype} tensor with mode=X_DEDUP, got "
+                         f"{None if own is None else (own.dtype, tuple(own.shape))} with mode {mode}")
     K = pair_row.numel() // tokens
     x_table = x_table if x_table is not None else w_table
     if mode == X_DEDUP:
         _check_dedup_world(x_table)
     ROWS = tile_rows(rows, H, K)
     launch(_push_kernel, _grid(num_ctas), x, w if w is not None else x, pair_row, pair_rank, x_table,
-           w_table if w_table is not None else x_table, tokens, H, me, t_max,
-           K=K, X_MODE=mode, HAS_W=w is not None, SKIP_LOCAL=skip_local, ROWS=ROWS,
+           w_table if w_table is not None else x_table, own if own is not None else x, tokens, H, me, t_max,
+           K=K, X_MODE=mode, HAS_W=w is not None, SKIP_LOCAL=skip_local, OWN=own is not None, ROWS=ROWS,
            BLOCK_H=row_block(H), ALIGN=_row_align(x),
            STAGES=_stages(stages, ROWS, H, x.element_size()), num_warps=num_warps)
 
@@ -403,12 +425,15 @@ def pull_pairs(table, pair_row, pair_rank, out, *, num_ctas: int = 32, rows=None
 
 
 def select_rows(src, src_map, out, tokens_per_expert, totals, *, identity: bool = False,
-                zero_only: bool = False, local=None, local_first: int = 0, num_ctas: int = 32, rows=None,
-                num_warps: int = DEFAULT_NUM_WARPS, stages: int = DEFAULT_STAGES) -> None:
+                zero_only: bool = False, local=None, local_first: int = 0, kept_rows: int = 0,
+                num_ctas: int = 32, rows=None, num_warps: int = DEFAULT_NUM_WARPS,
+                stages: int = DEFAULT_STAGES) -> None:
     """``out[r] = src[src_map[r]]`` for the valid rows, zero for the rest of the previous
     valid rows. With ``local`` ([L, H]): rows whose ``src_map`` value lies in
     ``[local_first, local_first + L)`` come from ``local[src_map[r] - local_first]`` instead
-    (this rank's own tokens, which need not be copied into ``src`` first).
+    (this rank's own tokens, which need not be copied into ``src`` first). With ``kept_rows``
+    (no ``local``): rows whose value lies in ``[local_first, local_first + kept_rows)`` are left
+    as they are (``push_rows(own=out)`` wrote this rank's own tokens there already).
 
     ``totals`` (int64 [2], on device, one per ``out``) carries the row count across calls:
     ``totals[0]`` is read as the previous call's valid rows and holds this call's afterwards
@@ -418,14 +443,16 @@ def select_rows(src, src_map, out, tokens_per_expert, totals, *, identity: bool 
     """
     if totals.dtype != torch.int64 or totals.numel() != 2 or not totals.is_contiguous():
         raise ValueError(f"totals: expected a contiguous int64 [2] tensor, got {totals.dtype} {tuple(totals.shape)}")
+    if kept_rows and (local is not None or identity or src_map is None):
+        raise ValueError("select_rows: kept_rows needs a src_map and no local / identity")
     n_local = tokens_per_expert.numel()
     H = out.shape[1]
     ROWS = tile_rows(rows, H)
     launch(_select_kernel, _grid(num_ctas), src, src_map if src_map is not None else totals,
            local if local is not None else src, out, tokens_per_expert, totals, H,
-           local_first, local.shape[0] if local is not None else 0,
+           local_first, local.shape[0] if local is not None else kept_rows,
            E_LOCAL=n_local, E_PAD=triton.next_power_of_2(n_local), IDENTITY=identity,
-           ZERO_ONLY=zero_only, HAS_LOCAL=local is not None, ROWS=ROWS,
+           ZERO_ONLY=zero_only, HAS_LOCAL=local is not None, KEEP_LOCAL=kept_rows > 0, ROWS=ROWS,
            BLOCK_H=row_block(H),
            STAGES=_stages(stages, ROWS, H, out.element_size()), num_warps=num_warps)
     totals[0:1].copy_(totals[1:2])

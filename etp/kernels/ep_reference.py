@@ -20,7 +20,7 @@ def _first_of_rank(pair_row, pair_rank, topk):
     return first
 
 
-def push_rows_ref(x, w, pair_row, pair_rank, x_bufs, w_bufs, *, mode, me=0, t_max=0, skip_local=False):
+def push_rows_ref(x, w, pair_row, pair_rank, x_bufs, w_bufs, *, mode, me=0, t_max=0, skip_local=False, own=None):
     tokens = x.shape[0]
     topk = pair_row.numel() // tokens if tokens else 1
     first = _first_of_rank(pair_row, pair_rank, topk).reshape(-1) if tokens else None
@@ -34,6 +34,8 @@ def push_rows_ref(x, w, pair_row, pair_rank, x_bufs, w_bufs, *, mode, me=0, t_ma
             x_bufs[d][row] = x[t]
         elif mode == 2 and first[p] and not (skip_local and d == me):
             x_bufs[d][me * t_max + t] = x[t]
+        if mode == 2 and own is not None and d == me:
+            own[row] = x[t]
 
 
 def pull_reduce_ref(srcs, pair_row, pair_rank, out, *, dedup=False, me=0, t_max=0):
@@ -59,11 +61,13 @@ def pull_pairs_ref(srcs, pair_row, pair_rank, out):
         out[p] = srcs[int(pair_rank[p])][row] if row >= 0 else 0
 
 
-def select_rows_ref(src, src_map, out, tokens_per_expert, totals, local=None, local_first=0):
+def select_rows_ref(src, src_map, out, tokens_per_expert, totals, local=None, local_first=0, kept_rows=0):
     total, prev = int(tokens_per_expert.sum()), int(totals[0])
     if src_map is not None:
         for r in range(total):
             q = int(src_map[r])
+            if local_first <= q < local_first + kept_rows:
+                continue
             if local is not None and local_first <= q < local_first + local.shape[0]:
                 out[r] = local[q - local_first]
             else:

@@ -98,6 +98,21 @@ def _check_all_moves(case, world, capacity, expert_capacity=None, *, topk=3, hid
         km.select_rows(tok_remote[d], maps[d], out, layouts[d].tokens_per_expert, totals, local=xs[d],
                        local_first=d * t_max, **ctas(2))
         assert torch.equal(out, recv_x[d]), f"rank {d}: expansion with own rows from x differs from the direct push"
+        # own rows written by the push itself ([Note: own rows]), the expansion leaving them be
+        own_rows = torch.full((capacity, hidden), 9.0, device=DEVICE)
+        want_own = own_rows.clone()
+        for r, lay in enumerate(layouts):
+            scratch = _bufs(world, world * t_max, hidden)
+            km.push_rows(xs[r], None, lay.pair_row, lay.pair_rank, tab(scratch), None, mode=km.X_DEDUP, me=r,
+                         t_max=t_max, skip_local=True, own=own_rows if r == d else None, **ctas(3))
+            if r == d:
+                ref.push_rows_ref(xs[r], None, lay.pair_row, lay.pair_rank, _bufs(world, world * t_max, hidden),
+                                  None, mode=2, me=r, t_max=t_max, skip_local=True, own=want_own)
+        assert torch.equal(own_rows, want_own), f"rank {d}: the push's own rows differ from the reference"
+        totals = torch.tensor([capacity, 0], dtype=torch.int64, device=DEVICE)
+        km.select_rows(tok_remote[d], maps[d], own_rows, layouts[d].tokens_per_expert, totals,
+                       local_first=d * t_max, kept_rows=t_max, **ctas(2))
+        assert torch.equal(own_rows, recv_x[d]), f"rank {d}: own rows pushed + peers' rows expanded differ"
     # 3. all-gather of the token rows (all, and all but one rank's).
     staged = [torch.cat([x, torch.full((t_max - x.shape[0], hidden), 3.0, device=DEVICE)]) for x in xs]
     tokens = layouts[0].tokens

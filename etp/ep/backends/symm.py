@@ -128,15 +128,16 @@ class _SymmBackend(Backend):
         with record_function("etp::ep_symm_barrier"):
             self._buffers[self._stage.data_ptr()][1].barrier(channel=0)
 
-    def _select(self, src, src_map, out, tokens_per_expert, *, identity=False, zero_only=False, local=None):
-        """Valid rows from ``src`` (unless zero_only; this rank's own slot from ``local``),
-        zeros over the previous step's rest."""
+    def _select(self, src, src_map, out, tokens_per_expert, *, identity=False, zero_only=False, local=None,
+                kept_rows=0):
+        """Valid rows from ``src`` (unless zero_only; this rank's own slot from ``local``, or
+        left as they are with ``kept_rows``), zeros over the previous step's rest."""
         out2 = out if out.dim() == 2 else out.view(-1, 1)
         src2 = src if src.dim() == 2 else src.view(-1, 1)
         totals = self._buffers[out.data_ptr()][3]  # out is always one of alloc_rows' buffers
         local_first = self.ctx.rank * self.ctx.cfg.max_tokens_per_rank
         km.select_rows(src2, src_map, out2, tokens_per_expert, totals, identity=identity, zero_only=zero_only,
-                       local=local, local_first=local_first, **self._launch)
+                       local=local, local_first=local_first, kept_rows=kept_rows, **self._launch)
 
     def _staged(self, y, stage, tokens_per_expert):
         """A symmetric buffer holding ``y``'s valid rows (``y`` itself when it is one)."""
@@ -254,22 +255,19 @@ class SymmDedupBackend(_SymmBackend):
                          ctx.world_size, ctx.rank, self._t_max, ctx.cfg.topk, **self._launch)
         self._barrier()
 
-    def _send_tokens(self, x, w, handle, out_w):
-        lay = handle.layout
-        with record_function("etp::ep_symm_push_dedup"):
-            km.push_rows(x, None if w is None else w.contiguous().to(out_w.dtype), lay.pair_row,
-                         lay.pair_rank, self._table(self._tokens), None if w is None else self._table(out_w),
-                         mode=km.X_DEDUP, me=self.ctx.rank, t_max=self._t_max, skip_local=True, **self._launch)
-
     def dispatch(self, x, w, handle, out_x, out_w):
         lay = handle.layout
         x = x.contiguous()
         self._barrier()
-        self._send_tokens(x, w, handle, out_w)
+        with record_function("etp::ep_symm_push_dedup"):
+            # This rank's own tokens skip their slot and go straight into out_x ([Note: own rows]).
+            km.push_rows(x, None if w is None else w.contiguous().to(out_w.dtype), lay.pair_row,
+                         lay.pair_rank, self._table(self._tokens), None if w is None else self._table(out_w),
+                         mode=km.X_DEDUP, me=self.ctx.rank, t_max=self._t_max, skip_local=True, own=out_x,
+                         **self._launch)
         self._barrier()
         with record_function("etp::ep_symm_expand"):
-            # This rank's own tokens skipped their slot (skip_local): the expansion reads x.
-            self._select(self._tokens, self._map, out_x, lay.tokens_per_expert, local=x)
+            self._select(self._tokens, self._map, out_x, lay.tokens_per_expert, kept_rows=self._t_max)
         if w is not None:
             self._select(out_w, None, out_w, lay.tokens_per_expert, identity=True, zero_only=True)
 
