@@ -56,54 +56,24 @@ import torch
 import triton
 import triton.language as tl
 
+from etp.kernels.ep_tiles import (
+    DEFAULT_NUM_WARPS,
+    DEFAULT_STAGES,
+    grid,
+    pipeline_stages,
+    row_align,
+    row_block,
+    tile_rows,
+)
 from etp.kernels.launch import launch
 
 __all__ = ["push_rows", "pull_reduce", "pull_pairs", "select_rows", "gather_tokens", "local_reduce",
-           "push_meta", "zero_tail", "slot_table", "tile_rows", "row_block"]
+           "push_meta", "zero_tail", "slot_table"]
 
 # Modes of _push_kernel's x rows.
 X_NONE, X_ROWS, X_DEDUP = 0, 1, 2
-# Widest column block: a 4096-wide bf16 row is one block.
-_MAX_BLOCK_H = 4096
-# Elements one program reads per loop iteration by default: 32 KB of bf16 rows.
-_TILE_ELEMS = 16384
-DEFAULT_NUM_WARPS = 8
-# Loop iterations in flight (see [Note: row tiles]) and the shared memory their loads may
-# take (an H100 / H200 thread block may use 227 KB).
-DEFAULT_STAGES = 3
-_SMEM_BUDGET = 96 * 1024  # data tiles only; leaves room for the routing entries and the epilogue
-_MAX_AUTO_ROWS = 64
 # Pairs per iteration of the per-pair (index and scalar) kernels.
 _PAIR_BLOCK = 1024
-
-
-def row_block(h: int) -> int:
-    """BLOCK_H for rows of width ``h``: all of it up to 4096, else a power of two that
-    divides ``h`` (no masked-off tail: 7168 -> 1024) where one >= 1024 does."""
-    full = triton.next_power_of_2(max(h, 16))
-    if full <= _MAX_BLOCK_H:
-        return full
-    for block in (4096, 2048, 1024):
-        if h % block == 0:
-            return block
-    return _MAX_BLOCK_H
-
-
-def tile_rows(rows, h: int, fan: int = 1) -> int:
-    """ROWS of a tile. ``rows`` (None: ``_TILE_ELEMS`` elements' worth) counts rows of a copy,
-    which reads one row per row it writes; a kernel that reads ``fan`` rows per row it writes
-    (a reduction over K) or writes ``fan`` rows per row it reads (a push to a token's K pairs)
-    takes ``rows // fan``, so that one setting means about the same bytes per iteration in every
-    kernel (a power of two, at least 1). A push of tall tiles ([16, 1024] to K = 8 pairs) runs
-    several times slower than one of [2, 1024] tiles (``tools/diag/probe_push.py``)."""
-    if rows is None:
-        # Capped: a tall, narrow tile would also pipeline ROWS x K routing entries per stage
-        # (tens of KB of shared memory that the data-tile budget below does not count).
-        rows = max(1, min(_MAX_AUTO_ROWS, _TILE_ELEMS // row_block(h)))
-    elif not isinstance(rows, int) or rows < 1 or rows & (rows - 1):
-        raise ValueError(f"rows={rows!r}: expected a power of two >= 1 (a tile is a tl.arange)")
-    fit = max(1, rows // fan)
-    return 1 << (fit.bit_length() - 1)
 
 
 @triton.jit
@@ -344,33 +314,11 @@ def _push_meta_kernel(row_ptr, rank_ptr, map_table, red_table, N, W, me, T_max, 
 # ------------------------------------------------------------------ launchers
 # Every row launcher takes ``num_ctas`` (programs), ``rows`` (ROWS of a tile, None: see
 # tile_rows), ``num_warps`` and ``stages``; see [Note: row tiles].
-def _grid(num_ctas: int):
-    return (max(1, num_ctas),)
-
-
-def _row_align(rows: torch.Tensor) -> int:
-    """Byte alignment the kernels may assume of every row start in a pointer-table buffer
-    of ``rows``' row width. An address loaded from a table tells the compiler nothing, and
-    without the hint it issues one 2-byte load per element instead of 16-byte vectors. The
-    buffers themselves are allocations (symmetric memory, or whole tensors in the tests), so
-    they start aligned; rows then stay 16-byte aligned when a row is a multiple of 16 bytes."""
-    return 16 if rows.shape[-1] * rows.element_size() % 16 == 0 else rows.element_size()
-
-
 def _check_dedup_world(table) -> None:
     # _first_of_rank keeps one bit per rank in an int64.
     if table.numel() > 64:
         raise ValueError(f"the rank de-duplicated moves (symm_dedup, symm_allgather) take at most 64 ranks, got "
                          f"{table.numel()}; use symm_push")
-
-
-def _stages(stages: int, rows: int, h: int, elem_bytes: int, loads: int = 1) -> int:
-    """Pipeline depth that fits: the loads of ``stages - 1`` iterations wait in shared
-    memory (``loads`` tiles of ``[rows, BLOCK_H]`` each)."""
-    if not isinstance(stages, int) or stages < 1:
-        raise ValueError(f"stages={stages!r}: expected an int >= 1")
-    per_stage = rows * row_block(h) * elem_bytes * loads
-    return max(1, min(stages, 1 + _SMEM_BUDGET // per_stage))
 
 
 def push_rows(x, w, pair_row, pair_rank, x_table, w_table, *, mode: int, me: int = 0, t_max: int = 0,
@@ -391,11 +339,11 @@ def push_rows(x, w, pair_row, pair_rank, x_table, w_table, *, mode: int, me: int
     if mode == X_DEDUP:
         _check_dedup_world(x_table)
     ROWS = tile_rows(rows, H, K)
-    launch(_push_kernel, _grid(num_ctas), x, w if w is not None else x, pair_row, pair_rank, x_table,
+    launch(_push_kernel, grid(num_ctas), x, w if w is not None else x, pair_row, pair_rank, x_table,
            w_table if w_table is not None else x_table, own if own is not None else x, tokens, H, me, t_max,
            K=K, X_MODE=mode, HAS_W=w is not None, SKIP_LOCAL=skip_local, OWN=own is not None, ROWS=ROWS,
-           BLOCK_H=row_block(H), ALIGN=_row_align(x),
-           STAGES=_stages(stages, ROWS, H, x.element_size()), num_warps=num_warps)
+           BLOCK_H=row_block(H), ALIGN=row_align(x),
+           STAGES=pipeline_stages(stages, ROWS, H, x.element_size()), num_warps=num_warps)
 
 
 def pull_reduce(table, pair_row, pair_rank, out, *, dedup: bool = False, me: int = 0, t_max: int = 0,
@@ -409,9 +357,9 @@ def pull_reduce(table, pair_row, pair_rank, out, *, dedup: bool = False, me: int
     if dedup:
         _check_dedup_world(table)
     ROWS = tile_rows(rows, H, K)
-    launch(_pull_reduce_kernel, _grid(num_ctas), table, pair_row, pair_rank, out, tokens, H, me, t_max, K=K, DEDUP=dedup,
-           ROWS=ROWS, BLOCK_H=row_block(H), ALIGN=_row_align(out),
-           STAGES=_stages(stages, ROWS, H, out.element_size(), K),
+    launch(_pull_reduce_kernel, grid(num_ctas), table, pair_row, pair_rank, out, tokens, H, me, t_max, K=K, DEDUP=dedup,
+           ROWS=ROWS, BLOCK_H=row_block(H), ALIGN=row_align(out),
+           STAGES=pipeline_stages(stages, ROWS, H, out.element_size(), K),
            num_warps=num_warps)
 
 
@@ -420,7 +368,7 @@ def pull_pairs(table, pair_row, pair_rank, out, *, num_ctas: int = 32, rows=None
     """``out [T*K]``: each pair's scalar pulled from its destination (``rows`` and ``stages``
     are ignored: these are scalars, ``_PAIR_BLOCK`` per iteration)."""
     if out.numel():
-        launch(_pull_pairs_kernel, _grid(num_ctas), table, pair_row, pair_rank, out, out.numel(), BLOCK=_PAIR_BLOCK,
+        launch(_pull_pairs_kernel, grid(num_ctas), table, pair_row, pair_rank, out, out.numel(), BLOCK=_PAIR_BLOCK,
                num_warps=num_warps)
 
 
@@ -448,13 +396,13 @@ def select_rows(src, src_map, out, tokens_per_expert, totals, *, identity: bool 
     n_local = tokens_per_expert.numel()
     H = out.shape[1]
     ROWS = tile_rows(rows, H)
-    launch(_select_kernel, _grid(num_ctas), src, src_map if src_map is not None else totals,
+    launch(_select_kernel, grid(num_ctas), src, src_map if src_map is not None else totals,
            local if local is not None else src, out, tokens_per_expert, totals, H,
            local_first, local.shape[0] if local is not None else kept_rows,
            E_LOCAL=n_local, E_PAD=triton.next_power_of_2(n_local), IDENTITY=identity,
            ZERO_ONLY=zero_only, HAS_LOCAL=local is not None, KEEP_LOCAL=kept_rows > 0, ROWS=ROWS,
            BLOCK_H=row_block(H),
-           STAGES=_stages(stages, ROWS, H, out.element_size()), num_warps=num_warps)
+           STAGES=pipeline_stages(stages, ROWS, H, out.element_size()), num_warps=num_warps)
     totals[0:1].copy_(totals[1:2])
 
 
@@ -464,9 +412,9 @@ def gather_tokens(table, tokens, out, t_max: int, *, skip: int = -1, rotate: boo
     ``rotate``: the peers in turn from ``skip + 1`` (see [Note: peer order])."""
     H = out.shape[1]
     ROWS = tile_rows(rows, H)
-    launch(_gather_tokens_kernel, _grid(num_ctas), table, tokens, out, tokens.numel(), t_max, H, skip, ROTATE=rotate,
-           ROWS=ROWS, BLOCK_H=row_block(H), ALIGN=_row_align(out),
-           STAGES=_stages(stages, ROWS, H, out.element_size()), num_warps=num_warps)
+    launch(_gather_tokens_kernel, grid(num_ctas), table, tokens, out, tokens.numel(), t_max, H, skip, ROTATE=rotate,
+           ROWS=ROWS, BLOCK_H=row_block(H), ALIGN=row_align(out),
+           STAGES=pipeline_stages(stages, ROWS, H, out.element_size()), num_warps=num_warps)
 
 
 def local_reduce(y, red, tokens, out, t_max: int, *, push: bool = False, me: int = 0, rotate: bool = True,
@@ -478,9 +426,9 @@ def local_reduce(y, red, tokens, out, t_max: int, *, push: bool = False, me: int
     turn from ``me + 1`` (see [Note: peer order])."""
     H, K = y.shape[1], red.shape[-1]
     ROWS = tile_rows(rows, H, K)
-    launch(_local_reduce_kernel, _grid(num_ctas), y, red, tokens, out, tokens.numel(), t_max, H, me, K=K, PUSH=push,
-           ROTATE=rotate, ROWS=ROWS, BLOCK_H=row_block(H), ALIGN=_row_align(y),
-           STAGES=_stages(stages, ROWS, H, y.element_size(), K), num_warps=num_warps)
+    launch(_local_reduce_kernel, grid(num_ctas), y, red, tokens, out, tokens.numel(), t_max, H, me, K=K, PUSH=push,
+           ROTATE=rotate, ROWS=ROWS, BLOCK_H=row_block(H), ALIGN=row_align(y),
+           STAGES=pipeline_stages(stages, ROWS, H, y.element_size(), K), num_warps=num_warps)
 
 
 def slot_table(buffer: torch.Tensor, world: int) -> torch.Tensor:
@@ -498,7 +446,7 @@ def push_meta(pair_row, pair_rank, map_table, red_table, world: int, me: int, t_
     """Tells every peer which of its rows came from which of this rank's tokens (``rows``
     and ``stages`` are ignored: ``_PAIR_BLOCK`` pairs per iteration)."""
     if pair_row.numel():
-        launch(_push_meta_kernel, _grid(num_ctas), pair_row, pair_rank, map_table, red_table, pair_row.numel(), world, me,
+        launch(_push_meta_kernel, grid(num_ctas), pair_row, pair_rank, map_table, red_table, pair_row.numel(), world, me,
                t_max, K=topk, BLOCK=_PAIR_BLOCK, num_warps=num_warps)
 
 

@@ -15,7 +15,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from etp.kernels.ep_move import DEFAULT_NUM_WARPS, DEFAULT_STAGES, _grid, _row_align, _stages, row_block, tile_rows
+from etp.kernels.ep_tiles import (
+    DEFAULT_NUM_WARPS,
+    DEFAULT_STAGES,
+    grid,
+    pipeline_stages,
+    row_align,
+    row_block,
+    tile_rows,
+)
 from etp.kernels.launch import launch
 
 __all__ = ["copy_rows"]
@@ -91,7 +99,7 @@ def copy_rows(src, idx, dst, start: int, end: int, *, scatter: bool, tokens_per_
     ROWS = tile_rows(rows, H)
     counts = tokens_per_expert if tokens_per_expert is not None else idx
     n_local = counts.numel() if tokens_per_expert is not None else 1
-    launch(_copy_rows_kernel, _grid(num_ctas), src, idx, dst, counts, start, end, H, max(slot_rows, 1),
+    launch(_copy_rows_kernel, grid(num_ctas), src, idx, dst, counts, start, end, H, max(slot_rows, 1),
            SCATTER=scatter, COUNTED=tokens_per_expert is not None, E_LOCAL=n_local,
            E_PAD=triton.next_power_of_2(n_local), TABLE=table, ROWS=ROWS, BLOCK_H=row_block(H),
-           ALIGN=_row_align(src), STAGES=_stages(stages, ROWS, H, src.element_size()), num_warps=num_warps)
+           ALIGN=row_align(src), STAGES=pipeline_stages(stages, ROWS, H, src.element_size()), num_warps=num_warps)

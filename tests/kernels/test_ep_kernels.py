@@ -217,13 +217,15 @@ def test_copy_rows_matches_reference(hidden, rows):
 
 
 def test_tile_shapes():
-    assert km.row_block(5) == 16 and km.row_block(4096) == 4096 and km.row_block(4136) == 4096
-    assert km.row_block(7168) == 1024  # a divisor: no masked-off tail
-    assert km.tile_rows(None, 4096) == 4 and km.tile_rows(None, 4096, 8) == 1 and km.tile_rows(2, 4096) == 2
-    assert km.tile_rows(None, 7168) == 16 and km.tile_rows(None, 7168, 8) == 2  # 1024-wide blocks
-    assert km.tile_rows(16, 4096, 3) == 4 and km.tile_rows(2, 4096, 3) == 1  # a reduction: rows // K
+    from etp.kernels import ep_tiles as tiles
+
+    assert tiles.row_block(5) == 16 and tiles.row_block(4096) == 4096 and tiles.row_block(4136) == 4096
+    assert tiles.row_block(7168) == 1024  # a divisor: no masked-off tail
+    assert tiles.tile_rows(None, 4096) == 4 and tiles.tile_rows(None, 4096, 8) == 1 and tiles.tile_rows(2, 4096) == 2
+    assert tiles.tile_rows(None, 7168) == 16 and tiles.tile_rows(None, 7168, 8) == 2  # 1024-wide blocks
+    assert tiles.tile_rows(16, 4096, 3) == 4 and tiles.tile_rows(2, 4096, 3) == 1  # a reduction: rows // K
     with pytest.raises(ValueError, match="power of two"):
-        km.tile_rows(3, 4096)
+        tiles.tile_rows(3, 4096)
 
 
 @pytest.mark.parametrize("h, rows, want", [(7168, None, 2), (4096, None, 1), (4096, 16, 2)])

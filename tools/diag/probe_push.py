@@ -25,6 +25,7 @@ from bench_overlap import back_to_back_ms  # noqa: E402 - one timing loop for th
 from bench_provenance import provenance  # noqa: E402
 
 from etp.kernels import ep_move as km  # noqa: E402
+from etp.kernels.ep_tiles import row_block, tile_rows  # noqa: E402
 from etp.kernels.launch import launch  # noqa: E402
 
 SHAPES = {"sonicmoe": (32768, 4096, 8), "deepseek_v3": (16384, 7168, 8)}  # T, H, K
@@ -54,13 +55,13 @@ def main(out=None):
         rows_out.append(dict(shape=name, way="torch index_copy_ (repeat_interleave + scatter)", ms=copy_s * 1e3,
                              GBps=written / copy_s / 1e9))
         print(f"{name}: torch index_copy_ {copy_s * 1e3:.3f} ms", flush=True)
-        blocks = sorted({km.row_block(H), 1024, 2048, 4096, triton.next_power_of_2(H)})
+        blocks = sorted({row_block(H), 1024, 2048, 4096, triton.next_power_of_2(H)})
         for block_h, rows, warps, stages in itertools.product(blocks, (1, 2, 4, 8, 16, 32), (4, 8), (3,)):
             if rows * block_h > 32768:
                 continue
-            fn = functools.partial(launch, km._push_kernel, (132,), x, x, pair_row, pair_where, table, table, T, H, 0, 0,
-                                   K=K, X_MODE=km.X_ROWS, HAS_W=False, SKIP_LOCAL=False, ROWS=rows, BLOCK_H=block_h,
-                                   ALIGN=16, STAGES=stages, num_warps=warps)
+            fn = functools.partial(launch, km._push_kernel, (132,), x, x, pair_row, pair_where, table, table, x, T, H, 0,
+                                   0, K=K, X_MODE=km.X_ROWS, HAS_W=False, SKIP_LOCAL=False, OWN=False, ROWS=rows,
+                                   BLOCK_H=block_h, ALIGN=16, STAGES=stages, num_warps=warps)
             try:
                 seconds = _time(fn)
             except Exception as exc:  # noqa: BLE001 - a tiling that does not compile is reported
@@ -68,7 +69,7 @@ def main(out=None):
                 continue
             row = dict(shape=name, way="push_rows", block_h=block_h, rows=rows, warps=warps, stages=stages,
                        ms=seconds * 1e3, GBps=written / seconds / 1e9,
-                       default=(block_h, rows, warps, stages) == (km.row_block(H), km.tile_rows(None, H), 8, 3))
+                       default=(block_h, rows, warps, stages) == (row_block(H), tile_rows(None, H), 8, 3))
             rows_out.append(row)
             print(f"{name}: BLOCK_H {block_h:5d} ROWS {rows:2d} warps {warps} stages {stages}: {seconds * 1e3:7.3f} ms "
                   f"{row['GBps']:6.0f} GB/s{'  (default)' if row['default'] else ''}", flush=True)
