@@ -15,15 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from etp.kernels.ep_tiles import (
-    DEFAULT_NUM_WARPS,
-    DEFAULT_STAGES,
-    grid,
-    pipeline_stages,
-    row_align,
-    row_block,
-    tile_rows,
-)
+from etp.kernels import ep_tiles as tiles
 from etp.kernels.launch import launch
 
 __all__ = ["copy_rows"]
@@ -75,7 +67,8 @@ def _copy_rows_kernel(src_ptr, idx_ptr, dst_ptr, tpe_ptr, start, end, H, slot_ro
 
 
 def copy_rows(src, idx, dst, start: int, end: int, *, scatter: bool, tokens_per_expert=None, slot_rows: int = 0,
-              num_ctas: int = 32, rows=None, num_warps: int = DEFAULT_NUM_WARPS, stages: int = DEFAULT_STAGES) -> None:
+              num_ctas: int = 32, rows=None, num_warps: int = tiles.DEFAULT_NUM_WARPS,
+              stages: int = tiles.DEFAULT_STAGES) -> None:
     """Rows ``[start, end)`` of ``idx`` (int64): ``scatter`` writes ``src[i]`` to
     ``dst[idx[i]]``, else ``dst[i]`` takes ``src[idx[i]]``; negative entries are skipped.
     ``src`` and ``dst`` are ``[rows, H]`` (or 1-D: one value per row) of one dtype.
@@ -96,10 +89,11 @@ def copy_rows(src, idx, dst, start: int, end: int, *, scatter: bool, tokens_per_
     if end <= start:
         return
     H = 1 if src.dim() == 1 else src.shape[1]
-    ROWS = tile_rows(rows, H)
+    ROWS = tiles.tile_rows(rows, H)
     counts = tokens_per_expert if tokens_per_expert is not None else idx
     n_local = counts.numel() if tokens_per_expert is not None else 1
-    launch(_copy_rows_kernel, grid(num_ctas), src, idx, dst, counts, start, end, H, max(slot_rows, 1),
+    launch(_copy_rows_kernel, tiles.grid(num_ctas), src, idx, dst, counts, start, end, H, max(slot_rows, 1),
            SCATTER=scatter, COUNTED=tokens_per_expert is not None, E_LOCAL=n_local,
-           E_PAD=triton.next_power_of_2(n_local), TABLE=table, ROWS=ROWS, BLOCK_H=row_block(H),
-           ALIGN=row_align(src), STAGES=pipeline_stages(stages, ROWS, H, src.element_size()), num_warps=num_warps)
+           E_PAD=triton.next_power_of_2(n_local), TABLE=table, ROWS=ROWS, BLOCK_H=tiles.row_block(H),
+           ALIGN=tiles.row_align(src), STAGES=tiles.pipeline_stages(stages, ROWS, H, src.element_size()),
+           num_warps=num_warps)
