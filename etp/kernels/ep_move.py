@@ -96,12 +96,11 @@ def _token_tile(it, n_h, T, H, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
 
 @triton.jit
 def _push_kernel(x_ptr, w_ptr, row_ptr, rank_ptr, x_table, w_table, own_ptr, T, H, me, T_max,
-                 K: tl.constexpr, X_MODE: tl.constexpr, HAS_W: tl.constexpr, SKIP_LOCAL: tl.constexpr,
-                 OWN: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr,
+                 K: tl.constexpr, X_MODE: tl.constexpr, HAS_W: tl.constexpr, OWN: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr,
                  STAGES: tl.constexpr):
     """X_ROWS: ``x_table[d][pair_row[p]] = x[t]``; X_DEDUP: ``x_table[d][me*T_max + t] = x[t]``
-    once per destination d of token t (SKIP_LOCAL: not for d = me; OWN: instead
-    ``own[pair_row[p]] = x[t]`` for each pair to d = me, its final row here); HAS_W:
+    once per destination d of token t (OWN: not for d = me, but ``own[pair_row[p]] = x[t]`` for
+    each pair to d = me, its final row here); HAS_W:
     ``w_table[d][pair_row[p]] = w[p]``. A tile of ROWS tokens is read once and stored K times."""
     n_h = tl.cdiv(H, BLOCK_H) if X_MODE != 0 else 1
     for it in tl.range(tl.program_id(0), tl.cdiv(T, ROWS) * n_h, tl.num_programs(0), num_stages=STAGES):
@@ -128,7 +127,7 @@ def _push_kernel(x_ptr, w_ptr, row_ptr, rank_ptr, x_table, w_table, own_ptr, T, 
                         dst_own = tl.multiple_of(own_ptr + tl.where(mine, row, 0) * H, ALIGN)
                         tl.store(dst_own[:, None] + h[None, :], vals, mask=mine[:, None] & hmask[None, :])
                     send, seen = _first_of_rank(send, d, seen)
-                    if SKIP_LOCAL:
+                    if OWN:
                         send = send & (d != me)
                     row = t64 + me * T_max
                 dst = tl.load(x_table + tl.where(send, d, 0)).to(tl.pointer_type(x_ptr.dtype.element_ty))
@@ -322,18 +321,18 @@ def _check_dedup_world(table) -> None:
 
 
 def push_rows(x, w, pair_row, pair_rank, x_table, w_table, *, mode: int, me: int = 0, t_max: int = 0,
-              skip_local: bool = False, own=None, num_ctas: int = 32, rows=None,
-              num_warps: int = DEFAULT_NUM_WARPS, stages: int = DEFAULT_STAGES) -> None:
-    """Writes x rows (``mode``: X_NONE / X_ROWS / X_DEDUP; ``skip_local``: X_DEDUP leaves
-    out this rank's own slot) and, if ``w`` is given, routing weights into the peers'
-    buffers named by the tables. ``own`` (X_DEDUP, local ``[rows, H]``): each pair to this
-    rank also writes its token straight into ``own[pair_row]``. See ``_push_kernel``."""
+              own=None, num_ctas: int = 32, rows=None, num_warps: int = DEFAULT_NUM_WARPS,
+              stages: int = DEFAULT_STAGES) -> None:
+    """Writes x rows (``mode``: X_NONE / X_ROWS / X_DEDUP) and, if ``w`` is given, routing
+    weights into the peers' buffers named by the tables. ``own`` (X_DEDUP, local ``[rows, H]``):
+    this rank's own slot is left out, each pair to this rank writing its token straight into
+    ``own[pair_row]`` instead ([Note: own rows]). See ``_push_kernel``."""
     tokens, H = x.shape
     if tokens == 0:
         return
     if own is not None and (mode != X_DEDUP or own.dtype != x.dtype or own.dim() != 2 or own.shape[1] != H):
         raise ValueError(f"push_rows: own must be a [rows, {H}] {x.dtype} tensor with mode=X_DEDUP, got "
-                         f"{None if own is None else (own.dtype, tuple(own.shape))} with mode {mode}")
+                         f"{own.dtype} {tuple(own.shape)} with mode {mode}")
     K = pair_row.numel() // tokens
     x_table = x_table if x_table is not None else w_table
     if mode == X_DEDUP:
@@ -341,7 +340,7 @@ def push_rows(x, w, pair_row, pair_rank, x_table, w_table, *, mode: int, me: int
     ROWS = tile_rows(rows, H, K)
     launch(_push_kernel, grid(num_ctas), x, w if w is not None else x, pair_row, pair_rank, x_table,
            w_table if w_table is not None else x_table, own if own is not None else x, tokens, H, me, t_max,
-           K=K, X_MODE=mode, HAS_W=w is not None, SKIP_LOCAL=skip_local, OWN=own is not None, ROWS=ROWS,
+           K=K, X_MODE=mode, HAS_W=w is not None, OWN=own is not None, ROWS=ROWS,
            BLOCK_H=row_block(H), ALIGN=row_align(x),
            STAGES=pipeline_stages(stages, ROWS, H, x.element_size()), num_warps=num_warps)
 

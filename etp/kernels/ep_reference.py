@@ -20,7 +20,7 @@ def _first_of_rank(pair_row, pair_rank, topk):
     return first
 
 
-def push_rows_ref(x, w, pair_row, pair_rank, x_bufs, w_bufs, *, mode, me=0, t_max=0, skip_local=False, own=None):
+def push_rows_ref(x, w, pair_row, pair_rank, x_bufs, w_bufs, *, mode, me=0, t_max=0, own=None):
     tokens = x.shape[0]
     topk = pair_row.numel() // tokens if tokens else 1
     first = _first_of_rank(pair_row, pair_rank, topk).reshape(-1) if tokens else None
@@ -32,7 +32,7 @@ def push_rows_ref(x, w, pair_row, pair_rank, x_bufs, w_bufs, *, mode, me=0, t_ma
             w_bufs[d][row] = w.reshape(-1)[p]
         if mode == 1:
             x_bufs[d][row] = x[t]
-        elif mode == 2 and first[p] and not (skip_local and d == me):
+        elif mode == 2 and first[p] and not (own is not None and d == me):
             x_bufs[d][me * t_max + t] = x[t]
         if mode == 2 and own is not None and d == me:
             own[row] = x[t]

@@ -55,9 +55,11 @@ def _check_all_moves(case, world, capacity, expert_capacity=None, *, topk=3, hid
         total = int(layouts[d].tokens_per_expert.sum())
         assert total <= capacity and bool((recv_x[d][total:] == 0).all())
     # 2. rank de-duplicated push + metadata, then the local expansion gives the same rows;
-    # also with this rank's own tokens left out of the push and expanded from x.
+    # also with this rank's own tokens written by the push straight into their rows ([Note: own
+    # rows]), which the expansion then keeps (or, as symm_allgather's does, reads from x).
     tok, want_tok = _bufs(world, world * t_max, hidden), _bufs(world, world * t_max, hidden)
     tok_remote, want_tok_remote = _bufs(world, world * t_max, hidden), _bufs(world, world * t_max, hidden)
+    own_rows, want_own = _bufs(world, capacity, hidden, fill=9.0), _bufs(world, capacity, hidden, fill=9.0)
     maps, want_maps = _bufs(world, capacity, dtype=torch.int64), _bufs(world, capacity, dtype=torch.int64)
     red = _bufs(world, world * t_max, topk, dtype=torch.int64, fill=7)
     want_red = [r.clone() for r in red]
@@ -66,15 +68,16 @@ def _check_all_moves(case, world, capacity, expert_capacity=None, *, topk=3, hid
                      **ctas(2))
         ref.push_rows_ref(xs[r], None, lay.pair_row, lay.pair_rank, want_tok, None, mode=2, me=r, t_max=t_max)
         km.push_rows(xs[r], ws[r], lay.pair_row, lay.pair_rank, tab(tok_remote), tab(recv_w), mode=km.X_DEDUP, me=r,
-                     t_max=t_max, skip_local=True, **ctas(3))
+                     t_max=t_max, own=own_rows[r], **ctas(3))
         ref.push_rows_ref(xs[r], ws[r], lay.pair_row, lay.pair_rank, want_tok_remote, want_w, mode=2, me=r,
-                          t_max=t_max, skip_local=True)
+                          t_max=t_max, own=want_own[r])
         km.push_meta(lay.pair_row, lay.pair_rank, tab(maps), tab(red), world, r, t_max, topk, **ctas(2))
         ref.push_meta_ref(lay.pair_row, lay.pair_rank, want_maps, want_red, r, t_max, topk)
     for d in range(world):
         assert torch.equal(tok[d], want_tok[d]) and torch.equal(maps[d], want_maps[d])
         assert torch.equal(tok_remote[d], want_tok_remote[d]) and torch.equal(recv_w[d], want_w[d])
-        assert not tok_remote[d][d * t_max: (d + 1) * t_max].any(), "skip_local wrote this rank's own slot"
+        assert not tok_remote[d][d * t_max: (d + 1) * t_max].any(), "own= also wrote this rank's own slot"
+        assert torch.equal(own_rows[d], want_own[d]), f"rank {d}: the push's own rows differ from the reference"
         n_valid = [x.shape[0] for x in xs]
         for s in range(world):  # slots past a rank's tokens keep stale values
             assert torch.equal(red[d][s * t_max: s * t_max + n_valid[s]], want_red[d][s * t_max: s * t_max + n_valid[s]])
@@ -98,21 +101,10 @@ def _check_all_moves(case, world, capacity, expert_capacity=None, *, topk=3, hid
         km.select_rows(tok_remote[d], maps[d], out, layouts[d].tokens_per_expert, totals, local=xs[d],
                        local_first=d * t_max, **ctas(2))
         assert torch.equal(out, recv_x[d]), f"rank {d}: expansion with own rows from x differs from the direct push"
-        # own rows written by the push itself ([Note: own rows]), the expansion leaving them be
-        own_rows = torch.full((capacity, hidden), 9.0, device=DEVICE)
-        want_own = own_rows.clone()
-        for r, lay in enumerate(layouts):
-            scratch = _bufs(world, world * t_max, hidden)
-            km.push_rows(xs[r], None, lay.pair_row, lay.pair_rank, tab(scratch), None, mode=km.X_DEDUP, me=r,
-                         t_max=t_max, skip_local=True, own=own_rows if r == d else None, **ctas(3))
-            if r == d:
-                ref.push_rows_ref(xs[r], None, lay.pair_row, lay.pair_rank, _bufs(world, world * t_max, hidden),
-                                  None, mode=2, me=r, t_max=t_max, skip_local=True, own=want_own)
-        assert torch.equal(own_rows, want_own), f"rank {d}: the push's own rows differ from the reference"
         totals = torch.tensor([capacity, 0], dtype=torch.int64, device=DEVICE)
-        km.select_rows(tok_remote[d], maps[d], own_rows, layouts[d].tokens_per_expert, totals,
+        km.select_rows(tok_remote[d], maps[d], own_rows[d], layouts[d].tokens_per_expert, totals,
                        local_first=d * t_max, kept_rows=t_max, **ctas(2))
-        assert torch.equal(own_rows, recv_x[d]), f"rank {d}: own rows pushed + peers' rows expanded differ"
+        assert torch.equal(own_rows[d], recv_x[d]), f"rank {d}: own rows pushed + peers' rows expanded differ"
     # 3. all-gather of the token rows (all, and all but one rank's).
     staged = [torch.cat([x, torch.full((t_max - x.shape[0], hidden), 3.0, device=DEVICE)]) for x in xs]
     tokens = layouts[0].tokens

@@ -60,7 +60,7 @@ def main(out=None):
             if rows * block_h > 32768:
                 continue
             fn = functools.partial(launch, km._push_kernel, (132,), x, x, pair_row, pair_where, table, table, x, T, H, 0,
-                                   0, K=K, X_MODE=km.X_ROWS, HAS_W=False, SKIP_LOCAL=False, OWN=False, ROWS=rows,
+                                   0, K=K, X_MODE=km.X_ROWS, HAS_W=False, OWN=False, ROWS=rows,
                                    BLOCK_H=block_h, ALIGN=16, STAGES=stages, num_warps=warps)
             try:
                 seconds = _time(fn)

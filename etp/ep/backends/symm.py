@@ -263,7 +263,7 @@ class SymmDedupBackend(_SymmBackend):
             # This rank's own tokens skip their slot and go straight into out_x ([Note: own rows]).
             km.push_rows(x, None if w is None else w.contiguous().to(out_w.dtype), lay.pair_row,
                          lay.pair_rank, self._table(self._tokens), None if w is None else self._table(out_w),
-                         mode=km.X_DEDUP, me=self.ctx.rank, t_max=self._t_max, skip_local=True, own=out_x,
+                         mode=km.X_DEDUP, me=self.ctx.rank, t_max=self._t_max, own=out_x,
                          **self._launch)
         self._barrier()
         with record_function("etp::ep_symm_expand"):
