@@ -10,12 +10,12 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["etp", "etp.*"]),
     package_data={"etp": ["data/*.txt"]},
-    entry_points={"console_scripts": ["etp-train = etp.megatron.train:main", "etp-audit = etp.audit.cli:main"]},
+    entry_points={"console_scripts": ["etp-train = etp.train.main:main", "etp-audit = etp.train.audit_command:main"]},
     install_requires=[
         # torch 2.11 (the GPU machines) through 2.13 (CPU machines) are tested.
         "torch>=2.11",
-        # Tested with megatron-core 0.16.1; imported lazily by etp.megatron only.
-        "megatron-core>=0.16.1",
+        # The range etp.megatron.patches supports (checked at import); imported lazily by etp.megatron only.
+        "megatron-core>=0.16.1,<0.17",
         "triton",
         "pyyaml",
     ],

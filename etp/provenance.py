@@ -31,7 +31,8 @@ def _command(argv: list[str] | None) -> str:
     if args and args[0].endswith(".py"):
         script = Path(args[0]).resolve()
         if root in script.parents and script.parts[len(root.parts)] == "etp":
-            args[:1] = ["-m", ".".join(script.relative_to(root).with_suffix("").parts)]
+            module = script.relative_to(root).with_suffix("").parts
+            args[:1] = ["-m", ".".join(module[:-1] if module[-1] == "__main__" else module)]
         elif root in script.parents:
             args[0] = str(script.relative_to(root))
     if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun in every worker

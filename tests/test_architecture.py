@@ -1,7 +1,7 @@
 """The package's shape: no import cycle inside ``etp/`` (imports inside functions included),
 imports that flow one way (the core imports no integration wing; only ``etp/jax`` imports JAX
-and it imports no torch), ``import etp`` loading nothing, no file above 500 lines and no
-function above 80, and no development history in the code.
+and it imports no torch), ``import etp`` loading nothing, alarms on runaway file and function
+lengths, and no development history in the code.
 
 The graph is built from the source (``ast``), not by importing, so a cycle hidden behind a
 call-time import is found as well.
@@ -13,10 +13,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "etp"
-MAX_LINES = 500
-MAX_FUNCTION_LINES = 80
-#: the integration wings: nothing of the core (etp/*.py and its packages below) imports them
-WINGS = ("etp.megatron", "etp.audit", "etp.ep", "etp.jax")
+#: Alarms against runaway growth, well above what a cohesive module or function needs.
+MAX_LINES = 800
+MAX_FUNCTION_LINES = 120
 
 
 def _module_name(path: Path) -> str:
@@ -101,7 +100,7 @@ def test_cycle_finder_can_fail():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
-def test_no_file_above_500_lines():
+def test_no_file_above_the_alarm():
     long = {str(p.relative_to(ROOT.parent)): n for p in ROOT.rglob("*.py")
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
     assert not long, f"split these files by job: {long}"
@@ -116,39 +115,72 @@ def test_engine_does_not_know_expert_parallelism():
     assert not any(offenders.values()), offenders
 
 
-def _wing(module: str) -> str | None:
-    return next((w for w in WINGS if module == w or module.startswith(w + ".")), None)
+#: The rooms above the engine, lowest first. A module imports the engine (``etp/*.py`` and its
+#: parts: kernels, transport, cache, formats) and rooms at or below its own, never one above:
+#: recipes are plain Python beneath the audit and the trainer, the megatron-core integration
+#: builds on expert parallelism, and the trainer (with its commands) sits on top of everything.
+ROOMS = ("etp.recipe", "etp.audit", "etp.ep", "etp.data", "etp.megatron", "etp.hf", "etp.train")
+#: JAX's room stands apart: it imports no torch, so nothing of the rest.
+APART = ("etp.jax",)
 
 
-#: What each wing may import of another: megatron builds on ep and audit, and the audit reads
-#: recipes (``etp.megatron.recipe`` is plain Python: it imports no megatron-core).
-ALLOWED_ACROSS = {"etp.megatron": ("etp.ep", "etp.audit"), "etp.audit": ("etp.megatron.recipe",)}
+def _room(module: str) -> str | None:
+    return next((r for r in ROOMS + APART if module == r or module.startswith(r + ".")), None)
+
+
+def _rank(room: str | None) -> int:
+    return -1 if room is None else ROOMS.index(room) if room in ROOMS else len(ROOMS)
+
+
+def is_alias(source: str) -> bool:
+    """A deprecated alias module (``etp/_moved.py``): a docstring, ``from etp._moved import
+    forward``, ``__getattr__ = forward(...)`` and at most the ``__main__`` block of a command."""
+    body = ast.parse(source).body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    kinds = [type(node).__name__ for node in body]
+    return (kinds[:2] == ["ImportFrom", "Assign"] and body[0].module == "etp._moved"
+            and [t.id for t in body[1].targets] == ["__getattr__"] and kinds[2:] in ([], ["If"]))
 
 
 def upward_imports(graph: dict[str, set[str]]) -> dict[str, list[str]]:
-    """module -> the wing modules it imports that it may not: the core imports no wing, and a
-    wing imports another only as ``ALLOWED_ACROSS`` says."""
+    """module -> the room modules it imports above its own room (the engine counts as below
+    every room; JAX's room and the others import nothing of each other)."""
     found = {}
     for module, targets in graph.items():
-        own = _wing(module)
-        allowed = ALLOWED_ACROSS.get(own, ())
-        bad = sorted(t for t in targets if _wing(t) not in (None, own)
-                     and not any(t == a or t.startswith(a + ".") for a in allowed)
-                     and not (t == "etp.megatron" and "etp.megatron.recipe" in allowed))
+        own = _room(module)
+        bad = sorted(t for t in targets if _room(t) not in (None, own)
+                     and (own in APART or _room(t) in APART or _rank(_room(t)) > _rank(own)))
         if bad:
             found[module] = bad
     return found
 
 
+def _graph_without_aliases() -> dict[str, set[str]]:
+    aliases = {m for m, p in _modules().items() if is_alias(p.read_text(encoding="utf-8"))}
+    return {m: ts - aliases for m, ts in import_graph().items() if m not in aliases}
+
+
 def test_imports_flow_one_way():
-    assert upward_imports(import_graph()) == {}
+    assert upward_imports(_graph_without_aliases()) == {}
 
 
 def test_upward_import_finder_can_fail():
     graph = {"etp.wrap": {"etp.megatron.layers"}, "etp.megatron.model": {"etp.ep.config", "etp.wrap"},
-             "etp.ep.config": {"etp.audit"}, "etp.audit.cli": {"etp.megatron.recipe", "etp.megatron.ddp"}}
-    assert upward_imports(graph) == {"etp.wrap": ["etp.megatron.layers"], "etp.ep.config": ["etp.audit"],
-                                     "etp.audit.cli": ["etp.megatron.ddp"]}
+             "etp.ep.config": {"etp.audit"}, "etp.audit.predict": {"etp.recipe", "etp.train.auto"},
+             "etp.jax.ep": {"etp.ep"}, "etp.recipe.schema": {"etp.config"}}
+    assert upward_imports(graph) == {"etp.wrap": ["etp.megatron.layers"], "etp.audit.predict": ["etp.train.auto"],
+                                     "etp.jax.ep": ["etp.ep"]}
+
+
+def test_aliases_hold_nothing_but_the_alias():
+    assert is_alias('"""doc"""\nfrom etp._moved import forward\n__getattr__ = forward(__name__, "etp.x")\n')
+    assert not is_alias('from etp._moved import forward\n__getattr__ = forward(__name__, "etp.x")\ndef f(): pass\n')
+    aliases = [m for m, p in _modules().items() if "from etp._moved import" in p.read_text(encoding="utf-8")]
+    assert aliases, "no alias modules found"
+    for module in aliases:
+        if module not in ("etp._moved", "etp.megatron"):  # etp.megatron keeps its own code, forwards two names
+            assert is_alias(_modules()[module].read_text(encoding="utf-8")), module
 
 
 def _third_party_imports(path: Path) -> set[str]:
@@ -192,15 +224,15 @@ def long_functions(source: str, limit: int = MAX_FUNCTION_LINES) -> dict[str, in
     return found
 
 
-def test_no_function_above_80_lines():
+def test_no_function_above_the_alarm():
     long = {str(p.relative_to(ROOT.parent)): f for p in ROOT.rglob("*.py")
             if (f := long_functions(p.read_text(encoding="utf-8")))}
     assert not long, f"split these functions: {long}"
 
 
 def test_function_length_finder_can_fail():
-    body = "\n".join(f"    x{i} = {i}" for i in range(81))
-    assert long_functions(f"def f():\n{body}\n") == {"f:1": 82}
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES + 1))
+    assert long_functions(f"def f():\n{body}\n") == {"f:1": MAX_FUNCTION_LINES + 2}
 
 
 #: Development history: rounds, step letters and dated figures belong in BENCHMARKS.md and git.

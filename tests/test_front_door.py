@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from etp.audit.cli import main as audit_main
-from etp.megatron.train import main as train_main
+from etp.train.audit_command import main as audit_main
+from etp.train.main import main as train_main
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = str(ROOT / "recipes" / "moe_flagship.yaml")

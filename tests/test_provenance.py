@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_a_torchrun_worker_records_the_launcher_and_the_module(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    found = run_provenance([str(ROOT / "etp" / "megatron" / "train.py"), "--recipe", "recipes/moe_wide.yaml"])
-    assert found["command"] == ("torchrun --standalone --nproc-per-node=2 -m etp.megatron.train "
+    found = run_provenance([str(ROOT / "etp" / "train" / "__main__.py"), "--recipe", "recipes/moe_wide.yaml"])
+    assert found["command"] == ("torchrun --standalone --nproc-per-node=2 -m etp.train "
                                 "--recipe recipes/moe_wide.yaml")
     tool = run_provenance([str(ROOT / "tools" / "bench_kernels.py"), "--out", "k.json"])
     assert tool["command"].endswith("tools/bench_kernels.py --out k.json")

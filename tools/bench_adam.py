@@ -40,8 +40,8 @@ def shard_sizes(recipe_path: str, etp: int) -> list[int]:
     """Elements of every parameter a rank steps at world size and ETP ``etp`` (the memory
     audit's inventory: each sharded weight's padded shard, each replicated one whole)."""
     from etp.audit.inventory import weights_on_rank
-    from etp.megatron.recipe import Recipe
-    from etp.megatron.recipe.auto import Machine, resolve_auto
+    from etp.recipe import Recipe
+    from etp.train.auto import Machine, resolve_auto
 
     recipe = Recipe.from_yaml(recipe_path, world_size=etp, etp={"etp_size": etp, "expert_etp_size": etp})
     recipe, _ = resolve_auto(recipe, Machine(etp, etp))

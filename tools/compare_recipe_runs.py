@@ -10,7 +10,7 @@ runs and the verdict as one JSON file, ``--plot`` both loss curves (log scale) a
 Example::
 
     python tools/compare_recipe_runs.py --etp etp.json --baseline plain.json --tolerance 0.03 \
-        --command "torchrun --nproc-per-node 8 -m etp.megatron.train --recipe recipes/moe_flagship.yaml" \
+        --command "torchrun --nproc-per-node 8 -m etp.train --recipe recipes/moe_flagship.yaml" \
         --out compare.json
     python tools/compare_recipe_runs.py --etp fp8.json --baseline bf16.json --labels "FP8 gathers,bf16 gathers" \
         --window 20 --tolerance 0.01 --plot losses.png --floor 0.1787

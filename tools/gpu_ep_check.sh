@@ -64,7 +64,7 @@ TAIL=12 step d_bench_4gpu 240 torchrun --standalone --nproc-per-node 4 tools/ben
   --benchmarks-md "$OUT/bench_ep_4gpu.md"
 
 # (e) the flagship recipe at world 4
-TRAIN="torchrun --standalone --nproc-per-node 4 -m etp.megatron.train --recipe recipes/moe_flagship.yaml"
+TRAIN="torchrun --standalone --nproc-per-node 4 -m etp.train --recipe recipes/moe_flagship.yaml"
 # --log-interval 1: every iteration is a log window, so (t) compares the runs over their
 # steady second half (tools/bench_ep.py steady_ms), not over compilation and warm-up.
 AT4="--set global_batch_size=16 --set etp.etp_size=4 --train-iters 15 --log-interval 1"

@@ -8,7 +8,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from etp.audit.cli import main  # noqa: E402
+from etp.train.audit_command import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

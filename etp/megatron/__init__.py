@@ -3,11 +3,19 @@
 ETP groups inside megatron-core's data-parallel groups (``groups``), the TP-linear plug
 point (``layers``), ``apply_etp`` and the grouped-experts ModuleSpec (``model``),
 megatron-core DDP / optimizer / finalize for ETP models (``ddp``, ``optimizer``,
-``finalize``: import them explicitly, they import megatron-core), recipe parsing and
-validation (``recipe``) and the Megatron-LM flags (``args``).
+``finalize``: import them explicitly, they import megatron-core), the Megatron-LM flags
+(``args``), and every patch of megatron-core internals (``patches``). Recipes live in
+:mod:`etp.recipe`, the trainer in :mod:`etp.train`.
 """
-from . import layers  # noqa: F401  (registers megatron-core's TP linears with etp.wrap)
-from .args import add_etp_args, etp_config_from_args
-from .recipe import Recipe, RecipeError
+from etp._moved import forward as _forward
 
-__all__ = ["Recipe", "RecipeError", "add_etp_args", "etp_config_from_args"]
+from . import (
+    layers,  # noqa: F401  (registers megatron-core's TP linears with etp.wrap)
+    patches,  # noqa: F401  (checks the megatron-core version these patches support)
+)
+from .args import add_etp_args, etp_config_from_args
+
+__all__ = ["add_etp_args", "etp_config_from_args"]
+
+#: ``Recipe`` / ``RecipeError`` moved to :mod:`etp.recipe`.
+__getattr__ = _forward(__name__, "etp.recipe", ("Recipe", "RecipeError"))

@@ -124,7 +124,7 @@ def etp_config_from_args(args: Any, *, check_layout: bool = True) -> ETPConfig:
 
     With ``check_layout`` and a namespace that carries Megatron-LM's ``world_size`` and
     parallel sizes (``get_args()`` after ``validate_args``), also checks that ETP fits the
-    parallel layout (``etp.megatron.recipe.check_parallel_layout``). Raises ``ValueError``
+    parallel layout (``etp.recipe.check_parallel_layout``). Raises ``ValueError``
     naming the flag when ``add_etp_args`` was not used or a value is invalid.
 
     Example::
@@ -141,7 +141,7 @@ def etp_config_from_args(args: Any, *, check_layout: bool = True) -> ETPConfig:
         values[field_name] = getattr(args, dest)
     config = ETPConfig.from_dict(values)
     if check_layout and isinstance(getattr(args, "world_size", None), int):
-        from .recipe import check_parallel_layout
+        from etp.recipe import check_parallel_layout
 
         sizes = {
             key: getattr(args, key)

@@ -13,7 +13,7 @@ is torch's multi-kernel ``foreach`` Adam:
 * torch's ``Adam`` / ``AdamW`` with default arguments runs its ``foreach`` implementation,
   several passes over the fp32 states per step.
 
-``install()`` swaps the two helpers in the modules that bound them (``clip_grads`` and
+``etp.megatron.patches.use_fast_fallbacks(True)`` swaps the two helpers in the modules that bound them (``clip_grads`` and
 ``optimizer``) for ``torch._foreach`` versions with no host synchronization and one kernel
 family each, and ``fuse_adam(optimizer)`` switches torch's Adam inside megatron's optimizer to
 its fused CUDA kernel (``fused=True``: one pass over params, grads and both moments). Both do
@@ -23,8 +23,8 @@ the same sum of squares (fp32, different summation order); the scale is the same
 
 Example::
 
-    from etp.megatron import fast_fallbacks
-    fast_fallbacks.install()                       # before building the optimizer
+    from etp.megatron import fast_fallbacks, patches
+    patches.use_fast_fallbacks(True)               # before building the optimizer
     optimizer = get_megatron_optimizer(config, [ddp_model])
     fast_fallbacks.fuse_adam(optimizer)
 """
@@ -35,13 +35,9 @@ import logging
 
 import torch
 
-__all__ = ["foreach_l2_norm", "foreach_scale", "fuse_adam", "have_fused_kernels", "inner_optimizers", "install",
-           "uninstall"]
+__all__ = ["foreach_l2_norm", "foreach_scale", "fuse_adam", "have_fused_kernels", "inner_optimizers"]
 
 log = logging.getLogger(__name__)
-
-_MODULES = ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer")
-
 
 def have_fused_kernels() -> bool:
     """Whether apex or TransformerEngine is importable (megatron then uses their kernels)."""
@@ -74,39 +70,6 @@ def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
         torch._foreach_copy_(dst, src)
     else:
         torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
-
-
-def _bindings() -> dict[str, tuple]:
-    """Module attribute -> (megatron-core's local fallback, etp's replacement)."""
-    from megatron.core import utils
-
-    return {"l2_norm_impl": (utils.local_multi_tensor_l2_norm, foreach_l2_norm),
-            "multi_tensor_scale_impl": (utils.local_multi_tensor_scale, foreach_scale)}
-
-
-def _rebind(replace: bool) -> bool:
-    """Swaps every binding of ``_bindings`` in ``_MODULES`` one way (``replace``: fallback ->
-    etp's) or back; returns whether anything changed."""
-    swapped = False
-    for name in _MODULES:
-        module = importlib.import_module(name)
-        for attr, (fallback, ours) in _bindings().items():
-            old, new = (fallback, ours) if replace else (ours, fallback)
-            if getattr(module, attr, None) is old:
-                setattr(module, attr, new)
-                swapped = True
-    return swapped
-
-
-def install() -> bool:
-    """Binds ``foreach_l2_norm`` / ``foreach_scale`` where megatron-core bound its local
-    fallbacks (no-op with apex or TransformerEngine). Returns whether it swapped anything."""
-    return _rebind(replace=True)
-
-
-def uninstall() -> None:
-    """Puts megatron-core's local fallbacks back where ``install`` replaced them."""
-    _rebind(replace=False)
 
 
 def inner_optimizers(optimizer) -> list:

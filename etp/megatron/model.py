@@ -9,8 +9,6 @@ embeddings stay replicated.
 """
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from ..config import ETPConfig
@@ -20,23 +18,9 @@ from ..streams import to_device_async
 from ..wrap import WrapSummary, wrap_module_params_etp
 from .groups import build_megatron_etp_groups
 from .local_dispatcher import regathered_rows
+from .patches import use_te_free_router
 
-__all__ = ["ETPGroupedExperts", "apply_etp", "etp_gpt_decoder_spec", "etp_gpt_layer_spec", "fp32_router_counts",
-           "patch_megatron"]
-
-
-def patch_megatron() -> None:
-    """Makes stock megatron-core 0.16 run without TransformerEngine; idempotent.
-
-    megatron/core/transformer/moe/moe_utils.py imports ``te_general_gemm`` only when TE is
-    installed but tests the name unconditionally in the router, which raises NameError on a
-    TE-free install; defining it as None (only when missing) restores the TE-free path.
-    """
-    moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
-    if moe_utils is None:
-        import megatron.core.transformer.moe.moe_utils as moe_utils
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+__all__ = ["ETPGroupedExperts", "apply_etp", "etp_gpt_decoder_spec", "etp_gpt_layer_spec", "fp32_router_counts"]
 
 
 def _megatron_module():
@@ -202,7 +186,7 @@ def apply_etp(model: torch.nn.Module, config: ETPConfig, groups: ETPGroups | Non
     """
     from megatron.core.transformer.moe.experts import SequentialMLP
 
-    patch_megatron()
+    use_te_free_router()
     if groups is None:
         groups = build_megatron_etp_groups(config)
     for module in model.modules():

@@ -108,8 +108,8 @@ def get_etp_megatron_optimizer(config, model_chunks, fast_fallbacks: bool = True
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    from . import adam_step, sync_free_step
     from . import fast_fallbacks as fallbacks
+    from . import patches
     from .ddp import ETPDistributedDataParallel
 
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
@@ -124,13 +124,13 @@ def get_etp_megatron_optimizer(config, model_chunks, fast_fallbacks: bool = True
     _mark_duplicates(chunks, groups)
     dense_stats, expert_stats = _stats_group(groups.dense_replicate), _stats_group(groups.expert_replicate)
     if fast_fallbacks:
-        fallbacks.install()  # no-op with apex / TransformerEngine; [Note: megatron fallbacks]
+        patches.use_fast_fallbacks(True)  # no-op with apex / TransformerEngine; [Note: megatron fallbacks]
     optimizer = get_megatron_optimizer(config, chunks, pg_collection=chunks[0].etp_pg_collection,
                                        use_gloo_process_groups=False, **kwargs)
     if fast_fallbacks:
         fallbacks.fuse_adam(optimizer)
-        adam_step.install(optimizer)  # [Note: etp AdamW step]
-        sync_free_step.install(optimizer)  # [Note: sync-free step]
+        patches.step_with_fused_adamw(optimizer)  # [Note: etp AdamW step]
+        patches.step_without_host_sync(optimizer)  # [Note: sync-free step]
     for opt in inner_optimizers(optimizer):
         if isinstance(opt, DistributedOptimizer):
             continue  # statistics over the world already; duplicates are marked shared

@@ -5,7 +5,7 @@ without TransformerEngine runs its unfused RoPE.
 ``megatron.core.transformer.attention`` applies ``apply_rotary_pos_emb`` to the query and the
 key of every layer; without TE (``apply_rope_fusion`` needs it) that is
 ``_apply_rotary_pos_emb_bshd``: about ten kernels a call, each a pass over the activations,
-forward and backward. ``install()`` binds ``apply_rotary_pos_emb`` in that module to
+forward and backward. ``etp.megatron.patches.use_fused_rope(True)`` binds ``apply_rotary_pos_emb`` in that module to
 ``fused_apply_rotary_pos_emb``, which takes the cases ``etp.kernels.rope`` covers (activations
 in ``[s, b, h, d]``, no packed sequences, halves not interleaved, no latent
 attention) and hands every other call to megatron-core's own function unchanged. The result is
@@ -15,22 +15,17 @@ etp-train installs it for every system it runs, peers included (``megatron_fallb
 
 Example::
 
-    from etp.megatron import rope
-    rope.install()          # before the model's first forward
+    from etp.megatron import patches
+    patches.use_fused_rope(True)   # before the model's first forward
 """
 from __future__ import annotations
-
-import importlib
 
 import torch
 
 from ..derived import per_version
 from ..kernels.rope import rope
 
-__all__ = ["fused_apply_rotary_pos_emb", "install", "uninstall"]
-
-_ATTENTION = "megatron.core.transformer.attention"
-
+__all__ = ["fused_apply_rotary_pos_emb"]
 
 def _megatrons():
     from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
@@ -58,19 +53,3 @@ def fused_apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale: float 
     cos, sin = per_version(freqs, ("rope_tables", t.dtype, mscale), lambda: (
         (torch.cos(freqs) * mscale).to(t.dtype), (torch.sin(freqs) * mscale).to(t.dtype)))
     return rope(t, cos, sin)
-
-
-def install() -> bool:
-    """Binds ``fused_apply_rotary_pos_emb`` in megatron-core's attention module. Returns
-    whether it changed the binding (False: already installed)."""
-    module = importlib.import_module(_ATTENTION)
-    if module.apply_rotary_pos_emb is fused_apply_rotary_pos_emb:
-        return False
-    module.apply_rotary_pos_emb = fused_apply_rotary_pos_emb
-    return True
-
-
-def uninstall() -> None:
-    """Puts megatron-core's own ``apply_rotary_pos_emb`` back."""
-    module = importlib.import_module(_ATTENTION)
-    module.apply_rotary_pos_emb = _megatrons()

@@ -9,8 +9,8 @@ import pytest
 from harness import run_distributed
 
 from etp.audit import predict_memory, weight_inventory
-from etp.audit.cli import audit, main
-from etp.megatron.recipe import Recipe
+from etp.recipe import Recipe
+from etp.train.audit_command import audit, main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -240,7 +240,7 @@ def test_peak_phases_and_sdpa_activations():
 
 
 def test_cli_gpu_memory_fits_and_micro_batch_table(tmp_path, capsys):
-    from etp.audit.cli import parse_memory
+    from etp.train.audit_command import parse_memory
 
     assert parse_memory("141GiB") == 141 * 2**30 and parse_memory("150GB") == 150 * 10**9
     with pytest.raises(ValueError, match="141GiB"):
@@ -378,7 +378,7 @@ def test_push_reduction_halves_the_wgrad_pool_and_stages_outside_the_allocator()
 
 
 def test_cli_refuses_a_memory_size_without_unit_and_creates_output_directories(tmp_path, capsys):
-    from etp.audit.cli import main, parse_memory
+    from etp.train.audit_command import main, parse_memory
 
     with pytest.raises(ValueError, match="has no unit: write 80GiB"):
         parse_memory("80")

@@ -9,8 +9,8 @@ import pytest
 from harness import run_distributed
 
 from etp.audit import weight_inventory
-from etp.audit.cli import main
-from etp.megatron.recipe import Recipe
+from etp.recipe import Recipe
+from etp.train.audit_command import main
 
 pytest.importorskip("megatron.core")
 
@@ -47,7 +47,7 @@ def _built(ctx, variants):
     import torch
     from megatron.core import parallel_state as ps
 
-    from etp.megatron.trainer.model_build import gpt_model, transformer_config
+    from etp.train.model_build import gpt_model, transformer_config
 
     torch.cuda.current_device = lambda: "cpu"  # where megatron's router puts its expert-bias buffers
     ps.initialize_model_parallel()

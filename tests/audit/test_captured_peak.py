@@ -2,7 +2,7 @@
 reduced without a pool buffer, against byte counts made by hand for a one-layer MoE recipe
 ([Note: predicted peak] in etp/audit/predict.py)."""
 from etp.audit import activation_bytes, predict_peak
-from etp.megatron.recipe import Recipe
+from etp.recipe import Recipe
 
 # One MoE layer of width 64, 8 experts of FFN 32 (SwiGLU), vocabulary 256, 2 x 16 tokens;
 # ETP 2 for every weight, 16-row alignment (units of 32 rows).

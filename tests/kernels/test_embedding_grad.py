@@ -74,8 +74,8 @@ def test_bad_input_names_the_argument():
 
 
 def test_capture_safe_embedding_takes_the_ordered_sums_in_deterministic_mode(monkeypatch):
-    import etp.megatron.graph_step as graph_step
-    from etp.megatron.graph_step import _CaptureSafeEmbedding
+    import etp.train.captured_step as graph_step
+    from etp.train.captured_step import _CaptureSafeEmbedding
 
     calls = []
     original = graph_step.embedding_backward

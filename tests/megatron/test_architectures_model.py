@@ -1,5 +1,5 @@
 """Published-architecture features on megatron-core GPTModels built on CPU from recipes
-(etp.megatron.trainer.model_build): shared experts, QK norm, a head width other than
+(etp.train.model_build): shared experts, QK norm, a head width other than
 hidden / heads, grouped-query attention, sigmoid routing with an expert bias and grouped top-k,
 dense and MoE layers mixed, tied embeddings.
 
@@ -39,19 +39,19 @@ def _megatron_on_cpu():
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.fusions import fused_softmax
 
-    from etp.megatron.model import patch_megatron
+    from etp.megatron.patches import use_te_free_router
 
     buffer = SimpleNamespace(get_tensor=lambda shape, dtype, name, *a, **k: torch.empty(shape, dtype=dtype))
     parallel_state.get_global_memory_buffer = lambda: buffer
     tensor_parallel.get_cuda_rng_tracker = lambda: SimpleNamespace(fork=contextlib.nullcontext)
     fused_softmax.get_default_causal_mask = lambda sq: torch.triu(torch.ones(sq, sq), diagonal=1).bool()
     torch.cuda.current_device = lambda: "cpu"  # the router's buffers and weights, the rotary table
-    patch_megatron()
+    use_te_free_router()
 
 
 def _build(values, dtype=torch.float64):
-    from etp.megatron.recipe import Recipe
-    from etp.megatron.trainer.model_build import gpt_model, transformer_config
+    from etp.recipe import Recipe
+    from etp.train.model_build import gpt_model, transformer_config
 
     recipe = Recipe.from_dict(values)
     config = transformer_config(recipe, torch.device("cpu"))
@@ -250,7 +250,7 @@ def _fsdp2_step(ctx):
     from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias
     from torch.distributed.tensor import DTensor
 
-    from etp.megatron.fsdp2_step import FSDP2Step
+    from etp.train.baselines.fsdp2 import FSDP2Step
 
     _megatron_on_cpu()
     ps.initialize_model_parallel()
@@ -298,7 +298,7 @@ def _fsdp2_step(ctx):
         ps.destroy_model_parallel()
 
 
-@pytest.mark.slow  # FSDP2's parity runs by default in tests/megatron/test_fsdp2_train.py; this adds every feature
+@pytest.mark.slow  # FSDP2's parity runs by default in tests/train/test_fsdp2_train.py; this adds every feature
 def test_fsdp2_step_trains_like_the_unsharded_model():
     results = run_distributed(_fsdp2_step, 2)
     torch.testing.assert_close(results[0]["loss"] + results[1]["loss"], 2 * results[0]["ref_loss"], rtol=1e-5, atol=1e-6)

@@ -72,7 +72,7 @@ def _train(tmp_path, name, ep_size, expert_etp, dispatcher):
     import json
     import os
 
-    from etp.megatron.train import main
+    from etp.train.main import main
 
     out = tmp_path / f"{name}.json"
     saved = os.environ.get("ETP_CACHE_DIR")

@@ -73,9 +73,10 @@ def test_moe_layer_matches_megatron_alltoall():
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from etp.megatron.local_dispatcher import LocalTokenDispatcher, install_local_dispatchers
-    from etp.megatron.model import etp_gpt_layer_spec, patch_megatron
+    from etp.megatron.model import etp_gpt_layer_spec
+    from etp.megatron.patches import use_te_free_router
 
-    patch_megatron()  # megatron-core 0.16 without TransformerEngine (its router's te_general_gemm)
+    use_te_free_router()  # megatron-core 0.16 without TransformerEngine (its router's te_general_gemm)
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29533")

@@ -4,7 +4,7 @@ helpers against float64 references, their installation, and fused Adam's switch
 import pytest
 import torch
 
-from etp.megatron import fast_fallbacks
+from etp.megatron import fast_fallbacks, patches
 
 
 def _tensors(dtype=torch.float32):
@@ -40,15 +40,15 @@ def test_install_rebinds_megatron_helpers():
         pytest.skip("apex / TransformerEngine present: megatron uses their kernels")
     from megatron.core.optimizer import clip_grads, optimizer
 
-    fast_fallbacks.install()
+    patches.use_fast_fallbacks(True)
     assert clip_grads.l2_norm_impl is fast_fallbacks.foreach_l2_norm
     assert clip_grads.multi_tensor_scale_impl is fast_fallbacks.foreach_scale
     assert optimizer.multi_tensor_scale_impl is fast_fallbacks.foreach_scale
-    assert fast_fallbacks.install() is False  # idempotent
-    fast_fallbacks.uninstall()
+    assert patches.use_fast_fallbacks(True) is False  # idempotent
+    patches.use_fast_fallbacks(False)
     assert clip_grads.l2_norm_impl is not fast_fallbacks.foreach_l2_norm
     assert optimizer.multi_tensor_scale_impl is not fast_fallbacks.foreach_scale
-    assert fast_fallbacks.install() is True
+    assert patches.use_fast_fallbacks(True) is True
 
 
 class _Wrapper:  # megatron's mixed-precision optimizer holds torch's as .optimizer
@@ -108,3 +108,12 @@ def test_a_checkpoint_load_creates_adam_steps_where_torch_would(fused):
     adam.param_groups[0]["fused"] = fused
     _param_states(adam)
     assert adam.state[param]["step"].device.type == ("meta" if fused else "cpu")
+
+
+def test_an_unsupported_megatron_core_is_refused_in_one_line():
+    assert patches.check_megatron_core("0.16.1") == "0.16.1"
+    assert patches.check_megatron_core("0.16.2rc1") == "0.16.2rc1"
+    for version in ("0.19.2", "0.16.0", "0.17.0rc0"):
+        with pytest.raises(ImportError, match=r"supports megatron-core >=0\.16\.1,<0\.17, found") as err:
+            patches.check_megatron_core(version)
+        assert "\n" not in str(err.value)

@@ -11,7 +11,7 @@ pytest.importorskip("megatron.core")
 from megatron.core.models.common.embeddings import rope_utils  # noqa: E402
 from megatron.core.transformer import attention  # noqa: E402
 
-from etp.megatron import rope  # noqa: E402
+from etp.megatron import patches, rope  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -56,10 +56,10 @@ def test_tables_made_once_per_freqs_follow_its_changes():
 
 def test_install_binds_once_and_uninstall_restores():
     try:
-        rope.uninstall()
+        patches.use_fused_rope(False)
         assert attention.apply_rotary_pos_emb is rope_utils.apply_rotary_pos_emb
-        assert rope.install() is True and rope.install() is False
+        assert patches.use_fused_rope(True) is True and patches.use_fused_rope(True) is False
         assert attention.apply_rotary_pos_emb is rope.fused_apply_rotary_pos_emb
     finally:
-        rope.uninstall()
+        patches.use_fused_rope(False)
     assert attention.apply_rotary_pos_emb is rope_utils.apply_rotary_pos_emb

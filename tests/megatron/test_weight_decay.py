@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from etp.megatron.steppers import TorchStep, weight_decay_groups
+from etp.train.optimizer_steps import TorchStep, weight_decay_groups
 
 
 class _Block(torch.nn.Module):

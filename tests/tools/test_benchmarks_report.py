@@ -42,7 +42,7 @@ def test_the_commands_run_today():
     from etp.config import REMOVED_SETTINGS
 
     for block in _code_blocks():
-        assert "-m etp.train " not in block and "tools/scratch" not in block and "/work/" not in block, block
+        assert "-m etp.megatron.train " not in block and "tools/scratch" not in block and "/work/" not in block, block
         assert "../" not in block, block
         for key in REMOVED_SETTINGS:
             assert f"etp.{key}=" not in block, (key, block)

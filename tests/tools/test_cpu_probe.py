@@ -61,7 +61,7 @@ FAKE_TRAIN = textwrap.dedent("""
     import sys
     import time
 
-    from etp.megatron.trainer.reporting import Reporter
+    from etp.train.reporting import Reporter
 
     def train():
         iters, interval, out, dump = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
@@ -83,12 +83,12 @@ FAKE_TRAIN = textwrap.dedent("""
 
 
 def _fake_project(tmp_path: Path) -> Path:
-    trainer = tmp_path / "etp" / "megatron" / "trainer"
+    trainer = tmp_path / "etp" / "train"
     trainer.mkdir(parents=True)
-    for pkg in (tmp_path / "etp", tmp_path / "etp" / "megatron", trainer):
+    for pkg in (tmp_path / "etp", trainer):
         (pkg / "__init__.py").write_text("")
     (trainer / "reporting.py").write_text(FAKE_REPORTING)
-    (tmp_path / "etp" / "megatron" / "train.py").write_text(FAKE_TRAIN)
+    (trainer / "__main__.py").write_text(FAKE_TRAIN)
     return tmp_path
 
 
@@ -96,7 +96,7 @@ def _run(tmp_path: Path, iters: str, interval: str, *stop: str, rank: str = "0",
     root = _fake_project(tmp_path)
     out, dump = tmp_path / "out", tmp_path / "dump.json"
     env = {**os.environ, "RANK": rank}
-    done = subprocess.run([sys.executable, str(PROBE), "--out", str(out), "--skip", "1", "-m", "etp.megatron.train",
+    done = subprocess.run([sys.executable, str(PROBE), "--out", str(out), "--skip", "1", "-m", "etp.train",
                            iters, interval, str(out), str(dump), *stop], cwd=root, env=env, check=check, timeout=120,
                           capture_output=True, text=True)
     return done, out, dump

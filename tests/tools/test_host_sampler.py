@@ -12,7 +12,7 @@ import pytest
 SAMPLER = Path(__file__).resolve().parents[2] / "tools" / "diag" / "host_sampler.py"
 
 # A stand-in for etp-train: the sampler's gate reads the local ``iteration`` of ``train`` in a
-# file ending etp/megatron/train.py. Iterations 3-5 spin in ``inside``, the others in ``outside``.
+# file ending etp/train/main.py. Iterations 3-5 spin in ``inside``, the others in ``outside``.
 FAKE_TRAIN = textwrap.dedent("""
     import time
 
@@ -40,11 +40,11 @@ FAKE_TRAIN = textwrap.dedent("""
 
 
 def _fake_project(tmp_path: Path) -> Path:
-    pkg = tmp_path / "etp" / "megatron"
+    pkg = tmp_path / "etp" / "train"
     pkg.mkdir(parents=True)
     (tmp_path / "etp" / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text("")
-    (pkg / "train.py").write_text(FAKE_TRAIN)
+    (pkg / "main.py").write_text(FAKE_TRAIN)
     return tmp_path
 
 
@@ -52,7 +52,7 @@ def test_samples_only_the_gated_iterations(tmp_path):
     root = _fake_project(tmp_path)
     out = tmp_path / "out"
     subprocess.run([sys.executable, str(SAMPLER), "--out", str(out), "--iterations", "3:6",
-                    "-m", "etp.megatron.train"], cwd=root, check=True, timeout=120, capture_output=True)
+                    "-m", "etp.train.main"], cwd=root, check=True, timeout=120, capture_output=True)
     report = json.loads((out / "host_samples_rank0.json").read_text())
     assert report["iterations"] == [3, 6] and report["samples"] > 20
     assert 0.1 < report["window_s"] < 1.0  # three iterations of 50 ms, not the whole run (0.4 s)
@@ -68,7 +68,7 @@ def test_samples_only_the_gated_iterations(tmp_path):
 def test_bad_iterations_are_refused(tmp_path):
     root = _fake_project(tmp_path)
     done = subprocess.run([sys.executable, str(SAMPLER), "--out", str(tmp_path / "o"), "--iterations", "6:3",
-                           "-m", "etp.megatron.train"], cwd=root, timeout=60, capture_output=True, text=True)
+                           "-m", "etp.train.main"], cwd=root, timeout=60, capture_output=True, text=True)
     assert done.returncode != 0 and "--iterations '6:3'" in done.stderr
 
 
@@ -76,7 +76,7 @@ def test_bad_iterations_are_refused(tmp_path):
 def test_bad_window_is_refused(tmp_path, flag):
     root = _fake_project(tmp_path)
     done = subprocess.run([sys.executable, str(SAMPLER), "--out", str(tmp_path / "o"), flag,
-                           "-m", "etp.megatron.train"], cwd=root, timeout=60, capture_output=True, text=True)
+                           "-m", "etp.train.main"], cwd=root, timeout=60, capture_output=True, text=True)
     assert done.returncode != 0 and "must be positive" in done.stderr
 
 
@@ -107,10 +107,10 @@ UNEVEN_TRAIN = textwrap.dedent("""
 
 def test_slow_minus_fast_names_where_the_slow_iteration_went(tmp_path):
     root = _fake_project(tmp_path)
-    (root / "etp" / "megatron" / "train.py").write_text(UNEVEN_TRAIN)
+    (root / "etp" / "train" / "main.py").write_text(UNEVEN_TRAIN)
     out = tmp_path / "out"
     subprocess.run([sys.executable, str(SAMPLER), "--out", str(out), "--iterations", "1:8",
-                    "-m", "etp.megatron.train"], cwd=root, check=True, timeout=120, capture_output=True)
+                    "-m", "etp.train.main"], cwd=root, check=True, timeout=120, capture_output=True)
     report = json.loads((out / "host_samples_rank0.json").read_text())
     per = report["per_iteration_ms"]
     assert sorted(per) == ["2", "3", "4", "5", "6"]  # the window's first and last iterations are cut
@@ -127,6 +127,6 @@ def test_the_gate_names_etp_trains_own_loop():
     spec = importlib.util.spec_from_file_location("_sampler", SAMPLER)
     sampler = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sampler)
-    from etp.megatron.trainer import loop
+    from etp.train import loop
 
     assert loop.train.__code__.co_filename.endswith(sampler.TRAIN_FILES) and "iteration" in loop.train.__code__.co_varnames

@@ -35,7 +35,7 @@ def test_list_and_dry_run_name_every_step(tmp_path):
             "memory_audit_4gpu", "checkpoint_4gpu", "graphs_flagship_4gpu", "tests_kernels"} <= set(names)
     dry = subprocess.run([*REPRODUCE, "--dry-run", "--gpus", "4", "--out", str(tmp_path), "--only", "^recipes_wide"],
                          capture_output=True, text=True, check=True).stdout
-    assert dry.count("-m etp.megatron.train") == 8  # 4 runs at 2 and at 4 GPUs
+    assert dry.count("-m etp.train") == 8  # 4 runs at 2 and at 4 GPUs
     assert "CUDA_VISIBLE_DEVICES=0,1 torchrun --standalone --nproc-per-node 2" in dry
     assert f"--json {tmp_path}/recipes_wide_4gpu/etp_defaults.json" in dry
     assert not list(tmp_path.iterdir())  # a dry run writes nothing
@@ -49,16 +49,16 @@ def test_two_gpus_give_one_set_of_rows():
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_every_etp_train_command_runs_today(n):
-    from etp.megatron import train
-    from etp.megatron.recipe import Recipe, parse_overrides
-    from etp.megatron.recipe.auto import Machine, resolve_auto
+    from etp.recipe import Recipe, parse_overrides
+    from etp.train import main as train
+    from etp.train.auto import Machine, resolve_auto
 
     found = 0
     for command in _commands(n):
         argv = shlex.split(command)
-        if "etp.megatron.train" not in argv:
+        if "etp.train" not in argv:
             continue
-        args = train._parse(argv[argv.index("etp.megatron.train") + 1:])  # unknown flags exit here
+        args = train._parse(argv[argv.index("etp.train") + 1:])  # unknown flags exit here
         run_keys = {"train_iters": args.train_iters, "log_interval": args.log_interval}
         overrides = {**parse_overrides(args.set), **{k: v for k, v in run_keys.items() if v is not None}}
         recipe = Recipe.from_yaml(ROOT / args.recipe, **overrides)  # removed or invalid keys raise here

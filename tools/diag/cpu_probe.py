@@ -13,7 +13,7 @@ that moves with the iteration time (``--summarize``'s correlation) is what expla
 spread of a host-bound step.
 
 How: it runs the target program (``-m module ...`` or a script, through runpy) with
-``etp.megatron.trainer.reporting.Reporter.iteration_done`` wrapped. After the original
+``etp.train.reporting.Reporter.iteration_done`` wrapped. After the original
 returns from a call that closed a log window (it has synchronized the device, so the probe
 does not share the host with the step's launches), the probe runs, and its time is kept out
 of the next window's step time (``Reporter.exclude``: the window it falls in). Calls that log
@@ -35,7 +35,7 @@ every rank's file and the ``--json`` report (whose ``log`` is rank 0's windows; 
 data-parallel step wait for each other, so their windows take the same time).
 
     torchrun --standalone --nproc-per-node 2 tools/diag/cpu_probe.py --out /tmp/cp \\
-        -m etp.megatron.train --recipe recipes/moe_flagship.yaml --set world_size=2 --json /tmp/cp/run.json
+        -m etp.train --recipe recipes/moe_flagship.yaml --set world_size=2 --json /tmp/cp/run.json
     python tools/diag/cpu_probe.py --summarize /tmp/cp /tmp/cp/run.json
 """
 from __future__ import annotations
@@ -248,7 +248,7 @@ def main() -> None:
         sys.path[0] = os.path.dirname(os.path.abspath(target))  # as ``python SCRIPT`` does
         sys.path.insert(1, os.getcwd())  # etp from the checkout it is run in
     # The program's own reporting module (imported after the path is the program's).
-    from etp.megatron.trainer import reporting
+    from etp.train import reporting
 
     probe = CpuProbe(args.out, skip, launched, provenance)
     probe.install(reporting.Reporter)

@@ -15,7 +15,7 @@ backward), or ``(autograd engine: C++ nodes)`` when it runs none.
 
 Only a window is sampled, so start-up and the first iterations' compilation stay out: either
 ``--after-s`` seconds after start, for ``--for-s``, or (``--iterations A:B``, for ``etp-train``)
-while the local ``iteration`` of ``etp/megatron/trainer/loop.py``'s ``train`` is in ``[A, B)``. Each rank writes ``host_samples_rank{R}.json``
+while the local ``iteration`` of ``etp/train/loop.py``'s ``train`` is in ``[A, B)``. Each rank writes ``host_samples_rank{R}.json``
 (rank from ``RANK``) with the counts as milliseconds of wall time.
 
 With ``--iterations``, the samples are also kept per iteration (``first_etp`` and
@@ -25,7 +25,7 @@ says whether a slow iteration spends its extra time in one place or spreads it e
 slower host).
 
     torchrun --standalone --nproc-per-node 2 tools/diag/host_sampler.py --out /tmp/hs --iterations 10:30 \\
-        -m etp.megatron.train --recipe recipes/moe_flagship.yaml --set world_size=2 ...
+        -m etp.train --recipe recipes/moe_flagship.yaml --set world_size=2 ...
 """
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ import time
 
 _DEPTH = 64
 # Where etp-train's ``train`` (whose local ``iteration`` gates --iterations) lives; a test's
-# stand-in is a train.py.
-TRAIN_FILES = ("etp/megatron/trainer/loop.py", "etp/megatron/train.py")
+# stand-in is a main.py.
+TRAIN_FILES = ("etp/train/loop.py", "etp/train/main.py")
 _ENGINE_CPP = "(autograd engine: C++ nodes)"
 
 

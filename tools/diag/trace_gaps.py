@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: bench_pr
 
 from bench_provenance import provenance  # noqa: E402 - puts this checkout's etp first on the path
 
-from etp.megatron.profile import _union  # noqa: E402 - the one interval union
+from etp.train.profile import _union  # noqa: E402 - the one interval union
 
 
 def load(path: str) -> list[dict]:

@@ -15,7 +15,7 @@ from . import headlines
 
 __all__ = ["Run", "Step", "build_steps"]
 
-TRAIN = "torchrun --standalone --nproc-per-node {k} -m etp.megatron.train"
+TRAIN = "torchrun --standalone --nproc-per-node {k} -m etp.train"
 FLAGSHIP = "--recipe recipes/moe_flagship.yaml"
 WIDE = "--recipe recipes/moe_wide.yaml"
 # The peer at megatron-core's recommended MoE settings: ETP off, the distributed optimizer with
@@ -106,7 +106,7 @@ def tune(k: int, label: str, names: tuple[str, ...]) -> Step:
     """``etp-train --tune`` on each recipe, capture and FP8 gathers pinned (what auto picks on sm90):
     the candidates are ``gather_reuse`` x the three largest micro-batches that fit."""
     pinned = "--set cuda_graph=step --set etp.gather_dtype=fp8_tensorwise"
-    runs = tuple(Run(f"tune_{name}", f"python3 -m etp.megatron.train --recipe recipes/{name}.yaml {pinned} "
+    runs = tuple(Run(f"tune_{name}", f"python3 -m etp.train --recipe recipes/{name}.yaml {pinned} "
                                      f"--tune {{dir}}/{name}_best.yaml --json {{json}}", k, 240, 480) for name in names)
     return Step(f"tune_{label}_{k}gpu", "The recipes against their peers", runs, headlines.none)
 
@@ -209,15 +209,15 @@ def gpu_tests(n: int) -> list[Step]:
         ("tests_kernels", 1, (), "tests/kernels tests/test_fp8.py tests/test_gemm.py", 360),
         ("tests_transport", n, nccl, "tests/transport/test_transport_gpu.py tests/transport/test_stream_ops_gpu.py "
                                      "tests/test_graphs_gpu.py", 300),
-        ("tests_megatron", n, nccl, "tests/megatron/test_fp8_recipe_gpu.py tests/megatron/test_megatron_train_gpu.py "
+        ("tests_megatron", n, nccl, "tests/train/test_fp8_recipe_gpu.py tests/train/test_megatron_train_gpu.py "
                                     "tests/megatron/test_attention_gpu.py tests/megatron/test_local_dispatcher.py "
                                     "tests/megatron/test_megatron_fallbacks.py tests/megatron/test_rope_install.py "
-                                    "tests/megatron/test_adam_step.py tests/audit/test_memory_audit.py", 300),
+                                    "tests/megatron/test_fused_adamw.py tests/audit/test_memory_audit.py", 300),
         ("tests_ep", n, nccl, "tests/ep/test_ep_gpu.py tests/megatron/test_ep_megatron.py", 180),
         (f"tests_parity_{n}gpu", n, (*nccl, f"ETP_TEST_SIZES=2,{n}"),
          "tests/test_parity.py tests/megatron/test_megatron_linears.py", 300),
-        ("tests_graph_step", n, nccl, "tests/megatron/test_graph_step.py", 420),
-        ("tests_fsdp_peers", n, nccl, "tests/megatron/test_megatron_fsdp_gpu.py", 150),
+        ("tests_graph_step", n, nccl, "tests/train/test_captured_step.py", 420),
+        ("tests_fsdp_peers", n, nccl, "tests/train/test_megatron_fsdp_gpu.py", 150),
     )
     return [Step(name, "GPU test suites", (Run(name, f"python3 -m pytest -q -p no:cacheprovider {files}", gpus,
                                                est, 2 * est, env),), headlines.pytest)

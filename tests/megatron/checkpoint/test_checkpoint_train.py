@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from harness import run_distributed
 
-from etp.megatron.batches import Batches
-from etp.megatron.trainer.model_build import build_model, learning_rate
+from etp.train.batches import Batches
+from etp.train.model_build import build_model, learning_rate
 
 pytest.importorskip("megatron.core")
 ROOT = Path(__file__).resolve().parents[3]
@@ -29,7 +29,7 @@ SHAPES = dict(hidden_size=48, moe_ffn_hidden_size=36, micro_batch_size=2, seq_le
 
 
 def _recipe(tp: int, etp: int, eetp: int):
-    from etp.megatron.recipe import Recipe
+    from etp.recipe import Recipe
 
     return Recipe.from_yaml(TINY, **SHAPES, tensor_model_parallel_size=tp, global_batch_size=2 * 4 // tp,
                             etp={"etp_size": etp, "expert_etp_size": eetp, "pad_for_alignment": 16})
@@ -68,7 +68,7 @@ def _build(recipe):
 
     from etp.megatron.groups import build_megatron_etp_groups
     from etp.megatron.model import apply_etp
-    from etp.megatron.steppers import TorchStep
+    from etp.train.optimizer_steps import TorchStep
 
     ps.initialize_model_parallel(tensor_model_parallel_size=recipe.parallel.tensor_model_parallel_size)
     groups = build_megatron_etp_groups(recipe.etp)
@@ -134,7 +134,7 @@ def test_reshard_weights_and_adam_moments_bit_exact(request, body):
 # --exit-after), which runs by default.
 @pytest.mark.slow
 def test_resume_continues_the_loss_curve(tmp_path):
-    from etp.megatron.train import main
+    from etp.train.main import main
 
     base = ["--recipe", str(TINY), "--train-iters", "8", "--log-interval", "2"]
     save = ["--set", f"save={tmp_path / 'ckpt'}", "--set", "save_interval=4"]
@@ -153,7 +153,7 @@ def test_resume_at_another_layout_continues_the_loss_curve(tmp_path):
     """Saved at 2 ranks x ETP 2, resumed at 4 ranks x ETP 4 (the global batch is the same
     samples at any layout): the losses continue the 2-rank run's within fp32 reduction-order
     noise."""
-    from etp.megatron.train import main
+    from etp.train.main import main
 
     base = ["--recipe", str(TINY), "--train-iters", "14", "--log-interval", "7",
             "--set", "micro_batch_size=2", "--set", f"save={tmp_path / 'ckpt'}", "--set", "save_interval=7"]

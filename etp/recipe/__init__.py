@@ -1,0 +1,200 @@
+"""Training recipes: one YAML file of Megatron-LM argument names plus an ``etp:`` section.
+
+A recipe is flat, like Megatron-LM's own command lines: every top-level key is the ``dest`` of
+a Megatron-LM argument (``--num-layers`` -> ``num_layers``; the flag ``--disable-bias-linear``
+-> ``add_bias_linear: false``) or one of etp's few driver keys, and the ``etp:`` section holds
+exactly the fields of :class:`etp.ETPConfig`. Everything is checked here, before any process
+group or GPU exists: unknown keys (with the closest known name), wrong types, out-of-range
+values and inconsistent sizes raise :class:`RecipeError` (a ``ValueError``) naming the key and
+the value. Checks that need the number of ranks run in :meth:`Recipe.check_world_size`, and
+already at load time when the recipe sets ``world_size``.
+
+Example::
+
+    # recipes/tiny_moe_cpu.yaml
+    num_layers: 2
+    hidden_size: 64
+    num_attention_heads: 4
+    num_experts: 4
+    ...
+    etp:
+      etp_size: 2
+      expert_etp_size: 2
+
+    recipe = Recipe.from_yaml("recipes/tiny_moe_cpu.yaml", train_iters=5)
+    recipe.check_world_size(2)
+    recipe.model.hidden_size, recipe.etp.etp_size, recipe.data_parallel_size(2)
+
+Schema (key: default; "required" keys have none). Defaults are Megatron-LM's unless marked.
+
+Model (``recipe.model``, :class:`ModelSpec`):
+    num_layers, hidden_size, num_attention_heads, seq_length, vocab_size: required.
+    ffn_hidden_size: None -> 4*hidden_size, or int(4*hidden_size*2/3 / 64)*64 with swiglu.
+    num_query_groups: None -> num_attention_heads (no grouped-query attention; Megatron-LM
+        also needs ``group_query_attention``, etp infers it from num_query_groups < heads).
+    kv_channels: None -> hidden_size / num_attention_heads (the width of one attention head;
+        set it for heads x kv_channels != hidden_size, e.g. Qwen3-MoE's 32 x 128 at width 2048).
+    qk_layernorm: false (true: each head's queries and keys normalized, with the normalization's
+        kind, before rope; two [kv_channels] weights per layer, replicated under ETP).
+    max_position_embeddings: None -> seq_length.
+    vocab_size: etp's own reading: there is no tokenizer; data is token ids < vocab_size
+        (a text corpus is read as UTF-8 bytes, so vocab_size >= 256 with a corpus).
+    make_vocab_size_divisible_by: 128 (the embedding has padded_vocab_size rows).
+    swiglu: false. normalization: LayerNorm (LayerNorm | RMSNorm).
+    position_embedding_type: learned_absolute (learned_absolute | rope | none).
+    untie_embeddings_and_output_weights: false. add_bias_linear: true.
+    init_method_std: 0.02. attention_dropout: 0.1. hidden_dropout: 0.1.
+    num_experts: None (a dense model; otherwise the layers moe_layer_freq picks are MoE).
+    moe_router_topk: 2. moe_ffn_hidden_size: None -> ffn_hidden_size.
+    moe_grouped_gemm: false (true: etp's GroupedSwiGLUExperts, torch._grouped_mm; false:
+        megatron-core SequentialMLP experts).
+    moe_token_dispatcher_type: allgather (allgather | alltoall | flex | local: etp's own
+        etp.megatron.local_dispatcher.LocalTokenDispatcher, no host synchronization, for
+        expert_model_parallel_size 1, tensor_model_parallel_size 1 and moe_grouped_gemm; etp:
+        etp.megatron.ep_dispatcher.EtpTokenDispatcher over etp.ep's dispatch / combine, any
+        expert_model_parallel_size, tensor and expert tensor parallel size 1; GPU runs only,
+        the CPU driver's model has no megatron dispatcher).
+    moe_aux_loss_coeff: 0.0.
+    moe_router_load_balancing_type: aux_loss (aux_loss | seq_aux_loss | global_aux_loss |
+        sinkhorn | none; one value, not Megatron-LM's list form; none and sinkhorn refuse a
+        moe_aux_loss_coeff above 0, which they would ignore).
+    moe_layer_freq: 1 (every layer MoE | N: layers 0, N, 2N, ... MoE, the rest dense MLPs of
+        ffn_hidden_size | a pattern of one 0 (dense) or 1 (MoE) per layer, a YAML list or
+        Megatron-LM's string form ``([0]*3+[1]*58)``, parsed, never evaluated).
+    moe_shared_expert_intermediate_size: None (no shared experts | the total width of the shared
+        experts, one SwiGLU / GELU MLP every token passes, beside the routed ones; megatron-core's
+        SharedExpertMLP, whose linears ETP shards over the dense group; needs add_bias_linear false).
+    moe_shared_expert_gate: false (true: the shared output times sigmoid(x . g), Qwen2-MoE style).
+    moe_router_score_function: softmax (softmax | sigmoid: DeepSeek-V3's, probabilities
+        normalized over the chosen experts).
+    moe_router_pre_softmax: false (true: softmax over all experts, then the top-k, unnormalized:
+        OLMoE's; softmax only; megatron-core requires it with moe_router_topk 1).
+    moe_router_topk_scaling_factor: None (multiplies the routing probabilities: 2.5 in DeepSeek-V3).
+    moe_router_enable_expert_bias: false (true: aux-loss-free balancing, a per-expert bias added to
+        the scores that choose the top-k, updated by moe_router_bias_update_rate per global batch
+        from the token counts all-reduced over the data-parallel ranks; sigmoid only).
+    moe_router_bias_update_rate: 0.001.
+    moe_router_num_groups, moe_router_group_topk: None (group-limited top-k: experts in
+        moe_router_num_groups equal groups, each token routed within its moe_router_group_topk best
+        groups, a group scored by its top moe_router_topk / moe_router_group_topk experts; set both).
+    moe_z_loss_coeff: None (router z-loss weight).
+    attention_backend: sdpa (etp's own: sdpa = etp.megatron.attention.SDPAttention on torch's
+        fused SDPA kernels | local = megatron-core's DotProductAttention, full score matrix).
+
+Parallelism (``recipe.parallel``, :class:`ParallelSpec`):
+    tensor_model_parallel_size: 1. pipeline_model_parallel_size: 1.
+    expert_model_parallel_size: 1. expert_tensor_parallel_size: None -> tensor size.
+    context_parallel_size: 1. sequence_parallel: false. use_distributed_optimizer: false.
+    overlap_grad_reduce: false. overlap_param_gather: false (needs the distributed optimizer and
+    overlap_grad_reduce; models without ETP weights). grad_reduce_in_bf16: false (fp32 DDP
+    reductions). ddp_bucket_size: None (megatron-core's default).
+    use_torch_fsdp2: false (true: torch FSDP2 in place of megatron-core DDP and Adam,
+        etp.train.baselines.fsdp2.FSDP2Step: fully_shard per TransformerLayer and the root over the
+        data-parallel ranks, bf16 gathers with bf16: true, fp32 reductions and master weights, torch
+        AdamW; the peer etp is benchmarked against (docs/architectures.md, "Peers"). ETP sizes 1 (auto
+        resolves them to 1), TP / PP / CP / EP 1, no distributed optimizer or overlap_param_gather,
+        cuda_graph none (auto resolves to none), no fp16, no save / load, dispatcher local, alltoall or
+        allgather; it turns overlap_grad_reduce off itself, FSDP2 reduces during the backward).
+    use_megatron_fsdp: false (true: megatron-core's own Megatron-FSDP in place of its DDP,
+        etp.train.baselines.megatron_fsdp.MegatronFSDPStep: megatron.core.distributed.fsdp's
+        FullyShardedDataParallel with data_parallel_sharding_strategy optim_grads_params (parameters,
+        gradients and optimizer state sharded per TransformerLayer over the data-parallel ranks) and
+        megatron-core's distributed optimizer, bf16 compute with fp32 main weights and gradients; GPUs
+        only, the peer etp is benchmarked against (docs/architectures.md, "Peers"). ETP sizes 1 (auto
+        resolves them to 1), TP / PP / CP / EP 1, cuda_graph none (auto resolves to none), no fp16, no
+        save / load, dispatcher local, alltoall or allgather, not with use_torch_fsdp2; it turns
+        use_distributed_optimizer, overlap_grad_reduce and overlap_param_gather on itself).
+    world_size: None (etp driver key: ranks the recipe is meant for; the CPU driver spawns
+        this many; under torchrun None takes the launcher's, a value must equal WORLD_SIZE).
+    backend: auto (etp driver key: auto | gloo | nccl; auto is nccl with CUDA, else gloo).
+
+Training (``recipe.train``, :class:`TrainSpec`):
+    micro_batch_size, train_iters, lr: required. micro_batch_size: auto takes the largest that
+        divides each rank's share of global_batch_size (then required) and that the memory audit
+        predicts to fit. global_batch_size: None -> micro_batch_size * data_parallel_size (one
+        microbatch per step).
+    min_lr: 0.0. lr_warmup_iters: 0 (longer than train_iters: clipped, and etp-train says so).
+    lr_decay_iters: None -> train_iters.
+    lr_decay_style: linear (constant | linear | cosine | inverse-square-root | WSD).
+    weight_decay: 0.01. clip_grad: 1.0 (0 = off). adam_beta1: 0.9. adam_beta2: 0.999.
+    adam_eps: 1e-08. bf16: false. fp16: false. seed: 1234. log_interval: 100.
+    save: None. save_interval: None (needs save; unset: one save, after the run's last
+        iteration). load: None. A fresh run refuses a save directory that holds another run's
+        checkpoints (etp-train --resume or --overwrite; see etp.train.checkpointing).
+    data: synthetic (etp's own: "synthetic" for random token ids, or the path of a text
+        corpus, read as bytes; a relative path is looked up from the working directory, the
+        recipe's directory and the directory holding the etp package, see
+        :meth:`Recipe.resolve_data_path`).
+    deterministic: false (true: torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG,
+        megatron-core deterministic_mode, deterministic SDPA kernels; bitwise-equal reruns;
+        with cuda_graph step the embedding's backward is etp.kernels.embedding_backward in
+        captured and eager runs alike, so the two train bit for bit alike).
+    cuda_graph: none (etp's own | step: etp-train captures one micro-batch's forward + backward in
+        a CUDA graph with etp.GraphedStep after three eager warm-ups and replays it for every
+        micro-batch; needs CUDA, moe_token_dispatcher_type local or etp for MoE models (megatron's
+        dispatchers synchronize with the host; etp's then gives the experts its padded receive
+        buffers with device counts and moves tokens with a backend that reads no split sizes on
+        the host), no recompute, TP 1; it turns overlap_grad_reduce
+        off itself | auto: step where the recipe and the machine allow it).
+    megatron_fallbacks: fast (etp's own: without apex / TransformerEngine, megatron-core's
+        multi-tensor helpers run as torch foreach ops and torch's Adam as its fused kernel,
+        etp.megatron.fast_fallbacks (etp's optimizer: etp's fused AdamW, etp.megatron.fused_adamw),
+        and RoPE as one fused pass each way, etp.megatron.rope (every system, the same bits);
+        and, with or without apex, the optimizer step keeps the grad
+        norm and the clip on the device, etp.megatron.sync_free_optimizer | stock: megatron-core's own
+        per-tensor fallbacks and its step, which reads the norm on the host).
+    peak_tflops: None (etp's own: bf16 peak TFLOP/s per GPU for the MFU column; None -> by GPU
+        name, etp.train.flops.PEAK_TFLOPS).
+    Activation recompute, passed unchanged to megatron-core's TransformerConfig
+    (:meth:`Recipe.recompute_kwargs`; etp-train's megatron-core GPTModel path only, its CPU
+    TinyMoELM does not recompute):
+    recompute_granularity: None (no recompute | full: whole layers, only their inputs kept |
+        selective: the recompute_modules of every layer).
+    recompute_method: None (full only, and then required: uniform = chunks of
+        recompute_num_layers layers | block = the first recompute_num_layers layers of each
+        pipeline stage).
+    recompute_num_layers: None (full only, and then required; 1..num_layers / PP).
+    recompute_modules: None (selective only; a list, None -> megatron-core's [core_attn]; of
+        core_attn, layernorm, mlp (dense layers), moe (MoE layers), shared_experts (with
+        moe_shared_expert_intermediate_size); megatron-core's moe_act and mla_up_proj are refused:
+        etp's models have none of those parts).
+        ``--set recompute_modules=[core_attn,moe]``.
+
+``auto`` (``AUTO_KEYS``: cuda_graph, etp.etp_size, etp.expert_etp_size, etp.gather_dtype,
+etp.gather_reuse, micro_batch_size) is chosen at start-up for the machine, each choice printed with its reason:
+see [Note: auto settings] in ``etp/train/auto.py``.
+
+ETP (``recipe.etp``, :class:`etp.ETPConfig`): etp_size, expert_etp_size, pad_for_alignment,
+    reduction, gather_dtype, fp8_wgrad, gather_reuse, prefetch, async_reduce, debug_checks,
+    transport (defaults in configs/etp.yaml; ``tests/recipe/test_recipe.py`` checks this list
+    against the dataclass). A removed setting (``etp.REMOVED_SETTINGS``) is refused with what
+    replaced it.
+
+[Note: ETP inside the parallel layout]
+Megatron-LM splits the world as ``world = TP x CP x PP x DP`` for dense weights and
+``world = ETP_tp x EP x PP x EDP`` for experts (ETP_tp = expert_tensor_parallel_size, EDP the
+expert-data-parallel size). ETP is a sub-axis of data parallelism: a dense weight is sharded
+over ``etp_size`` ranks of its data-parallel group (so ``etp_size`` divides DP) and an expert
+weight over ``expert_etp_size`` ranks of its expert-data-parallel group (so
+``expert_etp_size`` divides EDP). DDP then reduces over the remaining ``DP / etp_size``
+(``EDP / expert_etp_size``) replicas.
+
+YAML 1.1 (PyYAML) reads ``3e-3`` as a string; recipes are loaded with a loader that reads it
+as the float it looks like, and duplicate keys are errors.
+"""
+from etp.recipe.loading import load_recipe_yaml, parse_overrides
+from etp.recipe.recipe import AUTO_KEYS, Recipe
+from etp.recipe.schema import ModelSpec, ParallelSpec, TrainSpec
+from etp.recipe.validation import RecipeError, check_parallel_layout
+
+__all__ = [
+    "AUTO_KEYS",
+    "ModelSpec",
+    "ParallelSpec",
+    "Recipe",
+    "RecipeError",
+    "TrainSpec",
+    "check_parallel_layout",
+    "load_recipe_yaml",
+    "parse_overrides",
+]

@@ -1,0 +1,180 @@
+"""etp-train's checkpoints: when a run saves, where it resumes from, and the rules that keep
+one run from destroying another's work.
+
+[Note: a checkpoint directory is never clobbered by accident]
+* A fresh run (no ``--resume``) whose ``save`` directory already holds checkpoints is refused
+  before any rank starts, naming ``--resume`` (continue that run) and ``--overwrite`` (replace
+  its checkpoints: they are deleted first, and the run says which).
+* A resumed run saves into the directory it resumed from, or into a new one. Resuming from an
+  iteration older than the directory's ``latest`` is refused unless ``--overwrite``, which
+  deletes the newer checkpoints first: ``latest`` never moves backwards
+  (``etp.megatron.checkpoint.publish`` refuses that as well).
+* ``save`` without ``save_interval`` saves once, after the run's last iteration; with it,
+  every ``save_interval`` iterations and after the last one. Work is never left unsaved at the
+  end of a run that has somewhere to save it.
+* The save directory must be writable, with room for one checkpoint (``checkpoint_bytes``),
+  before the first iteration.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+from etp.train.options import RunOptions, TrainError
+
+__all__ = ["Checkpointing", "check_checkpoint_dirs", "checkpoint_bytes"]
+
+#: Free space a save needs beyond the checkpoint's tensors (metadata, manifests, rounding).
+SAVE_MARGIN = 1.05
+
+
+def checkpoint_bytes(recipe) -> int:
+    """Bytes of one checkpoint of ``recipe``: every logical parameter in its training dtype,
+    plus the optimizer's fp32 master weights (mixed precision) and Adam's two fp32 moments.
+
+    Example::
+
+        checkpoint_bytes(Recipe.from_yaml("recipes/moe_flagship.yaml")) / 2**30
+    """
+    mixed = recipe.train.bf16 or recipe.train.fp16
+    per_param = (2 + 4 + 8) if mixed else (4 + 8)
+    return recipe.num_params() * per_param
+
+
+def _latest(root: Path) -> tuple[int | None, list[int]]:
+    from etp.megatron.checkpoint.manifest import find_latest, list_checkpoints
+
+    return find_latest(root), list_checkpoints(root)
+
+
+def check_checkpoint_dirs(recipe, options: RunOptions) -> list[str]:
+    """The checks of [Note: a checkpoint directory is never clobbered by accident] that need
+    no process group; raises ``TrainError`` naming the fix. Returns the notes to print (what
+    ``--overwrite`` will remove, where the run resumes from)."""
+    t, notes = recipe.train, []
+    save = Path(t.save) if t.save else None
+    load = Path(t.load) if t.load else save
+    resume_at = None
+    if options.resume:
+        if load is None:
+            raise TrainError("--resume needs a checkpoint directory: set the recipe's load (or save) key, "
+                             "e.g. --set load=checkpoints")
+        latest, published = _latest(load)
+        if latest is None:
+            raise TrainError(f"--resume: {load} holds no checkpoint (no 'latest' marker): start a fresh run "
+                             "without --resume, or point load at the directory of the run to continue")
+        resume_at = latest if options.resume is True else int(options.resume)
+        if resume_at not in published:
+            raise TrainError(f"--resume {resume_at}: {load} has no checkpoint of that iteration (it has "
+                             f"{published}): pick one of them")
+        notes.append(f"resuming at iteration {resume_at} from {load}")
+    if save is None:
+        return notes
+    _check_writable(save, checkpoint_bytes(recipe))
+    latest, published = _latest(save)
+    if published or latest is not None:
+        newer = [i for i in published if resume_at is None or i > resume_at]
+        same_run = resume_at is not None and load.resolve() == save.resolve()
+        if newer and not options.overwrite:
+            if not same_run:
+                raise TrainError(
+                    f"save={save} already holds checkpoints of another run (iterations {published}, latest "
+                    f"{latest}): continue that run with --resume, save elsewhere (--set save=NEW_DIR), or pass "
+                    "--overwrite to replace them")
+            raise TrainError(
+                f"--resume {resume_at} in {save}, whose latest checkpoint is {latest}: saving from there would "
+                f"replace iterations {newer}; save elsewhere (--set save=NEW_DIR) or pass --overwrite to delete them")
+        if newer:
+            notes.append(f"--overwrite: deleting checkpoints {newer} of {save}")
+    return notes
+
+
+def _check_writable(save: Path, needed: int) -> None:
+    try:
+        save.mkdir(parents=True, exist_ok=True)
+        probe = save / f".etp_write_probe_{os.getpid()}_{time.monotonic_ns()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise TrainError(f"save={save} is not a writable directory ({error.strerror or error}): "
+                         "choose another with --set save=DIR") from None
+    free = shutil.disk_usage(save).free
+    if free < needed * SAVE_MARGIN:
+        raise TrainError(f"save={save} has {free / 2**30:.1f} GiB free; a checkpoint of this recipe takes about "
+                         f"{needed / 2**30:.1f} GiB: free space or choose another directory with --set save=DIR")
+
+
+def remove_newer_checkpoints(root: Path, after: int | None) -> list[int]:
+    """Deletes ``root``'s published checkpoints newer than ``after`` (all when None) and its
+    ``latest`` marker if it named one of them (``--overwrite``); returns what it deleted."""
+    from etp.megatron.checkpoint.manifest import LATEST_NAME, find_latest, iteration_dir, list_checkpoints
+
+    doomed = [i for i in list_checkpoints(root) if after is None or i > after]
+    latest = find_latest(root)
+    if latest is not None and (after is None or latest > after):
+        (root / LATEST_NAME).unlink()
+    for iteration in doomed:
+        shutil.rmtree(iteration_dir(root, iteration))
+    return doomed
+
+
+class Checkpointing:
+    """When a run saves, saving it, and resuming. Rank 0 prints what it did.
+
+    Example::
+
+        checkpoints = Checkpointing(recipe, options, rank, world)
+        start = checkpoints.resume(stepper)
+        ...
+        if checkpoints.due(iteration + 1, stop):
+            checkpoints.save(stepper, iteration + 1)
+    """
+
+    def __init__(self, recipe, options: RunOptions, rank: int, world: int) -> None:
+        self.recipe, self.options, self.rank, self.world = recipe, options, rank, world
+        t = recipe.train
+        self.save_root = Path(t.save) if t.save else None
+        self.load_root = Path(t.load) if t.load else self.save_root
+
+    def due(self, done: int, stop: int) -> bool:
+        """Whether the run saves after ``done`` iterations (``stop``: its last)."""
+        if self.save_root is None:
+            return False
+        interval = self.recipe.train.save_interval
+        return done == stop or bool(interval and done % interval == 0)
+
+    def prepare(self, resumed_at: int | None) -> None:
+        """``--overwrite``: deletes what the preflight said it would (rank 0, before any save)."""
+        if self.options.overwrite and self.save_root is not None and self.rank == 0:
+            removed = remove_newer_checkpoints(self.save_root, resumed_at)
+            if removed:
+                print(f"etp-train: --overwrite: deleted checkpoints {removed} of {self.save_root}", flush=True)
+
+    def resume(self, stepper) -> int:
+        """Loads the checkpoint ``--resume`` names into the model and optimizer; the iteration."""
+        from etp.megatron.checkpoint import load_training_checkpoint
+
+        wanted = None if self.options.resume is True else int(self.options.resume)
+        iteration, metadata, _ = load_training_checkpoint(self.load_root, stepper.model, stepper.optimizer, wanted)
+        if self.rank == 0:
+            print(f"etp-train: resumed at iteration {iteration} from {self.load_root} (saved with layout "
+                  f"{metadata.get('layout')})", flush=True)
+        return iteration
+
+    def save(self, stepper, iteration: int) -> float:
+        """Saves ``iteration``; returns the seconds it took (kept out of the step time)."""
+        from etp.megatron.checkpoint import save_training_checkpoint
+
+        p, e = self.recipe.parallel, self.recipe.etp
+        layout = {"world_size": self.world, "tensor_model_parallel_size": p.tensor_model_parallel_size,
+                  "expert_model_parallel_size": p.expert_model_parallel_size,
+                  "etp_size": e.etp_size, "expert_etp_size": e.expert_etp_size}
+        began = time.perf_counter()
+        path = save_training_checkpoint(self.save_root, iteration, stepper.model, stepper.optimizer,
+                                        {"recipe": str(self.recipe.source), "layout": layout})
+        seconds = time.perf_counter() - began
+        if self.rank == 0:
+            print(f"etp-train: saved iteration {iteration} to {path} ({seconds:.1f} s)", flush=True)
+        return seconds
