@@ -36,12 +36,20 @@ Model (``recipe.model``, :class:`ModelSpec`):
         set it for heads x kv_channels != hidden_size, e.g. Qwen3-MoE's 32 x 128 at width 2048).
     qk_layernorm: false (true: each head's queries and keys normalized, with the normalization's
         kind, before rope; two [kv_channels] weights per layer, replicated under ETP).
+    qk_layernorm_width: head (etp's own: what qk_layernorm normalizes | full: the whole
+        num_attention_heads x kv_channels query and num_query_groups x kv_channels key as one
+        vector each, OLMoE's, etp.megatron.qk_norm.FullWidthQKNorm; RMSNorm and
+        tensor_model_parallel_size 1 only).
+    norm_epsilon: 1e-05 (every LayerNorm / RMSNorm's epsilon, megatron-core's layernorm_epsilon;
+        Qwen3's 1e-06).
     max_position_embeddings: None -> seq_length.
     vocab_size: etp's own reading: there is no tokenizer; data is token ids < vocab_size
         (a text corpus is read as UTF-8 bytes, so vocab_size >= 256 with a corpus).
     make_vocab_size_divisible_by: 128 (the embedding has padded_vocab_size rows).
     swiglu: false. normalization: LayerNorm (LayerNorm | RMSNorm).
     position_embedding_type: learned_absolute (learned_absolute | rope | none).
+    rotary_base: 10000 (the RoPE base period, GPTModel's rotary_base; rope only: Qwen3's and
+        Mixtral's 1000000).
     untie_embeddings_and_output_weights: false. add_bias_linear: true.
     init_method_std: 0.02. attention_dropout: 0.1. hidden_dropout: 0.1.
     num_experts: None (a dense model; otherwise the layers moe_layer_freq picks are MoE).

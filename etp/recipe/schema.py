@@ -57,6 +57,7 @@ def _positive(default: Any, help: str, **kw: Any) -> Any:
 
 
 _NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+_QK_LAYERNORM_WIDTHS = ("head", "full")
 _POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 _DISPATCHERS = ("allgather", "alltoall", "flex", "local", "etp")
 _LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
@@ -109,9 +110,15 @@ class ModelSpec:
     swiglu: bool = _key(False, _BOOL, "SwiGLU MLPs")
     normalization: str = _key("LayerNorm", _STR, "norm layers", choices=_NORMALIZATIONS)
     qk_layernorm: bool = _key(False, _BOOL, "normalize each head's queries and keys (the normalization's kind)")
+    qk_layernorm_width: str = _key(
+        "head", _STR, "what qk_layernorm normalizes: head (each head's kv_channels: megatron-core's, Qwen3's) or "
+        "full (the whole query and the whole key: OLMoE's)", choices=_QK_LAYERNORM_WIDTHS)
+    norm_epsilon: float = _key(1e-5, _FLOAT, "epsilon of every LayerNorm / RMSNorm", minimum=0.0,
+                               exclusive_minimum=True)
     position_embedding_type: str = _key(
         "learned_absolute", _STR, "position embedding", choices=_POSITION_EMBEDDINGS
     )
+    rotary_base: float = _key(10000.0, _FLOAT, "RoPE base period (rope only)", minimum=0.0, exclusive_minimum=True)
     untie_embeddings_and_output_weights: bool = _key(False, _BOOL, "separate output layer weight")
     add_bias_linear: bool = _key(True, _BOOL, "biases in linear layers")
     init_method_std: float = _key(
@@ -212,6 +219,17 @@ class ModelSpec:
     @property
     def is_moe(self) -> bool:
         return self.num_experts is not None
+
+    @property
+    def qk_layernorm_widths(self) -> tuple[int, int] | None:
+        """(query, key) widths of the QK norms' weights: one head's ``kv_channels`` each, or
+        with ``qk_layernorm_width: full`` every query head's and every key head's; None without
+        ``qk_layernorm``."""
+        if not self.qk_layernorm:
+            return None
+        if self.qk_layernorm_width == "full":
+            return self.num_attention_heads * self.kv_channels, self.num_query_groups * self.kv_channels
+        return self.kv_channels, self.kv_channels
 
     @property
     def moe_layers(self) -> tuple[bool, ...]:

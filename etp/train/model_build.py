@@ -15,7 +15,8 @@ import torch.nn.functional as F
 __all__ = ["build_model", "cpu_model_gaps", "gpt_model", "learning_rate", "scale_router_losses", "transformer_config"]
 
 #: architecture keys and the value the CPU driver's TinyMoELM models (None: hidden / heads)
-_TINY_MODELS = {"kv_channels": None, "qk_layernorm": False, "moe_layer_freq": 1,
+_TINY_MODELS = {"kv_channels": None, "qk_layernorm": False, "qk_layernorm_width": "head", "norm_epsilon": 1e-5,
+                "rotary_base": 10000.0, "moe_layer_freq": 1,
                 "moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False,
                 "moe_router_score_function": "softmax", "moe_router_pre_softmax": False,
                 "moe_router_topk_scaling_factor": None, "moe_router_enable_expert_bias": False,
@@ -152,7 +153,7 @@ def transformer_config(recipe, device):
         moe_token_dispatcher_type=("alltoall" if m.moe_token_dispatcher_type in ("local", "etp")
                                    else m.moe_token_dispatcher_type),
         gated_linear_unit=m.swiglu, activation_func=F.silu if m.swiglu else F.gelu,
-        add_bias_linear=m.add_bias_linear, normalization=m.normalization,
+        add_bias_linear=m.add_bias_linear, normalization=m.normalization, layernorm_epsilon=m.norm_epsilon,
         init_method_std=m.init_method_std, hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout, bf16=recipe.train.bf16, params_dtype=dtype,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
@@ -165,7 +166,8 @@ def transformer_config(recipe, device):
 def gpt_model(recipe, config):
     """megatron-core's ``GPTModel`` of a recipe and its ``TransformerConfig``: etp's decoder spec
     (``etp_gpt_decoder_spec``: grouped experts with ``moe_grouped_gemm``, else megatron-core's
-    ``SequentialMLP``; SDPA attention, QK norm, dense and MoE layers),
+    ``SequentialMLP``; SDPA attention, QK norm per head or over the whole query and key
+    (``etp.megatron.qk_norm``), dense and MoE layers), the recipe's RoPE base,
     tied or untied embeddings, and etp's language-model loss (``use_vocab_cross_entropy``).
     Unsharded, on the device ``config`` initializes on.
 
@@ -181,9 +183,13 @@ def gpt_model(recipe, config):
     m = recipe.model
     spec = etp_gpt_decoder_spec(config, normalization=m.normalization, attention_backend=m.attention_backend,
                                 grouped_experts=m.moe_grouped_gemm)
+    if m.qk_layernorm and m.qk_layernorm_width == "full":
+        from etp.megatron.qk_norm import use_full_width_qk_norm
+
+        use_full_width_qk_norm(spec)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=recipe.padded_vocab_size,
                      max_sequence_length=m.max_position_embeddings or m.seq_length,
-                     position_embedding_type=m.position_embedding_type,
+                     position_embedding_type=m.position_embedding_type, rotary_base=m.rotary_base,
                      share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights)
     use_vocab_cross_entropy(model)  # the 16-bit logits kept for backward, not an fp32 softmax
     return model
