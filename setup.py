@@ -10,7 +10,8 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["etp", "etp.*"]),
     package_data={"etp": ["data/*.txt"]},
-    entry_points={"console_scripts": ["etp-train = etp.train.main:main", "etp-audit = etp.train.audit_command:main"]},
+    entry_points={"console_scripts": ["etp-train = etp.train.main:main", "etp-audit = etp.train.audit_command:main",
+                                      "etp-convert = etp.train.convert_command:main"]},
     install_requires=[
         # torch 2.11 (the GPU machines) through 2.13 (CPU machines) are tested.
         "torch>=2.11",
@@ -20,5 +21,8 @@ setup(
         "pyyaml",
     ],
     # "jax": etp.jax (expert parallelism for JAX under shard_map); nothing else imports JAX.
-    extras_require={"test": ["pytest", "matplotlib", "ruff"], "audit": ["matplotlib"], "jax": ["jax"]},
+    # "hf": transformers and safetensors, for Hugging Face checkpoints (etp-convert, docs/hf.md) and the tests
+    # that check conversions against transformers' own models; etp.hf reads and writes safetensors itself.
+    extras_require={"test": ["pytest", "matplotlib", "ruff", "transformers>=5.24,<6", "safetensors>=0.8"],
+                    "audit": ["matplotlib"], "jax": ["jax"], "hf": ["transformers>=5.24,<6", "safetensors>=0.8"]},
 )
