@@ -129,6 +129,13 @@ Training (``recipe.train``, :class:`TrainSpec`):
     save: None. save_interval: None (needs save; unset: one save, after the run's last
         iteration). load: None. A fresh run refuses a save directory that holds another run's
         checkpoints (etp-train --resume or --overwrite; see etp.train.checkpointing).
+    finetune: false (Megatron-LM's: true starts from load's model weights only, at iteration 0 with
+        a fresh optimizer and learning-rate schedule; needs load; not with --resume; a checkpoint
+        etp-convert import-hf wrote holds only weights: docs/hf.md). no_load_optim: false (true:
+        --resume loads the model and the iteration, not the optimizer state). no_load_rng: false
+        (etp's checkpoints hold no RNG state: batches follow seed and iteration, so true and
+        false load the same). skip_train: false (true: no training step and no save, the loaded
+        weights (finetune or --resume) are evaluated and their loss reported; needs load).
     data: synthetic (etp's own: "synthetic" for random token ids, or the path of a text
         corpus, read as bytes; a relative path is looked up from the working directory, the
         recipe's directory and the directory holding the etp package, see

@@ -377,6 +377,14 @@ class TrainSpec:
     save: str | None = _key(None, _STR, "checkpoint directory to save to")
     save_interval: int | None = _positive(None, "steps between checkpoints (unset: one save, after the last step)")
     load: str | None = _key(None, _STR, "checkpoint directory to load from")
+    finetune: bool = _key(False, _BOOL, "start from load's model weights only: iteration, optimizer and learning-rate "
+                          "schedule start fresh (a checkpoint etp-convert import-hf wrote, or any etp-train save)")
+    no_load_optim: bool = _key(False, _BOOL, "--resume without the optimizer state: fresh Adam moments, master "
+                               "weights from the model's; the iteration continues")
+    no_load_rng: bool = _key(False, _BOOL, "load no RNG state: etp's checkpoints hold none (batches follow the seed "
+                             "and the iteration), so both values load the same")
+    skip_train: bool = _key(False, _BOOL, "train nothing: evaluate the loaded weights (finetune or --resume) and "
+                            "report their loss")
     data: str = _key(SYNTHETIC, _STR, "'synthetic' or a text corpus path")
     deterministic: bool = _key(
         False, _BOOL, "bitwise-reproducible runs: torch deterministic algorithms, megatron deterministic_mode; "
@@ -425,6 +433,10 @@ class TrainSpec:
             _fail("fp16", True, "bf16 and fp16 are both true: choose one")
         if self.save_interval is not None and self.save is None:
             _fail("save_interval", self.save_interval, "needs save: a checkpoint directory")
+        for key in ("finetune", "skip_train"):
+            if getattr(self, key) and self.load is None:
+                _fail(key, True, "needs load: the checkpoint directory to start from (an etp-train save, or one "
+                      "etp-convert import-hf wrote), e.g. --set load=CKPT")
         self._check_recompute()
 
     @property

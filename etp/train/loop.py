@@ -117,7 +117,14 @@ def train(rank: int, world: int, recipe, options: RunOptions | None = None, port
     peak = recipe.train.peak_tflops or peak_tflops(torch.cuda.get_device_name() if run.device.type == "cuda" else None)
     _announce(run, recipe, flops, peak)
     checkpoints = Checkpointing(recipe, options, run.rank, run.world)
-    start = checkpoints.resume(run.stepper) if options.resume else 0
+    start = checkpoints.start(run.stepper)  # --resume's iteration, or 0 (after finetune's weights)
+    if recipe.train.skip_train:  # [Note: fine-tuning]
+        from etp.train.finetune import evaluate_loaded
+
+        losses = [evaluate_loaded(run, recipe, batches, start)]
+        quiesce(run)
+        ps.destroy_model_parallel()
+        return losses
     checkpoints.prepare(start if options.resume else None)
     stop = min(recipe.train.train_iters, options.exit_after or recipe.train.train_iters)
     if start >= stop and run.rank == 0:
