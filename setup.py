@@ -19,6 +19,8 @@ setup(
         "triton",
         "pyyaml",
     ],
-    # "jax": etp.jax (expert parallelism for JAX under shard_map); nothing else imports JAX.
-    extras_require={"test": ["pytest", "matplotlib", "ruff"], "audit": ["matplotlib"], "jax": ["jax"]},
+    # "metrics": etp-train's tensorboard_dir / wandb_project (etp.train.metrics); "jax": etp.jax (expert
+    # parallelism for JAX under shard_map). Nothing imports them unless a run asks.
+    extras_require={"test": ["pytest", "matplotlib", "ruff", "tensorboard"], "audit": ["matplotlib"], "jax": ["jax"],
+                    "metrics": ["tensorboard", "wandb"]},
 )
