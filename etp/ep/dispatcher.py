@@ -32,8 +32,8 @@ from etp.ep.autograd import CombineFunction, DispatchFunction
 from etp.ep.backends import EPContext, backend_class
 from etp.ep.config import EPConfig
 from etp.ep.handle import EPHandle, HandleState
-from etp.ep.layout import META_COLUMNS, count_pairs, pair_rows
 from etp.ep.profiler import choose, pick_fastest
+from etp.ep.routing_layout import META_COLUMNS, count_pairs, pair_rows
 
 __all__ = ["ExpertDispatcher"]
 

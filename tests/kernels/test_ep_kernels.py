@@ -1,7 +1,7 @@
 """The symmetric-memory move kernels of ``etp.kernels.ep_move``, W ranks simulated in one
 process (pointer tables of local tensors stand in for symmetric memory; the Triton
 interpreter runs them on CPU), bit for bit against ``etp.kernels.ep_reference`` and
-against the receive layout of ``etp.ep.layout``."""
+against the receive layout of ``etp.ep.routing_layout``."""
 from __future__ import annotations
 
 import os
@@ -11,7 +11,7 @@ import torch
 from ep_cases import make_case
 
 from etp.ep.backends.base import sum_pairs
-from etp.ep.layout import count_pairs, pair_rows
+from etp.ep.routing_layout import count_pairs, pair_rows
 from etp.kernels import ep_move as km
 from etp.kernels import ep_reference as ref
 
