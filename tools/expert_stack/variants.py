@@ -96,8 +96,7 @@ def _replicated(shape, env: Env, variant: Variant) -> Prepared:
             layer.fp8_weights, layer.fp8_copies, layer.fp8_wgrad = {}, {}, variant.fp8_wgrad
         quantize_full_weights(model)  # the first quantization, as after initialization
         finalize = lambda: quantize_full_weights(model)  # noqa: E731 - once per optimizer step in training
-        info["fp8_copy_bytes"] = sum(d.numel() for layer in model.layers
-                                     for pair in layer.fp8_copies.values() for d in pair)
+        info["fp8_copy_bytes"] = sum(d.numel() for layer in model.layers for d in layer.fp8_copies.values())
     return Prepared(model, model, finalize, _bytes(model.parameters()), 0, "local", info)
 
 
