@@ -112,8 +112,8 @@ def test_quantize_ahead_hands_the_rowwise_fp8_to_both_gemms(monkeypatch):
 def test_derived_values_under_inference_mode():
     """Inference tensors have no version counter: offsets and scale rows are made each call,
     and rowwise FP8 hand-overs are not attached (evaluation under torch.inference_mode)."""
-    from etp.gemm import _offsets, attach_rowwise_fp8, row_amax
     from etp.formats.fp8 import scale_rows as _scale_rows
+    from etp.gemm import _offsets, attach_rowwise_fp8, row_amax
 
     with torch.inference_mode():
         counts = torch.tensor([2, 3])

@@ -93,7 +93,13 @@ class ShardToQuantize:
 
 class ScaleExchange:
     """The collectives a quantization runs over one ETP group (``etp.quant`` passes them, so
-    formats hold no process group and run under a fake one in tests)."""
+    formats hold no process group and run under a fake one in tests).
+
+    Example::
+
+        exchange.all_reduce_max(amax)                        # one all-reduce for every weight
+        full_scales = exchange.all_gather_rows(row_scales)   # one all-gather for every weight
+    """
 
     size: int = 1  # ranks in the group
 
@@ -124,7 +130,12 @@ def store_quantized(target: ShardToQuantize, data: torch.Tensor, scale: torch.Te
                     amax: torch.Tensor | None = None) -> QuantizedShard:
     """The scale state of ``target`` for this step. After the first step it is written into the
     tensors of the previous one, so their addresses never change: a CUDA graph that captured a
-    gather and its scaled GEMMs reads the new step's values at replay."""
+    gather and its scaled GEMMs reads the new step's values at replay.
+
+    Example::
+
+        return [store_quantized(s, q, scale) for s, (q, scale) in zip(shards, quantized)]
+    """
     old = target.previous
     if old is not None and old.data.shape == data.shape and old.scale.shape == scale.shape:
         if old.data.data_ptr() != data.data_ptr():
