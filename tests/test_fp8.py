@@ -247,7 +247,7 @@ def _wire_bytes(ctx, mode):
 
 
 @pytest.mark.parametrize("mode,element_bytes", [("fp8_tensorwise", 1), ("fp8_blockwise", 1), ("bf16", 2),
-                                                ("param", 4)])
+                                                pytest.param("param", 4, marks=pytest.mark.slow)])  # as bf16's
 def test_each_weight_element_costs_its_formats_bytes(mode, element_bytes):
     weight_gathers, scale_gathers, elements = run_distributed(_wire_bytes, 2, mode)[0]
     assert weight_gathers and all(nbytes == element_bytes * numel for nbytes, numel, _ in weight_gathers)
