@@ -11,8 +11,8 @@ from torch import nn
 
 from .activations import swiglu, swiglu_output
 from .autograd import etp_grouped_linear
-from .gemm import fp8_compute_applies, valid_rows_of
 from .gemm import grouped_linear as plain_grouped_linear
+from .gemm import valid_rows_of
 from .param import ETPShardedParam
 from .saved import rebuilt_in_backward
 
@@ -99,8 +99,8 @@ class GroupedSwiGLUExperts(nn.Module):
         """Whether both GEMMs around the SwiGLU run in FP8, so that the SwiGLU kernels quantize
         fc2's input and fc1's input gradient as they write them."""
         return all(
-            isinstance(w, ETPShardedParam) and w.etp_config.gather_dtype == "fp8_tensorwise"
-            and fp8_compute_applies(x, w.etp_layout.logical_shape, grouped=True)
+            isinstance(w, ETPShardedParam)
+            and w.etp_config.gather_format.fp8_gemm_applies(x, w.etp_layout.logical_shape, grouped=True)
             for w in (self.fc1_weight, self.fc2_weight)
         )
 

@@ -108,7 +108,7 @@ class ETPRuntime:
         self.transports: dict[tuple[int, ...], Transports] = {}  # by group ranks
         self.gathers = GatherSide(config, self._transports_of, self.streams)
         self.reductions = ReduceSide(config, self._transports_of, self.streams)
-        self.quant_plans: dict = {}  # etp.quant's per-group tensorwise plans (stable views)
+        self.quant_plans: dict = {}  # (group ranks, format) -> the plans its quantization keeps
         self._chains: dict[ChainKey, Chain] = {}
         self._records: dict[int, Registered] = {}
         self._phase = Role.BWD  # so that the first forward consume starts a pass
@@ -135,8 +135,8 @@ class ETPRuntime:
             ) from None
 
     def fp8_shard(self, param: torch.Tensor):
-        """``param``'s FP8 shard of this step (``etp.quant.QuantizedShard``), None before the
-        first quantization."""
+        """``param``'s quantized (FP8) shard of this step (``etp.formats.QuantizedShard``), None
+        before the first quantization or with a format that keeps none."""
         self.record(param)
         return self.gathers.state(param).quant
 
@@ -149,8 +149,9 @@ class ETPRuntime:
         return RuntimeStats(self.gathers, self.reductions)
 
     @property
-    def fp8(self) -> bool:
-        return self.gathers.fp8
+    def quantized(self) -> bool:
+        """Whether the gather format keeps quantized shards (``etp.formats``)."""
+        return self.gathers.quantized
 
     # ------------------------------------------------------------------ transports
     def _transports_of(self, param: torch.Tensor) -> Transports:
@@ -185,8 +186,8 @@ class ETPRuntime:
         with torch.no_grad():
             for param, gather in new:
                 home = gather.home(param)
-                if self.fp8:
-                    self.gathers.state(param).quant_home = home  # etp.quantize_shards writes the FP8 shard here
+                if self.quantized:
+                    self.gathers.state(param).quant_home = home  # etp.quantize_shards writes the quantized shard here
                 elif home.dtype == param.dtype:
                     home.copy_(param.detach())
                     param.data = home  # the optimizer now updates the symmetric shard
@@ -287,9 +288,9 @@ class ETPRuntime:
         return moved
 
     def refresh_fp8(self) -> bool:
-        """Quantizes the FP8 shards now if any shard changed since (in place: the addresses a
-        captured graph reads stay valid). Returns whether it quantized."""
-        if self.fp8 and any((q := self.gathers.state(r.param).quant) is None or q.version != r.param._version
+        """Quantizes the quantized (FP8) shards now if any shard changed since (in place: the
+        addresses a captured graph reads stay valid). Returns whether it quantized."""
+        if self.quantized and any((q := self.gathers.state(r.param).quant) is None or q.version != r.param._version
                             for r in self._records.values()):
             quantize_shards(r.param for r in self._records.values())
             return True

@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from etp.config import ETPConfig
 from etp.recipe.architecture import check_architecture, moe_layer_pattern
 from etp.recipe.validation import (
@@ -479,6 +481,12 @@ class TrainSpec:
     @property
     def is_synthetic(self) -> bool:
         return self.data == SYNTHETIC
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        """The parameters' dtype, as Megatron-LM derives ``args.params_dtype`` from ``bf16`` /
+        ``fp16`` (what a gather format is asked whether it takes)."""
+        return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
 
 
 _SECTIONS: dict[str, type] = {"model": ModelSpec, "parallel": ParallelSpec, "train": TrainSpec}

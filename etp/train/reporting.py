@@ -60,25 +60,26 @@ def param_bits_sum(model) -> int:
 
 
 def fp8_eager_hint(recipe, device_type: str) -> str | None:
-    """The line etp-train prints when FP8 gathers run in an eager step on CUDA and the recipe
-    could be captured as it stands (``cuda_graph: step`` validates), else None: an FP8 GEMM
-    issues more launches than a bf16 one, and an eager step of a small-batch recipe is bound
-    by its host's launches, which a captured step does not pay.
+    """The line etp-train prints when quantized (FP8) gathers run in an eager step on CUDA and
+    the recipe could be captured as it stands (``cuda_graph: step`` validates), else None: a
+    GEMM of a quantized weight issues more launches than a bf16 one, and an eager step of a
+    small-batch recipe is bound by its host's launches, which a captured step does not pay.
 
     Example::
 
         fp8_eager_hint(Recipe.from_yaml("recipes/moe_flagship.yaml", etp={"gather_dtype": "fp8_tensorwise"}), "cuda")
     """
     e = recipe.etp
-    if (device_type != "cuda" or not e.gather_dtype.startswith("fp8") or recipe.train.cuda_graph == "step"
+    if (device_type != "cuda" or not e.gather_format.quantized or recipe.train.cuda_graph == "step"
             or (e.etp_size == 1 and e.expert_etp_size == 1)):
         return None
     try:
         recipe.replace(cuda_graph="step", overlap_grad_reduce=False)
     except ValueError:
         return None  # not capturable as it stands: no advice that would fail
-    return (f"etp-train: {e.gather_dtype} gathers in an eager step: each FP8 GEMM issues more launches than a "
-            "bf16 one, and an eager step is bound by its host; the fast FP8 setting is the captured step: "
+    return (f"etp-train: {e.gather_dtype} gathers in an eager step: each GEMM of a quantized weight issues more "
+            "launches than a bf16 one, and an eager step is bound by its host; the fast setting for them is the "
+            "captured step: "
             "--set cuda_graph=step --set overlap_grad_reduce=false")
 
 
