@@ -56,8 +56,10 @@ class _ETPWeightFunction(torch.autograd.Function):
         # backward's last GEMM to finish before it starts.
         if ctx.needs_input_grad[1]:
             cfg = param.etp_config
-            fp8 = dict(fp8=cfg.fp8_wgrad)
-            if cfg.fp8_wgrad and weight is not None:
+            # fp8_wgrad means "with FP8 gathers, FP8 weight gradients too": a bf16 gather keeps bf16 wgrads.
+            fp8_wgrad = cfg.fp8_wgrad and cfg.gather_format.fp8_gemms
+            fp8 = dict(fp8=fp8_wgrad)
+            if fp8_wgrad and weight is not None:
                 op.quantize_ahead(gy, weight, counts)  # its rows' amax serves the FP8 wgrad, its q the dgrad
             if op.writes_into(x, gy):
                 padded = runtime.wgrad_buffer(param)
