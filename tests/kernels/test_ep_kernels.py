@@ -295,11 +295,10 @@ def _steady_moves(disp, gen, launches):
         for _ in range(3):
             launches.clear()
             with _Allocations() as mode:
-                recv_x, _, _ = disp.dispatch(x, w, handle)
+                recv_x, recv_w, _ = disp.dispatch(x, w, handle)
                 disp.combine(recv_x, handle)
-                disp._move_dispatch(x, None, handle, backward=True)
-                disp._move_combine(recv_x, handle, backward=True)
-                disp._move_combine_pairs(disp._recv_w, handle)
+                disp.combine_backward(x, handle)
+                disp.dispatch_backward(recv_x, recv_w, handle)
             per_step.append(list(launches))
             allocs.append(mode.ops)
     return per_step, allocs, sorted(mode.seen), handle, x, w, recv_x
@@ -479,9 +478,9 @@ def _hierarchical_on_cpu(ctx):
     with torch.no_grad():
         for _ in range(2):
             with _Allocations() as mode:
-                recv_x, _, _ = disp.dispatch(x, w, handle)
+                recv_x, recv_w, _ = disp.dispatch(x, w, handle)
                 disp.combine(recv_x, handle)
-                disp._move_combine_pairs(disp._recv_w, handle)
+                disp.dispatch_backward(recv_x, recv_w, handle)
             allocs.append(mode.ops)
     return errors, allocs
 

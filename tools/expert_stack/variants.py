@@ -161,10 +161,8 @@ def _join_side_streams(model) -> None:
     """The current stream waits for every ETP side stream (AG and RS)."""
     if not torch.cuda.is_available():
         return
-    for streams in etp.runtime_of(model).streams._streams.values():
-        for stream in (streams.ag, streams.rs):
-            if stream is not None:
-                torch.cuda.current_stream().wait_stream(stream)
+    for stream in etp.runtime_of(model).streams.side_streams():
+        torch.cuda.current_stream().wait_stream(stream)
 
 
 def _captured(prep: Prepared, env: Env) -> Prepared:

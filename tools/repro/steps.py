@@ -209,7 +209,7 @@ def checkpoint(k: int) -> Step:
 
 
 def kernels() -> Step:
-    adam = "python3 tools/bench_adam.py --recipe recipes/qwen3_30b_a3b.yaml --etp 4 --sweep --out {json}"
+    adam = "python3 tools/bench_adam.py --recipe recipes/qwen3_30b_a3b.yaml --etp 4 --out {json}"
     return Step("kernels_1gpu", "FP8 kernels against copy bandwidth",
                 (Run("kernels", "python3 tools/bench_kernels.py --out {json}", 1, 60, 240, figures="kernels",
                      reported={"1xh200": "kernels_1xh200_d968ef1.json"}),
