@@ -157,6 +157,7 @@ def transformer_config(recipe, device):
         attention_dropout=m.attention_dropout, bf16=recipe.train.bf16, params_dtype=dtype,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         expert_model_parallel_size=p.expert_model_parallel_size,
+        expert_tensor_parallel_size=p.expert_tensor_parallel_size,
         sequence_parallel=p.sequence_parallel, use_cpu_initialization=device.type == "cpu",
         deterministic_mode=recipe.train.deterministic, **recipe.recompute_kwargs(),
     )

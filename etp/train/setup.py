@@ -97,6 +97,7 @@ def set_up(recipe, rank: int, world: int, port: int | None = None) -> Run:
     ps.initialize_model_parallel(tensor_model_parallel_size=p.tensor_model_parallel_size,
                                  pipeline_model_parallel_size=p.pipeline_model_parallel_size,
                                  expert_model_parallel_size=p.expert_model_parallel_size,
+                                 expert_tensor_parallel_size=p.expert_tensor_parallel_size,
                                  context_parallel_size=p.context_parallel_size)
     groups = build_megatron_etp_groups(recipe.etp)
     model, loss_fn, config = build_model(recipe, device)
