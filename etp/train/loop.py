@@ -16,7 +16,7 @@ from torch.autograd.profiler import record_function
 
 from etp.train.checkpointing import Checkpointing
 from etp.train.options import RunOptions
-from etp.train.reporting import Reporter, fp8_eager_hint, param_bits_sum
+from etp.train.reporting import Reporter, StartupClock, fp8_eager_hint, param_bits_sum
 from etp.train.schedule import OptimizerSchedule
 from etp.train.setup import Run, quiesce, set_up
 
@@ -109,8 +109,9 @@ def train(rank: int, world: int, recipe, options: RunOptions | None = None, port
     from etp.train.flops import peak_tflops, training_flops
 
     options = options or RunOptions()
+    clock = StartupClock()
     recipe = _resolved(recipe, rank, world)
-    run = set_up(recipe, rank, world, port)
+    run = set_up(recipe, rank, world, port, clock)
     micro = recipe.num_microbatches(run.world)
     batches = Batches(recipe, ps.get_data_parallel_rank(), run.device, micro)
     flops = training_flops(recipe, micro * recipe.train.micro_batch_size * recipe.model.seq_length)
@@ -124,14 +125,18 @@ def train(rank: int, world: int, recipe, options: RunOptions | None = None, port
     if start >= stop and run.rank == 0:
         print(f"etp-train: nothing to do: the run is at iteration {start}, its last is {stop}", flush=True)
     tools = _instruments(run, options, max(0, stop - start))
-    reporter = Reporter(recipe, run.rank, run.device, flops, peak)
+    reporter = Reporter(recipe, run.rank, run.device, flops, peak, stop=stop, clock=clock, schedule=schedule)
+    clock.mark("resume" if options.resume else "loop set-up")
+    if run.rank == 0:
+        print(f"etp-train: {clock.line('set up in')}", flush=True)
     try:
         graphed = None
         for iteration in range(start, stop):
             if recipe.train.cuda_graph == "step" and graphed is None:
                 from etp.train.captured_step import capture_step
 
-                with tools.phase("capture"):  # the audit sees the capture's peak (activations into the graph's pool)
+                # The audit sees the capture's peak (activations into the graph's pool).
+                with tools.phase("capture"), clock.timed("capture"):
                     graphed = capture_step(run.stepper.model, run.loss_fn, batches.get(iteration, 0), micro,
                                            run.device)
             total = _micro_batches(run, recipe, batches, iteration, micro, tools, graphed)

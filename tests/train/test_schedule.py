@@ -243,3 +243,32 @@ def test_checkpoints_keep_the_schedule_and_a_resume_restores_it(monkeypatch, tmp
     assert _close(restored.lr, expected_lr(recipe.train, 6))
     assert all(_close(g["lr"], expected_lr(recipe.train, 6)) for g in fresh.optimizer.param_groups)
 
+
+@pytest.mark.slow  # three CPU runs; the pieces are tested above
+def test_etp_train_logs_the_schedule_and_a_resume_continues_it(tmp_path, capsys):
+    """A real run (one CPU rank) logs every iteration's learning rate as the formula gives it,
+    saves the schedule with its checkpoint, and the resumed run continues it; a resume on another
+    schedule is one line."""
+    from etp.megatron.checkpoint.manifest import MANIFEST_NAME, iteration_dir
+    from etp.train.main import main
+
+    keys = ["--set", "world_size=1", "--set", "lr_decay_style=WSD", "--set", "lr_warmup_iters=2",
+            "--set", "lr_wsd_decay_iters=3", "--set", "lr_wsd_decay_style=linear"]
+    base = ["--recipe", str(TINY), "--train-iters", "6", "--log-interval", "1", *keys]
+    save = ["--set", f"save={tmp_path / 'ckpt'}"]
+    assert main([*base, *save, "--exit-after", "3", "--json", str(tmp_path / "first.json")]) == 0
+    assert main([*base, *save, "--resume", "--json", str(tmp_path / "resumed.json")]) == 0
+    t = Recipe.from_yaml(TINY, train_iters=6, world_size=1, lr_decay_style="WSD", lr_warmup_iters=2,
+                         lr_wsd_decay_iters=3, lr_wsd_decay_style="linear").train
+    batch = Recipe.from_yaml(TINY, world_size=1).global_batch_size()
+    logged = [r["lr"] for name in ("first", "resumed")
+              for r in json.loads((tmp_path / f"{name}.json").read_text())["log"]]
+    want = [expected_lr(t, i, batch) for i in range(6)]
+    assert len(logged) == 6 and all(_close(a, b) for a, b in zip(logged, want)), (logged, want)
+    saved = json.loads((iteration_dir(tmp_path / "ckpt", 3) / MANIFEST_NAME).read_text())["metadata"]
+    assert saved["opt_param_scheduler"]["num_steps"] == 3 * batch
+    capsys.readouterr()
+    elsewhere = ["--set", f"load={tmp_path / 'ckpt'}", "--set", f"save={tmp_path / 'other'}"]
+    assert main([*base, *elsewhere, "--set", "lr_wsd_decay_iters=2", "--resume", "3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "lr_wsd_decay_iters 3 -> 2" in err[0], err
