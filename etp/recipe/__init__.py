@@ -95,8 +95,8 @@ Parallelism (``recipe.parallel``, :class:`ParallelSpec`):
         etp.train.baselines.fsdp2.FSDP2Step: fully_shard per TransformerLayer and the root over the
         data-parallel ranks, bf16 gathers with bf16: true, fp32 reductions and master weights, torch
         AdamW; the peer etp is benchmarked against (docs/architectures.md, "Peers"). ETP sizes 1 (auto
-        resolves them to 1), TP / PP / CP / EP 1, no distributed optimizer or overlap_param_gather,
-        cuda_graph none (auto resolves to none), no fp16, no save / load, dispatcher local, alltoall or
+        resolves them to 1), TP / PP / CP / EP 1, no distributed optimizer, overlap_param_gather,
+        grad_reduce_in_bf16 or ddp_bucket_size, cuda_graph none (auto resolves to none), no fp16, no save / load, dispatcher local, alltoall or
         allgather; it turns overlap_grad_reduce off itself, FSDP2 reduces during the backward).
     use_megatron_fsdp: false (true: megatron-core's own Megatron-FSDP in place of its DDP,
         etp.train.baselines.megatron_fsdp.MegatronFSDPStep: megatron.core.distributed.fsdp's

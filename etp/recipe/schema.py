@@ -287,6 +287,11 @@ class ParallelSpec:
             if getattr(self, key):
                 _fail(key, True, f"must be false with use_torch_fsdp2 (FSDP2 shards the parameters, gradients "
                       f"and optimizer state itself): remove {key} or use_torch_fsdp2")
+        for key, why in (("grad_reduce_in_bf16", "FSDP2Step reduce-scatters the gradients in fp32"),
+                         ("ddp_bucket_size", "FSDP2 reduces per sharded layer, in no DDP buckets")):
+            if getattr(self, key) not in (False, None):
+                _fail(key, getattr(self, key), f"does nothing with use_torch_fsdp2 ({why}): remove {key} or "
+                      "use_torch_fsdp2")
         self._check_data_parallel_only("use_torch_fsdp2", "FSDP2")
 
     def _check_megatron_fsdp(self) -> None:

@@ -129,6 +129,9 @@ BAD = {
                                 "virtual_pipeline_model_parallel_size", 2),
     "context parallelism": ({"context_parallel_size": 2, "world_size": None}, None, "context_parallel_size", 2),
     "fp16": ({"fp16": True}, None, "fp16", True),
+    "bf16 reductions under FSDP2": ({"use_torch_fsdp2": True, "grad_reduce_in_bf16": True}, None,
+                                    "grad_reduce_in_bf16", True),
+    "DDP buckets under FSDP2": ({"use_torch_fsdp2": True, "ddp_bucket_size": 1000}, None, "ddp_bucket_size", 1000),
     # the learning-rate schedule (megatron-core's OptimizerParamScheduler, Megatron-LM's checks)
     "warm-up init above lr": ({"lr_warmup_init": 0.01}, None, "lr_warmup_init", 0.01),
     "warm-up as long as an explicit decay": ({"lr_warmup_iters": 40, "lr_decay_iters": 40}, None,
