@@ -131,8 +131,9 @@ class OptimizerSchedule:
             if name not in state:
                 continue
             saved, ours = state[name], mine[name]
-            if name.endswith("_steps") and saved is not None and ours is not None:
-                saved, ours = saved // their_batch, ours // g  # iterations, as the recipe writes them
+            if name.endswith("_steps"):  # in iterations, as the recipe writes them
+                saved = None if saved is None else saved // their_batch
+                ours = None if ours is None else ours // g
             if name in ("start_wd", "end_wd") and self.scheduler.wd_incr_style == "constant":
                 key = "weight_decay"
             if saved != ours:

@@ -200,6 +200,9 @@ def test_a_resume_on_another_schedule_is_refused_unless_the_recipe_says_which_wi
     assert "override_opt_param_scheduler=true" in message and "use_checkpoint_opt_param_scheduler=true" in message
     with pytest.raises(TrainError, match=r"global_batch_size 8 -> 16 \(the schedule counts samples\)"):
         OptimizerSchedule(_recipe(), _torch_optimizer(), 16).load_state_dict(state, 5)
+    with pytest.raises(TrainError, match=r"lr_decay_style cosine -> WSD, lr_wsd_decay_iters None -> 4\)"):
+        OptimizerSchedule(_recipe(lr_decay_style="WSD", lr_wsd_decay_iters=4), _torch_optimizer(),
+                          BATCH).load_state_dict(state, 5)
     with pytest.raises(TrainError, match=r"weight_decay 0.01 -> 0.1\)"):
         OptimizerSchedule(_recipe(weight_decay=0.1), _torch_optimizer(), BATCH).load_state_dict(state, 5)
 
