@@ -82,9 +82,12 @@ Model (``recipe.model``, :class:`ModelSpec`):
         fused SDPA kernels | local = megatron-core's DotProductAttention, full score matrix).
 
 Parallelism (``recipe.parallel``, :class:`ParallelSpec`):
-    tensor_model_parallel_size: 1. pipeline_model_parallel_size: 1.
-    expert_model_parallel_size: 1. expert_tensor_parallel_size: None -> tensor size.
-    context_parallel_size: 1. sequence_parallel: false. use_distributed_optimizer: false.
+    tensor_model_parallel_size: 1. pipeline_model_parallel_size: 1 (only 1: etp-train runs no
+        pipeline schedule; Megatron-LM's virtual_pipeline_model_parallel_size is no recipe key).
+    expert_model_parallel_size: 1. expert_tensor_parallel_size: None -> tensor size (megatron-core's
+        expert tensor-parallel groups and TransformerConfig get it).
+    context_parallel_size: 1 (only 1: etp-train splits no sequence over context-parallel ranks).
+    sequence_parallel: false. use_distributed_optimizer: false.
     overlap_grad_reduce: false. overlap_param_gather: false (needs the distributed optimizer and
     overlap_grad_reduce; models without ETP weights). grad_reduce_in_bf16: false (fp32 DDP
     reductions). ddp_bucket_size: None (megatron-core's default).
@@ -92,8 +95,8 @@ Parallelism (``recipe.parallel``, :class:`ParallelSpec`):
         etp.train.baselines.fsdp2.FSDP2Step: fully_shard per TransformerLayer and the root over the
         data-parallel ranks, bf16 gathers with bf16: true, fp32 reductions and master weights, torch
         AdamW; the peer etp is benchmarked against (docs/architectures.md, "Peers"). ETP sizes 1 (auto
-        resolves them to 1), TP / PP / CP / EP 1, no distributed optimizer or overlap_param_gather,
-        cuda_graph none (auto resolves to none), no fp16, no save / load, dispatcher local, alltoall or
+        resolves them to 1), TP / PP / CP / EP 1, no distributed optimizer, overlap_param_gather,
+        grad_reduce_in_bf16 or ddp_bucket_size, cuda_graph none (auto resolves to none), no fp16, no save / load, dispatcher local, alltoall or
         allgather; it turns overlap_grad_reduce off itself, FSDP2 reduces during the backward).
     use_megatron_fsdp: false (true: megatron-core's own Megatron-FSDP in place of its DDP,
         etp.train.baselines.megatron_fsdp.MegatronFSDPStep: megatron.core.distributed.fsdp's
@@ -113,11 +116,27 @@ Training (``recipe.train``, :class:`TrainSpec`):
         divides each rank's share of global_batch_size (then required) and that the memory audit
         predicts to fit. global_batch_size: None -> micro_batch_size * data_parallel_size (one
         microbatch per step).
-    min_lr: 0.0. lr_warmup_iters: 0 (longer than train_iters: clipped, and etp-train says so).
-    lr_decay_iters: None -> train_iters.
-    lr_decay_style: linear (constant | linear | cosine | inverse-square-root | WSD).
-    weight_decay: 0.01. clip_grad: 1.0 (0 = off). adam_beta1: 0.9. adam_beta2: 0.999.
-    adam_eps: 1e-08. bf16: false. fp16: false. seed: 1234. log_interval: 100.
+    The learning-rate and weight-decay schedule is megatron-core's OptimizerParamScheduler, built
+    as Megatron-LM builds it for train_iters (etp.train.schedule; its lengths count samples,
+    [Note: the schedule counts samples]); biases and 1-D parameters take no weight decay.
+    min_lr: 0.0. lr_warmup_iters: 0 (a linear warm-up from lr_warmup_init at iteration 0 to lr at
+        iteration lr_warmup_iters; one that would not end before train_iters, or before an unset
+        lr_decay_iters, is clipped, and etp-train says so). lr_warmup_init: 0.0.
+    lr_decay_iters: None -> train_iters (counted from iteration 0, the warm-up included; min_lr
+        after it).
+    lr_decay_style: linear (constant | linear | cosine | inverse-square-root: lr x sqrt(warm-up /
+        step), in samples | WSD: lr until the last lr_wsd_decay_iters of lr_decay_iters, then
+        lr_wsd_decay_style down to min_lr). lr_wsd_decay_style: exponential (exponential | linear
+        | cosine | minus_sqrt). lr_wsd_decay_iters: None (WSD only, and then required).
+    weight_decay: 0.01. weight_decay_incr_style: constant (weight_decay throughout | linear |
+        cosine: start_weight_decay rising to end_weight_decay over train_iters, both then
+        required). start_weight_decay, end_weight_decay: None.
+    override_opt_param_scheduler, use_checkpoint_opt_param_scheduler: false (a resume whose
+        recipe schedule differs from its checkpoint's is refused unless one is true: the
+        recipe's schedule from the checkpoint's iteration on, or the checkpoint's).
+    clip_grad: 1.0 (0 = off). adam_beta1: 0.9. adam_beta2: 0.999. adam_eps: 1e-08.
+    bf16: false. fp16: false (true is refused: etp-train builds no fp16 model and scales no loss;
+        use bf16). seed: 1234. log_interval: 100.
     save: None. save_interval: None (needs save; unset: one save, after the run's last
         iteration). load: None. A fresh run refuses a save directory that holds another run's
         checkpoints (etp-train --resume or --overwrite; see etp.train.checkpointing).

@@ -152,19 +152,24 @@ class Checkpointing:
             if removed:
                 print(f"etp-train: --overwrite: deleted checkpoints {removed} of {self.save_root}", flush=True)
 
-    def resume(self, stepper) -> int:
-        """Loads the checkpoint ``--resume`` names into the model and optimizer; the iteration."""
+    def resume(self, stepper, schedule=None) -> int:
+        """Loads the checkpoint ``--resume`` names into the model and optimizer (and its
+        learning-rate schedule into ``schedule``, an ``etp.train.schedule.OptimizerSchedule``);
+        the iteration."""
         from etp.megatron.checkpoint import load_training_checkpoint
 
         wanted = None if self.options.resume is True else int(self.options.resume)
         iteration, metadata, _ = load_training_checkpoint(self.load_root, stepper.model, stepper.optimizer, wanted)
+        if schedule is not None:
+            schedule.load_state_dict(metadata.get("opt_param_scheduler"), iteration)
         if self.rank == 0:
             print(f"etp-train: resumed at iteration {iteration} from {self.load_root} (saved with layout "
                   f"{metadata.get('layout')})", flush=True)
         return iteration
 
-    def save(self, stepper, iteration: int) -> float:
-        """Saves ``iteration``; returns the seconds it took (kept out of the step time)."""
+    def save(self, stepper, iteration: int, schedule=None) -> float:
+        """Saves ``iteration`` (with ``schedule``'s state, stepped past it); returns the seconds
+        it took (kept out of the step time)."""
         from etp.megatron.checkpoint import save_training_checkpoint
 
         p, e = self.recipe.parallel, self.recipe.etp
@@ -172,8 +177,10 @@ class Checkpointing:
                   "expert_model_parallel_size": p.expert_model_parallel_size,
                   "etp_size": e.etp_size, "expert_etp_size": e.expert_etp_size}
         began = time.perf_counter()
-        path = save_training_checkpoint(self.save_root, iteration, stepper.model, stepper.optimizer,
-                                        {"recipe": str(self.recipe.source), "layout": layout})
+        metadata = {"recipe": str(self.recipe.source), "layout": layout}
+        if schedule is not None:
+            metadata["opt_param_scheduler"] = schedule.state_dict()  # Megatron-LM's name for it
+        path = save_training_checkpoint(self.save_root, iteration, stepper.model, stepper.optimizer, metadata)
         seconds = time.perf_counter() - began
         if self.rank == 0:
             print(f"etp-train: saved iteration {iteration} to {path} ({seconds:.1f} s)", flush=True)

@@ -1,4 +1,4 @@
-"""The model a recipe describes, and its learning-rate schedule.
+"""The model a recipe describes.
 
 On CPU: etp's ``TinyMoELM`` (megatron-core TP linears, etp grouped experts). On GPUs:
 megatron-core's ``GPTModel`` with etp's grouped experts and attention (bf16 through
@@ -7,12 +7,10 @@ gathers cast to bf16), with etp's or megatron's token dispatcher.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
-__all__ = ["build_model", "cpu_model_gaps", "gpt_model", "learning_rate", "scale_router_losses", "transformer_config"]
+__all__ = ["build_model", "cpu_model_gaps", "gpt_model", "scale_router_losses", "transformer_config"]
 
 #: architecture keys and the value the CPU driver's TinyMoELM models (None: hidden / heads)
 _TINY_MODELS = {"kv_channels": None, "qk_layernorm": False, "moe_layer_freq": 1,
@@ -40,20 +38,6 @@ def cpu_model_gaps(recipe) -> list[str]:
         if got != value:
             found.append(f"{key}={list(got) if isinstance(got, tuple) else got}")
     return found
-
-
-def learning_rate(recipe, iteration: int) -> float:
-    """The recipe's learning rate at ``iteration`` (linear warm-up, then its decay style)."""
-    t = recipe.train
-    if t.lr_warmup_iters and iteration < t.lr_warmup_iters:
-        return t.lr * (iteration + 1) / t.lr_warmup_iters
-    span = max(1, (t.lr_decay_iters or t.train_iters) - t.lr_warmup_iters)
-    progress = min(1.0, (iteration - t.lr_warmup_iters) / span)
-    if t.lr_decay_style == "constant":
-        return t.lr
-    if t.lr_decay_style == "cosine":
-        return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))
-    return t.lr - (t.lr - t.min_lr) * progress  # linear (and the rest, approximately)
 
 
 def build_model(recipe, device):
@@ -157,6 +141,7 @@ def transformer_config(recipe, device):
         attention_dropout=m.attention_dropout, bf16=recipe.train.bf16, params_dtype=dtype,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         expert_model_parallel_size=p.expert_model_parallel_size,
+        expert_tensor_parallel_size=p.expert_tensor_parallel_size,
         sequence_parallel=p.sequence_parallel, use_cpu_initialization=device.type == "cpu",
         deterministic_mode=recipe.train.deterministic, **recipe.recompute_kwargs(),
     )

@@ -21,7 +21,9 @@ def weight_decay_groups(model, weight_decay: float) -> list[dict]:
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         (no_decay if name.endswith(".bias") or param.ndim == 1 else decay).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # wd_mult: what megatron-core's scheduler multiplies the scheduled weight decay by (etp.train.schedule)
+    groups = [{"params": decay, "weight_decay": weight_decay, "wd_mult": 1.0},
+              {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}]
     return [g for g in groups if g["params"]]
 
 

@@ -71,8 +71,9 @@ def _init_process_group(recipe, rank: int, world: int, port: int | None) -> tupl
     return rank, world, backend, device
 
 
-def set_up(recipe, rank: int, world: int, port: int | None = None) -> Run:
-    """Everything before the first iteration of one rank (a collective over the world).
+def set_up(recipe, rank: int, world: int, port: int | None = None, clock=None) -> Run:
+    """Everything before the first iteration of one rank (a collective over the world);
+    ``clock`` (an ``etp.train.reporting.StartupClock``) times its phases.
 
     Example::
 
@@ -97,10 +98,15 @@ def set_up(recipe, rank: int, world: int, port: int | None = None) -> Run:
     ps.initialize_model_parallel(tensor_model_parallel_size=p.tensor_model_parallel_size,
                                  pipeline_model_parallel_size=p.pipeline_model_parallel_size,
                                  expert_model_parallel_size=p.expert_model_parallel_size,
+                                 expert_tensor_parallel_size=p.expert_tensor_parallel_size,
                                  context_parallel_size=p.context_parallel_size)
     groups = build_megatron_etp_groups(recipe.etp)
+    mark = clock.mark if clock is not None else lambda name: None
+    mark("process groups")
     model, loss_fn, config = build_model(recipe, device)
+    mark("build")
     summary = apply_etp(model, recipe.etp, groups)
+    mark("wrap")
     if p.use_torch_fsdp2:  # ETP is off (the recipe refuses ETP sizes above 1): apply_etp changed nothing
         from etp.train.baselines.fsdp2 import FSDP2Step
 
@@ -121,6 +127,7 @@ def set_up(recipe, rank: int, world: int, port: int | None = None) -> Run:
         from etp.train.captured_step import make_embeddings_capture_safe
 
         make_embeddings_capture_safe(stepper.model)
+    mark("optimizer")
     return Run(rank, world, backend, device, stepper, loss_fn, config, summary, determinism)
 
 

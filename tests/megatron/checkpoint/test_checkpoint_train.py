@@ -19,7 +19,7 @@ import torch.distributed as dist
 from harness import run_distributed
 
 from etp.train.batches import Batches
-from etp.train.model_build import build_model, learning_rate
+from etp.train.model_build import build_model
 
 pytest.importorskip("megatron.core")
 ROOT = Path(__file__).resolve().parents[3]
@@ -91,7 +91,7 @@ def _save_then_load(ctx, root, saved_layout, load_layouts):
             for index, _context in enumerate(trainer.microbatches(recipe.num_microbatches(4))):
                 loss, objective = loss_fn(model, batches.get(iteration, index))
                 objective.backward()
-            trainer.step(learning_rate(recipe, iteration), lambda name: contextlib.nullcontext())
+            trainer.step(recipe.train.lr, lambda name: contextlib.nullcontext())
         else:  # megatron's TP output gather needs CUDA: Adam steps on gradients made up from the
             # weights (equal on replicas, zero on padding rows like real ones)
             for param in model.parameters():
