@@ -27,10 +27,10 @@ from typing import Callable
 import torch
 
 from .cache import BufferKey, Role, WeightCache
-from .chain import Chain
 from .config import ETPConfig
 from .formats import QuantizedShard
-from .state import ETPStateError, GatherState, transition
+from .prefetch_chains import Chain
+from .state_machines import ETPStateError, GatherState, transition
 from .streams import CommStreams, StreamRegistry, current_stream_event
 from .transport import Handle, Transports
 

@@ -26,15 +26,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .derived import per_version
 from .formats import WeightOperand
 from .formats.base import fp8_compute_applies, is_sm90
 from .kernels import grouped_colwise_layout, quantize_grouped_colwise, quantize_rowwise
 from .kernels.colwise import ALIGN as COLWISE_ALIGN
 from .streams import to_device_async
+from .version_cache import per_version
 
 __all__ = [
-    "DenseGemm", "GroupedGemm", "attach_rowwise_fp8", "fp8_compute_applies", "grouped_linear",
+    "DenseGemm", "GroupedGemm", "attach_rowwise_fp8", "fp8_compute_applies", "plain_grouped_linear",
     "grouped_linear_reference", "quantize_activation", "row_amax", "valid_rows_of",
 ]
 
@@ -307,7 +307,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def plain_grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Per-expert ``x_e @ w_e.T`` for a plain stacked weight ``[E, out, in]``: the same GEMM
     kernels as the ETP path (``torch._grouped_mm`` on sm90 bf16), differentiable."""
     if counts.numel() != weight.shape[0]:

@@ -48,16 +48,16 @@ from typing import Callable
 import torch
 
 from .cache import Role
-from .chain import Chain, ChainKey
 from .config import ETPConfig
 from .gather_side import GatherSide, Registered
+from .prefetch_chains import Chain, ChainKey
 from .quant import quantize_shards
 from .reduce_side import ReduceSide
-from .state import ETPStateError
+from .state_machines import ETPStateError
 from .streams import StreamRegistry
 from .transport import Transports, choose_transports
 
-__all__ = ["ETPRuntime", "RuntimeStats", "register_grad_ready_hook"]
+__all__ = ["ETPRuntime", "RuntimeStats", "engine_of", "register_grad_ready_hook"]
 
 
 class RuntimeStats:
@@ -337,6 +337,21 @@ class ETPRuntime:
         }
 
 
+def engine_of(param: torch.Tensor) -> ETPRuntime:
+    """The runtime that gathers and reduce-scatters the ETP weight ``param``: the one seam
+    through which the ETP Functions (``etp.autograd``) reach the engine, an import the
+    architecture test sees rather than an attribute it cannot.
+
+    Example::
+
+        weight = engine_of(param).acquire(param, Role.FWD, x.dtype, records_grad)
+    """
+    runtime = getattr(param, "etp_runtime", None)
+    if runtime is None:
+        raise ValueError(f"{param!r} is not an ETP weight of a wrapped model (etp.wrap_module_params_etp)")
+    return runtime
+
+
 def register_grad_ready_hook(param: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
     """Calls ``hook(param)`` each time all of this pass's gradient contributions of the ETP
     weight ``param`` have been reduce-scattered and added into ``param.main_grad`` (or
@@ -346,7 +361,5 @@ def register_grad_ready_hook(param: torch.Tensor, hook: Callable[[torch.Tensor],
 
         register_grad_ready_hook(layer.weight, lambda p: print("ready", p.shape))
     """
-    runtime = getattr(param, "etp_runtime", None)
-    if runtime is None:
-        raise ValueError(f"{param!r} is not an ETP weight of a wrapped model")
+    runtime = engine_of(param)
     runtime.register_grad_ready_hook(param, hook)

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..derived import per_version
 from ..kernels import dequantize_fp8, transpose_last2
+from ..version_cache import per_version
 from .base import GatherFormat, WeightOperand, fp8_compute_applies
 
 __all__ = ["BLOCK", "FP8_DTYPE", "FP8Format", "FP8Weight", "prepare_scale_rows", "scale_rows"]

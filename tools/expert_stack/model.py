@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 import etp
-from etp.activations import swiglu
+from etp.expert_swiglu import expert_swiglu
 from etp.gemm import GroupedGemm
 
 __all__ = ["Env", "ExpertStack", "Workload", "build_model", "init_distributed", "make_workload",
@@ -95,7 +95,7 @@ class BenchExperts(etp.GroupedSwiGLUExperts):
         if not fp8:
             return super().forward(x, tokens_per_expert)
         gate_up = _FP8GroupedLinear.apply(x, self.fc1_weight, fp8["fc1_weight"], tokens_per_expert, self.fp8_wgrad)
-        hidden = swiglu(gate_up, None, quantize=True)  # hands fc2 its FP8 input
+        hidden = expert_swiglu(gate_up, None, quantize=True)  # hands fc2 its FP8 input
         return _FP8GroupedLinear.apply(hidden, self.fc2_weight, fp8["fc2_weight"], tokens_per_expert, self.fp8_wgrad)
 
 
