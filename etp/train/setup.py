@@ -5,8 +5,8 @@ On GPUs the model is wrapped in megatron-core DDP (``ETPDistributedDataParallel`
 weights) and stepped by megatron-core's Adam (``get_etp_megatron_optimizer``: fp32 main
 params and grads, the distributed optimizer when the recipe asks, grad-norm clipping counting
 every element once, FP8 shards re-quantized after each step). On CPU (megatron-core's DDP and
-optimizer need CUDA) torch AdamW steps the model after ``etp.finalize_grads`` and
-``etp.clip_grad_norm_``. With ``use_torch_fsdp2`` (CPU or GPU) ``FSDP2Step`` shards the model
+optimizer need CUDA) torch AdamW steps the same model after ``etp.finalize_grads`` (inside
+megatron-core's ``finalize_model_grads``) and ``etp.clip_grad_norm_``. With ``use_torch_fsdp2`` (CPU or GPU) ``FSDP2Step`` shards the model
 with torch FSDP2 and steps it with torch AdamW instead; with ``use_megatron_fsdp`` (GPUs)
 ``MegatronFSDPStep`` wraps it in megatron-core's Megatron-FSDP and steps it with megatron-core's
 distributed optimizer.
