@@ -149,21 +149,23 @@ def use_fused_rope(on: bool) -> bool:
 #
 # * Tensors placed on ``torch.cuda.current_device()``: the router moves its weight there at every
 #   forward and makes its expert-bias / global-aux-loss buffers there; the rotary embedding moves
-#   its frequencies there at its first forward; local attention's score buffer is allocated there.
-#   Those methods run unchanged with ``torch.cuda.current_device`` answering the CPU while they
-#   run (``_CPU_DEVICE_METHODS``).
+#   its frequencies there at its first forward; local attention's score buffer is allocated there,
+#   and so are the outputs of the tensor- and expert-parallel collectives. Those methods run
+#   unchanged with ``torch.cuda.current_device`` answering the CPU while they run
+#   (``_CPU_DEVICE_METHODS``), unless their first tensor argument is on a GPU.
 # * Local attention's default causal mask is made with ``device="cuda"`` written out: bound to the
 #   same mask made on the CPU.
 # * Named CUDA RNG streams: without CUDA nothing adds any (``model_parallel_cuda_manual_seed``
-#   needs CUDA), so ``fork()`` becomes a no-op and dropout draws from torch's CPU generator, as
-#   etp's SDPA attention does on CPU; recompute saves and restores that generator itself, and the
-#   CUDA generator's state it also saves is nothing on CPU.
-# * The alltoall dispatcher's device-to-host stream: on CPU its split sizes and counts are host
-#   tensors already, so there is nothing to copy and nothing to wait for.
+#   needs CUDA), so forking an unknown one is a no-op and dropout draws from torch's CPU
+#   generator, as etp's SDPA attention does on CPU; recompute saves and restores that generator
+#   itself, and the CUDA generator's state it also saves is none until CUDA is initialized.
+# * The alltoall dispatcher's device-to-host stream and copies: on CPU its split sizes and counts
+#   are host tensors already, so there is nothing to copy and nothing to wait for.
 #
-# Nothing else changes: the modules, their parameters, their arithmetic and the dispatchers' collectives
-# are megatron-core's own, which is what lets the CPU suite prove parity for the model GPUs train.
-# etp-train turns it on for a CPU run and off for a GPU one (``etp.train.model_build.build_model``).
+# Nothing else changes: the modules, their parameters, their arithmetic and the dispatchers'
+# collectives are megatron-core's own, which is what lets the CPU suite prove parity for the model
+# GPUs train. etp-train turns it on for a CPU run and off for a GPU one (``build_model`` in
+# ``etp.train.model_build``); a process that trains on GPUs after CPU work turns it off.
 
 _MAPPINGS = "megatron.core.tensor_parallel.mappings"
 #: (module, class or None for the module's own function, name) placing tensors on the current CUDA
@@ -204,12 +206,18 @@ def _current_device_is_cpu():
 
 
 def _on_cpu(method):
-    @functools.wraps(method)  # __wrapped__: the way back
+    """``method`` with the current device answering the CPU, unless its first tensor argument is
+    on a GPU (then megatron-core's placement is the right one)."""
+    import torch
+
+    @functools.wraps(method)  # __wrapped__: megatron-core's own
     def on_cpu(*args, **kwargs):
+        tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if tensor is not None and tensor.device.type != "cpu":
+            return method(*args, **kwargs)
         with _current_device_is_cpu():
             return method(*args, **kwargs)
 
-    on_cpu.etp_on_cpu = True
     return on_cpu
 
 
@@ -220,18 +228,39 @@ def _causal_mask_on_cpu(sq: int):
     return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
 
 
-def _no_cuda_rng_state(*args, **kwargs):
-    """No CUDA generator on CPU: nothing to save (recompute restores the CPU generator itself)."""
-    return None
+def _cuda_rng_state_if_any(get_state):
+    """megatron-core's ``_get_cuda_rng_state``, or None before CUDA is initialized (a CPU run:
+    there is no CUDA generator to save; recompute saves the CPU generator itself)."""
+    import torch
+
+    @functools.wraps(get_state)
+    def cuda_rng_state(*args, **kwargs):
+        return get_state(*args, **kwargs) if torch.cuda.is_initialized() else None
+
+    return cuda_rng_state
 
 
-def _no_cuda_rng_restore(new_state, *args, **kwargs) -> None:
-    """No CUDA generator on CPU: nothing to restore."""
+def _cuda_rng_restore_if_any(set_state):
+    """megatron-core's ``_set_cuda_rng_state``, nothing for the None a CPU run saved."""
+
+    @functools.wraps(set_state)
+    def restore_cuda_rng_state(new_state, *args, **kwargs):
+        if new_state is not None:
+            set_state(new_state, *args, **kwargs)
+
+    return restore_cuda_rng_state
 
 
-def _no_rng_fork(self, name=None):
-    """No named CUDA RNG stream on CPU: dropout draws from torch's CPU generator."""
-    return contextlib.nullcontext()
+def _fork_if_tracked(fork):
+    """megatron-core's ``CudaRNGStatesTracker.fork`` for a named state it holds; a no-op for one
+    nothing added (on CPU: none), so dropout draws from torch's CPU generator there."""
+    name_default = importlib.import_module(_RANDOM)._MODEL_PARALLEL_RNG_TRACKER_NAME
+
+    @functools.wraps(fork)
+    def fork_if_tracked(self, name=name_default):
+        return fork(self, name) if name in self.states_ else contextlib.nullcontext()
+
+    return fork_if_tracked
 
 
 def _host_counts(self, point, tokens_per_expert=None):
@@ -251,7 +280,7 @@ _NO_STREAM = "etp: no CUDA stream on CPU"
 
 
 def _cpu_bindings() -> list[tuple[object, str, object]]:
-    """(owner, attribute, etp's CPU replacement) of every binding of [Note: megatron-core on CPU]."""
+    """(owner, attribute, etp's CPU binding) of every binding of [Note: megatron-core on CPU]."""
     bindings = []
     for module_name, class_name, name in _CPU_DEVICE_METHODS:
         module = importlib.import_module(module_name)
@@ -262,10 +291,11 @@ def _cpu_bindings() -> list[tuple[object, str, object]]:
         else:
             bindings.append((owner, name, _on_cpu(original)))
     random, dispatcher = importlib.import_module(_RANDOM), importlib.import_module(_DISPATCHER)
+    tracker = random.CudaRNGStatesTracker
     bindings += [(importlib.import_module(_SOFTMAX), "get_default_causal_mask", _causal_mask_on_cpu),
-                 (random, "_get_cuda_rng_state", _no_cuda_rng_state),
-                 (random, "_set_cuda_rng_state", _no_cuda_rng_restore),
-                 (random.CudaRNGStatesTracker, "fork", _no_rng_fork),
+                 (random, "_get_cuda_rng_state", _cuda_rng_state_if_any(random._get_cuda_rng_state)),
+                 (random, "_set_cuda_rng_state", _cuda_rng_restore_if_any(random._set_cuda_rng_state)),
+                 (tracker, "fork", _fork_if_tracked(tracker.__dict__["fork"])),
                  (dispatcher.MoEAlltoAllTokenDispatcher, "_maybe_dtoh_and_synchronize", _host_counts)]
     return bindings
 
