@@ -52,8 +52,7 @@ Model (``recipe.model``, :class:`ModelSpec`):
         etp.megatron.local_dispatcher.LocalTokenDispatcher, no host synchronization, for
         expert_model_parallel_size 1, tensor_model_parallel_size 1 and moe_grouped_gemm; etp:
         etp.megatron.ep_dispatcher.EtpTokenDispatcher over etp.ep's dispatch / combine, any
-        expert_model_parallel_size, tensor and expert tensor parallel size 1; GPU runs only,
-        the CPU driver's model has no megatron dispatcher).
+        expert_model_parallel_size, tensor and expert tensor parallel size 1).
     moe_aux_loss_coeff: 0.0.
     moe_router_load_balancing_type: aux_loss (aux_loss | seq_aux_loss | global_aux_loss |
         sinkhorn | none; one value, not Megatron-LM's list form; none and sinkhorn refuse a
@@ -165,8 +164,7 @@ Training (``recipe.train``, :class:`TrainSpec`):
     peak_tflops: None (etp's own: bf16 peak TFLOP/s per GPU for the MFU column; None -> by GPU
         name, etp.train.flops.PEAK_TFLOPS).
     Activation recompute, passed unchanged to megatron-core's TransformerConfig
-    (:meth:`Recipe.recompute_kwargs`; etp-train's megatron-core GPTModel path only, its CPU
-    TinyMoELM does not recompute):
+    (:meth:`Recipe.recompute_kwargs`; etp-train's GPTModel, on CPU and GPUs):
     recompute_granularity: None (no recompute | full: whole layers, only their inputs kept |
         selective: the recompute_modules of every layer).
     recompute_method: None (full only, and then required: uniform = chunks of
