@@ -20,9 +20,11 @@ setup(
         "triton",
         "pyyaml",
     ],
-    # "jax": etp.jax (expert parallelism for JAX under shard_map); nothing else imports JAX.
-    # "hf": transformers and safetensors, for Hugging Face checkpoints (etp-convert, docs/hf.md) and the tests
-    # that check conversions against transformers' own models; etp.hf reads and writes safetensors itself.
-    extras_require={"test": ["pytest", "matplotlib", "ruff", "transformers>=5.24,<6", "safetensors>=0.8"],
-                    "audit": ["matplotlib"], "jax": ["jax"], "hf": ["transformers>=5.24,<6", "safetensors>=0.8"]},
+    # "metrics": etp-train's tensorboard_dir / wandb_project (etp.train.metrics); "jax": etp.jax (expert
+    # parallelism for JAX under shard_map); "hf": transformers and safetensors, for Hugging Face checkpoints
+    # (etp-convert, docs/hf.md) and the tests that check conversions against transformers' own models (etp.hf
+    # reads and writes safetensors itself). Nothing imports them unless a run asks.
+    extras_require={"test": ["pytest", "matplotlib", "ruff", "tensorboard", "transformers>=5.24,<6", "safetensors>=0.8"],
+                    "audit": ["matplotlib"], "jax": ["jax"], "metrics": ["tensorboard", "wandb"],
+                    "hf": ["transformers>=5.24,<6", "safetensors>=0.8"]},
 )

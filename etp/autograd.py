@@ -20,6 +20,7 @@ import torch
 from .cache import Role
 from .gemm import DenseGemm, GroupedGemm, attach_rowwise_fp8, row_amax
 from .param import ETPShardedParam
+from .runtime import engine_of
 
 __all__ = ["etp_linear", "etp_grouped_linear"]
 
@@ -30,7 +31,7 @@ class _ETPWeightFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, param, op, counts, records_grad):
         # ``records_grad`` comes from the caller: grad mode is always off in here.
-        weight = param.etp_runtime.acquire(param, Role.FWD, x.dtype, records_grad)
+        weight = engine_of(param).acquire(param, Role.FWD, x.dtype, records_grad)
         y = op.forward(x, weight, counts)
         ctx.save_for_backward(x, counts)
         # The rows' amax the forward's FP8 quantization found rides on ctx too: a saved tensor
@@ -47,7 +48,7 @@ class _ETPWeightFunction(torch.autograd.Function):
         if ctx.x_row_amax is not None and row_amax(x) is None:
             attach_rowwise_fp8(x, None, None, ctx.x_row_amax)
         param, op = ctx.param, ctx.op
-        runtime = param.etp_runtime
+        runtime = engine_of(param)
         gy = gy.contiguous()
         # The weight first: acquiring it issues the next weight's gather, as early as before.
         weight = runtime.acquire(param, Role.BWD, gy.dtype) if ctx.needs_input_grad[0] else None
@@ -56,8 +57,10 @@ class _ETPWeightFunction(torch.autograd.Function):
         # backward's last GEMM to finish before it starts.
         if ctx.needs_input_grad[1]:
             cfg = param.etp_config
-            fp8 = dict(fp8=cfg.fp8_wgrad)
-            if cfg.fp8_wgrad and weight is not None:
+            # fp8_wgrad means "with FP8 gathers, FP8 weight gradients too": a bf16 gather keeps bf16 wgrads.
+            fp8_wgrad = cfg.fp8_wgrad and cfg.gather_format.fp8_gemms
+            fp8 = dict(fp8=fp8_wgrad)
+            if fp8_wgrad and weight is not None:
                 op.quantize_ahead(gy, weight, counts)  # its rows' amax serves the FP8 wgrad, its q the dgrad
             if op.writes_into(x, gy):
                 padded = runtime.wgrad_buffer(param)

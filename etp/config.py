@@ -12,18 +12,9 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["ETPConfig", "GATHER_DTYPES", "REDUCTIONS", "REMOVED_SETTINGS", "TRANSPORTS"]
+from .formats import FORMATS, GatherFormat, gather_format
 
-#: Gather formats, mapped to the dtype the weight travels in (None: the parameter's own).
-GATHER_DTYPES: dict[str, torch.dtype | None] = {
-    "param": None,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp32": torch.float32,
-    # One byte per element on the wire; see [Note: ETP FP8 gathers] in etp/quant.py.
-    "fp8_tensorwise": torch.float8_e4m3fn,
-    "fp8_blockwise": torch.float8_e4m3fn,
-}
+__all__ = ["ETPConfig", "REDUCTIONS", "REMOVED_SETTINGS", "TRANSPORTS"]
 
 #: How weight gradients combine over the ETP group. ETP peers see different data, so their
 #: gradients must be combined: "mean" matches a loss averaged per rank (DDP convention),
@@ -71,7 +62,9 @@ class ETPConfig:
             scale per weight or per expert) or "fp8_blockwise" (e4m3, 128x128 blocks; needs
             pad_for_alignment a multiple of 128). FP8 halves the gathered bytes and runs the
             GEMMs in FP8 on sm90+ (fast accumulation; delayed weight scales: the previous
-            step's amax, a weight whose amax grew re-cast with its own).
+            step's amax, a weight whose amax grew re-cast with its own). A format outside
+            etp is named by its import path, "module:Name" (see ``etp.formats``); the object
+            behind the name is ``gather_format``.
         fp8_wgrad: with FP8 gathers, the weight-gradient GEMMs of grouped (expert) weights run
             in FP8 on sm90+ too (per-expert scales from the rows' amax). A precision choice:
             off, weight gradients come from bf16 GEMMs.
@@ -133,16 +126,11 @@ class ETPConfig:
             raise ValueError(
                 f"ETPConfig.reduction={self.reduction!r}: allowed values are {list(REDUCTIONS)}"
             )
-        if self.gather_dtype not in GATHER_DTYPES:
-            raise ValueError(
-                f"ETPConfig.gather_dtype={self.gather_dtype!r}: allowed values are "
-                f"{list(GATHER_DTYPES)}"
-            )
-        if self.gather_dtype == "fp8_blockwise" and self.pad_for_alignment % 128:
-            raise ValueError(
-                f"ETPConfig.pad_for_alignment={self.pad_for_alignment!r}: gather_dtype="
-                "'fp8_blockwise' needs shards of whole 128-row blocks: use a multiple of 128"
-            )
+        try:
+            found = gather_format(self.gather_dtype)
+        except ValueError as error:
+            raise ValueError(f"ETPConfig.gather_dtype={self.gather_dtype!r}: {error}") from None
+        found.check(self)
         for key, allowed in (("transport", TRANSPORTS), ("gather_reuse", GATHER_REUSE)):
             if getattr(self, key) not in allowed:
                 raise ValueError(
@@ -188,9 +176,15 @@ class ETPConfig:
 
     # ------------------------------------------------------------------ derived
     @property
+    def gather_format(self) -> GatherFormat:
+        """The object behind ``gather_dtype`` (``etp.formats``): what every part of etp asks
+        about the weights' wire, quantization, GEMM operands and memory."""
+        return gather_format(self.gather_dtype)
+
+    @property
     def gather_torch_dtype(self) -> torch.dtype | None:
         """The dtype weights travel in, or None for the parameter's own dtype."""
-        return GATHER_DTYPES[self.gather_dtype]
+        return self.gather_format.dtype
 
     def check_world_size(self, world_size: int) -> None:
         """Raises ValueError when the ETP sizes do not divide ``world_size``."""
@@ -201,3 +195,15 @@ class ETPConfig:
                     f"ETPConfig.{key}={size} does not divide the world size {world_size}: "
                     f"choose a divisor of {world_size}"
                 )
+
+
+def __getattr__(name: str):
+    # The table of formats that stood here: each format object now says its own wire dtype.
+    if name == "GATHER_DTYPES":
+        import warnings
+
+        warnings.warn("etp.config.GATHER_DTYPES is replaced by etp.formats (gather_format(name).dtype; "
+                      "etp.formats.FORMATS lists the names); it goes in the next release",
+                      DeprecationWarning, stacklevel=2)
+        return {key: gather_format(key).dtype for key in FORMATS}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,7 +1,9 @@
 """The gather side of ``ETPRuntime``: where each ETP weight's gathers come from, go to and when
 they are issued. It owns the weight cache's ticket buffers, every gather's state machine and
 in-flight handle, the prefetch plan of each chain (what was consumed this pass, what comes
-next), the record of which buffer holds which weight's gather, and the FP8 shards' homes.
+next), the record of which buffer holds which weight's gather, and the quantized shards
+(and their homes) of a quantized gather format (``etp.formats``: the format object decides what
+travels and what the GEMMs get).
 
 [Note: gather reuse]
 ``ETPConfig.gather_reuse`` trades memory for gathers. "chain" keys forward buffers by chain
@@ -25,10 +27,10 @@ from typing import Callable
 import torch
 
 from .cache import BufferKey, Role, WeightCache
-from .chain import Chain
 from .config import ETPConfig
-from .quant import FP8Weight, QuantizedShard
-from .state import ETPStateError, GatherState, transition
+from .formats import QuantizedShard
+from .prefetch_chains import Chain
+from .state_machines import ETPStateError, GatherState, transition
 from .streams import CommStreams, StreamRegistry, current_stream_event
 from .transport import Handle, Transports
 
@@ -62,8 +64,8 @@ class _WeightGathers:
     record: Registered
     roles: dict = field(default_factory=lambda: {r: GatherState.IDLE for r in Role})
     in_flight: dict = field(default_factory=dict)
-    quant: QuantizedShard | None = None  # FP8 shard of this step (FP8 gathers only)
-    quant_home: torch.Tensor | None = None  # where the FP8 shard must live (copy engine)
+    quant: QuantizedShard | None = None  # quantized shard of this step (quantized formats only)
+    quant_home: torch.Tensor | None = None  # where the quantized shard must live (copy engine)
     staged_pass: int = -1  # the pass whose shard was last cast / staged into the home
 
 
@@ -89,6 +91,7 @@ class GatherSide:
     def __init__(self, config: ETPConfig, transports_of: Callable[[torch.Tensor], Transports],
                  streams: StreamRegistry) -> None:
         self.config = config
+        self.format = config.gather_format
         self.cache = WeightCache(debug=config.debug_checks)
         self.stats = GatherStats()
         self._transports = transports_of
@@ -111,12 +114,13 @@ class GatherSide:
         return self._weights[id(param)]
 
     @property
-    def fp8(self) -> bool:
-        return self.config.gather_dtype.startswith("fp8")
+    def quantized(self) -> bool:
+        """Whether the gather format keeps a quantized shard per step (``etp.quantize_shards``)."""
+        return self.format.quantized
 
     def wire_dtype(self, param: torch.Tensor) -> torch.dtype:
         """The dtype ``param``'s shard travels in."""
-        return self.config.gather_torch_dtype or param.dtype
+        return self.format.wire_dtype(param.dtype)
 
     # ------------------------------------------------------------------ passes
     def start_pass(self, chains) -> None:
@@ -148,10 +152,10 @@ class GatherSide:
     # ------------------------------------------------------------------ sources and buffers
     def _source(self, st: _WeightGathers) -> torch.Tensor:
         param = st.record.param
-        if self.fp8:
+        if self.quantized:
             if st.quant is None or st.quant.version != param._version:
                 raise ETPStateError(
-                    f"the FP8 shard of '{st.record.name}' is older than the parameter: "
+                    f"the quantized shard of '{st.record.name}' is older than the parameter: "
                     "call etp.quantize_shards(model) after changing weights mid-step"
                 )
             return st.quant.data
@@ -274,11 +278,8 @@ class GatherSide:
                 # The chain's last forward weight: backward's recompute of this chain starts
                 # next; its head is gathered now, behind the rest of forward and backward.
                 self._prefetch(chain.orders[Role.RECOMPUTE].head(), Role.RECOMPUTE)
-        weight = param.etp_layout.unpad(buffer)
-        if self.fp8:
-            return FP8Weight(weight, st.quant.scale, st.quant.scale_inv,
-                             self.config.gather_dtype == "fp8_blockwise", buffer, param.etp_layout.rows)
-        return weight if weight.dtype == compute_dtype else weight.to(compute_dtype)
+        return self.format.operand(param.etp_layout.unpad(buffer), buffer, st.quant, param.etp_layout.rows,
+                                   compute_dtype)
 
     def _consumed_buffer(self, st: _WeightGathers, role: Role, was_expected: bool) -> torch.Tensor:
         """The buffer holding ``st``'s weight for this consume: its prefetch, a resident gather

@@ -7,9 +7,10 @@ both. ``wgrad`` writes into ``out`` (a view of a pooled, padded buffer) when
 has no ``out=``, and copying its result into the pool would cost a full extra pass over the
 weight gradient.
 
-FP8 weights (``FP8Weight``, see [Note: ETP FP8 gathers]) run ``torch._scaled_mm`` /
-``torch._scaled_grouped_mm`` on sm90+ with bf16 activations quantized on the fly (one fused
-pass, one scale per row: ``etp.kernels.quantize_rowwise``), and are
+A weight the gather format hands over as a ``WeightOperand`` (``etp.formats``) runs
+``torch._scaled_mm`` / ``torch._scaled_grouped_mm`` where it says ``fp8_gemm_applies`` (a
+tensorwise ``FP8Weight`` on sm90+, see [Note: ETP FP8 gathers]) with bf16 activations quantized
+on the fly (one fused pass, one scale per row: ``etp.kernels.quantize_rowwise``), and is
 dequantized for the ordinary GEMMs everywhere else. Weight gradients stay in bf16/fp32
 unless ``ETPConfig.fp8_wgrad`` (grouped weights only).
 Every scaled GEMM accumulates without CUTLASS's periodic promotion to fp32
@@ -22,19 +23,18 @@ exact and is what the CPU tests compare against an unsharded reference.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
-from .derived import per_version
+from .formats import WeightOperand
+from .formats.base import fp8_compute_applies, is_sm90
 from .kernels import grouped_colwise_layout, quantize_grouped_colwise, quantize_rowwise
 from .kernels.colwise import ALIGN as COLWISE_ALIGN
-from .quant import FP8Weight
 from .streams import to_device_async
+from .version_cache import per_version
 
 __all__ = [
-    "DenseGemm", "GroupedGemm", "attach_rowwise_fp8", "fp8_compute_applies", "grouped_linear",
+    "DenseGemm", "GroupedGemm", "attach_rowwise_fp8", "fp8_compute_applies", "plain_grouped_linear",
     "grouped_linear_reference", "quantize_activation", "row_amax", "valid_rows_of",
 ]
 
@@ -53,38 +53,17 @@ __all__ = [
 _ROWWISE_FP8 = "_etp_rowwise_fp8"
 
 
-@functools.lru_cache(maxsize=None)
-def _major(device_index: int) -> int:
-    return torch.cuda.get_device_capability(device_index)[0]
-
-
-def _sm90(x: torch.Tensor) -> bool:
-    # Looked up once per device: each GEMM asks, and the lookup costs microseconds of host time.
-    return x.is_cuda and _major(x.get_device()) >= 9
-
-
-_SCALED = {False: hasattr(torch, "_scaled_mm"), True: hasattr(torch, "_scaled_grouped_mm")}
-
-
-def fp8_compute_applies(x: torch.Tensor, weight_shape, grouped: bool) -> bool:
-    """Whether a tensorwise FP8 weight of ``weight_shape`` meets ``x`` in a scaled FP8 GEMM
-    (sm90+, bf16 activations, both weight dims multiples of 16 as the FP8 tensor cores
-    need) rather than in the dequantized fallback."""
-    return (_SCALED[grouped] and x.dtype == torch.bfloat16 and _sm90(x)
-            and weight_shape[-1] % 16 == 0 and weight_shape[-2] % 16 == 0)
-
-
 def _scaled_dense_ok(x: torch.Tensor, w) -> bool:
-    return isinstance(w, FP8Weight) and not w.blockwise and fp8_compute_applies(x, w.data.shape, False)
+    return isinstance(w, WeightOperand) and w.fp8_gemm_applies(x, False)
 
 
 def _scaled_grouped_ok(x: torch.Tensor, w) -> bool:
-    return isinstance(w, FP8Weight) and not w.blockwise and fp8_compute_applies(x, w.data.shape, True)
+    return isinstance(w, WeightOperand) and w.fp8_gemm_applies(x, True)
 
 
 def _dense(w, dtype: torch.dtype) -> torch.Tensor:
-    """A plain weight in ``dtype``: FP8 weights are dequantized (the non-sm90 path)."""
-    return w.dequantize(dtype) if isinstance(w, FP8Weight) else w
+    """A plain weight in ``dtype``: a format's operand is dequantized (the fallback path)."""
+    return w.dequantize(dtype) if isinstance(w, WeightOperand) else w
 
 
 def attach_rowwise_fp8(x: torch.Tensor, q: torch.Tensor | None, scale_inv: torch.Tensor | None,
@@ -136,7 +115,7 @@ def quantize_activation(x: torch.Tensor, keep: bool = False,
 
 
 class DenseGemm:
-    """``y = x @ w.T`` with ``x [..., in]`` and ``w [out, in]`` (plain or ``FP8Weight``)."""
+    """``y = x @ w.T`` with ``x [..., in]`` and ``w [out, in]`` (plain or a ``WeightOperand``)."""
 
     @staticmethod
     def forward(x: torch.Tensor, w, counts: torch.Tensor | None) -> torch.Tensor:
@@ -194,7 +173,7 @@ def _use_grouped_mm(x: torch.Tensor, out_features: int, in_features: int) -> boo
         and hasattr(torch, "_grouped_mm")
         and out_features % 8 == 0
         and in_features % 8 == 0
-        and _sm90(x)
+        and is_sm90(x)
     )
 
 
@@ -328,7 +307,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def plain_grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Per-expert ``x_e @ w_e.T`` for a plain stacked weight ``[E, out, in]``: the same GEMM
     kernels as the ETP path (``torch._grouped_mm`` on sm90 bf16), differentiable."""
     if counts.numel() != weight.shape[0]:

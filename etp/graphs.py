@@ -24,7 +24,7 @@ decides must be decided once, at capture, and hold for every replay:
   is captured) and ``grad`` to its previous tensor (or None) after the warm-up passes.
 * **FP8.** Quantizing shards is per optimizer step, not per replay: ``GraphedStep`` calls
   ``runtime.refresh_fp8()`` before each replay, which re-quantizes in place (same FP8 shard
-  and scale tensors, see ``etp.quant._store``) once the optimizer has changed the shards.
+  and scale tensors, see ``etp.formats.store_quantized``) once the optimizer has changed the shards.
 
 Gradient semantics follow torch's whole-network capture: a parameter whose ``grad`` is
 None at capture gets a graph-owned ``grad`` that each replay *overwrites*; ``main_grad``

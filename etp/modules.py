@@ -9,12 +9,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .activations import swiglu, swiglu_output
 from .autograd import etp_grouped_linear
-from .gemm import fp8_compute_applies, valid_rows_of
-from .gemm import grouped_linear as plain_grouped_linear
+from .expert_swiglu import expert_swiglu, expert_swiglu_output
+from .gemm import plain_grouped_linear, valid_rows_of
 from .param import ETPShardedParam
-from .saved import rebuilt_in_backward
+from .rebuilt_activations import rebuilt_in_backward
 
 __all__ = ["GroupedSwiGLUExperts", "grouped_linear"]
 
@@ -77,7 +76,7 @@ class GroupedSwiGLUExperts(nn.Module):
     ) -> torch.Tensor:
         """``x [T, hidden]`` sorted by expert, ``tokens_per_expert [E]``; ``probs [T]``, when
         given, scales each token's hidden activation before fc2 (megatron-core's MoE
-        convention for router probabilities). The SwiGLU is ``etp.activations.swiglu``: one
+        convention for router probabilities). The SwiGLU is ``etp.expert_swiglu.swiglu``: one
         fused kernel each way, float32 math rounded once."""
         if tokens_per_expert.numel() != self.num_experts:
             raise ValueError(
@@ -88,10 +87,10 @@ class GroupedSwiGLUExperts(nn.Module):
         # x may be a padded buffer (captured expert parallelism) whose valid length only the
         # device knows: the SwiGLU stops where the GEMMs do ([Note: valid rows]).
         valid = valid_rows_of(tokens_per_expert, x.device) if x.is_cuda else None
-        hidden = swiglu(gate_up, probs, quantize=self._fp8_operands(x), valid_rows=valid)
+        hidden = expert_swiglu(gate_up, probs, quantize=self._fp8_operands(x), valid_rows=valid)
         # fc2 keeps its input for the weight gradient; the SwiGLU keeps gate_up anyway, so
         # backward runs the SwiGLU's forward kernel again instead ([Note: rebuilt activations]).
-        with rebuilt_in_backward(hidden, lambda: swiglu_output(gate_up, probs, valid), [gate_up, probs],
+        with rebuilt_in_backward(hidden, lambda: expert_swiglu_output(gate_up, probs, valid), [gate_up, probs],
                                  "the experts' SwiGLU output"):
             return grouped_linear(hidden, self.fc2_weight, tokens_per_expert)
 
@@ -99,8 +98,8 @@ class GroupedSwiGLUExperts(nn.Module):
         """Whether both GEMMs around the SwiGLU run in FP8, so that the SwiGLU kernels quantize
         fc2's input and fc1's input gradient as they write them."""
         return all(
-            isinstance(w, ETPShardedParam) and w.etp_config.gather_dtype == "fp8_tensorwise"
-            and fp8_compute_applies(x, w.etp_layout.logical_shape, grouped=True)
+            isinstance(w, ETPShardedParam)
+            and w.etp_config.gather_format.fp8_gemm_applies(x, w.etp_layout.logical_shape, grouped=True)
             for w in (self.fc1_weight, self.fc2_weight)
         )
 

@@ -21,7 +21,7 @@ import torch
 
 from .cache import Role, WgradPool
 from .config import ETPConfig
-from .state import ETPStateError, ReduceState, transition
+from .state_machines import ETPStateError, ReduceState, transition
 from .streams import CommStreams, StreamRegistry, current_stream_event
 from .transport import Handle, Transports
 

@@ -48,16 +48,16 @@ from typing import Callable
 import torch
 
 from .cache import Role
-from .chain import Chain, ChainKey
 from .config import ETPConfig
 from .gather_side import GatherSide, Registered
+from .prefetch_chains import Chain, ChainKey
 from .quant import quantize_shards
 from .reduce_side import ReduceSide
-from .state import ETPStateError
+from .state_machines import ETPStateError
 from .streams import StreamRegistry
 from .transport import Transports, choose_transports
 
-__all__ = ["ETPRuntime", "RuntimeStats", "register_grad_ready_hook"]
+__all__ = ["ETPRuntime", "RuntimeStats", "engine_of", "register_grad_ready_hook"]
 
 
 class RuntimeStats:
@@ -108,7 +108,7 @@ class ETPRuntime:
         self.transports: dict[tuple[int, ...], Transports] = {}  # by group ranks
         self.gathers = GatherSide(config, self._transports_of, self.streams)
         self.reductions = ReduceSide(config, self._transports_of, self.streams)
-        self.quant_plans: dict = {}  # etp.quant's per-group tensorwise plans (stable views)
+        self.quant_plans: dict = {}  # (group ranks, format) -> the plans its quantization keeps
         self._chains: dict[ChainKey, Chain] = {}
         self._records: dict[int, Registered] = {}
         self._phase = Role.BWD  # so that the first forward consume starts a pass
@@ -135,8 +135,8 @@ class ETPRuntime:
             ) from None
 
     def fp8_shard(self, param: torch.Tensor):
-        """``param``'s FP8 shard of this step (``etp.quant.QuantizedShard``), None before the
-        first quantization."""
+        """``param``'s quantized (FP8) shard of this step (``etp.formats.QuantizedShard``), None
+        before the first quantization or with a format that keeps none."""
         self.record(param)
         return self.gathers.state(param).quant
 
@@ -149,8 +149,9 @@ class ETPRuntime:
         return RuntimeStats(self.gathers, self.reductions)
 
     @property
-    def fp8(self) -> bool:
-        return self.gathers.fp8
+    def quantized(self) -> bool:
+        """Whether the gather format keeps quantized shards (``etp.formats``)."""
+        return self.gathers.quantized
 
     # ------------------------------------------------------------------ transports
     def _transports_of(self, param: torch.Tensor) -> Transports:
@@ -185,8 +186,8 @@ class ETPRuntime:
         with torch.no_grad():
             for param, gather in new:
                 home = gather.home(param)
-                if self.fp8:
-                    self.gathers.state(param).quant_home = home  # etp.quantize_shards writes the FP8 shard here
+                if self.quantized:
+                    self.gathers.state(param).quant_home = home  # etp.quantize_shards writes the quantized shard here
                 elif home.dtype == param.dtype:
                     home.copy_(param.detach())
                     param.data = home  # the optimizer now updates the symmetric shard
@@ -287,9 +288,9 @@ class ETPRuntime:
         return moved
 
     def refresh_fp8(self) -> bool:
-        """Quantizes the FP8 shards now if any shard changed since (in place: the addresses a
-        captured graph reads stay valid). Returns whether it quantized."""
-        if self.fp8 and any((q := self.gathers.state(r.param).quant) is None or q.version != r.param._version
+        """Quantizes the quantized (FP8) shards now if any shard changed since (in place: the
+        addresses a captured graph reads stay valid). Returns whether it quantized."""
+        if self.quantized and any((q := self.gathers.state(r.param).quant) is None or q.version != r.param._version
                             for r in self._records.values()):
             quantize_shards(r.param for r in self._records.values())
             return True
@@ -336,6 +337,21 @@ class ETPRuntime:
         }
 
 
+def engine_of(param: torch.Tensor) -> ETPRuntime:
+    """The runtime that gathers and reduce-scatters the ETP weight ``param``: the one seam
+    through which the ETP Functions (``etp.autograd``) reach the engine, an import the
+    architecture test sees rather than an attribute it cannot.
+
+    Example::
+
+        weight = engine_of(param).acquire(param, Role.FWD, x.dtype, records_grad)
+    """
+    runtime = getattr(param, "etp_runtime", None)
+    if runtime is None:
+        raise ValueError(f"{param!r} is not an ETP weight of a wrapped model (etp.wrap_module_params_etp)")
+    return runtime
+
+
 def register_grad_ready_hook(param: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
     """Calls ``hook(param)`` each time all of this pass's gradient contributions of the ETP
     weight ``param`` have been reduce-scattered and added into ``param.main_grad`` (or
@@ -345,7 +361,5 @@ def register_grad_ready_hook(param: torch.Tensor, hook: Callable[[torch.Tensor],
 
         register_grad_ready_hook(layer.weight, lambda p: print("ready", p.shape))
     """
-    runtime = getattr(param, "etp_runtime", None)
-    if runtime is None:
-        raise ValueError(f"{param!r} is not an ETP weight of a wrapped model")
+    runtime = engine_of(param)
     runtime.register_grad_ready_hook(param, hook)

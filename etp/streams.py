@@ -138,5 +138,17 @@ class StreamRegistry:
                 self._streams[key] = CommStreams(None, None)
         return self._streams[key]
 
+    def side_streams(self) -> list[torch.cuda.Stream]:
+        """Every AG and RS stream made so far, in the order ``get`` made them (none on CPU):
+        what a caller that must see all of etp's side-stream work, a timer's end event for
+        one, makes its stream wait on.
+
+        Example::
+
+            for stream in etp.runtime_of(model).streams.side_streams():
+                torch.cuda.current_stream().wait_stream(stream)
+        """
+        return [stream for pair in self._streams.values() for stream in (pair.ag, pair.rs) if stream is not None]
+
     def clear(self) -> None:
         self._streams.clear()

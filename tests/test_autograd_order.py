@@ -11,18 +11,19 @@ from etp.config import ETPConfig
 from etp.gemm import row_amax
 
 
-def _ctx(log, needs_x=True, needs_w=True, fp8_wgrad=False, x_row_amax=None, seen=None):
+def _ctx(log, needs_x=True, needs_w=True, fp8_wgrad=False, x_row_amax=None, seen=None, gather_dtype=None):
     x, gy = torch.ones(4, 3), torch.ones(4, 2)
     runtime = SimpleNamespace(
         acquire=lambda param, role, dtype: log.append("acquire") or torch.ones(2, 3),
         wgrad_buffer=lambda param: log.append("wgrad_buffer") or torch.zeros(2, 3),
         reduce_grad=lambda param, buffer: log.append("reduce_grad"),
     )
-    param = SimpleNamespace(etp_runtime=runtime, etp_config=ETPConfig(fp8_wgrad=fp8_wgrad),
+    gather_dtype = gather_dtype or ("fp8_tensorwise" if fp8_wgrad else "param")
+    param = SimpleNamespace(etp_runtime=runtime, etp_config=ETPConfig(fp8_wgrad=fp8_wgrad, gather_dtype=gather_dtype),
                             etp_layout=SimpleNamespace(unpad=lambda t: t))
     op = SimpleNamespace(
         dgrad=lambda g, w, counts: log.append("dgrad") or g @ w,
-        wgrad=lambda g, x, counts, out=None, **kw: log.append("wgrad") or (seen if seen is not None else []).append(row_amax(x)) or out,
+        wgrad=lambda g, x, counts, out=None, **kw: log.append(f"wgrad fp8={kw.get('fp8')}") or (seen if seen is not None else []).append(row_amax(x)) or out,
         writes_into=lambda x, g: True,
         quantize_ahead=lambda g, w, counts: log.append("quantize_ahead"),
     )
@@ -34,7 +35,7 @@ def test_weight_gradient_is_reduced_before_the_input_gradient():
     log = []
     ctx, gy = _ctx(log)
     grad_x, *rest = _ETPWeightFunction.backward(ctx, gy)
-    assert log == ["acquire", "wgrad_buffer", "wgrad", "reduce_grad", "dgrad"]
+    assert log == ["acquire", "wgrad_buffer", "wgrad fp8=False", "reduce_grad", "dgrad"]
     assert grad_x.shape == (4, 3) and rest == [None] * 4
 
 
@@ -42,11 +43,19 @@ def test_fp8_wgrad_quantizes_the_gradient_ahead_and_no_weight_without_input_grad
     log = []
     ctx, gy = _ctx(log, fp8_wgrad=True)
     _ETPWeightFunction.backward(ctx, gy)
-    assert log == ["acquire", "quantize_ahead", "wgrad_buffer", "wgrad", "reduce_grad", "dgrad"]
+    assert log == ["acquire", "quantize_ahead", "wgrad_buffer", "wgrad fp8=True", "reduce_grad", "dgrad"]
     log.clear()
     ctx, gy = _ctx(log, needs_x=False, fp8_wgrad=True)  # e.g. a first layer's input: no dgrad
     grad_x, *_ = _ETPWeightFunction.backward(ctx, gy)
-    assert grad_x is None and log == ["wgrad_buffer", "wgrad", "reduce_grad"]
+    assert grad_x is None and log == ["wgrad_buffer", "wgrad fp8=True", "reduce_grad"]
+
+
+def test_fp8_wgrad_applies_with_fp8_gathers_only():
+    # ETPConfig.fp8_wgrad reads "with FP8 gathers, FP8 weight gradients too": a bf16 gather keeps them bf16.
+    log = []
+    ctx, gy = _ctx(log, fp8_wgrad=True, gather_dtype="param")
+    _ETPWeightFunction.backward(ctx, gy)
+    assert log == ["acquire", "wgrad_buffer", "wgrad fp8=False", "reduce_grad", "dgrad"]
 
 
 def test_the_forward_rows_amax_reaches_a_saved_input_that_came_back_as_a_new_tensor():

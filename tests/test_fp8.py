@@ -1,14 +1,14 @@
 """FP8 weight gathers: once-per-step quantization (against an independent quantization of the
-full weight), one amax launch / one all-reduce / one cast, one byte per element on the wire,
-training numerics vs BF16 gathers, and the FP8 GEMMs (GPU) vs the dequantized path."""
-import dataclasses
-
+full weight), one amax launch / one all-reduce / one cast, one byte per element on the wire
+(and what each format's object says it costs), training numerics vs BF16 gathers, and the FP8
+GEMMs (GPU) vs the dequantized path."""
 import pytest
 import torch
 import torch.nn.functional as F
 from harness import run_distributed
 from torch import nn
 
+import etp.formats.fp8_tensorwise as tensorwise_module
 import etp.quant as quant_module
 from etp import (
     ETPConfig,
@@ -19,8 +19,11 @@ from etp import (
     quantize_shards,
     wrap_module_params_etp,
 )
+from etp.formats import gather_format
+from etp.formats.fp8 import FP8Weight, scale_rows
+from etp.formats.fp8_tensorwise import FP8Tensorwise
 from etp.gemm import DenseGemm, GroupedGemm
-from etp.quant import FP8Weight, scale_rows
+from etp.kernels import MultiTensorCastPlan
 
 FP8_MAX = 448.0
 
@@ -82,8 +85,8 @@ def _quantization(ctx, mode):
         return wrapper
 
     # The casts run through the tensorwise plan's MultiTensorCastPlan (its tables kept).
-    targets = ((quant_module, "multi_tensor_amax", "amax"), (quant_module.MultiTensorCastPlan, "run", "cast"),
-               (quant_module.dist, "all_reduce", "all_reduce"))
+    targets = ((tensorwise_module, "multi_tensor_amax", "amax"), (MultiTensorCastPlan, "run", "cast"),
+               (torch.distributed, "all_reduce", "all_reduce"))
     originals = [getattr(obj, attr) for obj, attr, _ in targets]
 
     def count_calls():
@@ -209,7 +212,7 @@ def test_quantization_follows_shards_to_new_storage():
 
 
 def _wire_bytes(ctx, mode):
-    align = 128 if mode == "fp8_blockwise" else 16
+    align = 128 if mode == "fp8_blockwise" else 16  # the model is fp32
     # NCCL gathers: the copy-engine transport (auto's choice on GPUs) moves bytes without
     # all_gather_tensor; its bytes are tested in test_transport_gpu.py.
     config = ETPConfig(etp_size=ctx.world_size, expert_etp_size=ctx.world_size, gather_dtype=mode,
@@ -243,11 +246,16 @@ def _wire_bytes(ctx, mode):
     return weight_gathers, scale_gathers, sum(shard_elements)
 
 
-@pytest.mark.parametrize("mode", ["fp8_tensorwise", "fp8_blockwise"])
-def test_each_weight_element_costs_one_byte(mode):
+@pytest.mark.parametrize("mode,element_bytes", [("fp8_tensorwise", 1), ("fp8_blockwise", 1), ("bf16", 2),
+                                                pytest.param("param", 4, marks=pytest.mark.slow)])  # as bf16's
+def test_each_weight_element_costs_its_formats_bytes(mode, element_bytes):
     weight_gathers, scale_gathers, elements = run_distributed(_wire_bytes, 2, mode)[0]
-    assert weight_gathers and all(nbytes == numel for nbytes, numel, _ in weight_gathers)
-    assert all(dtype == torch.uint8 for _, _, dtype in weight_gathers)  # fp8 bytes as uint8
+    assert weight_gathers and all(nbytes == element_bytes * numel for nbytes, numel, _ in weight_gathers)
+    # What the memory audit counts for a gather buffer is what travels.
+    fmt = gather_format(mode)
+    assert all(fmt.gathered_bytes(numel, 1, param_bytes=4) == nbytes for nbytes, numel, _ in weight_gathers)
+    if element_bytes == 1:
+        assert all(dtype == torch.uint8 for _, _, dtype in weight_gathers)  # fp8 bytes as uint8
     # Scales travel once per step, in quantize_shards (all-reduce for tensorwise, one
     # all-gather for blockwise), not with every gather: at most 4 bytes per 128x128 block.
     assert sum(n for n, _, _ in scale_gathers) <= 4 * -(-elements // (128 * 128)) * 4
@@ -263,8 +271,8 @@ def _train(ctx, mode, steps):
     wrap_module_params_etp(model, config, groups)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     quantized = []
-    original = quant_module._quantize_tensorwise
-    quant_module._quantize_tensorwise = lambda *a: (quantized.append(1), original(*a))[1]
+    original = FP8Tensorwise.quantize
+    FP8Tensorwise.quantize = lambda self, *a: (quantized.append(1), original(self, *a))[1]
     losses = []
     try:
         for step in range(steps):
@@ -279,7 +287,7 @@ def _train(ctx, mode, steps):
             finalize_grads(model, config, groups)
             opt.step()
     finally:
-        quant_module._quantize_tensorwise = original
+        FP8Tensorwise.quantize = original
     return losses, len(quantized)
 
 
@@ -318,19 +326,13 @@ def _rel(a, b):
 
 
 @gpu
-@pytest.mark.parametrize("pretransposed", [False, True], ids=["plain", "pretransposed"])
-def test_scaled_gemms_match_dequantized_path(pretransposed):
-    """The fast-accumulating scaled GEMMs, with the weight transposed in advance
-    (FP8Weight.transposed) or not, stay within the same bound of the dequantized bf16 GEMMs."""
+def test_scaled_gemms_match_dequantized_path():
+    """The fast-accumulating scaled GEMMs (the input gradient's reading the transposed gathered
+    bytes) stay within the same bound of the dequantized bf16 GEMMs."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(256, 512, device="cuda", generator=gen, dtype=torch.bfloat16)
     gy = torch.randn(256, 384, device="cuda", generator=gen, dtype=torch.bfloat16)
-
-    def _fp8_weight(w):
-        plain = _fp8_weight_plain(w)
-        t = plain.data.transpose(-2, -1).contiguous() if pretransposed else None
-        return dataclasses.replace(plain, transposed=t)
-
+    _fp8_weight = _fp8_weight_plain
     w = _fp8_weight(torch.randn(384, 512, device="cuda", generator=gen) * 0.02)
     dense_w = w.dequantize(torch.bfloat16)
     # Only the activation's on-the-fly quantization differs: relative error ~2^-5 rms.

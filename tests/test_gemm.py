@@ -69,7 +69,7 @@ def test_grouped_offsets_made_once_per_counts_version(device):
 def test_weight_scale_rows_follow_each_quantization():
     """The FP8 GEMMs' per-column weight scales: scale_inv expanded to [groups, n], made once
     while scale_inv is unchanged and remade when a quantization rewrites it in place."""
-    from etp.quant import scale_rows as _scale_rows
+    from etp.formats.fp8 import scale_rows as _scale_rows
 
     scale = torch.tensor([2.0, 4.0, 8.0])
     scale_inv = torch.reciprocal(scale)
@@ -89,7 +89,7 @@ def test_quantize_ahead_hands_the_rowwise_fp8_to_both_gemms(monkeypatch):
     gy's rowwise FP8 first, so the FP8 wgrad finds the rows' amax (against float64) and the
     dgrad then takes that very quantization (no second pass), once."""
     import etp.gemm as gemm
-    from etp.quant import FP8Weight
+    from etp.formats.fp8 import FP8Weight
 
     monkeypatch.setattr(gemm, "_scaled_grouped_ok", lambda x, w: True)  # the sm90 path's decision
     gen = torch.Generator().manual_seed(1)
@@ -112,8 +112,8 @@ def test_quantize_ahead_hands_the_rowwise_fp8_to_both_gemms(monkeypatch):
 def test_derived_values_under_inference_mode():
     """Inference tensors have no version counter: offsets and scale rows are made each call,
     and rowwise FP8 hand-overs are not attached (evaluation under torch.inference_mode)."""
+    from etp.formats.fp8 import scale_rows as _scale_rows
     from etp.gemm import _offsets, attach_rowwise_fp8, row_amax
-    from etp.quant import scale_rows as _scale_rows
 
     with torch.inference_mode():
         counts = torch.tensor([2, 3])

@@ -9,8 +9,8 @@ its megatron-core model, each dim-0 sharded ``1/etp``, as etp-train steps them),
 gradients and moments, bf16 model weights. Per variant: ms per step (mean of ``--iters`` after
 3 warm-ups, CUDA events), the bytes it must move (28 per element for AdamW, 6 more for a
 separate copy, 2 more for a fused one) and their rate, against a copy of one 2 GiB buffer into
-another (``copy``: read + write, the rate the others can at best reach). ``--sweep`` also times
-the kernel's launch shapes (block x iterations x warps). JSON to ``--out`` with a ``provenance`` block.
+another (``copy``: read + write, the rate the others can at best reach). JSON to ``--out`` with a
+``provenance`` block.
 
 Example::
 
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/: bench_proven
 from bench_provenance import provenance  # noqa: E402 - puts this checkout's etp first on the path
 from diag.bench_overlap import back_to_back_ms  # noqa: E402 - one CUDA-event loop timer for the tools
 
-from etp.kernels import adam as adam_mod  # noqa: E402
+from etp.kernels import multi_tensor_adamw  # noqa: E402
 
 HYPER = dict(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
@@ -60,7 +60,6 @@ def main() -> int:
     parser.add_argument("--recipe", default="recipes/qwen3_30b_a3b.yaml")
     parser.add_argument("--etp", type=int, default=4, help="ranks each weight is sharded over")
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--sweep", action="store_true", help="also time the kernel's launch shapes")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -98,20 +97,13 @@ def main() -> int:
         torch_adam.step()
 
     def etp_step():
-        adam_mod.multi_tensor_adamw(params, grads, m, v, **HYPER, step=5, grad_scale=scale, out=weights)
+        multi_tensor_adamw(params, grads, m, v, **HYPER, step=5, grad_scale=scale, out=weights)
 
     src, dst = (torch.empty(2**29, device="cuda") for _ in range(2))  # 2 GiB each: the copy's rate
     rows = {"copy": {"ms": _time(lambda: dst.copy_(src), args.iters), "bytes": 2 * src.numel() * 4}}
     rows["torch_fused_adamw"] = {"ms": _time(torch_update_only, args.iters), "bytes": 28 * total}
     rows["torch_fused_adamw_then_copy"] = {"ms": _time(torch_step, args.iters), "bytes": 34 * total}
     rows["etp_fused_adamw"] = {"ms": _time(etp_step, args.iters), "bytes": 30 * total}
-    if args.sweep:
-        base = (adam_mod._BLOCK, adam_mod._ITERS, adam_mod._WARPS)
-        for block, iters, warps in itertools.product((256, 512, 1024), (1, 2), (2, 4, 8)):
-            adam_mod._BLOCK, adam_mod._ITERS, adam_mod._WARPS = block, iters, warps
-            rows[f"etp_fused_adamw_b{block}_i{iters}_w{warps}"] = {"ms": _time(etp_step, args.iters),
-                                                                   "bytes": 30 * total}
-        adam_mod._BLOCK, adam_mod._ITERS, adam_mod._WARPS = base
     for name, row in rows.items():
         row["gb_per_s"] = row["bytes"] / row["ms"] / 1e6
         print(f"{name:40s} {row['ms']:8.2f} ms  {row['gb_per_s']:7.0f} GB/s", flush=True)

@@ -39,6 +39,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import fields as dataclass_fields
 from dataclasses import replace
 from pathlib import Path
 
@@ -113,6 +114,9 @@ def _mean_bytes(matrix, hidden, dtype):
     return sum(map(sum, matrix)) / len(matrix) * hidden * dtype.itemsize
 
 
+CONFIG_FIELDS = frozenset(f.name for f in dataclass_fields(ep.EPConfig))
+
+
 def _parse_backend(spec):
     """``name@key=value/key=value`` -> (name, EPConfig fields, tune options)."""
     name, _, rest = spec.partition("@")
@@ -120,22 +124,19 @@ def _parse_backend(spec):
     for item in filter(None, rest.split("/")):
         key, _, value = item.partition("=")
         value = int(value) if value.lstrip("-").isdigit() else value
-        (fields if key in ep.EPConfig.__dataclass_fields__ else options)[key] = value
+        (fields if key in CONFIG_FIELDS else options)[key] = value
     return name, fields, options
 
 
-def _move_fns(disp, idx, weights, x, handle):
-    """Every move of one dispatcher as a callable (the backward moves as autograd calls them)."""
-    recv_x, recv_w = disp._recv_x, disp._recv_w
-    grad = torch.randn_like(x)
-
-    def dispatch_bwd():
-        disp._move_combine(recv_x, handle, backward=True)
-        disp._move_combine_pairs(recv_w, handle)
-
+def _move_fns(disp, x, weights, grad, handle):
+    """Every move of one dispatcher as a callable: the backward moves are the dispatcher's own
+    ``dispatch_backward`` / ``combine_backward``, which the autograd nodes call. The rows
+    combined (and sent back by dispatch's backward) are ``dispatch``'s receive buffer; ``grad``
+    [T, H] is what combine's backward sends."""
+    recv_x, recv_w, _ = disp.dispatch(x, weights, handle)
     return {"dispatch": lambda: disp.dispatch(x, weights, handle), "combine": lambda: disp.combine(recv_x, handle),
-            "dispatch_bwd": dispatch_bwd,
-            "combine_bwd": lambda: disp._move_dispatch(grad, None, handle, backward=True)}
+            "dispatch_bwd": lambda: disp.dispatch_backward(recv_x, recv_w, handle),
+            "combine_bwd": lambda: disp.combine_backward(grad, handle)}
 
 
 @torch.no_grad()
@@ -148,7 +149,7 @@ def _time_moves(disp, idx, weights, x, args):
 
     times = {"prepare_s": _time(prepare, args.iters, args.warmup)}
     handle = state["handle"]
-    for move, fn in _move_fns(disp, idx, weights, x, handle).items():
+    for move, fn in _move_fns(disp, x, weights, torch.randn_like(x), handle).items():
         times[f"{move}_s"] = _time(fn, args.iters, args.warmup)
     disp.check()
     return times, handle
@@ -160,7 +161,8 @@ def _trace_moves(disp, idx, weights, x, handle, label, top: int = 8):
     span and its ``top`` kernels (and collectives) by device time: where a move's time goes."""
     from torch.profiler import ProfilerActivity, profile
 
-    moves = {**_move_fns(disp, idx, weights, x, handle), "prepare": lambda: disp.prepare(idx)}  # prepare last
+    moves = {**_move_fns(disp, x, weights, torch.randn_like(x), handle),
+             "prepare": lambda: disp.prepare(idx)}  # prepare last
     for move, fn in moves.items():
         fn()
         torch.cuda.synchronize()
@@ -289,9 +291,10 @@ def _sweep_backend(disp, backend, workload, idx, weights, x, args, a2a_cache):
             b.tune(**setting)
         handle = disp.prepare(idx)
         wire = _wire(disp, handle)
+        recv_x = disp.dispatch(x, weights, handle)[0]
         row = dict(workload=workload, backend=backend, **setting)
         for move, fn in (("dispatch", lambda h=handle: disp.dispatch(x, weights, h)),
-                         ("combine", lambda h=handle: disp.combine(disp._recv_x, h))):
+                         ("combine", lambda h=handle, rows=recv_x: disp.combine(rows, h))):
             seconds, t_a2a = _time(fn, args.iters, args.warmup), _a2a(wire[move], args.hidden, args, a2a_cache)
             row.update({f"{move}_ms": seconds * 1e3, f"{move}_x_a2a": t_a2a / seconds,
                         f"{move}_GBps": _mean_bytes(wire[move], args.hidden, args.dtype) / seconds / 1e9})

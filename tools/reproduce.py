@@ -1,12 +1,19 @@
 #!/usr/bin/env python
-"""Reproduces BENCHMARKS.md on the GPUs of this machine (any count >= 2): one step per table,
-each a few commands (etp-train, the benchmark tools, the GPU test suites) with a time budget.
+"""Reproduces BENCHMARKS.md on the GPUs of this machine: one step per table, each a few commands
+(etp-train, the benchmark tools, the GPU test suites) with a time budget; with ``--check``, the
+regression check of every headline figure against the one the report gives for this GPU kind.
 
 Steps (``--list``): ``expert_stack_{2,N}gpu``, ``recipes_wide_{2,N}gpu``,
 ``recipes_flagship_{2,N}gpu``, ``kernels_1gpu``, ``ep_moves_{2,N}gpu``,
 ``ep_dispatcher_{2,N}gpu``, ``memory_audit_{2,N}gpu``, ``checkpoint_Ngpu``,
 ``graphs_flagship_{2,N}gpu`` and the GPU test suites ``tests_*``. A ``..._{k}gpu`` step runs on
-the first k GPUs (``CUDA_VISIBLE_DEVICES``), so ``--gpus 4`` produces the 2- and 4-GPU rows.
+the first k GPUs (``CUDA_VISIBLE_DEVICES``), so ``--gpus 4`` produces the 2- and 4-GPU rows;
+``--gpus 1`` runs the steps that fit one GPU (kernels, optimizer step, language-model loss, the
+one-GPU recipes, the kernel test suites).
+
+``--check`` then prints one table (reported, today, today's speed) and exits non-zero when a
+figure is more than 10 % slower than reported or a correctness figure changed ([Note: the
+regression check] in ``tools/repro/check.py``).
 
 Each run writes its JSON and its log into ``OUT/<step>/``; ``OUT/summary.json`` holds every
 step's commands, return codes, seconds and headline figure, with this run's provenance. A
@@ -19,6 +26,7 @@ Example::
     python3 tools/reproduce.py --list --gpus 4
     python3 tools/reproduce.py --dry-run --gpus 4 --only 'recipes'
     python3 tools/reproduce.py --out /tmp/r --gpus 4 --budget 530 --only '^recipes_.*_4gpu$' --tar $OUT/r.tgz
+    python3 tools/reproduce.py --gpus 1 --check --out /tmp/r1
 """
 from __future__ import annotations
 
@@ -35,6 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/: repro, bench_provenance
 
+from repro.check import check_table, gpu_kind  # noqa: E402
 from repro.runner import Outcome, command_env, run_step  # noqa: E402
 from repro.steps import Step, build_steps, fill  # noqa: E402
 
@@ -48,12 +57,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--list", action="store_true", help="print the steps with their estimates and exit")
     p.add_argument("--dry-run", action="store_true", help="print every command (with its environment) and exit")
     p.add_argument("--tar", type=Path, default=None, help="also pack the --out folder into this .tgz at the end")
+    p.add_argument("--check", action="store_true", help="compare every headline figure with the one BENCHMARKS.md "
+                   "reports for this GPU kind; exit 1 when one is >10%% slower or a correctness figure changed")
     args = p.parse_args(argv)
     present = present_gpus()
     if args.gpus is None:
         args.gpus = present or (4 if args.dry_run or args.list else 0)
-    if args.gpus < 2:
-        p.error(f"--gpus {args.gpus}: the report's tables need 2 GPUs or more")
+    if args.gpus < 1:
+        p.error(f"--gpus {args.gpus}: this machine shows no GPU (nvidia-smi -L); the report's figures need one")
     if not (args.dry_run or args.list) and args.gpus > present:
         p.error(f"--gpus {args.gpus}: this machine shows {present} (nvidia-smi -L)")
     return args
@@ -66,6 +77,16 @@ def present_gpus() -> int:
     except (OSError, subprocess.SubprocessError):
         return 0
     return sum(1 for line in listed.splitlines() if line.startswith("GPU "))
+
+
+def gpu_name() -> str:
+    """The first GPU's name (``nvidia-smi``), or "" without one."""
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                               text=True, timeout=30).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return names[0].strip() if names else ""
 
 
 def selected(steps: list[Step], only: str | None) -> list[Step]:
@@ -146,7 +167,14 @@ def main(argv: list[str]) -> int:
         with tarfile.open(args.tar, "w:gz") as tar:
             tar.add(args.out, arcname=args.out.name)
         print(f"packed: {args.tar}", flush=True)
-    failed = [o for o in outcomes if o.rc not in (0, None)]
+    failed = any(o.rc not in (0, None) for o in outcomes)
+    if args.check:
+        kind = gpu_kind(gpu_name(), args.gpus)
+        table, regressed = check_table([o.step for o in outcomes if o.runs], args.out, kind)
+        (args.out / "check.md").write_text(table + "\n")
+        print(f"\n[reproduce] --check against BENCHMARKS.md's {kind} figures:\n{table}\n"
+              f"check: {'FAILED' if regressed else 'passed'} ({args.out / 'check.md'})", flush=True)
+        failed |= regressed
     return 1 if failed else 0
 
 

@@ -108,7 +108,7 @@ def expert_backward_bytes(recipe, micro_batch_size: int | None = None, fp8: bool
     holds at the worst moment of its two GEMMs' backward (``etp.autograd``: the weight gradient,
     then the input gradient), beyond what it kept from the forward and its weight gradients, per
     token copy (``s x b x topk`` rows). fc1's backward holds its input, rebuilt ([Note: rebuilt
-    activations] in ``etp.saved``: gathered again from the layer's input, ``h``) and the SwiGLU's
+    activations] in ``etp.rebuilt_activations``: gathered again from the layer's input, ``h``) and the SwiGLU's
     input gradient (``2 x ffn``), 16-bit, and
     with ``fp8`` (FP8 GEMMs and weight gradients) that gradient's rowwise FP8 copy (``2 x ffn``);
     then during the weight gradient both operands' per-expert columnwise FP8 copies
@@ -169,7 +169,7 @@ def _layer_factors(recipe) -> tuple[float, float]:
     scores = 6 * a * s / h if local else 0.0
     if m.is_moe and _local_grouped(m):
         # etp's ETPGroupedExperts: per token copy, the SwiGLU's input (gate and up, 2 x ffn:
-        # etp.activations saves it, the routing probabilities applied inside the kernel), 16-bit.
+        # etp.expert_swiglu saves it, the routing probabilities applied inside the kernel), 16-bit.
         # fc1's input and fc2's are rebuilt in backward (expert_backward_bytes), and
         # the combine keeps only indices, so fc2's output is not kept.
         routed = m.moe_router_topk * 4 * m.moe_ffn_hidden_size / h

@@ -5,7 +5,7 @@ staging); and the transports the prediction assumes. See [Note: ETP memory predi
 ``etp/audit/predict.py``."""
 from __future__ import annotations
 
-from ..config import GATHER_DTYPES, ETPConfig
+from ..config import ETPConfig
 from .ep_buffers import ep_dispatcher_bytes
 from .inventory import weights_on_rank
 
@@ -61,7 +61,7 @@ def gather_buffer_bytes(recipe, etp: ETPConfig, gathers: str, aliased: bool | No
     ``aliased``: whether copy-engine gathers alias (None: they do; False: a host whose ranks
     cannot share allocations, see ``etp.transport.vmm.handle_sharing_status``)."""
     t = recipe.train
-    gather_bytes = _dtype_bytes(etp.gather_dtype, 2 if (t.bf16 or t.fp16) else 4)
+    param_bytes, fmt = 2 if (t.bf16 or t.fp16) else 4, etp.gather_format
     # A recomputed forward that consumes ETP weights gathers them into buffers of its own
     # role ([Note: ETP recompute chain]); those of a prefetching chain are kept like the others.
     roles = ("fwd", "bwd", "recompute") if _recomputes_weights(t) and etp.prefetch else ("fwd", "bwd")
@@ -79,7 +79,7 @@ def gather_buffer_bytes(recipe, etp: ETPConfig, gathers: str, aliased: bool | No
         position = positions.get(weight.chain, 0)
         positions[weight.chain] = position + 1
         size = layout.padded_rows // layout.shard_rows
-        full = layout.padded_rows * layout.cols * gather_bytes
+        full = fmt.gathered_bytes(layout.padded_rows, layout.cols, param_bytes)  # packed formats: by bits
         shard = full // size
         nbytes, outside = (shard * (size - 1),) * 2 if aliased and shard % MAPPING_GRANULARITY == 0 else (full, 0)
         for role in roles:
@@ -99,11 +99,6 @@ def _recomputes_weights(train) -> bool:
     if train.recompute_granularity == "selective":
         return bool({"mlp", "moe"} & set(train.recompute_modules or ()))
     return False
-
-
-def _dtype_bytes(name: str, param_bytes: int) -> int:
-    dtype = GATHER_DTYPES[name]
-    return param_bytes if dtype is None else dtype.itemsize
 
 
 def wgrad_pool_bytes(shapes_in_forward_order: list[tuple | None], element_bytes: int = 4) -> int:
@@ -176,7 +171,8 @@ def outside_allocator_bytes(recipe, etp: ETPConfig, categories: dict[str, int], 
 
     The caching allocator (and so ``torch.cuda.max_memory_allocated``) never sees symmetric
     memory. It holds the copy-engine transport's shard pool: the 16-bit shards themselves,
-    which the optimizer then updates in place, or with FP8 gathers the FP8 shards, the 16-bit
+    which the optimizer then updates in place, or with a quantized gather format (FP8) the
+    quantized shards, the 16-bit
     ones staying in the allocator (``ETPRuntime.setup_transports``); and the push reduction's
     staging (its wgrad buffers are ordinary); with or without ETP, etp.ep's receive buffers
     (``ep_dispatcher_bytes``, counted in no category). Under megatron's distributed
@@ -191,7 +187,7 @@ def outside_allocator_bytes(recipe, etp: ETPConfig, categories: dict[str, int], 
         aliased = sum(part for _, part in gather_buffer_bytes(recipe, etp, gathers).values())
         outside += aliased  # aliased tickets' backings, mapped outside the allocator
         counted += aliased
-        if etp.gather_dtype.startswith("fp8"):
+        if etp.gather_format.quantized:
             outside += categories["fp8_shards"]
             counted += categories["fp8_shards"]
         else:

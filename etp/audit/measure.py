@@ -17,8 +17,9 @@ The runtime half of the memory audit (the prediction is ``etp.audit.predict_memo
   them): ``params``; ``main_grad`` (``param.main_grad`` if present, else ``param.grad``);
   ``optimizer`` (state tensors, plus fp32 master copies of megatron-core's mixed-precision
   and distributed optimizers, which are the inner optimizer's parameters); the ETP runtime's
-  ``gather_fwd`` / ``gather_bwd`` / ``gather_recompute`` / ``wgrad_pool``; ``fp8_shards`` (the FP8 copies of the
-  shards; their few bytes of scales are left out, as in the prediction).
+  ``gather_fwd`` / ``gather_bwd`` / ``gather_recompute`` / ``wgrad_pool``; ``fp8_shards`` (the quantized copies of the
+  shards a quantized gather format keeps, FP8's; their few bytes of scales are left out, as in
+  the prediction).
 
 Every storage counts once, by address: views of one buffer (megatron-core DDP's grad and
 param buffers) count the whole buffer once, and optimizer entries that are model parameters

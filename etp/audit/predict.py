@@ -13,7 +13,9 @@ process group of its full size, which one CPU process cannot provide
 pool buffer per padded shape in the reduction's wire dtype (fp32 for NCCL's, the 16-bit
 parameter dtype for the push reduce-scatter's; two where weights of one shape reduce back to
 back; none for grouped experts on a 16-bit wire, reduced from their GEMM's own output:
-``wgrad_in_place``), one FP8 copy of every shard for FP8 gathers.
+``wgrad_in_place``), and, with a quantized gather format (FP8), its copy of every shard; the
+gather format (``etp.formats``) says the bytes of each (``gathered_bytes``,
+``quantized_copy_bytes``) and whether the GEMMs run in FP8 (``fp8_gemms``).
 
 Categories (bytes per rank): ``params`` (recipe dtype), ``main_grad`` (fp32, megatron-core
 mixed precision), ``optimizer`` (Adam: fp32 master weights + 2 moments for bf16/fp16
@@ -121,11 +123,11 @@ def predict_memory(recipe, world_size: int, etp: ETPConfig | None = None,
     distributed = recipe.parallel.use_distributed_optimizer if distributed_optimizer is None else distributed_optimizer
     replicas = {False: recipe.data_parallel_size(world_size) // etp.etp_size,
                 True: recipe.expert_data_parallel_size(world_size) // etp.expert_etp_size}
-    fp8 = etp.gather_dtype.startswith("fp8")
+    fmt = etp.gather_format
     result = dict.fromkeys(CATEGORIES, 0)
     for weight, layout, numel in weights_on_rank(recipe, etp):
-        if layout is not None and fp8:
-            result["fp8_shards"] += numel
+        if layout is not None:  # the per-step quantized copy of the shard (FP8 gathers; else 0)
+            result["fp8_shards"] += fmt.quantized_copy_bytes(numel, param_bytes)
         result["params"] += numel * param_bytes
         result["main_grad"] += numel * 4
         divisor = replicas[weight.expert] if distributed else 1
@@ -223,13 +225,13 @@ def predict_peak(recipe, world_size: int, etp: ETPConfig | None = None, distribu
     # then quantizes that gradient for its FP8 input-gradient GEMM: 2 bytes per logit at the
     # peak, the FP8 copy and as much again (calibrated on Qwen3-30B-A3B and the flagship
     # recipe, captured: BENCHMARKS.md, the memory audit); nothing with bf16 GEMMs.
-    fp8_output = (etp.gather_dtype == "fp8_tensorwise" and etp.etp_size > 1
+    fp8_output = (etp.gather_format.fp8_gemms and etp.etp_size > 1
                   and recipe.model.untie_embeddings_and_output_weights)
     loss_transient = logits_bytes(recipe, b) if fp8_output else 0
     # In-place weight gradients (grouped experts) come after the output layer's backward has
     # released those logits, beside the larger of their two GEMMs' backward transients.
     in_place = unpooled_wgrad_pair_bytes(_wgrad_order(recipe, etp, _wire_bytes(recipe, gathers))[1])
-    fp8_experts = etp.gather_dtype == "fp8_tensorwise" and etp.expert_etp_size > 1 and etp.fp8_wgrad
+    fp8_experts = etp.gather_format.fp8_gemms and etp.expert_etp_size > 1 and etp.fp8_wgrad
     experts = (in_place + _unsharded_expert_wgrad_bytes(recipe, etp)
                + expert_backward_bytes(recipe, b, fp8=fp8_experts))
     backward_transient = max(loss_transient, experts - logits_bytes(recipe, b))

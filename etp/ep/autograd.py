@@ -17,8 +17,7 @@ class DispatchFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_recv_x, grad_recv_w):
-        grad_x = ctx.dispatcher._move_combine(grad_recv_x, ctx.handle, backward=True)
-        grad_w = ctx.dispatcher._move_combine_pairs(grad_recv_w, ctx.handle)
+        grad_x, grad_w = ctx.dispatcher.dispatch_backward(grad_recv_x, grad_recv_w, ctx.handle)
         return grad_x.to(ctx.x_dtype), grad_w.to(ctx.w_dtype), None, None
 
 
@@ -32,5 +31,5 @@ class CombineFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        grad_expert_out, _ = ctx.dispatcher._move_dispatch(grad_out.contiguous(), None, ctx.handle, backward=True)
+        grad_expert_out = ctx.dispatcher.combine_backward(grad_out, ctx.handle)
         return grad_expert_out, None, None

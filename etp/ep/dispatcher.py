@@ -32,8 +32,8 @@ from etp.ep.autograd import CombineFunction, DispatchFunction
 from etp.ep.backends import EPContext, backend_class
 from etp.ep.config import EPConfig
 from etp.ep.handle import EPHandle, HandleState
-from etp.ep.layout import META_COLUMNS, count_pairs, pair_rows
 from etp.ep.profiler import choose, pick_fastest
+from etp.ep.routing_layout import META_COLUMNS, count_pairs, pair_rows
 
 __all__ = ["ExpertDispatcher"]
 
@@ -278,7 +278,59 @@ class ExpertDispatcher:
         """``"<dispatch>+<combine>"`` backend names in use."""
         return "+".join(dict.fromkeys(self.backend_names))
 
-    # ---------------------------------------------------------------- moves (autograd calls these)
+    # ---------------------------------------------------------------- backward moves
+    def dispatch_backward(self, grad_recv_x: torch.Tensor, grad_recv_w: torch.Tensor, handle: EPHandle):
+        """Dispatch's backward, the move ``dispatch``'s autograd node runs: a combine on the
+        combine backend, of the rows and of the routing weights.
+
+        Autograd calls it; call it directly to run (or time) the move without a graph.
+
+        Args:
+            grad_recv_x: [capacity, H] gradients of ``recv_x`` (``[rows, H]`` after
+                ``dispatch(..., trim=True)``).
+            grad_recv_w: [capacity] (``[rows]``) gradients of ``recv_w``.
+            handle: the handle ``dispatch`` used.
+
+        Returns:
+            ``(grad_x [T, H], grad_w [T, K])`` in the dispatcher's dtypes, views of gradient
+            buffers the next call overwrites (see [Note: static outputs]):
+            ``grad_x[t] = sum_k grad_recv_x_of(t, k)``, ``grad_w[t, k] = grad_recv_w_of(t, k)``.
+
+        Example::
+
+            grad_x, grad_w = disp.dispatch_backward(grad_recv_x, grad_recv_w, handle)
+        """
+        rows = self.capacity if handle.rows is None else handle.rows
+        _check_tensor("grad_recv_x", grad_recv_x, (rows, self.cfg.hidden_size), None, self.device)
+        _check_tensor("grad_recv_w", grad_recv_w, (rows,), None, self.device)
+        grad_x = self._move_combine(grad_recv_x, handle, backward=True)
+        grad_w = self._move_combine_pairs(grad_recv_w, handle)
+        return grad_x, grad_w
+
+    def combine_backward(self, grad_out: torch.Tensor, handle: EPHandle) -> torch.Tensor:
+        """Combine's backward, the move ``combine``'s autograd node runs: a dispatch of each
+        token's gradient row to its K expert rows, on the dispatch backend.
+
+        Autograd calls it; call it directly to run (or time) the move without a graph.
+
+        Args:
+            grad_out: [T, H] gradients of ``combine``'s output.
+            handle: the handle ``combine`` used.
+
+        Returns:
+            [capacity, H] (``[rows, H]`` after ``dispatch(..., trim=True)``) in ``recv_x``'s
+            order, a view of a gradient buffer the next call overwrites; rows past the valid
+            ones are zero.
+
+        Example::
+
+            grad_expert_out = disp.combine_backward(grad_out, handle)
+        """
+        _check_tensor("grad_out", grad_out, (handle.tokens, self.cfg.hidden_size), None, self.device)
+        grad_expert_out, _ = self._move_dispatch(grad_out.contiguous(), None, handle, backward=True)
+        return grad_expert_out
+
+    # ---------------------------------------------------------------- moves (autograd and the backward moves)
     def _move_dispatch(self, x, w, handle, *, backward: bool):
         out_x = self._grad_recv_x if backward else self._recv_x
         out_w = None if backward else self._recv_w

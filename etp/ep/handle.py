@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from etp.ep.layout import Layout
+from etp.ep.routing_layout import Layout
 
 __all__ = ["EPHandle", "HandleState"]
 
@@ -29,7 +29,7 @@ class EPHandle:
 
     Attributes:
         topk_idx: the [T, K] expert indices given to ``prepare``.
-        layout: device tensors, see :class:`etp.ep.layout.Layout`.
+        layout: device tensors, see :class:`etp.ep.routing_layout.Layout`.
         generation: which ``prepare`` of its dispatcher made it.
         rows: set by ``dispatch(..., trim=True)``: the valid receive rows (host int), the
             length of ``recv_x`` / ``recv_w`` and of the ``expert_out`` ``combine`` takes.

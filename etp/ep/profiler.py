@@ -98,10 +98,9 @@ def _time_moves(disp, cfg, group, iters, warmup) -> dict:
             stamps.append(now())
             disp.combine(recv_x, handle)
             stamps.append(now())
-            disp._move_combine(recv_x, handle, backward=True)
-            disp._move_combine_pairs(recv_w, handle)
+            disp.dispatch_backward(recv_x, recv_w, handle)
             stamps.append(now())
-            disp._move_dispatch(x, None, handle, backward=True)
+            disp.combine_backward(x, handle)
             stamps.append(now())
             if step >= warmup:
                 for key, t0, t1 in zip(times, stamps, stamps[1:]):

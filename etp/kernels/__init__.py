@@ -3,7 +3,7 @@
 * :func:`multi_tensor_amax` - max(|x|) of many tensors in one launch.
 * :func:`amax_to_scale` - per-tensor scale ``448 / amax``.
 * :func:`multi_tensor_cast_fp8` - per-tensor-scaled e4m3 cast of many tensors in
-  one launch, optionally writing the transposed copy in the same pass;
+  one launch, optionally recording each one's amax from the same read (delayed scaling);
   :class:`MultiTensorCastPlan` - the same for fixed destinations, its launch tables kept.
 * :func:`quantize_blockwise` / :func:`dequantize_fp8` - (1, 128) / (128, 128)
   blockwise format and dequantization.

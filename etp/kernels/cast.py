@@ -1,13 +1,31 @@
-"""Fused multi-tensor FP8 (e4m3fn) cast with an optional transposed copy: the launcher and
-the public API (the Triton kernel: :mod:`etp.kernels.cast_kernel`; its launch tables and
-output buffers: :mod:`etp.kernels.cast_tables`; the conversions it shares with the other FP8
-kernels: :mod:`etp.kernels.fp8_convert`)."""
+"""Fused multi-tensor FP8 (e4m3fn) cast: ``q_i = e4m3fn(clamp(x_i * scales[i], -448, 448))`` for
+many tensors in one launch per input dtype, optionally recording each input's max |x| from the
+same read (delayed scaling) and skipping the inputs a device-side mask leaves out (its re-cast).
+
+Three layers, top to bottom of this file:
+
+* the Triton kernel ``_multi_tensor_cast_fp8_kernel``: one program per chunk of one input,
+  found in a launch table;
+* the launch: the tables (``_CastTables``: every input's and destination's address, size and
+  first program, one table per input dtype), the output buffers (``_alloc_outputs``), the
+  checks of caller-given destinations (``_check_out``) and ``_launch_multi_tensor_cast_fp8``;
+* the API: ``multi_tensor_cast_fp8`` (one call) and ``MultiTensorCastPlan`` (fixed
+  destinations, the tables built once: what ``etp.quantize_shards`` runs every step).
+
+The numerics are :func:`etp.kernels.reference.multi_tensor_cast_fp8_ref`'s (the kernel equals
+it bit for bit); the conversions shared with the other FP8 kernels live in
+:mod:`etp.kernels.fp8_convert`. The cast writes no transposed copy: the input-gradient GEMM
+transposes the gathered weight itself (``etp.kernels.transpose_last2``).
+"""
 
 from __future__ import annotations
 
+import math
+import warnings
 from typing import List, Optional, Sequence, Tuple
 
 import torch
+import triton
 import triton.language as tl
 
 from etp.kernels.amax import (
@@ -15,17 +33,23 @@ from etp.kernels.amax import (
     _FLAT_EVICT,
     _LINEAR_SEARCH_MAX_TENSORS,
     EXACT_FP,
+    _abs_bits,
+    _find_tensor,
+    _to_f32,
+    block_starts,
+    cdiv,
     check_impl,
     check_input_dtype,
     common_device,
+    group_by_dtype,
     interpreter_active,
     load_ty,
     needs_staging,
     next_pow2,
     select_impl,
+    upload_tables,
 )
-from etp.kernels.cast_kernel import _multi_tensor_cast_fp8_kernel
-from etp.kernels.cast_tables import _alloc_outputs, _CastTables, _check_out
+from etp.kernels.fp8_convert import _quantize_f32
 from etp.kernels.launch import launch
 from etp.kernels.reference import FP8_E4M3_MAX, amax_to_scale_ref, multi_tensor_amax_ref, multi_tensor_cast_fp8_ref
 
@@ -37,39 +61,157 @@ __all__ = ["FP8_E4M3_MAX", "MultiTensorCastPlan", "amax_to_scale", "multi_tensor
 _FLAT_BLOCK = 2048
 _FLAT_ITERS = 8
 _FLAT_WARPS = 4
-# Tile of the transposing path: 128 x 128 tiles with 8 warps move the most bytes per second
-# in the same sweep, with the amax recorded or not.
-_TILE_R = 128
-_TILE_C = 128
-_TILE_WARPS = 8
+# Outputs share one allocation; each starts at a multiple of this many bytes so
+# the kernel keeps its 16-byte-aligned (vectorised) path.
+_OUT_ALIGN = 16
+
+
+# --------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------
+
+
+@triton.jit
+def _multi_tensor_cast_fp8_kernel(
+    table_ptr,  # int64 [5, T]: in addr, out addr, numel, first program, scale index
+    scales_ptr,  # float32 [N]
+    amax_ptr,  # HAS_AMAX: int32 bits of float32 [N], each tensor's max |x| (atomic max)
+    only_ptr,  # ONLY: uint8 [N + 1], tensors whose entry is 0 are skipped; [N]: any entry set
+    N,
+    T,
+    IN_TY: tl.constexpr,
+    OUT_TY: tl.constexpr,
+    DTYPE: tl.constexpr,
+    SOFT: tl.constexpr,
+    ALIGNED: tl.constexpr,  # every address 16-B aligned
+    LINEAR_SEARCH: tl.constexpr,
+    T_POW2: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ITERS: tl.constexpr,
+    EVICT: tl.constexpr,  # eviction policy of the streaming input loads
+    HAS_AMAX: tl.constexpr,
+    ONLY: tl.constexpr,
+):
+    """q_t = e4m3fn(clamp(x_t * scales[s_t], -FP8_MAX, FP8_MAX)) for every table entry t.
+
+    Every tensor is processed flat, ``BLOCK * ITERS`` consecutive elements per program;
+    static_range unrolls the ITERS steps so their loads are independent and all in flight at
+    once. HAS_AMAX: each program also folds the max |x| of what it read (integer bits,
+    NaN-propagating, see ``_abs_bits``) into ``amax[s_t]``, one atomic per program: the
+    delayed-scaling cast records the amax of the next step's scale from its own read.
+    ONLY: programs of tensors with ``only[s_t] == 0`` do nothing.
+    """
+    if ONLY:
+        # Usually nothing is picked (delayed scaling's re-cast): one load, not the table
+        # search's chain of dependent loads, before each of the many programs exits.
+        if tl.load(only_ptr + N) == 0:
+            return
+    pid = tl.program_id(0)
+    tid = _find_tensor(table_ptr + 3 * T, pid, T, LINEAR_SEARCH, T_POW2)
+    idx = tl.load(table_ptr + 4 * T + tid)
+    if ONLY:
+        if tl.load(only_ptr + idx) == 0:
+            return
+    in_base = tl.load(table_ptr + tid).to(tl.pointer_type(IN_TY))
+    out_base = tl.load(table_ptr + T + tid).to(tl.pointer_type(OUT_TY))
+    if ALIGNED:
+        # Hints on the pointers (not the int64 addresses) so accesses vectorise.
+        in_base = tl.multiple_of(in_base, 16)
+        out_base = tl.multiple_of(out_base, 16)
+    numel = tl.load(table_ptr + 2 * T + tid)
+    start = (pid - tl.load(table_ptr + 3 * T + tid)) * (BLOCK * ITERS)
+    scale = tl.load(scales_ptr + idx)
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    if start + BLOCK * ITERS <= numel:
+        # Full chunk: unmasked accesses vectorise.
+        for i in tl.static_range(ITERS):
+            o = start + i * BLOCK + offs
+            x = _to_f32(tl.load(in_base + o, eviction_policy=EVICT), DTYPE, SOFT)
+            acc = tl.maximum(acc, _abs_bits(x))
+            tl.store(out_base + o, _quantize_f32(x, scale, FP8_MAX, SOFT))
+    else:
+        for i in tl.static_range(ITERS):
+            o = start + i * BLOCK + offs
+            m = o < numel
+            x = _to_f32(tl.load(in_base + o, mask=m, other=0, eviction_policy=EVICT), DTYPE, SOFT)
+            acc = tl.maximum(acc, _abs_bits(x))
+            tl.store(out_base + o, _quantize_f32(x, scale, FP8_MAX, SOFT), mask=m)
+    if HAS_AMAX:
+        tl.atomic_max(amax_ptr + idx, tl.max(acc, axis=0), sem="relaxed")
+
+
+# --------------------------------------------------------------------------
+# Launch: tables, outputs, the launcher
+# --------------------------------------------------------------------------
+
+
+class _CastTables:
+    """The cast's launch tables for one set of inputs and destinations, on the device: one
+    flat int64 table per input dtype (the kernel's five columns), and each launch's
+    (dtype, tensors, programs, aligned)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], qs: Sequence[torch.Tensor]) -> None:
+        chunk = _FLAT_BLOCK * _FLAT_ITERS
+        self.launches = []
+        tables = []
+        for dtype, idxs in group_by_dtype(tensors).items():
+            ins = [tensors[i].data_ptr() for i in idxs]
+            outs = [qs[i].data_ptr() for i in idxs]
+            numels = [tensors[i].numel() for i in idxs]
+            starts, total = block_starts([cdiv(n, chunk) for n in numels])
+            tables.append([ins, outs, numels, starts, list(idxs)])
+            aligned = all(a % 16 == 0 for a in ins + outs)
+            self.launches.append((dtype, len(idxs), total, aligned))
+        self.device_tables = upload_tables(tables, tensors[0].device)[0] if tables else []
+
+
+def _alloc_outputs(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """All outputs as views of one allocation (16-byte aligned pieces).
+
+    One ``torch.empty`` instead of one per output: each call into the caching allocator
+    costs host time, and for many shards the allocations alone would take longer than the
+    kernel.
+    """
+    if not tensors:
+        return []
+    sizes = [-(-t.numel() // _OUT_ALIGN) * _OUT_ALIGN for t in tensors]
+    buf = torch.empty(sum(sizes), dtype=torch.float8_e4m3fn, device=tensors[0].device)
+    return [p[: math.prod(t.shape)].view(t.shape) for p, t in zip(buf.split(sizes), tensors)]
+
+
+def _check_out(out: Sequence[torch.Tensor], shapes, device: torch.device, what: str) -> List[torch.Tensor]:
+    """The caller's destinations ``out`` as a list, each checked to be a contiguous
+    float8_e4m3fn tensor of its input's shape on ``device``."""
+    out = list(out)
+    if len(out) != len(shapes):
+        raise ValueError(f"{what} has {len(out)} tensors for {len(shapes)} inputs")
+    for i, (o, shape) in enumerate(zip(out, shapes)):
+        if o.dtype != torch.float8_e4m3fn or tuple(o.shape) != tuple(shape) or not o.is_contiguous() or o.device != device:
+            raise ValueError(
+                f"{what}[{i}] must be a contiguous float8_e4m3fn tensor of shape {tuple(shape)} on {device}, "
+                f"got {o.dtype} {tuple(o.shape)} (contiguous={o.is_contiguous()}) on {o.device}"
+            )
+    return out
 
 
 def _launch_multi_tensor_cast_fp8(
     tensors: Sequence[torch.Tensor],
     scales: torch.Tensor,
     qs: Sequence[torch.Tensor],
-    qts: Optional[Sequence[torch.Tensor]],
     *,
-    block: int = _FLAT_BLOCK,
-    iters: int = _FLAT_ITERS,
-    tile_r: int = _TILE_R,
-    tile_c: int = _TILE_C,
-    linear_search_max: int = _LINEAR_SEARCH_MAX_TENSORS,
-    num_warps: Optional[int] = None,
-    evict: str = _FLAT_EVICT,
     amax_bits: Optional[torch.Tensor] = None,
     only: Optional[torch.Tensor] = None,
     tables: Optional[_CastTables] = None,
 ) -> None:
-    """One launch per input dtype; writes into the preallocated ``qs`` / ``qts`` (and folds
-    each tensor's max |x| into ``amax_bits``, int32 bits of zeroed float32, when given;
-    skips tensors whose ``only`` entry, uint8, is 0). ``tables``: built before for exactly
-    these inputs and destinations (``MultiTensorCastPlan``), else built here."""
+    """One launch per input dtype; writes into the preallocated ``qs`` (and folds each
+    tensor's max |x| into ``amax_bits``, int32 bits of zeroed float32, when given; skips
+    tensors whose ``only`` entry, uint8, is 0). ``tables``: built before for exactly these
+    inputs and destinations (``MultiTensorCastPlan``), else built here."""
     soft = interpreter_active()
     if tables is None:
-        tables = _CastTables(tensors, qs, qts, block, iters, tile_r, tile_c)
-    if num_warps is None:
-        num_warps = _TILE_WARPS if tables.write_t else _FLAT_WARPS
+        tables = _CastTables(tensors, qs)
     for table, (dtype, n_t, total, aligned) in zip(tables.device_tables, tables.launches):
         launch(_multi_tensor_cast_fp8_kernel, (total,),
             table,
@@ -83,18 +225,15 @@ def _launch_multi_tensor_cast_fp8(
             DTYPE=_DTYPE_CODE[dtype],
             SOFT=soft,
             ALIGNED=aligned,
-            LINEAR_SEARCH=n_t <= linear_search_max,
+            LINEAR_SEARCH=n_t <= _LINEAR_SEARCH_MAX_TENSORS,
             T_POW2=next_pow2(n_t),
-            WRITE_T=tables.write_t,
             FP8_MAX=FP8_E4M3_MAX,
-            BLOCK=block,
-            ITERS=iters,
-            TILE_R=tile_r,
-            TILE_C=tile_c,
-            EVICT=evict,
+            BLOCK=_FLAT_BLOCK,
+            ITERS=_FLAT_ITERS,
+            EVICT=_FLAT_EVICT,
             HAS_AMAX=amax_bits is not None,
             ONLY=only is not None,
-            num_warps=num_warps,
+            num_warps=_FLAT_WARPS,
             **EXACT_FP,
         )
 
@@ -129,29 +268,41 @@ def amax_to_scale(amax: torch.Tensor, fp8_max: float = FP8_E4M3_MAX, *, impl: st
     return amax_to_scale_ref(amax, fp8_max)
 
 
+# The keywords of the transposed copy the cast used to write beside ``q`` (no product path
+# read it: backward transposes the gathered weight). Passed asking for nothing they still work,
+# with a warning, for callers written against the old signature; asking for the copy is refused.
+_REMOVED_KEYWORDS = ("write_transposed", "out_transposed")
+
+
+def _refuse_removed(removed: dict, what: str) -> None:
+    for name, value in removed.items():
+        if name not in _REMOVED_KEYWORDS:
+            raise TypeError(f"{what} got an unexpected keyword argument {name!r}")
+        if value is not None and value is not False:
+            raise ValueError(f"{name}= is gone: the cast writes no transposed copy; transpose its output with "
+                             "etp.kernels.transpose_last2(q)")
+        warnings.warn(f"{name}= is deprecated and does nothing (the cast writes no transposed copy); drop it",
+                      DeprecationWarning, stacklevel=3)
+
+
 def multi_tensor_cast_fp8(
     tensors: Sequence[torch.Tensor],
     scales: torch.Tensor,
     *,
-    write_transposed: bool = False,
     out: Optional[Sequence[torch.Tensor]] = None,
-    out_transposed: Optional[Sequence[torch.Tensor]] = None,
     amax_out: Optional[torch.Tensor] = None,
     only: Optional[torch.Tensor] = None,
     impl: str = "auto",
-) -> Tuple[List[torch.Tensor], Optional[List[torch.Tensor]]]:
+    **removed,
+) -> Tuple[List[torch.Tensor], None]:
     """Cast many tensors to float8_e4m3fn with per-tensor scales in one launch per dtype.
 
     ``q_i = float8_e4m3fn(clamp(x_i.float() * scales[i], -448, 448))`` with
     round-to-nearest-even, bit-exact to the torch reference.  +-inf saturates
     to +-448; NaN stays NaN (the NaN's sign bit is not guaranteed to survive on
-    GPU).  With ``write_transposed`` the same pass also writes ``q_i`` with its
-    last two dims swapped (``[out, in] -> [in, out]``,
-    ``[E, out, in] -> [E, in, out]``) for the backward GEMM; for 1-D inputs
-    that list holds the same tensor object as ``q_i``.  Inputs of mixed dtypes
-    are grouped, one launch per dtype.  The tensor table is uploaded on every
-    call, so this one-shot form is not CUDA-graph capturable
-    (``MultiTensorCastPlan`` keeps them, and is).  On the Triton path
+    GPU).  Inputs of mixed dtypes are grouped, one launch per dtype.  The tensor
+    table is uploaded on every call, so this one-shot form is not CUDA-graph
+    capturable (``MultiTensorCastPlan`` keeps it, and is).  On the Triton path
     all outputs are views of one allocation (one allocator call per call
     instead of one per output), so holding any of them keeps that whole buffer
     alive; copy out what must outlive the rest.
@@ -159,12 +310,9 @@ def multi_tensor_cast_fp8(
     Args:
         tensors: contiguous bf16 / fp16 / fp32 tensors with 1, 2 or 3 dims, on one device.
         scales: float32 tensor ``[len(tensors)]`` on the same device.
-        write_transposed: also produce the transposed copies.
         out: contiguous float8_e4m3fn destinations, one per input with its shape (views into
             the buffers the casts live in, e.g. a stable FP8 weight): the cast writes there
             directly, no allocation and no copy afterwards.
-        out_transposed: with ``out`` and ``write_transposed``, the transposed destinations
-            (ignored for 1-D inputs, whose transposed output is ``out[i]``).
         amax_out: float32 ``[len(tensors)]`` that receives each input's ``max |x|`` (what
             :func:`multi_tensor_amax` returns) from the cast's own read: delayed scaling
             casts with the previous step's scale and records this step's amax in one pass.
@@ -176,15 +324,16 @@ def multi_tensor_cast_fp8(
             ``"triton"`` (CPU tensors only under ``TRITON_INTERPRET=1``) or ``"torch"``.
 
     Returns:
-        ``(qs, qts)``: the fp8 tensors, and the transposed fp8 tensors or None.
+        ``(qs, None)``: the fp8 tensors (the second element, always None, held the
+        transposed copies the cast no longer writes; callers that unpack two keep working).
 
     Example::
 
         scales = amax_to_scale(multi_tensor_amax(shards))
-        qs, qts = multi_tensor_cast_fp8(shards, scales, write_transposed=True)
+        qs, _ = multi_tensor_cast_fp8(shards, scales)
     """
-    plan = MultiTensorCastPlan(tensors, write_transposed=write_transposed, out=out,
-                               out_transposed=out_transposed, impl=impl, devices=[scales])
+    _refuse_removed(removed, "multi_tensor_cast_fp8")
+    plan = MultiTensorCastPlan(tensors, out=out, impl=impl, devices=[scales])
     return plan.run(scales, amax_out=amax_out, only=only)
 
 
@@ -202,7 +351,8 @@ class MultiTensorCastPlan:
     weight or destination moves. Without ``out=`` every run allocates new outputs and builds
     its tables anew.
 
-    Args: as ``multi_tensor_cast_fp8`` (``scales``, ``amax_out`` and ``only`` go to ``run``).
+    Args: as ``multi_tensor_cast_fp8`` (``scales``, ``amax_out`` and ``only`` go to ``run``);
+    ``devices``: tensors that must share the inputs' device (the one-shot call's scales).
 
     Example::
 
@@ -214,12 +364,12 @@ class MultiTensorCastPlan:
         self,
         tensors: Sequence[torch.Tensor],
         *,
-        write_transposed: bool = False,
         out: Optional[Sequence[torch.Tensor]] = None,
-        out_transposed: Optional[Sequence[torch.Tensor]] = None,
         impl: str = "auto",
         devices: Sequence[torch.Tensor] = (),
+        **removed,
     ) -> None:
+        _refuse_removed(removed, "MultiTensorCastPlan")
         tensors = list(tensors)
         device = common_device(tensors + list(devices), "tensors and scales")
         for i, t in enumerate(tensors):
@@ -230,30 +380,17 @@ class MultiTensorCastPlan:
                 raise ValueError(f"tensors[{i}] is not contiguous; call .contiguous() first")
         if out is not None:
             out = _check_out(out, [t.shape for t in tensors], device, "out")
-            if write_transposed:
-                if out_transposed is None:
-                    raise ValueError("write_transposed with out= needs out_transposed= as well")
-                if len(out_transposed) != len(tensors):
-                    raise ValueError(f"out_transposed has {len(out_transposed)} tensors for {len(tensors)} inputs")
-                # A 1-D input's transposed output is its out[i] (whatever was passed there).
-                out_transposed = [o if t.dim() >= 2 else q for t, q, o in zip(tensors, out, out_transposed)]
-                transposed_shapes = [(*t.shape[:-2], t.shape[-1], t.shape[-2]) if t.dim() >= 2 else t.shape
-                                     for t in tensors]
-                out_transposed = _check_out(out_transposed, transposed_shapes, device, "out_transposed")
-        self.tensors, self.device, self.impl = tensors, device, impl
-        self.write_transposed = write_transposed
-        self.out = out
-        self.out_transposed = out_transposed if write_transposed else None
+        self.tensors, self.device, self.impl, self.out = tensors, device, impl, out
         self._triton = select_impl(impl, device) and not needs_staging(device)
         self._tables: Optional[_CastTables] = None
 
-    def _tables_for(self, qs, qts) -> Optional[_CastTables]:
+    def _tables_for(self, qs) -> Optional[_CastTables]:
         """The kept launch tables (fixed destinations only); built at the first run outside a
         CUDA graph capture."""
         if self.out is None:
             return None
         if self._tables is None:
-            tables = _CastTables(self.tensors, qs, qts, _FLAT_BLOCK, _FLAT_ITERS, _TILE_R, _TILE_C)
+            tables = _CastTables(self.tensors, qs)
             capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
             if capturing:
                 return tables  # its upload belongs to this capture: not kept for eager runs
@@ -266,11 +403,10 @@ class MultiTensorCastPlan:
         *,
         amax_out: Optional[torch.Tensor] = None,
         only: Optional[torch.Tensor] = None,
-    ) -> Tuple[List[torch.Tensor], Optional[List[torch.Tensor]]]:
+    ) -> Tuple[List[torch.Tensor], None]:
         """Casts with ``scales`` (float32 ``[len(tensors)]``); ``amax_out`` and ``only`` as
-        for ``multi_tensor_cast_fp8``. Returns ``(qs, qts)``."""
-        tensors, device, write_transposed = self.tensors, self.device, self.write_transposed
-        out, out_transposed = self.out, self.out_transposed
+        for ``multi_tensor_cast_fp8``. Returns ``(qs, None)``."""
+        tensors, device, out = self.tensors, self.device, self.out
         if scales.dtype != torch.float32:
             raise TypeError(f"scales must be float32, got {scales.dtype}")
         if scales.dim() != 1 or scales.numel() != len(tensors):
@@ -285,11 +421,8 @@ class MultiTensorCastPlan:
         if only is not None and out is None:
             raise ValueError("only= leaves skipped outputs as they are: pass the destinations with out=")
         if not self._triton:
-            return self._run_reference(scales, amax_out, only)
-        if out is None:
-            qs, qts = _alloc_outputs(tensors, write_transposed)
-        else:
-            qs, qts = list(out), (list(out_transposed) if write_transposed else None)
+            return self._run_reference(scales, amax_out, only), None
+        qs = _alloc_outputs(tensors) if out is None else list(out)
         amax_bits = None
         if amax_out is not None:
             amax_out.zero_()
@@ -297,38 +430,29 @@ class MultiTensorCastPlan:
         if only is not None:  # [N + 1]: the flags, then whether any is set (checked first)
             only = torch.cat([only, only.any().view(1)]).view(torch.uint8)
         if tensors:
-            _launch_multi_tensor_cast_fp8(tensors, scales.contiguous(), qs, qts, amax_bits=amax_bits, only=only,
-                                          tables=self._tables_for(qs, qts))
-        return qs, qts
+            _launch_multi_tensor_cast_fp8(tensors, scales.contiguous(), qs, amax_bits=amax_bits, only=only,
+                                          tables=self._tables_for(qs))
+        return qs, None
 
-    def _run_reference(self, scales, amax_out, only):
+    def _run_reference(self, scales, amax_out, only) -> List[torch.Tensor]:
         """The torch reference (``impl="torch"``, CPU) or the Triton kernel staged on the CPU
         (``TRITON_INTERPRET=1`` with CUDA tensors)."""
-        tensors, device, write_transposed = self.tensors, scales.device, self.write_transposed
-        out, out_transposed = self.out, self.out_transposed
+        tensors, device, out = self.tensors, scales.device, self.out
         picked = [True] * len(tensors) if only is None else only.tolist()  # the reference path may sync
         if not select_impl(self.impl, device):
-            qs, qts = multi_tensor_cast_fp8_ref(tensors, scales, write_transposed=write_transposed)
+            qs, _ = multi_tensor_cast_fp8_ref(tensors, scales)
             if amax_out is not None:
                 amax_out.copy_(torch.where(torch.tensor(picked, device=device),
                                            multi_tensor_amax_ref(tensors).to(device), 0.0))
         else:
             staged_amax = None if amax_out is None else torch.zeros(len(tensors))
-            qs, qts = multi_tensor_cast_fp8([t.cpu() for t in tensors], scales.cpu(),
-                                            write_transposed=write_transposed, amax_out=staged_amax,
-                                            impl="triton")
+            qs, _ = multi_tensor_cast_fp8([t.cpu() for t in tensors], scales.cpu(), amax_out=staged_amax,
+                                          impl="triton")
             if amax_out is not None:
                 amax_out.copy_(torch.where(torch.tensor(picked), staged_amax, 0.0))
         if out is None:
-            qs = [q.to(device) for q in qs]
-            if qts is None:
-                return qs, None
-            return qs, [qs[i] if t.dim() < 2 else qt.to(device) for i, (t, qt) in enumerate(zip(tensors, qts))]
+            return [q.to(device) for q in qs]
         for dst, q, keep in zip(out, qs, picked):  # bytes: uint8 views copy FP8 on every torch version
             if keep:
                 dst.view(torch.uint8).copy_(q.view(torch.uint8))
-        if qts is not None:
-            for t, dst, qt, keep in zip(tensors, out_transposed, qts, picked):
-                if t.dim() >= 2 and keep:
-                    dst.view(torch.uint8).copy_(qt.view(torch.uint8))
-        return list(out), (list(out_transposed) if write_transposed else None)
+        return list(out)

@@ -1,6 +1,6 @@
-"""Triton kernels that compute the expert-parallel routing layout of ``etp.ep.layout``.
+"""Triton kernels that compute the expert-parallel routing layout of ``etp.ep.routing_layout``.
 
-The pure-torch ``count_pairs_torch`` / ``pair_rows_torch`` of ``etp.ep.layout`` define the
+The pure-torch ``count_pairs_torch`` / ``pair_rows_torch`` of ``etp.ep.routing_layout`` define the
 results (see [Note: receive layout] there); these give the same tensors bit for bit in four
 launches, where the torch code issues ~40 small ops whose launches, not their work, cost the
 host its time in ``prepare``.
@@ -41,7 +41,7 @@ import triton.language as tl
 
 from etp.kernels.launch import launch
 
-__all__ = ["count_pairs", "pair_rows", "num_blocks", "PAIR_BLOCK"]
+__all__ = ["count_pairs_triton", "pair_rows_triton", "num_blocks", "PAIR_BLOCK"]
 
 #: Pairs per block (see [Note: layout in blocks]): the in-block count costs BLOCK compares
 #: per pair, the block prefix (E + 1) ints per block; 256 keeps both small at 300k pairs.
@@ -173,16 +173,16 @@ def _check_block(block: int) -> None:
         raise ValueError(f"block={block!r}: expected a power of two >= {_SUB}")
 
 
-def count_pairs(topk_idx: torch.Tensor, num_experts: int, out: torch.Tensor | None = None, *,
+def count_pairs_triton(topk_idx: torch.Tensor, num_experts: int, out: torch.Tensor | None = None, *,
                 block: int = PAIR_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(meta, block_prefix)``: ``meta`` [E + 2] int64 as ``etp.ep.layout.count_pairs`` (per
+    """``(meta, block_prefix)``: ``meta`` [E + 2] int64 as ``etp.ep.routing_layout.count_pairs`` (per
     expert pairs, T, out-of-range indices), written into ``out`` if given; ``block_prefix``
     [num_blocks, E + 1] int32, the pairs of each bin in the blocks before each block, which
-    ``pair_rows`` takes. Two launches (see [Note: layout in blocks]).
+    ``pair_rows_triton`` takes. Two launches (see [Note: layout in blocks]).
 
     Example::
 
-        meta, block_prefix = count_pairs(topk_idx, num_experts)
+        meta, block_prefix = count_pairs_triton(topk_idx, num_experts)
     """
     _check_block(block)
     flat = topk_idx.reshape(-1)
@@ -202,17 +202,17 @@ def count_pairs(topk_idx: torch.Tensor, num_experts: int, out: torch.Tensor | No
     return out, hist
 
 
-def pair_rows(topk_idx: torch.Tensor, meta: torch.Tensor, block_prefix: torch.Tensor, rank: int, capacity: int,
+def pair_rows_triton(topk_idx: torch.Tensor, meta: torch.Tensor, block_prefix: torch.Tensor, rank: int, capacity: int,
               expert_capacity: int | None, *, block: int = PAIR_BLOCK) -> tuple:
-    """The fields of ``etp.ep.layout.Layout``, in its order, from the all-gathered ``meta``
-    [W, E + 2] and this rank's ``block_prefix`` (from ``count_pairs`` with the same
+    """The fields of ``etp.ep.routing_layout.Layout``, in its order, from the all-gathered ``meta``
+    [W, E + 2] and this rank's ``block_prefix`` (from ``count_pairs_triton`` with the same
     ``block``). Two launches (see [Note: layout in blocks]). ``j`` comes from the block
     prefix, not from ``meta[rank]``: the two must count the same ``topk_idx`` (as in
     ``prepare``), where the torch reference reads ``meta[rank]``.
 
     Example::
 
-        fields = pair_rows(topk_idx, meta_all, block_prefix, rank, capacity, None)
+        fields = pair_rows_triton(topk_idx, meta_all, block_prefix, rank, capacity, None)
     """
     _check_block(block)
     world = meta.shape[0]
@@ -222,7 +222,7 @@ def pair_rows(topk_idx: torch.Tensor, meta: torch.Tensor, block_prefix: torch.Te
     pairs = flat.numel()
     n_blocks = num_blocks(pairs, block)
     if block_prefix.shape != (n_blocks, num_experts + 1) or block_prefix.dtype != torch.int32:
-        raise ValueError(f"block_prefix: expected int32 [{n_blocks}, {num_experts + 1}] (count_pairs of these "
+        raise ValueError(f"block_prefix: expected int32 [{n_blocks}, {num_experts + 1}] (count_pairs_triton of these "
                          f"{pairs} pairs, block={block}), got {block_prefix.dtype} {tuple(block_prefix.shape)}")
     meta = meta.contiguous()
     limit = _NO_LIMIT if expert_capacity is None else min(expert_capacity, _NO_LIMIT)

@@ -81,32 +81,13 @@ def _quantize_ref(x: torch.Tensor, scale: torch.Tensor, fp8_max: float = FP8_E4M
     return y.clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
 
 
-def _transpose_last2(q: torch.Tensor) -> torch.Tensor:
-    if q.dim() < 2:
-        return q
-    return q.transpose(-2, -1).contiguous()
-
-
 def multi_tensor_cast_fp8_ref(
     tensors: Sequence[torch.Tensor],
     scales: torch.Tensor,
-    *,
-    write_transposed: bool = False,
-) -> Tuple[List[torch.Tensor], Optional[List[torch.Tensor]]]:
-    """Reference for :func:`etp.kernels.multi_tensor_cast_fp8`.
-
-    ``q_i = float8_e4m3fn(clamp(x_i.float() * scales[i], -448, 448))``; with
-    ``write_transposed`` also the copy with the last two dims swapped
-    (1-D tensors: the same tensor object as ``q_i``).
-    """
-    qs: List[torch.Tensor] = []
-    qts: Optional[List[torch.Tensor]] = [] if write_transposed else None
-    for i, x in enumerate(tensors):
-        q = _quantize_ref(x, scales[i])
-        qs.append(q)
-        if qts is not None:
-            qts.append(_transpose_last2(q))
-    return qs, qts
+) -> Tuple[List[torch.Tensor], None]:
+    """Reference for :func:`etp.kernels.multi_tensor_cast_fp8`: ``(qs, None)`` with
+    ``q_i = float8_e4m3fn(clamp(x_i.float() * scales[i], -448, 448))``."""
+    return [_quantize_ref(x, scales[i]) for i, x in enumerate(tensors)], None
 
 
 def blockwise_scale_shape(shape: Sequence[int], block_rows: int, block_cols: int) -> Tuple[int, ...]:

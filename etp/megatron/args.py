@@ -18,6 +18,7 @@ The flags (defaults are :class:`etp.ETPConfig`'s, so without flags ETP is off)::
     --etp-size N               ranks sharding each dense weight            (etp_size)
     --expert-etp-size N        ranks sharding each routed-expert weight    (expert_etp_size)
     --etp-gather-dtype D       param | bf16 | fp16 | fp32 | fp8_tensorwise | fp8_blockwise
+                               (or a format's import path module:Name, etp.formats)
     --etp-no-prefetch          do not gather the next weight during the current GEMM
     --etp-no-async-reduce      reduce-scatter weight gradients in line
     --etp-pad-for-alignment N  rows per shard are a multiple of N (power of two)
@@ -31,7 +32,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..config import GATHER_DTYPES, REDUCTIONS, ETPConfig
+from ..config import REDUCTIONS, ETPConfig
+from ..formats import FORMATS, gather_format
 
 __all__ = ["add_etp_args", "etp_config_from_args", "ETP_ARG_DESTS"]
 
@@ -58,6 +60,14 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
+
+
+def _gather_format_name(text: str) -> str:
+    try:
+        gather_format(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{text!r}: {error}") from None
+    return text
 
 
 def add_etp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -89,9 +99,10 @@ def add_etp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "(1 = off).",
     )
     group.add_argument(
-        "--etp-gather-dtype", dest="etp_gather_dtype", choices=list(GATHER_DTYPES),
+        "--etp-gather-dtype", dest="etp_gather_dtype", type=_gather_format_name, metavar="FORMAT",
         default=d.gather_dtype,
-        help="Format weights travel in for the all-gather (fp8_* need --bf16).",
+        help=f"Format weights travel in for the all-gather: {' | '.join(FORMATS)} (fp8_* need --bf16), or a "
+        "format's import path module:Name.",
     )
     group.add_argument(
         "--etp-no-prefetch", dest="etp_prefetch", action="store_false", default=d.prefetch,

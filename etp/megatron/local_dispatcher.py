@@ -48,7 +48,7 @@ import torch
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from ..kernels.gather_sum import gather_sum
-from ..saved import rebuilt_in_backward
+from ..rebuilt_activations import rebuilt_in_backward
 
 __all__ = ["LocalTokenDispatcher", "install_local_dispatchers", "local_permutation", "mark_permuted",
            "regathered_rows"]
@@ -67,7 +67,7 @@ def mark_permuted(permuted: torch.Tensor, tokens: torch.Tensor, rows: torch.Tens
 def regathered_rows(permuted: torch.Tensor):
     """A ``torch.autograd.graph.saved_tensors_hooks`` context under which autograd keeps
     ``permuted`` (marked by ``mark_permuted``) as its source and row indices, gathering it again
-    when backward needs it ([Note: rebuilt activations] in ``etp.saved``); a no-op context for an
+    when backward needs it ([Note: rebuilt activations] in ``etp.rebuilt_activations``); a no-op context for an
     unmarked tensor.
 
     Example::

@@ -16,6 +16,8 @@ Process-wide rebindings (idempotent, each with its way back):
   optimizer modules, bound to :mod:`etp.megatron.fast_fallbacks` ([Note: megatron fallbacks]).
 * ``use_fused_rope(on)``: ``apply_rotary_pos_emb`` in megatron-core's attention, bound to
   :func:`etp.megatron.rope.fused_apply_rotary_pos_emb` ([Note: RoPE in megatron-core]).
+* ``use_cpu_megatron_core(on)``: the few megatron-core methods that place tensors on the current
+  CUDA device, make CUDA streams or save CUDA RNG states, run on CPU ([Note: megatron-core on CPU]).
 
 Per-optimizer replacements (a megatron-core optimizer, chained or not):
 
@@ -34,6 +36,7 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.metadata
@@ -42,7 +45,7 @@ import sys
 import types
 
 __all__ = ["SUPPORTED_MEGATRON_CORE", "check_megatron_core", "step_with_fused_adamw", "step_without_host_sync",
-           "use_fast_fallbacks", "use_fused_rope", "use_te_free_router"]
+           "use_cpu_megatron_core", "use_fast_fallbacks", "use_fused_rope", "use_te_free_router"]
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +139,195 @@ def use_fused_rope(on: bool) -> bool:
     if module.apply_rotary_pos_emb is wanted:
         return False
     module.apply_rotary_pos_emb = wanted
+    return True
+
+
+# [Note: megatron-core on CPU]
+# megatron-core's GPTModel (etp's layer spec) trains on CPU ranks (gloo) but for a few places
+# written for the GPU, each of which would raise on a CPU-only torch (or, on a GPU host running a
+# gloo job, move a CPU model's tensor to the GPU):
+#
+# * Tensors placed on ``torch.cuda.current_device()``: the router moves its weight there at every
+#   forward and makes its expert-bias / global-aux-loss buffers there; the rotary embedding moves
+#   its frequencies there at its first forward; local attention's score buffer is allocated there,
+#   and so are the outputs of the tensor- and expert-parallel collectives. Those methods run
+#   unchanged with ``torch.cuda.current_device`` answering the CPU while they run
+#   (``_CPU_DEVICE_METHODS``), unless their first tensor argument is on a GPU.
+# * Local attention's default causal mask is made with ``device="cuda"`` written out: bound to the
+#   same mask made on the CPU.
+# * Named CUDA RNG streams: without CUDA nothing adds any (``model_parallel_cuda_manual_seed``
+#   needs CUDA), so forking an unknown one is a no-op and dropout draws from torch's CPU
+#   generator, as etp's SDPA attention does on CPU; recompute saves and restores that generator
+#   itself, and the CUDA generator's state it also saves is none until CUDA is initialized.
+# * The alltoall dispatcher's device-to-host stream and copies: on CPU its split sizes and counts
+#   are host tensors already, so there is nothing to copy and nothing to wait for.
+#
+# Nothing else changes: the modules, their parameters, their arithmetic and the dispatchers'
+# collectives are megatron-core's own, which is what lets the CPU suite prove parity for the model
+# GPUs train. etp-train turns it on for a CPU run and off for a GPU one (``build_model`` in
+# ``etp.train.model_build``); a process that trains on GPUs after CPU work turns it off.
+
+_MAPPINGS = "megatron.core.tensor_parallel.mappings"
+#: (module, class or None for the module's own function, name) placing tensors on the current CUDA
+#: device, reached by a CPU run: run with it answering the CPU
+_CPU_DEVICE_METHODS = (
+    ("megatron.core.transformer.moe.router", "Router", "gating"),
+    ("megatron.core.transformer.moe.router", "TopKRouter", "__init__"),
+    ("megatron.core.models.common.embeddings.rotary_pos_embedding", "RotaryEmbedding", "get_emb"),
+    ("megatron.core.utils", "GlobalMemoryBuffer", "get_tensor"),
+    # the collectives' output buffers (expert parallelism, tensor parallelism's gathers)
+    (_MAPPINGS, None, "_gather_along_last_dim"),
+    (_MAPPINGS, None, "_gather_along_first_dim"),
+    (_MAPPINGS, None, "_reduce_scatter_along_first_dim"),
+    (_MAPPINGS, "_AllToAll", "forward"),
+)
+_RANDOM = "megatron.core.tensor_parallel.random"
+_DISPATCHER = "megatron.core.transformer.moe.token_dispatcher"
+_SOFTMAX = "megatron.core.fusions.fused_softmax"
+
+
+def _cpu_device():
+    import torch
+
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def _current_device_is_cpu():
+    """``torch.cuda.current_device()`` answers the CPU inside (nested uses restore in order)."""
+    import torch
+
+    saved = torch.cuda.current_device
+    torch.cuda.current_device = _cpu_device
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = saved
+
+
+def _on_cpu(method):
+    """``method`` with the current device answering the CPU, unless its first tensor argument is
+    on a GPU (then megatron-core's placement is the right one)."""
+    import torch
+
+    @functools.wraps(method)  # __wrapped__: megatron-core's own
+    def on_cpu(*args, **kwargs):
+        tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if tensor is not None and tensor.device.type != "cpu":
+            return method(*args, **kwargs)
+        with _current_device_is_cpu():
+            return method(*args, **kwargs)
+
+    return on_cpu
+
+
+def _causal_mask_on_cpu(sq: int):
+    """megatron-core's ``get_default_causal_mask`` (True above the diagonal), on the CPU."""
+    import torch
+
+    return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+
+
+def _cuda_rng_state_if_any(get_state):
+    """megatron-core's ``_get_cuda_rng_state``, or None before CUDA is initialized (a CPU run:
+    there is no CUDA generator to save; recompute saves the CPU generator itself)."""
+    import torch
+
+    @functools.wraps(get_state)
+    def cuda_rng_state(*args, **kwargs):
+        return get_state(*args, **kwargs) if torch.cuda.is_initialized() else None
+
+    return cuda_rng_state
+
+
+def _cuda_rng_restore_if_any(set_state):
+    """megatron-core's ``_set_cuda_rng_state``, nothing for the None a CPU run saved."""
+
+    @functools.wraps(set_state)
+    def restore_cuda_rng_state(new_state, *args, **kwargs):
+        if new_state is not None:
+            set_state(new_state, *args, **kwargs)
+
+    return restore_cuda_rng_state
+
+
+def _fork_if_tracked(fork):
+    """megatron-core's ``CudaRNGStatesTracker.fork`` for a named state it holds; a no-op for one
+    nothing added (on CPU: none), so dropout draws from torch's CPU generator there."""
+    name_default = importlib.import_module(_RANDOM)._MODEL_PARALLEL_RNG_TRACKER_NAME
+
+    @functools.wraps(fork)
+    def fork_if_tracked(self, name=name_default):
+        return fork(self, name) if name in self.states_ else contextlib.nullcontext()
+
+    return fork_if_tracked
+
+
+def _host_counts(self, point, tokens_per_expert=None):
+    """The alltoall dispatcher's device-to-host step on CPU: its counts are host tensors already
+    (nothing to copy, nothing to wait for); the split sizes become numpy arrays, as megatron-core's
+    copies make them (its collectives take sequences of ints, not tensors)."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            splits = getattr(self, name)
+            if hasattr(splits, "numpy"):
+                setattr(self, name, splits.numpy())
+    return tokens_per_expert
+
+
+#: the alltoall dispatcher's device-to-host stream on CPU: none (its class attribute, set once)
+_NO_STREAM = "etp: no CUDA stream on CPU"
+
+
+def _cpu_bindings() -> list[tuple[object, str, object]]:
+    """(owner, attribute, etp's CPU binding) of every binding of [Note: megatron-core on CPU]."""
+    bindings = []
+    for module_name, class_name, name in _CPU_DEVICE_METHODS:
+        module = importlib.import_module(module_name)
+        owner = module if class_name is None else getattr(module, class_name)
+        original = owner.__dict__[name]
+        if isinstance(original, staticmethod):  # an autograd Function's forward
+            bindings.append((owner, name, staticmethod(_on_cpu(original.__func__))))
+        else:
+            bindings.append((owner, name, _on_cpu(original)))
+    random, dispatcher = importlib.import_module(_RANDOM), importlib.import_module(_DISPATCHER)
+    tracker = random.CudaRNGStatesTracker
+    bindings += [(importlib.import_module(_SOFTMAX), "get_default_causal_mask", _causal_mask_on_cpu),
+                 (random, "_get_cuda_rng_state", _cuda_rng_state_if_any(random._get_cuda_rng_state)),
+                 (random, "_set_cuda_rng_state", _cuda_rng_restore_if_any(random._set_cuda_rng_state)),
+                 (tracker, "fork", _fork_if_tracked(tracker.__dict__["fork"])),
+                 (dispatcher.MoEAlltoAllTokenDispatcher, "_maybe_dtoh_and_synchronize", _host_counts)]
+    return bindings
+
+
+#: (owner, attribute) -> megatron-core's own, kept while etp's CPU binding is in place
+_CPU_ORIGINALS: dict[tuple[object, str], object] = {}
+
+
+def use_cpu_megatron_core(on: bool) -> bool:
+    """Lets megatron-core's GPTModel run on CPU ranks ([Note: megatron-core on CPU]) (``on``), or
+    puts megatron-core's CUDA-only code back. Idempotent; returns whether any binding changed.
+
+    Example::
+
+        patches.use_cpu_megatron_core(True)   # before building a GPTModel on CPU
+    """
+    if on == bool(_CPU_ORIGINALS):
+        return False
+    dispatcher = importlib.import_module(_DISPATCHER).MoEAlltoAllTokenDispatcher
+    if on:
+        for owner, name, ours in _cpu_bindings():
+            _CPU_ORIGINALS[(owner, name)] = owner.__dict__[name]
+            setattr(owner, name, ours)
+        if dispatcher.cuda_dtoh_stream is None:  # the constructor makes one only while it is None
+            dispatcher.cuda_dtoh_stream = _NO_STREAM
+        use_te_free_router()
+        return True
+    for (owner, name), original in _CPU_ORIGINALS.items():
+        setattr(owner, name, original)
+    _CPU_ORIGINALS.clear()
+    if dispatcher.cuda_dtoh_stream is _NO_STREAM:
+        dispatcher.cuda_dtoh_stream = None
     return True
 
 

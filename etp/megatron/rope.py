@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from ..derived import per_version
 from ..kernels.rope import rope
+from ..version_cache import per_version
 
 __all__ = ["fused_apply_rotary_pos_emb"]
 

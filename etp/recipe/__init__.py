@@ -60,8 +60,7 @@ Model (``recipe.model``, :class:`ModelSpec`):
         etp.megatron.local_dispatcher.LocalTokenDispatcher, no host synchronization, for
         expert_model_parallel_size 1, tensor_model_parallel_size 1 and moe_grouped_gemm; etp:
         etp.megatron.ep_dispatcher.EtpTokenDispatcher over etp.ep's dispatch / combine, any
-        expert_model_parallel_size, tensor and expert tensor parallel size 1; GPU runs only,
-        the CPU driver's model has no megatron dispatcher).
+        expert_model_parallel_size, tensor and expert tensor parallel size 1).
     moe_aux_loss_coeff: 0.0.
     moe_router_load_balancing_type: aux_loss (aux_loss | seq_aux_loss | global_aux_loss |
         sinkhorn | none; one value, not Megatron-LM's list form; none and sinkhorn refuse a
@@ -90,9 +89,12 @@ Model (``recipe.model``, :class:`ModelSpec`):
         fused SDPA kernels | local = megatron-core's DotProductAttention, full score matrix).
 
 Parallelism (``recipe.parallel``, :class:`ParallelSpec`):
-    tensor_model_parallel_size: 1. pipeline_model_parallel_size: 1.
-    expert_model_parallel_size: 1. expert_tensor_parallel_size: None -> tensor size.
-    context_parallel_size: 1. sequence_parallel: false. use_distributed_optimizer: false.
+    tensor_model_parallel_size: 1. pipeline_model_parallel_size: 1 (only 1: etp-train runs no
+        pipeline schedule; Megatron-LM's virtual_pipeline_model_parallel_size is no recipe key).
+    expert_model_parallel_size: 1. expert_tensor_parallel_size: None -> tensor size (megatron-core's
+        expert tensor-parallel groups and TransformerConfig get it).
+    context_parallel_size: 1 (only 1: etp-train splits no sequence over context-parallel ranks).
+    sequence_parallel: false. use_distributed_optimizer: false.
     overlap_grad_reduce: false. overlap_param_gather: false (needs the distributed optimizer and
     overlap_grad_reduce; models without ETP weights). grad_reduce_in_bf16: false (fp32 DDP
     reductions). ddp_bucket_size: None (megatron-core's default).
@@ -100,8 +102,8 @@ Parallelism (``recipe.parallel``, :class:`ParallelSpec`):
         etp.train.baselines.fsdp2.FSDP2Step: fully_shard per TransformerLayer and the root over the
         data-parallel ranks, bf16 gathers with bf16: true, fp32 reductions and master weights, torch
         AdamW; the peer etp is benchmarked against (docs/architectures.md, "Peers"). ETP sizes 1 (auto
-        resolves them to 1), TP / PP / CP / EP 1, no distributed optimizer or overlap_param_gather,
-        cuda_graph none (auto resolves to none), no fp16, no save / load, dispatcher local, alltoall or
+        resolves them to 1), TP / PP / CP / EP 1, no distributed optimizer, overlap_param_gather,
+        grad_reduce_in_bf16 or ddp_bucket_size, cuda_graph none (auto resolves to none), no fp16, no save / load, dispatcher local, alltoall or
         allgather; it turns overlap_grad_reduce off itself, FSDP2 reduces during the backward).
     use_megatron_fsdp: false (true: megatron-core's own Megatron-FSDP in place of its DDP,
         etp.train.baselines.megatron_fsdp.MegatronFSDPStep: megatron.core.distributed.fsdp's
@@ -121,11 +123,27 @@ Training (``recipe.train``, :class:`TrainSpec`):
         divides each rank's share of global_batch_size (then required) and that the memory audit
         predicts to fit. global_batch_size: None -> micro_batch_size * data_parallel_size (one
         microbatch per step).
-    min_lr: 0.0. lr_warmup_iters: 0 (longer than train_iters: clipped, and etp-train says so).
-    lr_decay_iters: None -> train_iters.
-    lr_decay_style: linear (constant | linear | cosine | inverse-square-root | WSD).
-    weight_decay: 0.01. clip_grad: 1.0 (0 = off). adam_beta1: 0.9. adam_beta2: 0.999.
-    adam_eps: 1e-08. bf16: false. fp16: false. seed: 1234. log_interval: 100.
+    The learning-rate and weight-decay schedule is megatron-core's OptimizerParamScheduler, built
+    as Megatron-LM builds it for train_iters (etp.train.schedule; its lengths count samples,
+    [Note: the schedule counts samples]); biases and 1-D parameters take no weight decay.
+    min_lr: 0.0. lr_warmup_iters: 0 (a linear warm-up from lr_warmup_init at iteration 0 to lr at
+        iteration lr_warmup_iters; one that would not end before train_iters, or before an unset
+        lr_decay_iters, is clipped, and etp-train says so). lr_warmup_init: 0.0.
+    lr_decay_iters: None -> train_iters (counted from iteration 0, the warm-up included; min_lr
+        after it).
+    lr_decay_style: linear (constant | linear | cosine | inverse-square-root: lr x sqrt(warm-up /
+        step), in samples | WSD: lr until the last lr_wsd_decay_iters of lr_decay_iters, then
+        lr_wsd_decay_style down to min_lr). lr_wsd_decay_style: exponential (exponential | linear
+        | cosine | minus_sqrt). lr_wsd_decay_iters: None (WSD only, and then required).
+    weight_decay: 0.01. weight_decay_incr_style: constant (weight_decay throughout | linear |
+        cosine: start_weight_decay rising to end_weight_decay over train_iters, both then
+        required). start_weight_decay, end_weight_decay: None.
+    override_opt_param_scheduler, use_checkpoint_opt_param_scheduler: false (a resume whose
+        recipe schedule differs from its checkpoint's is refused unless one is true: the
+        recipe's schedule from the checkpoint's iteration on, or the checkpoint's).
+    clip_grad: 1.0 (0 = off). adam_beta1: 0.9. adam_beta2: 0.999. adam_eps: 1e-08.
+    bf16: false. fp16: false (true is refused: etp-train builds no fp16 model and scales no loss;
+        use bf16). seed: 1234. log_interval: 100.
     save: None. save_interval: None (needs save; unset: one save, after the run's last
         iteration). load: None. A fresh run refuses a save directory that holds another run's
         checkpoints (etp-train --resume or --overwrite; see etp.train.checkpointing).
@@ -161,8 +179,7 @@ Training (``recipe.train``, :class:`TrainSpec`):
     peak_tflops: None (etp's own: bf16 peak TFLOP/s per GPU for the MFU column; None -> by GPU
         name, etp.train.flops.PEAK_TFLOPS).
     Activation recompute, passed unchanged to megatron-core's TransformerConfig
-    (:meth:`Recipe.recompute_kwargs`; etp-train's megatron-core GPTModel path only, its CPU
-    TinyMoELM does not recompute):
+    (:meth:`Recipe.recompute_kwargs`; etp-train's GPTModel, on CPU and GPUs):
     recompute_granularity: None (no recompute | full: whole layers, only their inputs kept |
         selective: the recompute_modules of every layer).
     recompute_method: None (full only, and then required: uniform = chunks of

@@ -268,9 +268,9 @@ class Recipe(RecipeQuantities):
         if self.parallel.overlap_param_gather and (e.etp_size > 1 or e.expert_etp_size > 1):
             _fail("overlap_param_gather", True, "is for models without ETP weights (etp.etp_size and "
                   "etp.expert_etp_size 1): ETP would prefetch shards whose parameter all-gather is in flight")
-        if e.gather_dtype.startswith("fp8") and not t.bf16:
-            _fail("etp.gather_dtype", e.gather_dtype,
-                  "FP8 gathers need bf16: true (the FP8 GEMMs take bf16 activations)")
+        refused = e.gather_format.unsupported(t.params_dtype)
+        if refused:
+            _fail("etp.gather_dtype", e.gather_dtype, refused)
         if not t.is_synthetic and m.vocab_size < 256:
             _fail("vocab_size", m.vocab_size, f"must be >= 256 with data={t.data!r}: a text corpus is read as bytes")
 

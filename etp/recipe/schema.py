@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from etp.config import ETPConfig
 from etp.recipe.architecture import check_architecture, moe_layer_pattern
 from etp.recipe.validation import (
@@ -18,6 +20,7 @@ from etp.recipe.validation import (
     RecipeError,
     _fail,
     _validate_fields,
+    check_schedule,
 )
 
 
@@ -63,6 +66,8 @@ _DISPATCHERS = ("allgather", "alltoall", "flex", "local", "etp")
 _LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
 _SCORE_FUNCTIONS = ("softmax", "sigmoid")
 _LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+_WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
+_WEIGHT_DECAY_INCR_STYLES = ("constant", "linear", "cosine")
 _BACKENDS = ("auto", "gloo", "nccl")
 _ATTENTION_BACKENDS = ("sdpa", "local")  # etp.megatron.attention.ATTENTION_BACKENDS
 # megatron-core 0.16 TransformerConfig: recompute_granularity, recompute_method and the
@@ -250,10 +255,10 @@ class ParallelSpec:
     """
 
     tensor_model_parallel_size: int = _positive(1, "tensor-parallel size (TP)")
-    pipeline_model_parallel_size: int = _positive(1, "pipeline-parallel size (PP)")
+    pipeline_model_parallel_size: int = _positive(1, "pipeline-parallel size (PP; 1 only: no pipeline schedule runs)")
     expert_model_parallel_size: int = _positive(1, "expert-parallel size (EP)")
     expert_tensor_parallel_size: int | None = _positive(None, "tensor-parallel size of experts")
-    context_parallel_size: int = _positive(1, "context-parallel size (CP)")
+    context_parallel_size: int = _positive(1, "context-parallel size (CP; 1 only: no sequence split runs)")
     sequence_parallel: bool = _key(False, _BOOL, "sequence parallelism (needs TP > 1)")
     use_distributed_optimizer: bool = _key(False, _BOOL, "shard optimizer state over DP")
     overlap_grad_reduce: bool = _key(False, _BOOL, "overlap DDP gradient reduction with backward")
@@ -274,6 +279,12 @@ class ParallelSpec:
 
     def __post_init__(self) -> None:
         _validate_fields(self)
+        for key, what in (("pipeline_model_parallel_size", "runs no pipeline schedule (every rank would build "
+                           "and run all layers)"),
+                          ("context_parallel_size", "splits no sequence over context-parallel ranks (each "
+                           "would run the whole sequence of the same samples)")):
+            if getattr(self, key) > 1:
+                _fail(key, getattr(self, key), f"is not supported by etp-train yet: it {what}: set {key}=1")
         if self.expert_tensor_parallel_size is None:
             object.__setattr__(self, "expert_tensor_parallel_size", self.tensor_model_parallel_size)
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
@@ -296,6 +307,11 @@ class ParallelSpec:
             if getattr(self, key):
                 _fail(key, True, f"must be false with use_torch_fsdp2 (FSDP2 shards the parameters, gradients "
                       f"and optimizer state itself): remove {key} or use_torch_fsdp2")
+        for key, why in (("grad_reduce_in_bf16", "FSDP2Step reduce-scatters the gradients in fp32"),
+                         ("ddp_bucket_size", "FSDP2 reduces per sharded layer, in no DDP buckets")):
+            if getattr(self, key) not in (False, None):
+                _fail(key, getattr(self, key), f"does nothing with use_torch_fsdp2 ({why}): remove {key} or "
+                      "use_torch_fsdp2")
         self._check_data_parallel_only("use_torch_fsdp2", "FSDP2")
 
     def _check_megatron_fsdp(self) -> None:
@@ -362,16 +378,33 @@ class TrainSpec:
         None, _FLOAT, "peak learning rate", required=True, minimum=0.0, exclusive_minimum=True
     )
     min_lr: float = _key(0.0, _FLOAT, "final learning rate", minimum=0.0)
-    lr_warmup_iters: int = _key(0, _INT, "linear warmup steps (clipped to train_iters)", minimum=0)
-    lr_decay_iters: int | None = _positive(None, "decay steps")
+    lr_warmup_iters: int = _key(
+        0, _INT, "linear warm-up iterations (longer than train_iters: clipped)", minimum=0)
+    lr_warmup_init: float = _key(0.0, _FLOAT, "learning rate the warm-up starts from", minimum=0.0)
+    lr_decay_iters: int | None = _positive(None, "iterations from 0 to the end of the decay (then min_lr)")
     lr_decay_style: str = _key("linear", _STR, "learning-rate decay", choices=_LR_DECAY_STYLES)
+    lr_wsd_decay_style: str = _key(
+        "exponential", _STR, "WSD: the annealing phase's shape", choices=_WSD_DECAY_STYLES)
+    lr_wsd_decay_iters: int | None = _key(
+        None, _INT, "WSD: iterations of the annealing phase, the last ones of lr_decay_iters", minimum=0)
     weight_decay: float = _key(0.01, _FLOAT, "AdamW weight decay", minimum=0.0)
+    weight_decay_incr_style: str = _key(
+        "constant", _STR, "weight decay from start_weight_decay to end_weight_decay over train_iters",
+        choices=_WEIGHT_DECAY_INCR_STYLES)
+    start_weight_decay: float | None = _key(None, _FLOAT, "weight decay at iteration 0 (linear / cosine)",
+                                            minimum=0.0)
+    end_weight_decay: float | None = _key(None, _FLOAT, "weight decay at train_iters (linear / cosine)",
+                                          minimum=0.0)
+    override_opt_param_scheduler: bool = _key(
+        False, _BOOL, "on resume, the recipe's schedule replaces the checkpoint's (at its iteration)")
+    use_checkpoint_opt_param_scheduler: bool = _key(
+        False, _BOOL, "on resume, the checkpoint's schedule replaces the recipe's")
     clip_grad: float = _key(1.0, _FLOAT, "global grad-norm clip (0 = off)", minimum=0.0)
     adam_beta1: float = _key(0.9, _FLOAT, "Adam beta1", minimum=0.0, below=1.0)
     adam_beta2: float = _key(0.999, _FLOAT, "Adam beta2", minimum=0.0, below=1.0)
     adam_eps: float = _key(1e-8, _FLOAT, "Adam epsilon", minimum=0.0, exclusive_minimum=True)
     bf16: bool = _key(False, _BOOL, "bf16 parameters and compute")
-    fp16: bool = _key(False, _BOOL, "fp16 parameters and compute")
+    fp16: bool = _key(False, _BOOL, "fp16 parameters and compute (refused: no loss scaling; use bf16)")
     seed: int = _key(1234, _INT, "random seed", minimum=0)
     log_interval: int = _positive(100, "steps between log lines")
     save: str | None = _key(None, _STR, "checkpoint directory to save to")
@@ -420,17 +453,25 @@ class TrainSpec:
 
     def __post_init__(self) -> None:
         _validate_fields(self)
-        if self.lr_decay_iters is None:
+        decay_given = self.lr_decay_iters is not None
+        if not decay_given:
             object.__setattr__(self, "lr_decay_iters", self.train_iters)
         if self.min_lr > self.lr:
             _fail("min_lr", self.min_lr, f"must be <= lr={self.lr}")
-        if self.lr_warmup_iters > self.train_iters:
-            # A short run (a smoke test, --train-iters 4) of a recipe with a longer warm-up: the
-            # warm-up is clipped and etp-train says so, rather than refusing the run.
+        # A short run (a smoke test, --train-iters 4) of a recipe with a longer warm-up: the warm-up
+        # is clipped and etp-train says so, rather than refusing the run. It ends before
+        # lr_decay_iters, as megatron-core's scheduler requires; one longer than an lr_decay_iters
+        # the recipe sets is refused (check_schedule).
+        longest = min(self.train_iters, self.lr_decay_iters - 1)
+        if self.lr_warmup_iters > longest and not (decay_given and self.lr_warmup_iters >= self.lr_decay_iters):
             object.__setattr__(self, "_warmup_clipped_from", self.lr_warmup_iters)
-            object.__setattr__(self, "lr_warmup_iters", self.train_iters)
+            object.__setattr__(self, "lr_warmup_iters", longest)
+        check_schedule(self)
         if self.bf16 and self.fp16:
             _fail("fp16", True, "bf16 and fp16 are both true: choose one")
+        if self.fp16:
+            _fail("fp16", True, "is not supported by etp-train: it builds no fp16 model and scales no loss "
+                  "(megatron-core's grad scaler would step on unscaled gradients): use bf16: true")
         if self.save_interval is not None and self.save is None:
             _fail("save_interval", self.save_interval, "needs save: a checkpoint directory")
         for key in ("finetune", "skip_train"):
@@ -509,6 +550,12 @@ class TrainSpec:
     @property
     def is_synthetic(self) -> bool:
         return self.data == SYNTHETIC
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        """The parameters' dtype, as Megatron-LM derives ``args.params_dtype`` from ``bf16`` /
+        ``fp16`` (what a gather format is asked whether it takes)."""
+        return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
 
 
 _SECTIONS: dict[str, type] = {"model": ModelSpec, "parallel": ParallelSpec, "train": TrainSpec}

@@ -192,6 +192,48 @@ def _fail(key: str, value: Any, message: str) -> None:
 
 
 
+# ---------------------------------------------------------------------------------- schedule
+def check_schedule(train: Any) -> None:
+    """The learning-rate and weight-decay keys of a ``TrainSpec`` (after its warm-up clip), as
+    Megatron-LM's ``validate_args`` and megatron-core's ``OptimizerParamScheduler`` assert them,
+    refused with the fix instead (etp-train builds that scheduler: ``etp.train.schedule``).
+
+    Example::
+
+        check_schedule(TrainSpec(micro_batch_size=4, train_iters=60, lr=3e-3))   # passes
+    """
+    t = train
+    if t.override_opt_param_scheduler and t.use_checkpoint_opt_param_scheduler:
+        _fail("override_opt_param_scheduler", True, "and use_checkpoint_opt_param_scheduler are both true: choose "
+              "the recipe's schedule (override_opt_param_scheduler) or the checkpoint's")
+    if t.lr_warmup_init > t.lr:
+        _fail("lr_warmup_init", t.lr_warmup_init, f"must be <= lr={t.lr} (the warm-up rises from it to lr)")
+    if t.lr_warmup_iters >= t.lr_decay_iters:
+        _fail("lr_warmup_iters", t.lr_warmup_iters, f"must be < lr_decay_iters={t.lr_decay_iters} (the decay "
+              "starts where the warm-up ends; lr_decay_iters counts from iteration 0, warm-up included)")
+    if t.lr_decay_style == "WSD" and t.lr_wsd_decay_iters is None:
+        _fail("lr_decay_style", "WSD", "needs lr_wsd_decay_iters: the iterations of its annealing phase, "
+              "the last ones of lr_decay_iters (e.g. --set lr_wsd_decay_iters=N)")
+    if t.lr_decay_style != "WSD" and t.lr_wsd_decay_iters is not None:
+        _fail("lr_wsd_decay_iters", t.lr_wsd_decay_iters, f"does nothing with lr_decay_style={t.lr_decay_style!r}: "
+              "set `lr_decay_style: WSD` or remove lr_wsd_decay_iters")
+    if t.weight_decay_incr_style == "constant":
+        for key in ("start_weight_decay", "end_weight_decay"):
+            if getattr(t, key) is not None:
+                _fail(key, getattr(t, key), "does nothing with weight_decay_incr_style: constant (weight_decay "
+                      "holds throughout): set weight_decay_incr_style to linear or cosine, or remove "
+                      f"{key}")
+        return
+    for key in ("start_weight_decay", "end_weight_decay"):
+        if getattr(t, key) is None:
+            _fail("weight_decay_incr_style", t.weight_decay_incr_style, f"needs {key} (the weight decay goes "
+                  "from start_weight_decay to end_weight_decay over train_iters; weight_decay is not used)")
+    if t.end_weight_decay < t.start_weight_decay:
+        _fail("end_weight_decay", t.end_weight_decay, f"must be >= start_weight_decay={t.start_weight_decay} "
+              "(megatron-core's schedule only increases the weight decay)")
+
+
+
 # ---------------------------------------------------------------------------------- layout
 def check_parallel_layout(
     world_size: int,

@@ -40,10 +40,15 @@ from dataclasses import dataclass
 
 from etp.recipe.validation import RecipeError
 
-__all__ = ["FP8_EAGER_TOKENS", "Machine", "kept_reuse", "resolve_auto"]
+__all__ = ["FP8_EAGER_TOKENS", "QUANTIZED_GATHERS", "Machine", "kept_reuse", "quantized_gathers_refusal",
+           "resolve_auto"]
 
 #: Tokens per micro-batch from which an eager step's GEMMs are long enough for FP8 to pay.
 FP8_EAGER_TOKENS = 16384
+
+#: The quantized gather format ``auto`` and ``--tune`` weigh against the parameters' own: the
+#: measured best (BENCHMARKS.md, "Recipes"). Whether it applies, its format object says.
+QUANTIZED_GATHERS = "fp8_tensorwise"
 
 
 @dataclass(frozen=True)
@@ -179,29 +184,45 @@ def _capture_etp_dispatcher(recipe, machine: Machine, notes: list[str]) -> str:
     return "step"
 
 
+def quantized_gathers_refusal(recipe, machine: Machine) -> str | None:
+    """Why ``QUANTIZED_GATHERS`` does not apply to ``recipe`` on ``machine`` (its GEMMs would not
+    pay there, or it cannot take the recipe's dtype), as its format object says; None: it applies.
+
+    Example::
+
+        quantized_gathers_refusal(Recipe.from_yaml("recipes/tiny_moe_cpu.yaml"), Machine(2, 2))
+        # 'FP8 GEMMs need an sm90+ GPU'
+    """
+    from etp.formats import gather_format
+
+    fmt = gather_format(QUANTIZED_GATHERS)
+    return fmt.not_fast_on(machine.sm90) or fmt.unsupported(recipe.train.params_dtype)
+
+
 def _gather_dtype(recipe, machine: Machine, captured: bool, notes: list[str]) -> str | None:
     if "etp.gather_dtype" not in recipe.auto:
         return None
     tokens = recipe.train.micro_batch_size * recipe.model.seq_length
-    if not (machine.sm90 and recipe.train.bf16):
-        why = "FP8 GEMMs need an sm90+ GPU" if not machine.sm90 else "FP8 gathers need bf16 training"
+    quantized = QUANTIZED_GATHERS
+    why = quantized_gathers_refusal(recipe, machine)
+    if why:
         notes.append(f"etp.gather_dtype auto -> param: {why}")
         return "param"
     if captured or tokens >= FP8_EAGER_TOKENS:
         why = "a captured step" if captured else f"{tokens} tokens per micro-batch (>= {FP8_EAGER_TOKENS})"
-        notes.append(f"etp.gather_dtype auto -> fp8_tensorwise: half the gathered bytes and FP8 GEMMs pay on {why}")
-        return "fp8_tensorwise"
+        notes.append(f"etp.gather_dtype auto -> {quantized}: half the gathered bytes and FP8 GEMMs pay on {why}")
+        return quantized
     if machine.gpu_memory is not None:
         from etp.audit import fit_bytes, predict_peak
 
         # Fitting comes before speed: FP8 gathers hold half the gathered bytes.
         need = {dtype: fit_bytes(predict_peak(recipe.replace(etp={"gather_dtype": dtype, "gather_reuse": "chain"}),
-                                              machine.world_size)) for dtype in ("param", "fp8_tensorwise")}
-        if need["param"] > machine.gpu_memory >= need["fp8_tensorwise"]:
-            notes.append(f"etp.gather_dtype auto -> fp8_tensorwise: only FP8 gathers fit this GPU (the memory audit "
+                                              machine.world_size)) for dtype in ("param", quantized)}
+        if need["param"] > machine.gpu_memory >= need[quantized]:
+            notes.append(f"etp.gather_dtype auto -> {quantized}: only FP8 gathers fit this GPU (the memory audit "
                          f"with its margins: bf16 {need['param'] / 2**30:.1f} GiB, FP8 "
-                         f"{need['fp8_tensorwise'] / 2**30:.1f} GiB of {machine.gpu_memory / 2**30:.0f})")
-            return "fp8_tensorwise"
+                         f"{need[quantized] / 2**30:.1f} GiB of {machine.gpu_memory / 2**30:.0f})")
+            return quantized
     notes.append(f"etp.gather_dtype auto -> param: an eager step of {tokens} tokens per micro-batch is bound by "
                  "its host, where FP8's extra launches cost more than its bytes save")
     return "param"

@@ -201,26 +201,33 @@ class Checkpointing:
             if removed:
                 print(f"etp-train: --overwrite: deleted checkpoints {removed} of {self.save_root}", flush=True)
 
-    def start(self, stepper) -> int:
+    def start(self, stepper, schedule=None) -> int:
         """The iteration the run starts at: ``--resume``'s, or 0 after ``finetune``'s weights
         (see [Note: fine-tuning]), or 0 for a fresh run."""
         if self.options.resume:
-            return self.resume(stepper)
+            return self.resume(stepper, schedule)
         if self.recipe.train.finetune:
             self.finetune(stepper)
         return 0
 
-    def resume(self, stepper) -> int:
-        """Loads the checkpoint ``--resume`` names into the model and optimizer (the model
-        alone with ``no_load_optim``); the iteration."""
+    def resume(self, stepper, schedule=None) -> int:
+        """Loads the checkpoint ``--resume`` names into the model and optimizer (and its
+        learning-rate schedule into ``schedule``, an ``etp.train.schedule.OptimizerSchedule``);
+        the iteration. With ``no_load_optim`` the model alone (Megatron-LM: no optimizer and no
+        scheduler state; the schedule restarts at the iteration)."""
         from etp.megatron.checkpoint import load_model_checkpoint, load_training_checkpoint
 
         wanted = None if self.options.resume is True else int(self.options.resume)
         if self.recipe.train.no_load_optim:
             iteration, metadata, _ = load_model_checkpoint(self.load_root, stepper.model, wanted)
             _refresh_main_weights(stepper)
+            if schedule is not None:
+                schedule.load_state_dict(None, iteration)
         else:
-            iteration, metadata, _ = load_training_checkpoint(self.load_root, stepper.model, stepper.optimizer, wanted)
+            iteration, metadata, _ = load_training_checkpoint(self.load_root, stepper.model, stepper.optimizer,
+                                                              wanted)
+            if schedule is not None:
+                schedule.load_state_dict(metadata.get("opt_param_scheduler"), iteration)
         self.carried = {k: metadata[k] for k in CARRIED_METADATA if metadata.get(k) is not None}
         if self.rank == 0:
             print(f"etp-train: resumed at iteration {iteration} from {self.load_root} (saved with layout "
@@ -239,8 +246,9 @@ class Checkpointing:
                   f"{metadata.get('source') or 'saved with layout ' + str(metadata.get('layout'))}); iteration 0, a "
                   "fresh optimizer", flush=True)
 
-    def save(self, stepper, iteration: int) -> float:
-        """Saves ``iteration``; returns the seconds it took (kept out of the step time)."""
+    def save(self, stepper, iteration: int, schedule=None) -> float:
+        """Saves ``iteration`` (with ``schedule``'s state, stepped past it); returns the seconds
+        it took (kept out of the step time)."""
         from etp.megatron.checkpoint import save_training_checkpoint
 
         p, e = self.recipe.parallel, self.recipe.etp
@@ -248,8 +256,10 @@ class Checkpointing:
                   "expert_model_parallel_size": p.expert_model_parallel_size,
                   "etp_size": e.etp_size, "expert_etp_size": e.expert_etp_size}
         began = time.perf_counter()
-        path = save_training_checkpoint(self.save_root, iteration, stepper.model, stepper.optimizer,
-                                        {"recipe": str(self.recipe.source), "layout": layout, **self.carried})
+        metadata = {"recipe": str(self.recipe.source), "layout": layout, **self.carried}
+        if schedule is not None:
+            metadata["opt_param_scheduler"] = schedule.state_dict()  # Megatron-LM's name for it
+        path = save_training_checkpoint(self.save_root, iteration, stepper.model, stepper.optimizer, metadata)
         seconds = time.perf_counter() - began
         if self.rank == 0:
             print(f"etp-train: saved iteration {iteration} to {path} ({seconds:.1f} s)", flush=True)

@@ -15,9 +15,9 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 from etp.train.checkpointing import Checkpointing
-from etp.train.model_build import learning_rate
 from etp.train.options import RunOptions
-from etp.train.reporting import Reporter, fp8_eager_hint, param_bits_sum
+from etp.train.reporting import Reporter, StartupClock, fp8_eager_hint, param_bits_sum
+from etp.train.schedule import OptimizerSchedule
 from etp.train.setup import Run, quiesce, set_up
 
 __all__ = ["train"]
@@ -109,15 +109,17 @@ def train(rank: int, world: int, recipe, options: RunOptions | None = None, port
     from etp.train.flops import peak_tflops, training_flops
 
     options = options or RunOptions()
+    clock = StartupClock()
     recipe = _resolved(recipe, rank, world)
-    run = set_up(recipe, rank, world, port)
+    run = set_up(recipe, rank, world, port, clock)
     micro = recipe.num_microbatches(run.world)
     batches = Batches(recipe, ps.get_data_parallel_rank(), run.device, micro)
     flops = training_flops(recipe, micro * recipe.train.micro_batch_size * recipe.model.seq_length)
     peak = recipe.train.peak_tflops or peak_tflops(torch.cuda.get_device_name() if run.device.type == "cuda" else None)
     _announce(run, recipe, flops, peak)
     checkpoints = Checkpointing(recipe, options, run.rank, run.world)
-    start = checkpoints.start(run.stepper)  # --resume's iteration, or 0 (after finetune's weights)
+    schedule = OptimizerSchedule(recipe, run.stepper.optimizer, recipe.global_batch_size(run.world))
+    start = checkpoints.start(run.stepper, schedule)  # --resume's iteration, or 0 (after finetune's weights)
     if recipe.train.skip_train:  # [Note: fine-tuning]
         from etp.train.finetune import evaluate_loaded
 
@@ -130,19 +132,24 @@ def train(rank: int, world: int, recipe, options: RunOptions | None = None, port
     if start >= stop and run.rank == 0:
         print(f"etp-train: nothing to do: the run is at iteration {start}, its last is {stop}", flush=True)
     tools = _instruments(run, options, max(0, stop - start))
-    reporter = Reporter(recipe, run.rank, run.device, flops, peak)
+    reporter = Reporter(recipe, run.rank, run.device, flops, peak, stop=stop, clock=clock, schedule=schedule)
+    clock.mark("resume" if options.resume else "loop set-up")
+    if run.rank == 0:
+        print(f"etp-train: {clock.line('set up in')}", flush=True)
     try:
         graphed = None
         for iteration in range(start, stop):
             if recipe.train.cuda_graph == "step" and graphed is None:
                 from etp.train.captured_step import capture_step
 
-                with tools.phase("capture"):  # the audit sees the capture's peak (activations into the graph's pool)
+                # The audit sees the capture's peak (activations into the graph's pool).
+                with tools.phase("capture"), clock.timed("capture"):
                     graphed = capture_step(run.stepper.model, run.loss_fn, batches.get(iteration, 0), micro,
                                            run.device)
             total = _micro_batches(run, recipe, batches, iteration, micro, tools, graphed)
             # The optimizer step (finalize, clip, Adam, FP8 re-quantization): post-step hooks go after it.
-            norm = run.stepper.step(learning_rate(recipe, iteration), tools.phase)
+            norm = run.stepper.step(schedule.lr, tools.phase)
+            schedule.step()  # past the step that ran, as Megatron-LM (MegatronStep raises on a skipped one)
             if tools.audit is not None:
                 tools.audit.step_done()
             dist.all_reduce(total, group=ps.get_data_parallel_group())
@@ -150,7 +157,7 @@ def train(rank: int, world: int, recipe, options: RunOptions | None = None, port
             if tools.profiler is not None:
                 tools.profiler.step()
             if checkpoints.due(iteration + 1, stop):
-                reporter.exclude(checkpoints.save(run.stepper, iteration + 1))
+                reporter.exclude(checkpoints.save(run.stepper, iteration + 1, schedule))
             reporter.iteration_done(iteration, total / ps.get_data_parallel_world_size(), norm, profiled,
                                     iteration + 1 == stop, tools.timeline)
         _finish(run, recipe, options, tools, reporter, flops, peak)

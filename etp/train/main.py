@@ -1,10 +1,13 @@
 """etp-train: train a recipe with ETP (``etp-train --recipe FILE`` or ``python -m etp.train``).
 
+Either way the model is megatron-core's ``GPTModel`` with etp's layer spec (grouped experts,
+SDPA attention), ETP applied, every recipe key honoured:
+
 * Without GPUs (recipe ``backend: gloo``, or no CUDA): spawns ``world_size`` gloo ranks on
-  loopback and trains ``TinyMoELM`` (megatron-core TP linears, etp grouped experts) on the
-  recipe's corpus, read as bytes.
-* Under ``torchrun`` with GPUs: builds megatron-core's ``GPTModel`` with etp's grouped experts
-  and trains it with megatron-core DDP and Adam.
+  loopback and trains it on the recipe's corpus, read as bytes, with torch AdamW after etp's
+  gradient finalize (``etp.train.optimizer_steps.TorchStep``); megatron-core's few CUDA-only
+  places run on the CPU ([Note: megatron-core on CPU] in ``etp.megatron.patches``).
+* Under ``torchrun`` with GPUs: trains it with megatron-core DDP and Adam.
 
 Every input error (recipe, data, output paths, checkpoint directories) is found before the
 ranks start work and reported as one line; see ``etp.train`` for the components.

@@ -1,64 +1,23 @@
-"""The model a recipe describes, and its learning-rate schedule.
+"""The model a recipe describes.
 
-On CPU: etp's ``TinyMoELM`` (megatron-core TP linears, etp grouped experts). On GPUs:
-megatron-core's ``GPTModel`` with etp's grouped experts and attention (bf16 through
-``Float16Module`` when the recipe says ``bf16: true``, fp32 for ``use_torch_fsdp2``, whose
-gathers cast to bf16), with etp's or megatron's token dispatcher.
+One model on CPU and GPU: megatron-core's ``GPTModel`` with etp's layer spec (grouped experts,
+SDPA attention; ``etp.megatron.model.etp_gpt_decoder_spec``), bf16 through ``Float16Module``
+when the recipe says ``bf16: true`` (fp32 for ``use_torch_fsdp2``, whose gathers cast to bf16),
+with etp's or megatron's token dispatcher. On CPU ranks (gloo) megatron-core's few CUDA-only
+places run on the CPU ([Note: megatron-core on CPU] in ``etp.megatron.patches``): every recipe
+key builds the same modules there, so the CPU suite trains the model GPUs train.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["build_model", "cpu_model_gaps", "gpt_model", "learning_rate", "scale_router_losses", "transformer_config"]
-
-#: architecture keys and the value the CPU driver's TinyMoELM models (None: hidden / heads)
-_TINY_MODELS = {"kv_channels": None, "qk_layernorm": False, "qk_layernorm_width": "head", "norm_epsilon": 1e-5,
-                "rotary_base": 10000.0, "moe_layer_freq": 1,
-                "moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False,
-                "moe_router_score_function": "softmax", "moe_router_pre_softmax": False,
-                "moe_router_topk_scaling_factor": None, "moe_router_enable_expert_bias": False,
-                "moe_router_num_groups": None, "moe_router_group_topk": None, "moe_z_loss_coeff": None}
-
-
-def cpu_model_gaps(recipe) -> list[str]:
-    """The recipe's architecture keys (``key=value``) that the CPU driver's ``TinyMoELM`` does
-    not model (megatron-core's router and dispatchers need CUDA, so without GPUs etp-train trains
-    that model): ``build_model`` refuses such a recipe on CPU rather than train another model.
-
-    Example::
-
-        cpu_model_gaps(Recipe.from_yaml("recipes/qwen3_30b_a3b.yaml"))   # ['kv_channels=128', ...]
-    """
-    m = recipe.model
-    found = []
-    for key, value in _TINY_MODELS.items():
-        got = getattr(m, key)
-        if key == "kv_channels":
-            value = m.hidden_size // m.num_attention_heads if m.hidden_size % m.num_attention_heads == 0 else None
-        if got != value:
-            found.append(f"{key}={list(got) if isinstance(got, tuple) else got}")
-    return found
-
-
-def learning_rate(recipe, iteration: int) -> float:
-    """The recipe's learning rate at ``iteration`` (linear warm-up, then its decay style)."""
-    t = recipe.train
-    if t.lr_warmup_iters and iteration < t.lr_warmup_iters:
-        return t.lr * (iteration + 1) / t.lr_warmup_iters
-    span = max(1, (t.lr_decay_iters or t.train_iters) - t.lr_warmup_iters)
-    progress = min(1.0, (iteration - t.lr_warmup_iters) / span)
-    if t.lr_decay_style == "constant":
-        return t.lr
-    if t.lr_decay_style == "cosine":
-        return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))
-    return t.lr - (t.lr - t.min_lr) * progress  # linear (and the rest, approximately)
+__all__ = ["build_model", "gpt_model", "language_model_loss", "scale_router_losses", "transformer_config"]
 
 
 def build_model(recipe, device):
-    """(model, ``loss_fn(module, batch)`` of a [b, s+1] token batch, megatron config or None).
+    """(model, ``loss_fn(module, batch)`` of a [b, s+1] token batch, its ``TransformerConfig``):
+    megatron-core's ``GPTModel`` of the recipe on ``device``, CPU or GPU.
 
     ``loss_fn`` returns (the language-model loss to report, the objective to differentiate).
 
@@ -66,29 +25,19 @@ def build_model(recipe, device):
 
         model, loss_fn, config = build_model(recipe, torch.device("cuda"))
     """
-    m = recipe.model
-    if device.type == "cpu":
-        from etp.megatron.tiny_lm import TinyMoELM
-
-        gaps = cpu_model_gaps(recipe)
-        if gaps:
-            raise ValueError(f"the CPU driver trains etp's TinyMoELM, which does not model {', '.join(gaps)}: run "
-                             "this recipe on GPUs under torchrun (or remove those keys for a CPU run)")
-        torch.manual_seed(recipe.train.seed)
-        model = TinyMoELM(recipe)
-
-        def loss_fn(module, batch):
-            logits = module(batch[:, :-1])
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-            return loss, loss + m.moe_aux_loss_coeff * module.aux_loss()
-
-        return model, loss_fn, None
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.module import Float16Module
 
     from etp.megatron import patches
 
-    model_parallel_cuda_manual_seed(recipe.train.seed)
+    m = recipe.model
+    cpu = device.type == "cpu"
+    # megatron-core's few CUDA-only places, made to run on CPU ranks ([Note: megatron-core on CPU]).
+    patches.use_cpu_megatron_core(cpu)
+    patches.use_te_free_router()
+    if not cpu:
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(recipe.train.seed)
     torch.manual_seed(recipe.train.seed)
     # The model's arithmetic, the same bits either way: every system etp-train runs gets it.
     patches.use_fused_rope(recipe.train.megatron_fallbacks == "fast")
@@ -112,14 +61,23 @@ def build_model(recipe, device):
 
         model = Float16Module(config, model)
         fp32_router_counts(model)  # the expert bias's token counts, exact
+    return model, language_model_loss, config
 
-    def loss_fn(module, batch):
-        tokens = batch[:, :-1]
-        position_ids = torch.arange(tokens.shape[1], device=device).expand_as(tokens)
-        loss = module(tokens, position_ids, None, labels=batch[:, 1:]).float().mean()
-        return loss, loss  # megatron adds the router's aux loss to the gradient itself
 
-    return model, loss_fn, config
+def language_model_loss(module, batch: torch.Tensor):
+    """(the mean next-token loss of a [b, s+1] token batch, the objective to differentiate):
+    the one place etp-train calls its model. megatron-core adds the router's auxiliary and
+    z-losses to the gradient itself (``scale_router_losses``), so the two are the same tensor.
+
+    Example::
+
+        loss, objective = language_model_loss(model, batch)
+        objective.backward()
+    """
+    tokens = batch[:, :-1]
+    position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    loss = module(tokens, position_ids, None, labels=batch[:, 1:]).float().mean()
+    return loss, loss
 
 
 def transformer_config(recipe, device):
@@ -158,8 +116,11 @@ def transformer_config(recipe, device):
         attention_dropout=m.attention_dropout, bf16=recipe.train.bf16, params_dtype=dtype,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         expert_model_parallel_size=p.expert_model_parallel_size,
+        expert_tensor_parallel_size=p.expert_tensor_parallel_size,
         sequence_parallel=p.sequence_parallel, use_cpu_initialization=device.type == "cpu",
-        deterministic_mode=recipe.train.deterministic, **recipe.recompute_kwargs(),
+        deterministic_mode=recipe.train.deterministic,
+        cuda_graph_scope=[],  # what megatron-core turns its default ("full", deprecated, a warning) into
+        **recipe.recompute_kwargs(),
     )
 
 

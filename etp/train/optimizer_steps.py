@@ -1,10 +1,11 @@
-"""The optimizer steps etp-train drives: ``TorchStep`` (CPU: torch AdamW, etp's finalize and
-clip) and ``MegatronStep`` (GPU: megatron-core DDP and Adam, ETP's DDP and optimizer builder
+"""The optimizer steps etp-train drives: ``TorchStep`` (CPU: torch AdamW, etp's finalize inside
+megatron-core's, etp's clip) and ``MegatronStep`` (GPU: megatron-core DDP and Adam, ETP's DDP and optimizer builder
 when the model holds ETP weights). Both return the grad norm without reading it on the host
 ([Note: sync-free step])."""
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 
 import torch
 
@@ -21,18 +22,52 @@ def weight_decay_groups(model, weight_decay: float) -> list[dict]:
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         (no_decay if name.endswith(".bias") or param.ndim == 1 else decay).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # wd_mult: what megatron-core's scheduler multiplies the scheduled weight decay by (etp.train.schedule)
+    groups = [{"params": decay, "weight_decay": weight_decay, "wd_mult": 1.0},
+              {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}]
     return [g for g in groups if g["params"]]
+
+
+class _EtpSyncedChunk:
+    """A model chunk as megatron-core's ``finalize_model_grads`` takes one, whose data-parallel
+    step (DDP's ``finish_grad_sync``) is ``etp.finalize_grads``: megatron-core's other steps (the
+    TP sums of sequence-parallel and QK norms' gradients, embeddings across pipeline stages, the
+    router's expert bias, its token counts reset) then run on CPU as they do on GPUs."""
+
+    #: what finalize_model_grads reads of DDP's config
+    ddp_config = SimpleNamespace(use_megatron_fsdp=False)
+
+    def __init__(self, model, etp_config, groups) -> None:
+        self.module, self.etp_config, self.groups = model, etp_config, groups
+
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+        import etp
+
+        etp.finalize_grads(self.module, self.etp_config, self.groups)
 
 
 class TorchStep:
     """CPU: torch AdamW (megatron-core's weight-decay groups), ``etp.finalize_grads`` (ETP group
-    and data-parallel replicas) and ``etp.clip_grad_norm_`` (megatron-core's DDP and optimizer
-    need CUDA)."""
+    and data-parallel replicas) inside megatron-core's ``finalize_model_grads`` for a megatron-core
+    model, and ``etp.clip_grad_norm_`` (megatron-core's DDP and optimizer need CUDA).
 
-    def __init__(self, recipe, model, groups, tp_group) -> None:
+    Args:
+        recipe: the run's recipe (optimizer settings, ETP settings).
+        model: the model, ETP-wrapped or not.
+        groups: its ETP groups.
+        tp_group: the tensor-parallel group (the grad norm sums TP pieces over it).
+        config: the model's ``TransformerConfig``; None: the model's ``config`` attribute, if it
+            has one (a plain torch model has none: ``etp.finalize_grads`` alone).
+
+    Example::
+
+        step = TorchStep(recipe, gpt_model, groups, ps.get_tensor_model_parallel_group())
+    """
+
+    def __init__(self, recipe, model, groups, tp_group, config=None) -> None:
         t = recipe.train
         self.recipe, self.model, self.groups, self.tp_group = recipe, model, groups, tp_group
+        self.config = config if config is not None else getattr(model, "config", None)
         self.optimizer = torch.optim.AdamW(weight_decay_groups(model, t.weight_decay), lr=t.lr,
                                            betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
 
@@ -44,7 +79,12 @@ class TorchStep:
         import etp
 
         with phase("finalize"):
-            etp.finalize_grads(self.model, self.recipe.etp, self.groups)
+            if self.config is None:
+                etp.finalize_grads(self.model, self.recipe.etp, self.groups)
+            else:
+                from megatron.core.distributed import finalize_model_grads
+
+                finalize_model_grads([_EtpSyncedChunk(self.model, self.recipe.etp, self.groups)])
             norm = etp.clip_grad_norm_(self.model, self.groups, self.recipe.train.clip_grad, self.tp_group)
         for group in self.optimizer.param_groups:
             group["lr"] = lr

@@ -65,8 +65,10 @@ def preflight(recipe, options: RunOptions) -> list[str]:
             raise TrainError(f"--profile {options.profile_dir}: cannot create it ({error.strerror or error})") from None
     t = recipe.train
     if t.warmup_clipped_from is not None:
-        notes.append(f"lr_warmup_iters={t.warmup_clipped_from} is longer than train_iters={t.train_iters}: "
-                     f"the warm-up is clipped to {t.lr_warmup_iters} iterations")
+        why = (f"is longer than train_iters={t.train_iters}" if t.warmup_clipped_from > t.train_iters
+               else f"leaves no iteration to decay over (lr_decay_iters={t.lr_decay_iters})")
+        notes.append(f"lr_warmup_iters={t.warmup_clipped_from} {why}: the warm-up is clipped to "
+                     f"{t.lr_warmup_iters} iterations")
     if options.exit_after is not None and options.exit_after < 1:
         raise TrainError(f"--exit-after {options.exit_after}: must be >= 1 (the last iteration to run)")
     notes += check_checkpoint_dirs(recipe, options)

@@ -51,8 +51,8 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
-__all__ = ["CLASSES", "breakdown", "classify_kernel", "format_breakdown", "host_activity", "kernel_time_plausible",
-           "python_hotspots"]
+__all__ = ["CLASSES", "breakdown", "classify_kernel", "format_breakdown", "host_activity", "interval_union",
+           "kernel_time_plausible", "python_hotspots"]
 
 CLASSES = ("gemm", "attention", "moe", "elementwise", "optimizer", "communication")
 
@@ -124,7 +124,14 @@ def _enclosing_names(events: list[dict]) -> dict[int, list[str]]:
     return result
 
 
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def interval_union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of ``(start, end)`` intervals as sorted, disjoint intervals (touching ones
+    merge): the device's busy time from its kernels' spans, however many streams overlap.
+
+    Example::
+
+        interval_union([(0, 2), (5, 6), (1, 3)])   # [(0, 3), (5, 6)]
+    """
     merged: list[list[float]] = []
     for start, end in sorted(intervals):
         if merged and start <= merged[-1][1]:
@@ -186,17 +193,17 @@ def breakdown(trace: dict | list) -> dict:
         entry[2] = kind
         spans["all"].append((start, start + dur))
         spans["communication" if kind == "communication" else "compute"].append((start, start + dur))
-    busy = _union(spans["all"])
+    busy = interval_union(spans["all"])
     if steps:
         wall = sum(b - a for a, b in steps)
         iterations = len(steps)
-        window = _union(steps)
+        window = interval_union(steps)
         busy_in_wall = _intersection(busy, window)
     else:
         wall = (busy[-1][1] - busy[0][0]) if busy else 0.0
         iterations, busy_in_wall = 1, _length(busy)
-    comm = _union(spans["communication"])
-    exposed = _length(comm) - _intersection(comm, _union(spans["compute"]))
+    comm = interval_union(spans["communication"])
+    exposed = _length(comm) - _intersection(comm, interval_union(spans["compute"]))
     ms = 1e-3 / iterations  # trace times are microseconds
     result = {"iterations": iterations, "units": "ms per iteration",
               "classes": {k: v * ms for k, v in totals.items()},

@@ -1,12 +1,15 @@
-"""What etp-train tells its user: a log line every ``log_interval`` iterations (loss, grad
-norm, ms/iter, TFLOP/s per rank, MFU against the datasheet peak, peak memory), the profiler's
-breakdown and the timeline at the end, and the JSON report (``--json``).
+"""What etp-train tells its user: how long each start-up phase took (``StartupClock``), a log
+line every ``log_interval`` iterations (loss, learning rate, grad norm, ms/iter, TFLOP/s per
+rank, MFU against the datasheet peak, peak memory, time since the run began and the estimated
+time to its end), the profiler's breakdown and the timeline at the end, and the JSON report
+(``--json``).
 
 Losses are read on the host at log intervals only: a read per iteration would empty the
 device's queue before every forward ([Note: sync-free step]).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -15,7 +18,8 @@ import torch
 
 from etp.train.collector import CollectorPauses
 
-__all__ = ["Reporter", "fp8_eager_hint", "param_bits_sum", "steady_records"]
+__all__ = ["Reporter", "StartupClock", "format_duration", "fp8_eager_hint", "param_bits_sum",
+           "steady_records"]
 
 #: Elements per int64 partial sum in ``param_bits_sum`` (a 32 MiB int64 copy at most).
 _BITS_CHUNK = 1 << 22
@@ -60,26 +64,81 @@ def param_bits_sum(model) -> int:
 
 
 def fp8_eager_hint(recipe, device_type: str) -> str | None:
-    """The line etp-train prints when FP8 gathers run in an eager step on CUDA and the recipe
-    could be captured as it stands (``cuda_graph: step`` validates), else None: an FP8 GEMM
-    issues more launches than a bf16 one, and an eager step of a small-batch recipe is bound
-    by its host's launches, which a captured step does not pay.
+    """The line etp-train prints when quantized (FP8) gathers run in an eager step on CUDA and
+    the recipe could be captured as it stands (``cuda_graph: step`` validates), else None: a
+    GEMM of a quantized weight issues more launches than a bf16 one, and an eager step of a
+    small-batch recipe is bound by its host's launches, which a captured step does not pay.
 
     Example::
 
         fp8_eager_hint(Recipe.from_yaml("recipes/moe_flagship.yaml", etp={"gather_dtype": "fp8_tensorwise"}), "cuda")
     """
     e = recipe.etp
-    if (device_type != "cuda" or not e.gather_dtype.startswith("fp8") or recipe.train.cuda_graph == "step"
+    if (device_type != "cuda" or not e.gather_format.quantized or recipe.train.cuda_graph == "step"
             or (e.etp_size == 1 and e.expert_etp_size == 1)):
         return None
     try:
         recipe.replace(cuda_graph="step", overlap_grad_reduce=False)
     except ValueError:
         return None  # not capturable as it stands: no advice that would fail
-    return (f"etp-train: {e.gather_dtype} gathers in an eager step: each FP8 GEMM issues more launches than a "
-            "bf16 one, and an eager step is bound by its host; the fast FP8 setting is the captured step: "
+    return (f"etp-train: {e.gather_dtype} gathers in an eager step: each GEMM of a quantized weight issues more "
+            "launches than a bf16 one, and an eager step is bound by its host; the fast setting for them is the "
+            "captured step: "
             "--set cuda_graph=step --set overlap_grad_reduce=false")
+
+
+def format_duration(seconds: float) -> str:
+    """``H:MM:SS`` (hours past 24 stay hours: a run's length reads at a glance).
+
+    Example::
+
+        format_duration(3725.4)   # '1:02:05'
+    """
+    whole = max(0, round(seconds))
+    return f"{whole // 3600}:{whole // 60 % 60:02d}:{whole % 60:02d}"
+
+
+class StartupClock:
+    """Host seconds of a run's start-up phases, in order, from the moment the run began (what
+    etp-train prints before its first iteration and after it, and the log line's elapsed time
+    counts from).
+
+    Example::
+
+        clock = StartupClock()
+        ...process groups...; clock.mark("process groups")
+        with clock.timed("capture"):
+            ...
+        clock.line("set up in")   # 'set up in 1.2 s (process groups 0.4 s, capture 0.8 s)'
+    """
+
+    def __init__(self) -> None:
+        self.began = self._last = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        """``name`` took the time since the previous mark (or the clock's start)."""
+        now = time.perf_counter()
+        self.phases[name] = self.phases.get(name, 0.0) + now - self._last
+        self._last = now
+
+    @contextlib.contextmanager
+    def timed(self, name: str):
+        """``name`` takes the time of the ``with`` block (the next mark counts from its end)."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._last = time.perf_counter()
+            self.phases[name] = self.phases.get(name, 0.0) + self._last - began
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.began
+
+    def line(self, what: str, names=None) -> str:
+        """``what`` and the clock's elapsed seconds, then each phase of ``names`` (default: all)."""
+        parts = [f"{name} {self.phases[name]:.1f} s" for name in (names or self.phases) if name in self.phases]
+        return f"{what} {self.elapsed():.1f} s" + (f" ({', '.join(parts)})" if parts else "")
 
 
 def steady_records(records: list[dict]) -> list[dict]:
@@ -95,17 +154,26 @@ class Reporter:
         recipe, rank, device: the run's.
         flops_per_iter: model FLOP per iteration per rank ([Note: FLOP count]).
         peak: the GPU's datasheet dense bf16 TFLOP/s (None: no MFU).
+        stop: the iteration count the run ends at (the ETA's end; default ``train_iters``).
+        clock: the run's ``StartupClock`` (elapsed time counts from its start; its first-step
+            line is printed after the first iteration). None: a clock started here.
+        schedule: the run's ``etp.train.schedule.OptimizerSchedule`` (the learning rate column).
 
     Example::
 
-        reporter = Reporter(recipe, rank, device, flops, peak)
+        reporter = Reporter(recipe, rank, device, flops, peak, stop=100, clock=clock, schedule=schedule)
         reporter.start()
         ...per iteration: reporter.iteration_done(i, loss_tensor, norm, profiled)
     """
 
-    def __init__(self, recipe, rank: int, device: torch.device, flops_per_iter: float, peak: float | None) -> None:
+    def __init__(self, recipe, rank: int, device: torch.device, flops_per_iter: float, peak: float | None,
+                 *, stop: int | None = None, clock: StartupClock | None = None, schedule=None) -> None:
         self.recipe, self.rank, self.device = recipe, rank, device
         self.flops_per_iter, self.peak = flops_per_iter, peak
+        self.stop = recipe.train.train_iters if stop is None else stop
+        self.clock = clock or StartupClock()
+        self.schedule = schedule
+        self._first_step_done = False
         self.losses: list[float] = []
         self.records: list[dict] = []
         self._pending: list[torch.Tensor] = []
@@ -128,6 +196,8 @@ class Reporter:
         self._pending.append(loss)
         self._window_iterations += 1
         self._window_profiled |= profiled
+        if not self._first_step_done:
+            self._first_step(iteration)
         if (iteration + 1) % self.recipe.train.log_interval and not last:
             return
         self.losses += torch.stack(self._pending).flatten().tolist()
@@ -140,12 +210,17 @@ class Reporter:
         elapsed = (time.perf_counter() - self._window_began - self._excluded) / self._window_iterations
         tflops = self.flops_per_iter / elapsed / 1e12
         mfu = tflops / self.peak if self.peak else None
-        self.records.append({"iteration": iteration + 1, "loss": self.losses[-1], "grad_norm": norm,
+        lr = None if self.schedule is None else self.schedule.stepped_lr
+        run_s = self.clock.elapsed()
+        eta_s = max(0, self.stop - iteration - 1) * elapsed
+        self.records.append({"iteration": iteration + 1, "loss": self.losses[-1], "lr": lr, "grad_norm": norm,
                              "ms_per_iter": elapsed * 1e3, "tflops_per_rank": tflops, "mfu": mfu,
-                             "profiled": self._window_profiled,
+                             "profiled": self._window_profiled, "elapsed_s": run_s, "eta_s": eta_s,
                              # this rank's; gather_collector_pauses adds the slowest rank's
                              "gc_ms_per_iter": self.pauses.take() / self._window_iterations})
-        self._print(iteration + 1, norm, elapsed, tflops, mfu)
+        if self.rank == 0:
+            print(self.log_line(iteration + 1, self.losses[-1], lr, norm, elapsed, tflops, mfu, run_s, eta_s),
+                  flush=True)
         self._window_began, self._window_iterations = time.perf_counter(), 0
         self._window_profiled, self._excluded = False, 0.0
 
@@ -162,15 +237,33 @@ class Reporter:
         steady = [r["gc_ms_per_iter_max_rank"] for r in steady_records(self.records)]
         return sum(steady) / len(steady) if steady else None
 
-    def _print(self, done: int, norm, elapsed: float, tflops: float, mfu) -> None:
-        if self.rank != 0:
-            return
+    def _first_step(self, iteration: int) -> None:
+        """Rank 0's line after the run's first iteration: its seconds (the device done, read
+        once), the capture's among them; every rank waits for its device alike."""
+        self._first_step_done = True
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.clock.mark("first step")
+        if self.rank == 0:
+            print(f"etp-train: {self.clock.line(f'iteration {iteration + 1} done at', ('capture', 'first step'))}",
+                  flush=True)
+
+    def log_line(self, done: int, loss: float, lr: float | None, norm: float | None, seconds_per_iter: float,
+                 tflops: float, mfu: float | None, elapsed_s: float, eta_s: float) -> str:
+        """One log window's line (rank 0 prints it).
+
+        Example::
+
+            reporter.log_line(25, 5.43, 3e-3, 1.2, 0.05, 0.1, None, 12.0, 160.0)
+            # 'iter    25/300 | loss 5.4300 | lr 3.000e-03 | grad norm 1.200 | ... | elapsed 0:00:12 | ETA 0:02:40'
+        """
         memory = (f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if self.device.type == "cuda"
                   else "n/a (CPU)")
-        print(f"iter {done:5d}/{self.recipe.train.train_iters} | loss {self.losses[-1]:.4f} | "
-              f"grad norm {'n/a' if norm is None else f'{norm:.3f}'} | {elapsed * 1e3:8.1f} ms/iter | "
-              f"{tflops:7.3f} TFLOP/s/rank | MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | "
-              f"peak {memory}", flush=True)
+        return (f"iter {done:5d}/{self.recipe.train.train_iters} | loss {loss:.4f} | "
+                f"lr {'n/a' if lr is None else f'{lr:.3e}'} | "
+                f"grad norm {'n/a' if norm is None else f'{norm:.3f}'} | {seconds_per_iter * 1e3:8.1f} ms/iter | "
+                f"{tflops:7.3f} TFLOP/s/rank | MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | "
+                f"peak {memory} | elapsed {format_duration(elapsed_s)} | ETA {format_duration(eta_s)}")
 
     def write_json(self, path: str, world: int, backend: str, summary, extra: dict) -> None:
         """The run's report: recipe, layout, losses, every log window, the steady-state means

@@ -10,8 +10,7 @@ What it switches on, before any CUDA work of the run:
   vocab-parallel embedding's forward avoids ``F.embedding``'s non-deterministic backward).
 * SDPA: ``etp.megatron.attention.SDPAttention`` restricts itself to flash / memory-efficient
   / math kernels, whose backwards are deterministic in this mode (cuDNN attention is not).
-* MoE: megatron-core's unpermute uses ``index_add_``, deterministic under this flag; etp's
-  CPU model combines expert outputs by a gather and a fixed-order sum (``TinyMoELM``).
+* MoE: megatron-core's unpermute uses ``index_add_``, deterministic under this flag.
 
 NCCL reductions are deterministic for a fixed world size, topology and message sizes (the
 algorithm choice is), so ``NCCL_ALGO`` is left alone; set ``NCCL_ALGO=Ring`` yourself to pin it

@@ -5,8 +5,8 @@ On GPUs the model is wrapped in megatron-core DDP (``ETPDistributedDataParallel`
 weights) and stepped by megatron-core's Adam (``get_etp_megatron_optimizer``: fp32 main
 params and grads, the distributed optimizer when the recipe asks, grad-norm clipping counting
 every element once, FP8 shards re-quantized after each step). On CPU (megatron-core's DDP and
-optimizer need CUDA) torch AdamW steps the model after ``etp.finalize_grads`` and
-``etp.clip_grad_norm_``. With ``use_torch_fsdp2`` (CPU or GPU) ``FSDP2Step`` shards the model
+optimizer need CUDA) torch AdamW steps the same model after ``etp.finalize_grads`` (inside
+megatron-core's ``finalize_model_grads``) and ``etp.clip_grad_norm_``. With ``use_torch_fsdp2`` (CPU or GPU) ``FSDP2Step`` shards the model
 with torch FSDP2 and steps it with torch AdamW instead; with ``use_megatron_fsdp`` (GPUs)
 ``MegatronFSDPStep`` wraps it in megatron-core's Megatron-FSDP and steps it with megatron-core's
 distributed optimizer.
@@ -35,7 +35,7 @@ class Run:
     device: torch.device
     stepper: object  # TorchStep | MegatronStep (etp.train.optimizer_steps) | FSDP2Step | MegatronFSDPStep
     loss_fn: object
-    megatron_config: object  # TransformerConfig, or None for the CPU model
+    megatron_config: object  # the model's TransformerConfig
     summary: object  # etp.WrapSummary of apply_etp
     determinism: dict | None
 
@@ -44,6 +44,7 @@ def _silence_fallback_warnings(rank: int) -> None:
     """megatron-core warns once per module and process that neither TransformerEngine nor
     apex is installed; etp needs neither. One line from rank 0 instead."""
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+    warnings.filterwarnings("ignore", message="Apex is not installed. Falling back to Torch Norm")  # per layer spec
     warnings.filterwarnings("ignore", message="`load_state_dict` is deprecated")  # megatron's DCP call
     if rank == 0 and importlib.util.find_spec("apex") is None:
         print("etp-train: NVIDIA apex not found: megatron-core's fallbacks run on torch's foreach "
@@ -71,8 +72,9 @@ def _init_process_group(recipe, rank: int, world: int, port: int | None) -> tupl
     return rank, world, backend, device
 
 
-def set_up(recipe, rank: int, world: int, port: int | None = None) -> Run:
-    """Everything before the first iteration of one rank (a collective over the world).
+def set_up(recipe, rank: int, world: int, port: int | None = None, clock=None) -> Run:
+    """Everything before the first iteration of one rank (a collective over the world);
+    ``clock`` (an ``etp.train.reporting.StartupClock``) times its phases.
 
     Example::
 
@@ -97,10 +99,15 @@ def set_up(recipe, rank: int, world: int, port: int | None = None) -> Run:
     ps.initialize_model_parallel(tensor_model_parallel_size=p.tensor_model_parallel_size,
                                  pipeline_model_parallel_size=p.pipeline_model_parallel_size,
                                  expert_model_parallel_size=p.expert_model_parallel_size,
+                                 expert_tensor_parallel_size=p.expert_tensor_parallel_size,
                                  context_parallel_size=p.context_parallel_size)
     groups = build_megatron_etp_groups(recipe.etp)
+    mark = clock.mark if clock is not None else lambda name: None
+    mark("process groups")
     model, loss_fn, config = build_model(recipe, device)
+    mark("build")
     summary = apply_etp(model, recipe.etp, groups)
+    mark("wrap")
     if p.use_torch_fsdp2:  # ETP is off (the recipe refuses ETP sizes above 1): apply_etp changed nothing
         from etp.train.baselines.fsdp2 import FSDP2Step
 
@@ -109,11 +116,11 @@ def set_up(recipe, rank: int, world: int, port: int | None = None) -> Run:
         from etp.train.baselines.megatron_fsdp import MegatronFSDPStep
 
         stepper = MegatronFSDPStep(recipe, model, config)
-    elif config is None:
-        stepper = TorchStep(recipe, model, groups, ps.get_tensor_model_parallel_group())
+    elif device.type == "cpu":
+        stepper = TorchStep(recipe, model, groups, ps.get_tensor_model_parallel_group(), config)
     else:
         stepper = MegatronStep(recipe, model, config)
-    if (recipe.train.deterministic and config is not None and recipe.train.cuda_graph != "step"
+    if (recipe.train.deterministic and device.type == "cuda" and recipe.train.cuda_graph != "step"
             and p.tensor_model_parallel_size == 1 and not p.fsdp_peer):
         # The embedding backward a captured step takes (ordered sums, no atomics): eager and
         # captured deterministic runs then run the same kernels ([Note: etp-train graph step]).
@@ -121,6 +128,7 @@ def set_up(recipe, rank: int, world: int, port: int | None = None) -> Run:
         from etp.train.captured_step import make_embeddings_capture_safe
 
         make_embeddings_capture_safe(stepper.model)
+    mark("optimizer")
     return Run(rank, world, backend, device, stepper, loss_fn, config, summary, determinism)
 
 

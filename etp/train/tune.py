@@ -18,7 +18,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from etp.train.auto import Machine, kept_reuse
+from etp.train.auto import QUANTIZED_GATHERS, Machine, kept_reuse, quantized_gathers_refusal
 from etp.train.options import RunOptions, TrainError
 
 __all__ = ["Candidate", "candidates", "tune"]
@@ -65,7 +65,8 @@ def candidates(recipe, machine: Machine, micro_batches: int = 3) -> list[Candida
     if "cuda_graph" in recipe.auto:
         choices["cuda_graph"] = ["none", "step"] if machine.cuda else ["none"]
     if "etp.gather_dtype" in recipe.auto:
-        choices["etp.gather_dtype"] = ["param", "fp8_tensorwise"] if machine.sm90 and recipe.train.bf16 else ["param"]
+        choices["etp.gather_dtype"] = ["param"] + ([QUANTIZED_GATHERS] if quantized_gathers_refusal(recipe, machine) is None
+                                                   else [])
     if "etp.gather_reuse" in recipe.auto:
         # "keep": the weights stay gathered as long as auto would keep them at that micro-batch
         # size ("step" over several micro-batches, "pass" for one), so auto's pick is a candidate.

@@ -171,7 +171,7 @@ def test_architecture_recipes_fit_their_gpus_with_etp_only_as_their_header_says(
 
 # Peaks allocated (GiB, rank 0) that etp-train --audit measured on 4 x H100 80GB (79.2 GiB each)
 # with each recipe's defaults and the overrides listed (BENCHMARKS.md, "The memory audit against
-# measured peaks"): the experts rebuilding both GEMMs' inputs in backward (etp/saved.py), 2026-11-27;
+# measured peaks"): the experts rebuilding both GEMMs' inputs in backward (etp/rebuilt_activations.py), 2026-11-27;
 # DeepSeek-V3's 64-expert run at 6491b6f, when fc2's input was still kept (the prediction of today's
 # code is lower by the six MoE layers' SwiGLU outputs, and still within the tolerance).
 MEASURED_PEAKS_4XH100 = {

@@ -1,6 +1,7 @@
 """``tools/bench_ep.py`` end to end on 2 gloo ranks (``--cpu-smoke``): every backend row has
-its four moves, the bytes each says it moves against counts taken from the routing, and the
-JSON records its provenance. (The figures are the GPU run's; this checks the script.)"""
+its four moves, the bytes each says it moves against counts taken from the routing, each
+callable it times computes the move it is named after, and the JSON records its provenance.
+(The figures are the GPU run's; this checks the script.)"""
 from __future__ import annotations
 
 import json
@@ -8,6 +9,8 @@ import math
 import sys
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
 from harness import run_distributed
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
@@ -20,12 +23,44 @@ def _smoke(ctx, out):
     backends = "reference,nccl,nccl@kernels=torch,nccl_padded,hierarchical@ranks_per_host=1"
     bench_ep.main(["--cpu-smoke", "--backends", backends, "--out", out])
     spec = bench_ep.WORKLOADS["smoke"]
-    return spec
+    return spec, _moves_timed(bench_ep, spec)
+
+
+def _moves_timed(bench_ep, spec):
+    """What each callable the benchmark times returns, against what its move must compute
+    (identity experts): dispatch then combine gives K x each token; dispatch's backward of the
+    dispatched rows gives K x each token and its routing weights; combine's backward of g gives
+    rows that combine to K x g."""
+    from etp import ep
+
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    T, H, K, E = spec["tokens"], spec["hidden"], spec["topk"], spec["experts"]
+    cfg = ep.EPConfig(num_experts=E, topk=K, hidden_size=H, max_tokens_per_rank=T, dtype=torch.float64,
+                      weight_dtype=torch.float64, backend="reference", capacity_factor=None)
+    disp = ep.ExpertDispatcher(cfg)
+    weights, idx = torch.rand(T, E, generator=gen, dtype=torch.float64).topk(K, dim=1)
+    x, grad = (torch.randn(T, H, generator=gen, dtype=torch.float64) for _ in range(2))
+    wrong = []
+    with torch.no_grad():
+        handle = disp.prepare(idx)
+        fns = bench_ep._move_fns(disp, x, weights, grad, handle)
+        if not torch.allclose(disp.combine(fns["dispatch"]()[0], handle), K * x):
+            wrong.append("dispatch")
+        if not torch.allclose(fns["combine"](), K * x):
+            wrong.append("combine")
+        grad_x, grad_w = fns["dispatch_bwd"]()
+        if not (torch.allclose(grad_x, K * x) and torch.equal(grad_w, weights)):
+            wrong.append("dispatch_bwd")
+        if not torch.allclose(disp.combine(fns["combine_bwd"]().clone(), handle), K * grad):
+            wrong.append("combine_bwd")
+    disp.check()
+    return wrong
 
 
 def test_bench_ep_cpu_smoke(tmp_path):
     out = tmp_path / "ep.json"
-    spec = run_distributed(_smoke, 2, str(out))[0]
+    (spec, wrong), *others = run_distributed(_smoke, 2, str(out))
+    assert not wrong and not any(w for _, w in others), (wrong, others)
     results = json.loads(out.read_text())
     assert results["provenance"]["command"] and results["world_size"] == 2
     [info] = results["workloads"]

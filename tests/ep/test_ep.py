@@ -151,8 +151,11 @@ def _bad_input(ctx):
     expect("weights shape", ValueError, lambda: disp.dispatch(x, w[:, :2], handle))
     expect("combine first", RuntimeError, lambda: disp.combine(torch.zeros(disp.capacity, 5, dtype=torch.float64),
                                                                 handle))
-    recv_x, _, _ = disp.dispatch(x, w, handle)
+    recv_x, recv_w, _ = disp.dispatch(x, w, handle)
     expect("expert_out shape", ValueError, lambda: disp.combine(recv_x[:-1], handle))
+    expect("grad_out shape", ValueError, lambda: disp.combine_backward(x[:3], handle))
+    expect("grad_recv_x shape", ValueError, lambda: disp.dispatch_backward(recv_x[:-1], recv_w, handle))
+    expect("grad_recv_w shape", ValueError, lambda: disp.dispatch_backward(recv_x, recv_w[:-1], handle))
     disp.prepare(idx)
     expect("stale handle", RuntimeError, lambda: disp.dispatch(x, w, handle))
     # Without host validation, bad indices are left out and reported by check().
@@ -219,11 +222,45 @@ def test_first_pairs_marks_each_tokens_first_pair_per_destination():
     assert torch.equal(first_pairs(key, sent), want)
 
 
+def _backward_moves(ctx):
+    """The backward moves called directly, outside autograd (as the profiler and
+    ``tools/bench_ep.py`` run them). With the forward dispatch's rows as gradients, dispatch's
+    backward returns K x each token and the routing weights themselves; combine's backward of g
+    puts g[t] in each of t's pair rows, so combining them gives K x g (combine is checked
+    against the float64 model above) and the rows past the valid ones are zero."""
+    ranks, _, grads = make_case("uniform", ctx.world_size, seed=4)
+    (idx, weights, x), g = ranks[ctx.rank], grads[ctx.rank]
+    K, errors = idx.shape[1], []
+    for name in LAYER_BACKENDS:
+        for trim in (False, True):
+            label = f"{name}{' trim' if trim else ''}"
+            disp = ep.ExpertDispatcher(_backend_config(_config(ctx.world_size), name, ctx.world_size))
+            with torch.no_grad():
+                handle = disp.prepare(idx)
+                recv_x, recv_w, counts = disp.dispatch(x, weights, handle, trim=trim)
+                grad_x, grad_w = disp.dispatch_backward(recv_x.clone(), recv_w.clone(), handle)
+                if not torch.allclose(grad_x, K * x, rtol=1e-12, atol=0) or not torch.equal(grad_w, weights):
+                    errors.append(f"{label}: dispatch_backward is not (K x, weights)")
+                grad_rows = disp.combine_backward(g, handle)
+                valid = int(counts.sum())
+                if grad_rows.shape != recv_x.shape or grad_rows[valid:].any():
+                    errors.append(f"{label}: combine_backward rows {tuple(grad_rows.shape)}, tail not zero")
+                if not torch.allclose(disp.combine(grad_rows.clone(), handle), K * g, rtol=1e-12, atol=0):
+                    errors.append(f"{label}: combine(combine_backward(g)) != K x g")
+            disp.check()
+    return errors
+
+
+def test_backward_moves_called_directly_move_what_autograd_moves(misc_results):
+    for errors in (result["backward"] for result in misc_results[0]):
+        assert not errors, errors
+
+
 def _misc(ctx, cache_dir):
     kw = dict(capacity_factor=0.5, drop_tokens=True)
     return dict(wire=_wire_rows(ctx), bad_input=_bad_input(ctx), overflow=_overflow(ctx, CPU_BACKENDS), padded=_padded_overflow(ctx),
                 dropping=_layer_vs_model(ctx, CPU_BACKENDS, ("uniform", "skewed"), kw),
-                cache=_profile_cache(ctx, cache_dir))
+                cache=_profile_cache(ctx, cache_dir), backward=_backward_moves(ctx))
 
 
 @pytest.fixture(scope="module")
@@ -251,6 +288,8 @@ def test_bad_input_raises_naming_the_argument(misc_results):
             assert caught[label].startswith("x:"), caught[label]
         assert caught["weights shape"].startswith("topk_weights")
         assert caught["expert_out shape"].startswith("expert_out")
+        for label in ("grad_out", "grad_recv_x", "grad_recv_w"):
+            assert caught[f"{label} shape"].startswith(f"{label}:"), caught[f"{label} shape"]
         assert "layer7" in caught["check bad idx"] and "rank: count {0: 1, 1: 1}" in caught["check bad idx"]
 
 

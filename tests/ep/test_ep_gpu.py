@@ -190,11 +190,10 @@ def _allocations(ctx, name):
         for step in range(4):
             torch.cuda.synchronize()
             before = torch.cuda.memory_stats()["allocation.all.allocated"]
-            recv_x, _, _ = disp.dispatch(x, w, handle)
+            recv_x, recv_w, _ = disp.dispatch(x, w, handle)
             disp.combine(recv_x, handle)
-            disp._move_dispatch(x, None, handle, backward=True)  # combine's backward
-            disp._move_combine(recv_x, handle, backward=True)  # dispatch's backward
-            disp._move_combine_pairs(disp._recv_w, handle)
+            disp.combine_backward(x, handle)
+            disp.dispatch_backward(recv_x, recv_w, handle)
             torch.cuda.synchronize()
             if step:
                 counts.append(torch.cuda.memory_stats()["allocation.all.allocated"] - before)

@@ -1,7 +1,7 @@
 """The symmetric-memory move kernels of ``etp.kernels.ep_move``, W ranks simulated in one
 process (pointer tables of local tensors stand in for symmetric memory; the Triton
 interpreter runs them on CPU), bit for bit against ``etp.kernels.ep_reference`` and
-against the receive layout of ``etp.ep.layout``."""
+against the receive layout of ``etp.ep.routing_layout``."""
 from __future__ import annotations
 
 import os
@@ -11,7 +11,7 @@ import torch
 from ep_cases import make_case
 
 from etp.ep.backends.base import sum_pairs
-from etp.ep.layout import count_pairs, pair_rows
+from etp.ep.routing_layout import count_pairs, pair_rows
 from etp.kernels import ep_move as km
 from etp.kernels import ep_reference as ref
 
@@ -295,11 +295,10 @@ def _steady_moves(disp, gen, launches):
         for _ in range(3):
             launches.clear()
             with _Allocations() as mode:
-                recv_x, _, _ = disp.dispatch(x, w, handle)
+                recv_x, recv_w, _ = disp.dispatch(x, w, handle)
                 disp.combine(recv_x, handle)
-                disp._move_dispatch(x, None, handle, backward=True)
-                disp._move_combine(recv_x, handle, backward=True)
-                disp._move_combine_pairs(disp._recv_w, handle)
+                disp.combine_backward(x, handle)
+                disp.dispatch_backward(recv_x, recv_w, handle)
             per_step.append(list(launches))
             allocs.append(mode.ops)
     return per_step, allocs, sorted(mode.seen), handle, x, w, recv_x
@@ -479,9 +478,9 @@ def _hierarchical_on_cpu(ctx):
     with torch.no_grad():
         for _ in range(2):
             with _Allocations() as mode:
-                recv_x, _, _ = disp.dispatch(x, w, handle)
+                recv_x, recv_w, _ = disp.dispatch(x, w, handle)
                 disp.combine(recv_x, handle)
-                disp._move_combine_pairs(disp._recv_w, handle)
+                disp.dispatch_backward(recv_x, recv_w, handle)
             allocs.append(mode.ops)
     return errors, allocs
 

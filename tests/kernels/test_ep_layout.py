@@ -1,12 +1,12 @@
 """etp.kernels.ep_layout ([Note: layout in blocks]): the Triton layout, forced through
-``etp.ep.layout``'s ``kernel=True``, bit for bit against the pure-torch reference
+``etp.ep.routing_layout``'s ``kernel=True``, bit for bit against the pure-torch reference
 (``count_pairs_torch`` / ``pair_rows_torch``) on W ranks simulated in one process: every
 ``Layout`` field of every rank, same dtypes and shapes. In the interpreter on CPU, compiled on
 a GPU."""
 import pytest
 import torch
 
-from etp.ep.layout import Layout, count_pairs, count_pairs_torch, pair_rows, pair_rows_torch
+from etp.ep.routing_layout import Layout, count_pairs, count_pairs_torch, pair_rows, pair_rows_torch
 from etp.kernels import ep_layout
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -41,7 +41,7 @@ def _check(ranks, num_experts, capacity, expert_capacity, check_ranks=None, bloc
     if block is None:
         counted = [count_pairs(idx, num_experts, return_blocks=True, kernel=True) for idx in ranks]
     else:
-        counted = [ep_layout.count_pairs(idx, num_experts, block=block) for idx in ranks]
+        counted = [ep_layout.count_pairs_triton(idx, num_experts, block=block) for idx in ranks]
     meta = torch.stack([m for m, _ in counted])
     assert meta.dtype == torch.int64 and torch.equal(meta, want_meta)
     layouts = []
@@ -50,7 +50,7 @@ def _check(ranks, num_experts, capacity, expert_capacity, check_ranks=None, bloc
         if block is None:
             got = pair_rows(ranks[r], meta, r, capacity, expert_capacity, blocks=counted[r][1], kernel=True)
         else:
-            got = Layout(*ep_layout.pair_rows(ranks[r], meta, counted[r][1], r, capacity, expert_capacity,
+            got = Layout(*ep_layout.pair_rows_triton(ranks[r], meta, counted[r][1], r, capacity, expert_capacity,
                                               block=block))
         for name, a, b in zip(Layout._fields, want, got):
             assert (a.dtype, a.shape) == (b.dtype, b.shape), (r, name, a.dtype, b.dtype, a.shape, b.shape)
@@ -116,6 +116,6 @@ def test_out_and_torch_path():
 
 def test_mismatched_blocks_are_refused():
     ranks = _routing(1, 8, 2, [37], seed=1)
-    meta, blocks = ep_layout.count_pairs(ranks[0], 8, block=32)
+    meta, blocks = ep_layout.count_pairs_triton(ranks[0], 8, block=32)
     with pytest.raises(ValueError, match="block_prefix"):
-        ep_layout.pair_rows(ranks[0], meta[None], blocks, 0, 74, None)  # counted with another block
+        ep_layout.pair_rows_triton(ranks[0], meta[None], blocks, 0, 74, None)  # counted with another block

@@ -306,9 +306,8 @@ CAST_SHAPES = [
 
 @needs_triton
 @ignore_fp_warnings
-@pytest.mark.parametrize("write_transposed", [False, True], ids=["plain", "transposed"])
 @pytest.mark.parametrize("dtype", CAST_DTYPES)
-def test_cast_bit_exact(dtype, write_transposed):
+def test_cast_bit_exact(dtype):
     gen = _gen(5)
     tensors = [_randn(s, dtype, gen, 4.0) for s in CAST_SHAPES]
     tensors[3].view(-1)[:3] = torch.tensor([float("inf"), float("-inf"), float("nan")], dtype=dtype)
@@ -316,23 +315,13 @@ def test_cast_bit_exact(dtype, write_transposed):
     scales = K.amax_to_scale(amax)
     scales[1] = 1e-3  # pushes most values into the e4m3 subnormal range
     scales[5] = 1.0
-    qs, qts = K.multi_tensor_cast_fp8(tensors, scales, write_transposed=write_transposed, impl="triton")
-    rqs, rqts = K.multi_tensor_cast_fp8(
-        [t.cpu() for t in tensors], scales.cpu(), write_transposed=write_transposed, impl="torch"
-    )
-    assert (qts is None) == (not write_transposed)
+    qs, none = K.multi_tensor_cast_fp8(tensors, scales, impl="triton")
+    rqs, _ = K.multi_tensor_cast_fp8([t.cpu() for t in tensors], scales.cpu(), impl="torch")
+    assert none is None  # the pair callers unpack
     for i, (x, q, rq) in enumerate(zip(tensors, qs, rqs)):
         assert q.device == x.device and q.shape == x.shape
         _assert_fp8_bit_equal(q, rq)
         _assert_fp8_matches_model(q, _quantize_f64(x, scales[i]))
-    if write_transposed:
-        for x, q, qt, rqt in zip(tensors, qs, qts, rqts):
-            _assert_fp8_bit_equal(qt, rqt)
-            if x.dim() == 1:
-                assert qt is q
-            else:
-                assert qt.shape == (*x.shape[:-2], x.shape[-1], x.shape[-2]) and qt.is_contiguous()
-                _assert_fp8_bit_equal(qt, q.transpose(-2, -1).contiguous())
     q3 = qs[3].cpu().float()
     assert q3.view(-1)[0].item() == 448.0 and q3.view(-1)[1].item() == -448.0 and q3.view(-1)[2].isnan()
 
@@ -378,99 +367,103 @@ def test_cast_mixed_dtypes_and_launch_count(monkeypatch):
     gen = _gen(6)
     tensors = [_randn((33, 17), dt, gen, 10.0) for dt in DTYPES] + [_randn((40,), torch.bfloat16, gen)]
     scales = torch.tensor([1.0, 2.0, 0.5, 3.0], device=DEVICE)
-    qs, qts = K.multi_tensor_cast_fp8(tensors, scales, write_transposed=True, impl="triton")
+    qs, _ = K.multi_tensor_cast_fp8(tensors, scales, impl="triton")
     assert counter.launches == 3
-    rqs, rqts = K.multi_tensor_cast_fp8([t.cpu() for t in tensors], scales.cpu(), write_transposed=True, impl="torch")
-    for q, rq, qt, rqt in zip(qs, rqs, qts, rqts):
+    rqs, _ = K.multi_tensor_cast_fp8([t.cpu() for t in tensors], scales.cpu(), impl="torch")
+    for q, rq in zip(qs, rqs):
         _assert_fp8_bit_equal(q, rq)
-        _assert_fp8_bit_equal(qt, rqt)
 
 
 @needs_triton
-@pytest.mark.parametrize("write_transposed", [False, True], ids=["plain", "transposed"])
-def test_cast_aligned_fast_path(write_transposed, monkeypatch):
-    # Only 16-aligned shapes (and fresh, aligned allocations): the launch takes
-    # the ALIGNED (vectorised, unmasked full-tile) path, which odd shapes in
-    # the same call would switch off.
+def test_cast_aligned_fast_path(monkeypatch):
+    # Only 16-byte-aligned addresses (fresh, aligned allocations): the launch takes the
+    # ALIGNED (vectorised) path, which one odd address in the same call would switch off.
     counter = _LaunchCounter(cast_mod._multi_tensor_cast_fp8_kernel)
     monkeypatch.setattr(cast_mod, "_multi_tensor_cast_fp8_kernel", counter)
     gen = _gen(11)
     tensors = [_randn(s, torch.bfloat16, gen, 20.0) for s in [(256, 128), (2, 128, 64), (48, 400), (8192,), (16, 16)]]
     scales = (torch.rand(len(tensors), generator=gen) * 30).to(DEVICE)
-    qs, qts = K.multi_tensor_cast_fp8(tensors, scales, write_transposed=write_transposed, impl="triton")
+    qs, _ = K.multi_tensor_cast_fp8(tensors, scales, impl="triton")
     assert [kw["ALIGNED"] for kw in counter.kwargs] == [True]
-    rqs, rqts = K.multi_tensor_cast_fp8([t.cpu() for t in tensors], scales.cpu(),
-                                        write_transposed=write_transposed, impl="torch")
+    rqs, _ = K.multi_tensor_cast_fp8([t.cpu() for t in tensors], scales.cpu(), impl="torch")
     for i in range(len(tensors)):
         _assert_fp8_bit_equal(qs[i], rqs[i])
-        if write_transposed:
-            _assert_fp8_bit_equal(qts[i], rqts[i])
     # A view at an odd element offset disables the hints but stays exact.
     counter.kwargs.clear()
     odd = [tensors[0].view(-1)[3:3 + 128 * 16].view(16, 128)]
-    qs, qts = K.multi_tensor_cast_fp8(odd, scales[:1], write_transposed=write_transposed, impl="triton")
+    qs, _ = K.multi_tensor_cast_fp8(odd, scales[:1], impl="triton")
     assert [kw["ALIGNED"] for kw in counter.kwargs] == [False]
-    rqs, rqts = K.multi_tensor_cast_fp8(
-        [odd[0].cpu()], scales[:1].cpu(), write_transposed=write_transposed, impl="torch"
-    )
+    rqs, _ = K.multi_tensor_cast_fp8([odd[0].cpu()], scales[:1].cpu(), impl="torch")
     _assert_fp8_bit_equal(qs[0], rqs[0])
 
 
 @needs_triton
 @pytest.mark.parametrize("impl", ["triton", "torch"])
 def test_cast_into_given_buffers(impl):
-    """out= / out_transposed=: the casts land in the caller's (non-adjacent) buffers, equal to
-    the reference's own outputs; the buffers themselves are returned; mismatches are refused."""
+    """out=: the casts land in the caller's (non-adjacent) buffers, equal to the reference's
+    own outputs; the buffers themselves are returned; mismatches are refused."""
     gen = _gen(11)
     tensors = [_randn(s, torch.bfloat16, gen, 4.0) for s in ((3, 5), (2, 16, 8), (7,))]
     scales = (torch.rand(3, generator=gen) * 50).to(DEVICE)
     big = torch.zeros(4096, dtype=torch.float8_e4m3fn, device=DEVICE)
     out = [big[64:79].view(3, 5), big[256:512].view(2, 16, 8), big[1024:1031]]
-    out_t = [big[2048:2063].view(5, 3), big[3072:3328].view(2, 8, 16), None]
-    qs, qts = K.multi_tensor_cast_fp8(tensors, scales, write_transposed=True, out=out, out_transposed=out_t,
-                                      impl=impl)
-    rqs, rqts = K.multi_tensor_cast_fp8([t.cpu() for t in tensors], scales.cpu(), write_transposed=True,
-                                        impl="torch")
-    assert all(q is o for q, o in zip(qs, out)) and qts[0] is out_t[0] and qts[2] is out[2]
-    for q, r in zip(qs + qts[:2], rqs + rqts[:2]):
+    qs, _ = K.multi_tensor_cast_fp8(tensors, scales, out=out, impl=impl)
+    rqs, _ = K.multi_tensor_cast_fp8([t.cpu() for t in tensors], scales.cpu(), impl="torch")
+    assert all(q is o for q, o in zip(qs, out))
+    for q, r in zip(qs, rqs):
         _assert_fp8_bit_equal(q, r)
     assert not big[:64].view(torch.uint8).any() and not big[79:256].view(torch.uint8).any()  # nothing else written
+    assert not big[512:1024].view(torch.uint8).any() and not big[1031:].view(torch.uint8).any()
     with pytest.raises(ValueError, match="out\\[1\\] must be"):
         K.multi_tensor_cast_fp8(tensors, scales, out=[out[0], out[0], out[2]], impl=impl)
-    with pytest.raises(ValueError, match="needs out_transposed"):
-        K.multi_tensor_cast_fp8(tensors, scales, write_transposed=True, out=out, impl=impl)
+
+
+def test_cast_refuses_the_transposed_copy_it_no_longer_writes():
+    """The transposed copy's keywords: asking for the copy is refused with the replacement;
+    passed asking for nothing (an old caller's defaults) they warn and cast as before."""
+    x = torch.randn(5, 3)
+    scales = torch.ones(1)
+    for kwargs in ({"write_transposed": True}, {"out_transposed": [torch.empty(3, 5, dtype=FP8)]}):
+        with pytest.raises(ValueError, match="transpose_last2"):
+            K.multi_tensor_cast_fp8([x], scales, impl="torch", **kwargs)
+        with pytest.raises(ValueError, match="transpose_last2"):
+            K.MultiTensorCastPlan([x], impl="torch", **kwargs)
+    with pytest.warns(DeprecationWarning) as caught:
+        plan = K.MultiTensorCastPlan([x], write_transposed=False, out_transposed=None, impl="torch")
+    assert sorted(str(w.message).split("=")[0] for w in caught) == ["out_transposed", "write_transposed"]
+    (q,), _ = plan.run(scales)
+    _assert_fp8_bit_equal(q, ref.multi_tensor_cast_fp8_ref([x], scales)[0][0])
+    with pytest.raises(TypeError, match="unexpected keyword argument 'out_transpose'"):
+        K.multi_tensor_cast_fp8([x], scales, out_transpose=None)
 
 
 @needs_triton
 @pytest.mark.parametrize("impl", ["triton", "torch"])
 def test_cast_records_amax_and_casts_only_the_picked(impl):
-    """amax_out: each input's max |x| from the cast's own read, against float64 (flat and
-    tiled paths, a NaN, an empty tensor); only=: skipped inputs' buffers keep their bytes and
-    their amax entry is 0, picked ones equal the reference's cast."""
+    """amax_out: each input's max |x| from the cast's own read, against float64 (a NaN, an
+    empty tensor, a tensor of two programs folding theirs into one entry); only=: skipped
+    inputs' buffers keep their bytes and their amax entry is 0, picked ones equal the
+    reference's cast."""
     gen = _gen(12)
-    tensors = [_randn(s, torch.bfloat16, gen, 4.0) for s in ((33, 48), (2, 16, 130), (7,), (0, 5), (300,))]
+    tensors = [_randn(s, torch.bfloat16, gen, 4.0) for s in ((33, 48), (2, 16, 130), (7,), (0, 5), (3, 70, 130))]
     tensors[2][3] = float("nan")
     scales = (torch.rand(len(tensors), generator=gen) * 50).to(DEVICE)
     want = torch.tensor([t.double().abs().max().item() if t.numel() else 0.0 for t in tensors], dtype=torch.float64)
-    for wt in (False, True):
-        out = [torch.full(t.shape, 0x11, dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn) for t in tensors]
-        out_t = [torch.full((*t.shape[:-2], t.shape[-1], t.shape[-2]) if t.dim() > 1 else t.shape, 0x11,
-                            dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn) for t in tensors]
-        amax = torch.full((len(tensors),), -1.0, device=DEVICE)
-        K.multi_tensor_cast_fp8(tensors, scales, write_transposed=wt, out=out, out_transposed=out_t if wt else None,
-                                amax_out=amax, impl=impl)
-        torch.testing.assert_close(amax.cpu().double(), want, equal_nan=True, rtol=0, atol=0)
-        only = torch.tensor([True, False, True, False, False], device=DEVICE)
-        out2 = [torch.full(t.shape, 0x11, dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn) for t in tensors]
-        amax2 = torch.full((len(tensors),), -1.0, device=DEVICE)
-        K.multi_tensor_cast_fp8(tensors, scales * 2, out=out2, amax_out=amax2, only=only, impl=impl)
-        ref, _ = K.multi_tensor_cast_fp8([t.cpu() for t in tensors], (scales * 2).cpu(), impl="torch")
-        for i, keep in enumerate(only.tolist()):
-            if keep:
-                _assert_fp8_bit_equal(out2[i], ref[i])
-                assert amax2[i].item() == want[i].item() or (want[i].isnan() and amax2[i].isnan())
-            else:
-                assert bool((out2[i].view(torch.uint8) == 0x11).all()) and amax2[i].item() == 0
+    out = [torch.full(t.shape, 0x11, dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn) for t in tensors]
+    amax = torch.full((len(tensors),), -1.0, device=DEVICE)
+    K.multi_tensor_cast_fp8(tensors, scales, out=out, amax_out=amax, impl=impl)
+    torch.testing.assert_close(amax.cpu().double(), want, equal_nan=True, rtol=0, atol=0)
+    only = torch.tensor([True, False, True, False, True], device=DEVICE)
+    out2 = [torch.full(t.shape, 0x11, dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn) for t in tensors]
+    amax2 = torch.full((len(tensors),), -1.0, device=DEVICE)
+    K.multi_tensor_cast_fp8(tensors, scales * 2, out=out2, amax_out=amax2, only=only, impl=impl)
+    ref, _ = K.multi_tensor_cast_fp8([t.cpu() for t in tensors], (scales * 2).cpu(), impl="torch")
+    for i, keep in enumerate(only.tolist()):
+        if keep:
+            _assert_fp8_bit_equal(out2[i], ref[i])
+            assert amax2[i].item() == want[i].item() or (want[i].isnan() and amax2[i].isnan())
+        else:
+            assert bool((out2[i].view(torch.uint8) == 0x11).all()) and amax2[i].item() == 0
     out3 = [torch.full(t.shape, 0x22, dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn) for t in tensors]
     K.multi_tensor_cast_fp8(tensors, scales, out=out3, only=torch.zeros(len(tensors), dtype=torch.bool, device=DEVICE),
                             impl=impl)  # nothing picked: the kernel's early exit
@@ -480,8 +473,7 @@ def test_cast_records_amax_and_casts_only_the_picked(impl):
 
 
 @needs_triton
-@pytest.mark.parametrize("write_transposed", [False, True], ids=["plain", "transposed"])
-def test_cast_plan_builds_its_tables_once(write_transposed, monkeypatch):
+def test_cast_plan_builds_its_tables_once(monkeypatch):
     """MultiTensorCastPlan: runs with new scales (and only=, amax_out=) into its fixed buffers
     equal the torch reference each time, while the launch tables are built once (the first
     run) and every later run is the kernel launch alone."""
@@ -497,22 +489,16 @@ def test_cast_plan_builds_its_tables_once(write_transposed, monkeypatch):
     tensors = [_randn(s, dt, gen, 6.0) for s, dt in (((33, 48), torch.bfloat16), ((2, 16, 24), torch.float32),
                                                      ((7,), torch.bfloat16))]
     out = [torch.empty(t.shape, dtype=torch.float8_e4m3fn, device=DEVICE) for t in tensors]
-    out_t = [torch.empty((*t.shape[:-2], t.shape[-1], t.shape[-2]) if t.dim() > 1 else t.shape,
-                         dtype=torch.float8_e4m3fn, device=DEVICE) for t in tensors] if write_transposed else None
-    plan = K.MultiTensorCastPlan(tensors, write_transposed=write_transposed, out=out, out_transposed=out_t,
-                                 impl="triton")
+    plan = K.MultiTensorCastPlan(tensors, out=out, impl="triton")
     assert not builds  # nothing built before the first run
     for _ in range(3):
         scales = (torch.rand(len(tensors), generator=gen) * 40 + 1).to(DEVICE)
         amax = torch.empty(len(tensors), device=DEVICE)
-        qs, qts = plan.run(scales, amax_out=amax)
-        rqs, rqts = K.multi_tensor_cast_fp8([t.cpu() for t in tensors], scales.cpu(),
-                                            write_transposed=write_transposed, impl="torch")
+        qs, _ = plan.run(scales, amax_out=amax)
+        rqs, _ = K.multi_tensor_cast_fp8([t.cpu() for t in tensors], scales.cpu(), impl="torch")
         assert all(q is o for q, o in zip(qs, out))
         for i in range(len(tensors)):
             _assert_fp8_bit_equal(qs[i], rqs[i])
-            if write_transposed:
-                _assert_fp8_bit_equal(qts[i], rqts[i])
         want = torch.tensor([t.double().abs().max().item() for t in tensors], dtype=torch.float64)
         torch.testing.assert_close(amax.cpu().double(), want, rtol=0, atol=0)
     only = torch.tensor([False, True, False], device=DEVICE)
@@ -528,18 +514,22 @@ def test_cast_plan_builds_its_tables_once(write_transposed, monkeypatch):
 
 
 @needs_triton
-def test_cast_many_tensors_binary_search():
+@pytest.mark.parametrize("linear_search_max", [4, cast_mod._LINEAR_SEARCH_MAX_TENSORS], ids=["binary", "linear"])
+def test_cast_many_tensors_search_paths(linear_search_max, monkeypatch):
+    """Each program finds its tensor in the table by binary search past a few tensors (the
+    threshold lowered here, as a model's hundreds of expert pieces would), linearly below."""
+    counter = _LaunchCounter(cast_mod._multi_tensor_cast_fp8_kernel)
+    monkeypatch.setattr(cast_mod, "_multi_tensor_cast_fp8_kernel", counter)
+    monkeypatch.setattr(cast_mod, "_LINEAR_SEARCH_MAX_TENSORS", linear_search_max)
     gen = _gen(7)
-    shapes = [tuple(torch.randint(1, 20, (2,), generator=gen).tolist()) for _ in range(70)]
+    shapes = [tuple(torch.randint(1, 20, (2,), generator=gen).tolist()) for _ in range(37)] + [(20000,)]
     tensors = [_randn(s, torch.bfloat16, gen, 8.0) for s in shapes]
     scales = (torch.rand(len(tensors), generator=gen) * 50).to(DEVICE)
-    for wt in (False, True):
-        qs, qts = K.multi_tensor_cast_fp8(tensors, scales, write_transposed=wt, impl="triton")
-        rqs, rqts = K.multi_tensor_cast_fp8([t.cpu() for t in tensors], scales.cpu(), write_transposed=wt, impl="torch")
-        for i in range(len(tensors)):
-            _assert_fp8_bit_equal(qs[i], rqs[i])
-            if wt:
-                _assert_fp8_bit_equal(qts[i], rqts[i])
+    qs, _ = K.multi_tensor_cast_fp8(tensors, scales, impl="triton")
+    assert [kw["LINEAR_SEARCH"] for kw in counter.kwargs] == [linear_search_max >= len(tensors)]
+    rqs, _ = K.multi_tensor_cast_fp8([t.cpu() for t in tensors], scales.cpu(), impl="torch")
+    for i in range(len(tensors)):
+        _assert_fp8_bit_equal(qs[i], rqs[i])
 
 
 # --------------------------------------------------------------------------
@@ -690,8 +680,8 @@ def test_empty_inputs():
         assert q.shape == x.shape and s.shape == ref.blockwise_scale_shape(shape, 1, 128)
         d = K.dequantize_fp8(q, s, block=(1, 128), impl="triton")
         assert d.shape == x.shape
-    qs, qts = K.multi_tensor_cast_fp8([], torch.empty(0, device=DEVICE), write_transposed=True, impl="triton")
-    assert qs == [] and qts == []
+    qs, _ = K.multi_tensor_cast_fp8([], torch.empty(0, device=DEVICE), impl="triton")
+    assert qs == []
 
 
 # --------------------------------------------------------------------------

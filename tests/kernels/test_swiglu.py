@@ -1,4 +1,4 @@
-"""Fused SwiGLU (etp.kernels.swiglu, etp.activations.swiglu) against float64 and the eager
+"""Fused SwiGLU (etp.kernels.swiglu, etp.expert_swiglu.swiglu) against float64 and the eager
 composition it replaces, and the FP8 operands it hands to the next GEMM.
 
 The Triton kernels run compiled on CUDA when a GPU is present, else in the Triton interpreter
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import etp
 from etp import gemm
-from etp.activations import swiglu
+from etp.expert_swiglu import expert_swiglu
 from etp.kernels import quantize_rowwise, swiglu_backward
 from etp.kernels import swiglu as swiglu_kernel
 
@@ -231,10 +231,10 @@ def test_fp8_operands_are_handed_over(monkeypatch):
     real = gemm.quantize_rowwise
     monkeypatch.setattr(gemm, "quantize_rowwise", lambda x, **kw: calls.append(x.shape) or real(x, **kw))
     gate_up = torch.randn(6, 32, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
-    y = _Consumer.apply(swiglu(_Producer.apply(gate_up), None, quantize=True))
+    y = _Consumer.apply(expert_swiglu(_Producer.apply(gate_up), None, quantize=True))
     y.float().sum().backward()
     assert calls == [], "the handed-over quantization was not used"
-    h = swiglu(gate_up.detach(), None)
+    h = expert_swiglu(gate_up.detach(), None)
     q_fwd, s_fwd = _Consumer.seen["forward"]
     q_ref, scale_ref = quantize_rowwise(h)
     assert torch.equal(q_fwd.view(torch.uint8), q_ref.view(torch.uint8))
@@ -243,7 +243,7 @@ def test_fp8_operands_are_handed_over(monkeypatch):
     assert torch.equal(q_bwd.view(torch.uint8), quantize_rowwise(g)[0].view(torch.uint8))
 
     # An in-place change invalidates the attachment: quantized afresh.
-    h = swiglu(gate_up.detach(), None, quantize=True)
+    h = expert_swiglu(gate_up.detach(), None, quantize=True)
     h.mul_(2)
     gemm.quantize_activation(h)
     assert calls == [h.shape]
@@ -257,7 +257,7 @@ def test_handed_copy_is_consumed_once_and_row_amax_stays(monkeypatch):
     real = gemm.quantize_rowwise
     monkeypatch.setattr(gemm, "quantize_rowwise", lambda x, **kw: calls.append(x.shape) or real(x, **kw))
     gate_up = torch.randn(6, 32, dtype=torch.bfloat16, device=DEVICE)
-    h = swiglu(gate_up, None, quantize=True)
+    h = expert_swiglu(gate_up, None, quantize=True)
     gemm.quantize_activation(h)
     assert calls == [] and torch.equal(gemm.row_amax(h).double(), _row_amax64(h))
     gemm.quantize_activation(h)  # the copy went with its first consumer: quantized afresh
@@ -274,11 +274,11 @@ def test_handed_copy_is_consumed_once_and_row_amax_stays(monkeypatch):
 def test_the_rebuilt_output_has_the_forward_bits(rows, ffn):
     # Backward rebuilds fc2's input with swiglu_output ([Note: rebuilt activations]); the
     # forward made it with quantize=True on the FP8 path: the values must be the same bits.
-    from etp.activations import swiglu_output
+    from etp.expert_swiglu import expert_swiglu_output
 
     gen = torch.Generator().manual_seed(rows + ffn)
     gate_up = (3 * torch.randn(rows, 2 * ffn, generator=gen)).to(torch.bfloat16).to(DEVICE)
     probs = torch.rand(rows, generator=gen).to(DEVICE)
     for quantize in (True, False):
         h = swiglu_kernel(gate_up, probs, quantize=quantize, impl="triton")[0]
-        assert torch.equal(swiglu_output(gate_up, probs).view(torch.int16), h.view(torch.int16))
+        assert torch.equal(expert_swiglu_output(gate_up, probs).view(torch.int16), h.view(torch.int16))

@@ -9,12 +9,11 @@ every gradient (shards, and the replicated QK norms, router, shared-expert gate 
 embedding that ``finalize_grads`` completes) and the expert bias megatron-core updates from
 the token counts of both ranks.
 
-megatron-core's local attention, rotary embedding and router call ``torch.cuda`` helpers that
-have CPU equivalents: ``_megatron_on_cpu`` swaps them (the math is megatron's own); the MoE
-layers use megatron's allgather dispatcher, the one that builds on CPU.
+megatron-core's router and rotary embedding run on CPU through
+``etp.megatron.patches.use_cpu_megatron_core`` ([Note: megatron-core on CPU]), as etp-train's
+CPU runs do; the MoE layers use megatron's allgather dispatcher.
 """
 import contextlib
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -36,17 +35,9 @@ ALL = dict(num_layers=3, hidden_size=64, num_attention_heads=4, num_query_groups
 
 
 def _megatron_on_cpu():
-    from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.fusions import fused_softmax
+    from etp.megatron import patches
 
-    from etp.megatron.patches import use_te_free_router
-
-    buffer = SimpleNamespace(get_tensor=lambda shape, dtype, name, *a, **k: torch.empty(shape, dtype=dtype))
-    parallel_state.get_global_memory_buffer = lambda: buffer
-    tensor_parallel.get_cuda_rng_tracker = lambda: SimpleNamespace(fork=contextlib.nullcontext)
-    fused_softmax.get_default_causal_mask = lambda sq: torch.triu(torch.ones(sq, sq), diagonal=1).bool()
-    torch.cuda.current_device = lambda: "cpu"  # the router's buffers and weights, the rotary table
-    use_te_free_router()
+    patches.use_cpu_megatron_core(True)
 
 
 def _build(values, dtype=torch.float64):

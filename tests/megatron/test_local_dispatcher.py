@@ -191,7 +191,7 @@ def test_experts_keep_the_layer_input_not_its_permuted_copies(marked, monkeypatc
 
     # etp's grouped GEMM Function (tests/parity.py swaps in a per-expert torch.mm loop for the
     # whole session once it is imported; that loop's autograd keeps views of the input).
-    monkeypatch.setattr(etp.modules, "plain_grouped_linear", etp.gemm.grouped_linear)
+    monkeypatch.setattr(etp.modules, "plain_grouped_linear", etp.gemm.plain_grouped_linear)
 
     def run(mark):
         torch.manual_seed(0)

@@ -122,8 +122,34 @@ BAD = {
     ),
     "experts % EP": ({"expert_model_parallel_size": 3, "world_size": None}, None, "num_experts", 4),
     "topk > experts": ({"moe_router_topk": 5}, None, "moe_router_topk", 5),
-    "layers % PP": ({"pipeline_model_parallel_size": 3, "world_size": None}, None, "num_layers", 2),
-    "seq % 2CP": ({"context_parallel_size": 3, "world_size": None}, None, "seq_length", 64),
+    # settings etp-train cannot honour (refused, never run as something else)
+    "pipeline parallelism": ({"pipeline_model_parallel_size": 2, "world_size": None}, None,
+                             "pipeline_model_parallel_size", 2),
+    "virtual pipeline stages": ({"virtual_pipeline_model_parallel_size": 2}, None,
+                                "virtual_pipeline_model_parallel_size", 2),
+    "context parallelism": ({"context_parallel_size": 2, "world_size": None}, None, "context_parallel_size", 2),
+    "fp16": ({"fp16": True}, None, "fp16", True),
+    "bf16 reductions under FSDP2": ({"use_torch_fsdp2": True, "grad_reduce_in_bf16": True}, None,
+                                    "grad_reduce_in_bf16", True),
+    "DDP buckets under FSDP2": ({"use_torch_fsdp2": True, "ddp_bucket_size": 1000}, None, "ddp_bucket_size", 1000),
+    # the learning-rate schedule (megatron-core's OptimizerParamScheduler, Megatron-LM's checks)
+    "warm-up init above lr": ({"lr_warmup_init": 0.01}, None, "lr_warmup_init", 0.01),
+    "warm-up as long as an explicit decay": ({"lr_warmup_iters": 40, "lr_decay_iters": 40}, None,
+                                             "lr_warmup_iters", 40),
+    "warm-up past an explicit decay": ({"lr_warmup_iters": 50, "lr_decay_iters": 40}, None, "lr_warmup_iters", 50),
+    "WSD without its decay iterations": ({"lr_decay_style": "WSD"}, None, "lr_decay_style", "WSD"),
+    "WSD decay iterations without WSD": ({"lr_wsd_decay_iters": 10}, None, "lr_wsd_decay_iters", 10),
+    "WSD decay style": ({"lr_decay_style": "WSD", "lr_wsd_decay_iters": 10, "lr_wsd_decay_style": "sqrt"}, None,
+                        "lr_wsd_decay_style", "sqrt"),
+    "weight decay rise without its ends": ({"weight_decay_incr_style": "linear", "end_weight_decay": 0.1}, None,
+                                           "weight_decay_incr_style", "linear"),
+    "weight decay ends without a rise": ({"start_weight_decay": 0.0}, None, "start_weight_decay", 0.0),
+    "weight decay falling": ({"weight_decay_incr_style": "cosine", "start_weight_decay": 0.1,
+                              "end_weight_decay": 0.01}, None, "end_weight_decay", 0.01),
+    "weight decay rise style": ({"weight_decay_incr_style": "exponential"}, None, "weight_decay_incr_style",
+                                "exponential"),
+    "both schedule overrides": ({"override_opt_param_scheduler": True, "use_checkpoint_opt_param_scheduler": True},
+                                None, "override_opt_param_scheduler", True),
     "max positions < seq": ({"max_position_embeddings": 32}, None, "max_position_embeddings", 32),
     "bf16 and fp16": ({"bf16": True, "fp16": True}, None, "fp16", True),
     "sequence parallel without TP": ({"sequence_parallel": True}, None, "sequence_parallel", True),
@@ -190,11 +216,6 @@ BAD = {
     "full, block past the layers of a stage": (
         {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 3},
         None, "recompute_num_layers", 3,
-    ),
-    "full, uniform past the layers of a stage (PP 2)": (
-        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2,
-         "pipeline_model_parallel_size": 2, "world_size": None},
-        None, "recompute_num_layers", 2,
     ),
     "full with modules": (
         {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1,
@@ -623,6 +644,11 @@ def test_fp8_eager_hint_only_where_a_capture_would_validate():
 
 
 def test_a_warm_up_longer_than_the_run_is_clipped_and_remembered():
-    recipe = Recipe.from_yaml(TINY, train_iters=4)  # the tiny recipe warms up over 5
-    assert recipe.train.lr_warmup_iters == 4 and recipe.train.warmup_clipped_from == 5
+    # The tiny recipe warms up over 5; the warm-up ends before lr_decay_iters (= train_iters).
+    recipe = Recipe.from_yaml(TINY, train_iters=4)
+    assert recipe.train.lr_warmup_iters == 3 and recipe.train.warmup_clipped_from == 5
+    longer_decay = Recipe.from_yaml(TINY, train_iters=4, lr_decay_iters=100)
+    assert longer_decay.train.lr_warmup_iters == 4
+    whole_run = Recipe.from_yaml(TINY, train_iters=5)  # a warm-up over the whole run leaves no decay
+    assert whole_run.train.lr_warmup_iters == 4 and whole_run.train.warmup_clipped_from == 5
     assert Recipe.from_yaml(TINY).train.warmup_clipped_from is None

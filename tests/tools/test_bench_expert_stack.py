@@ -75,3 +75,12 @@ def test_the_json_says_where_it_came_from(smoke):
     assert "tools/bench_expert_stack.py --cpu-smoke" in prov["command"]
     assert prov["world_size"] == 2 and prov["gpu_count"] == 0
     assert {"commit", "dirty", "date", "torch", "python", "gpu_name"} <= set(prov)
+
+
+def test_the_gather_section_times_etps_gather_beside_raw_nccl(smoke):
+    section = smoke[0]["gather_bandwidth"]
+    assert section["status"] == "ok"
+    statuses = {key: entry["status"] for key, entry in section["entries"].items()}
+    assert statuses == dict.fromkeys(("etp_fp8", "etp_bf16", "raw_uint8", "raw_bf16"), "ok")
+    fp8, bf16 = section["entries"]["etp_fp8"], section["entries"]["etp_bf16"]
+    assert fp8["shard_bytes"] * 4 == bf16["shard_bytes"]  # float32 weights in the smoke; one byte each in FP8

@@ -20,7 +20,7 @@ def test_dry_run_reports_device_and_host_time_and_exact_results(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["correctness"]["all_exact"], report["correctness"]
-    assert set(report["targets"]) == {"amax", "cast", "cast_transposed"}
+    assert set(report["targets"]) == {"amax", "cast"}
     fused = report["amax"]["fused"]
     assert fused["device_ms"] > 0 and fused["host_wall_ms_per_call"] > 0 and "min_ms" not in fused
     assert "| device ms (mean) | host wall ms / call |" in done.stdout

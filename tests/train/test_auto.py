@@ -211,3 +211,21 @@ def test_tune_candidates_keep_weights_as_auto_would_at_each_micro_batch():
     assert found == {(4, "chain"), (4, "pass"), (2, "chain"), (2, "step"), (1, "chain"), (1, "step")}
     resolved, _ = resolve_auto(recipe, Machine(world_size=2, ranks_per_host=2, **H100))
     assert (resolved.train.micro_batch_size, resolved.etp.gather_reuse) in found
+
+
+def test_tune_weighs_fp8_gathers_where_their_format_says_they_pay():
+    """--tune's gather candidates are the parameters' own and, where the FP8 format says its
+    GEMMs pay and it takes the recipe's dtype (sm90+, bf16), fp8_tensorwise; ``auto`` asks the same."""
+    from etp.train.auto import quantized_gathers_refusal
+    from etp.train.tune import candidates
+
+    def dtypes(recipe, machine):
+        return {c.overrides["etp"]["gather_dtype"] for c in candidates(recipe, machine, micro_batches=1)}
+
+    flagship = Recipe.from_yaml(FLAGSHIP, world_size=2, etp={"gather_reuse": "chain"})
+    assert dtypes(flagship, Machine(2, 2, **H100)) == {"param", "fp8_tensorwise"}
+    a100 = Machine(2, 2, **dict(H100, sm90=False))
+    assert dtypes(flagship, a100) == {"param"} and "sm90" in quantized_gathers_refusal(flagship, a100)
+    fp32 = Recipe.from_yaml(FLAGSHIP, world_size=2, bf16=False, etp={"gather_reuse": "chain"})
+    assert dtypes(fp32, Machine(2, 2, **H100)) == {"param"}
+    assert "bf16" in quantized_gathers_refusal(fp32, Machine(2, 2, **H100))

@@ -18,19 +18,17 @@ TINY = ROOT / "recipes" / "tiny_moe_cpu.yaml"
 OLMOE = ROOT / "recipes" / "olmoe_1b_7b.yaml"
 H100 = dict(cuda=True, gpu_name="NVIDIA H100 80GB HBM3", gpu_memory=80 * 2**30, sm90=True)
 
-#: override -> the key the refusal names, for either FSDP peer
+#: override -> the key the refusal names, for either FSDP peer (PP, CP and fp16, refused beside
+#: anything: tests/recipe/test_recipe.py)
 REFUSED_BESIDE_EITHER = [
     ({"etp": {"etp_size": 2}}, "etp.etp_size"),
     ({"etp": {"expert_etp_size": 2}}, "etp.expert_etp_size"),
     ({"cuda_graph": "step", "moe_token_dispatcher_type": "local", "bf16": True}, "cuda_graph"),
     ({"tensor_model_parallel_size": 2}, "tensor_model_parallel_size"),
-    ({"pipeline_model_parallel_size": 2}, "pipeline_model_parallel_size"),
     ({"expert_model_parallel_size": 2}, "expert_model_parallel_size"),
     ({"expert_tensor_parallel_size": 2}, "expert_tensor_parallel_size"),
-    ({"context_parallel_size": 2}, "context_parallel_size"),
     ({"save": "/tmp/etp_fsdp_ckpt"}, "save"),
     ({"load": "/tmp/etp_fsdp_ckpt"}, "load"),
-    ({"fp16": True}, "fp16"),
     ({"moe_token_dispatcher_type": "etp"}, "moe_token_dispatcher_type"),
     ({"moe_token_dispatcher_type": "flex"}, "moe_token_dispatcher_type"),
 ]

@@ -1,5 +1,8 @@
-"""The etp-train driver on the CPU recipe, and the global gradient norm (every logical
-element once: shards summed over their group, padding never, replicated params once)."""
+"""The etp-train driver on the CPU recipe (megatron-core's GPTModel, the model GPUs train): a run,
+its profile and report, a run with QK norm and shared experts, ETP-sharded training against the
+same model unsharded; and the global gradient norm (every logical element once: shards summed
+over their group, padding never, replicated params once)."""
+import contextlib
 import copy
 import os
 import sys
@@ -13,6 +16,7 @@ from parity import TinyMoE
 from etp import ETPConfig, ETPShardedParam, build_etp_groups, finalize_grads, global_grad_norm, wrap_module_params_etp
 
 ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "recipes" / "tiny_moe_cpu.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -20,23 +24,29 @@ def profiled_run(tmp_path_factory):
     """One etp-train run of the CPU recipe (6 iterations, logged in pairs) with --profile,
     --json, --peak-tflops and --audit: (exit code, the ranks' stdout, its directory). Both
     tests below read it (a run costs ~10 s of start-up, its iterations ~70 ms each)."""
-    from etp.train.main import main
-
     tmp = tmp_path_factory.mktemp("run")
     recipe = ROOT / "recipes" / "tiny_moe_cpu.yaml"
+    code, out = _run_main(tmp, "--recipe", str(recipe), "--train-iters", "6", "--log-interval", "2", "--profile",
+                          str(tmp / "prof"), "--json", str(tmp / "run.json"), "--peak-tflops", "1",
+                          "--audit", str(tmp / "audit.json"))
+    return code, out, tmp
+
+
+def _run_main(tmp, *argv) -> tuple[int, str]:
+    """etp-train's ``main(argv)`` with the ranks' stdout captured: (exit code, stdout)."""
+    from etp.train.main import main
+
     stdout = tmp / "stdout.txt"
     sys.stdout.flush()
     saved = os.dup(1)
     try:
         with open(stdout, "w") as f:
             os.dup2(f.fileno(), 1)  # the spawned ranks write to file descriptor 1
-            code = main(["--recipe", str(recipe), "--train-iters", "6", "--log-interval", "2", "--profile",
-                         str(tmp / "prof"), "--json", str(tmp / "run.json"), "--peak-tflops", "1",
-                         "--audit", str(tmp / "audit.json")])
+            code = main(list(argv))
     finally:
         os.dup2(saved, 1)
         os.close(saved)
-    return code, stdout.read_text(), tmp
+    return code, stdout.read_text()
 
 
 def test_cpu_recipe_trains(profiled_run):
@@ -47,6 +57,102 @@ def test_cpu_recipe_trains(profiled_run):
     assert len(lines) == 3 and lines[-1].startswith("iter     6/6"), lines
     losses = [float(line.split("loss ")[1].split()[0]) for line in lines]
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+
+
+def test_cpu_recipe_trains_qk_norm_and_shared_experts(tmp_path):
+    """What a user types to try two architecture keys on CPU: the run trains megatron-core's
+    GPTModel with them, its QK norms and shared experts there, the shared experts' linears
+    ETP-sharded beside the attention's, the routed experts' and the output layer's."""
+    code, out = _run_main(tmp_path, "--recipe", str(TINY), "--set", "qk_layernorm=true",
+                          "--set", "moe_shared_expert_intermediate_size=64", "--train-iters", "6", "--log-interval", "3")
+    assert code == 0, out
+    assert "wrapped 13 weights" in out, out  # 2 layers x (qkv, proj, 2 expert stacks, 2 shared) + output
+    losses = [float(line.split("loss ")[1].split()[0]) for line in out.splitlines() if line.startswith("iter")]
+    assert len(losses) == 2 and losses[1] < losses[0], losses
+
+
+#: architecture keys beyond the tiny recipe's: QK norm, shared experts, sigmoid routing with an
+#: expert bias (updated by megatron-core's finalize_model_grads inside TorchStep), z-loss
+ARCHITECTURE = dict(qk_layernorm=True, moe_shared_expert_intermediate_size=64, moe_shared_expert_gate=True,
+                    moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_z_loss_coeff=1e-3)
+
+
+def _full(param) -> torch.Tensor:
+    """The logical tensor of a parameter, gathered from its shards if ETP sharded it."""
+    import torch.distributed as dist
+
+    if not isinstance(param, ETPShardedParam):
+        return param.detach().clone()
+    pieces = [torch.empty_like(param.data) for _ in range(param.etp_group.size)]
+    dist.all_gather(pieces, param.data.contiguous(), group=param.etp_group.ag_group)
+    return torch.cat(pieces)[: param.etp_layout.rows].reshape(param.logical_shape)
+
+
+def _etp_and_unsharded(ctx, iterations: int):
+    """etp-train's CPU stack (build_model, apply_etp, TorchStep, language_model_loss, Batches)
+    trained ``iterations`` steps twice in the same ranks: at ETP 2 (every weight sharded over both
+    ranks) and at ETP 1 (the same GPTModel unwrapped, data-parallel). Per run: the data-parallel
+    mean loss and the grad norm per iteration, the expert biases and every full weight at the end."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from etp.megatron.groups import build_megatron_etp_groups
+    from etp.megatron.model import apply_etp
+    from etp.recipe import Recipe
+    from etp.train.batches import Batches
+    from etp.train.model_build import build_model
+    from etp.train.optimizer_steps import TorchStep
+
+    ps.initialize_model_parallel()
+    runs = {}
+    try:
+        for size in (2, 1):
+            recipe = Recipe.from_yaml(TINY, world_size=2, train_iters=iterations, **ARCHITECTURE,
+                                      etp={"etp_size": size, "expert_etp_size": size})
+            model, loss_fn, _ = build_model(recipe, torch.device("cpu"))
+            groups = build_megatron_etp_groups(recipe.etp)
+            summary = apply_etp(model, recipe.etp, groups)
+            step = TorchStep(recipe, model, groups, ps.get_tensor_model_parallel_group())
+            micro = recipe.num_microbatches(2)
+            batches = Batches(recipe, ps.get_data_parallel_rank(), torch.device("cpu"), micro)
+            losses, norms = [], []
+            for iteration in range(iterations):
+                total = torch.zeros(())
+                for index, context in enumerate(step.microbatches(micro)):
+                    with context:
+                        loss, objective = loss_fn(model, batches.get(iteration, index))
+                        (objective / micro).backward()
+                    total += loss.detach() / micro
+                norms.append(float(step.step(recipe.train.lr, lambda name: contextlib.nullcontext())))
+                dist.all_reduce(total)
+                losses.append(float(total) / 2)
+            biases = [m.expert_bias.clone() for m in model.modules() if getattr(m, "expert_bias", None) is not None]
+            runs[size] = dict(losses=losses, norms=norms, biases=biases, sharded=summary.bytes_after < summary.bytes_before,
+                              weights={name: _full(p) for name, p in model.named_parameters()})
+        return runs
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_etp_training_matches_the_unsharded_model():
+    """Three steps of the CPU recipe with QK norm, gated shared experts and sigmoid routing with
+    an expert bias: the ETP-sharded run's losses, grad norms, expert biases and weights equal the
+    unsharded run's within fp32 reduction-order noise (the shards' reduce-scatter against the
+    replicas' all-reduce; about 1e-7 relative per sum). A gradient left unaveraged or a bias
+    stepped on one rank's counts moves them by orders of magnitude more."""
+    results = run_distributed(_etp_and_unsharded, 2, 3)
+    for rank in results:
+        sharded, reference = rank[2], rank[1]
+        assert sharded["sharded"] and not reference["sharded"]
+        assert sharded["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+        assert reference["losses"][-1] < reference["losses"][0]
+        assert sharded["norms"] == pytest.approx(reference["norms"], rel=1e-5)
+        assert len(sharded["biases"]) == 2 and any(b.abs().sum() > 0 for b in sharded["biases"])
+        for mine, theirs in zip(sharded["biases"], reference["biases"]):
+            torch.testing.assert_close(mine, theirs)
+        assert sharded["weights"].keys() == reference["weights"].keys()
+        for name, weight in sharded["weights"].items():
+            torch.testing.assert_close(weight, reference["weights"][name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 def _norm(ctx):

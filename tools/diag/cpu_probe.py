@@ -216,7 +216,7 @@ def _provenance_module():
         "_host_sampler", os.path.join(os.path.dirname(os.path.abspath(__file__)), "host_sampler.py"))
     sampler = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sampler)
-    return sampler._provenance_module()
+    return sampler.provenance_module()
 
 
 def main() -> None:

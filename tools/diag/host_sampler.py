@@ -190,7 +190,7 @@ def slow_minus_fast(per_iteration: dict, ms: float, top: int) -> dict:
                                 for d, k in diff[:top]]}
 
 
-def _provenance_module():
+def provenance_module():
     """This checkout's ``etp/provenance.py`` (standard library only), loaded by its path: the
     program sampled may import its own ``etp`` package (a test's stand-in), so this tool must
     neither import ``etp`` first (the program would get this one) nor after it."""
@@ -227,7 +227,7 @@ def main() -> None:
         except (ValueError, AssertionError):
             raise ValueError(f"--iterations {args.iterations!r}: expected A:B with 0 <= A < B, e.g. 10:30") from None
     os.makedirs(args.out, exist_ok=True)
-    provenance = _provenance_module().run_provenance
+    provenance = provenance_module().run_provenance
     sys.setswitchinterval(min(sys.getswitchinterval(), args.interval_ms / 2e3))  # the sampler gets its turns
     sampler = Sampler(threading.get_ident(), args.interval_ms / 1e3, args.after_s, args.for_s, iterations)
     sampler.start()

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: bench_pr
 
 from bench_provenance import provenance  # noqa: E402 - puts this checkout's etp first on the path
 
-from etp.train.profile import _union  # noqa: E402 - the one interval union
+from etp.train.profile import interval_union  # noqa: E402 - the one interval union
 
 
 def load(path: str) -> list[dict]:
@@ -40,8 +40,9 @@ def load(path: str) -> list[dict]:
 
 
 def device_spans(events: list[dict]) -> list[tuple[float, float]]:
-    return _union([(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
-                   if e.get("ph") == "X" and str(e.get("cat", "")).lower() in ("kernel", "gpu_memcpy", "gpu_memset")])
+    return interval_union([(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
+                           if e.get("ph") == "X" and str(e.get("cat", "")).lower() in ("kernel", "gpu_memcpy",
+                                                                                     "gpu_memset")])
 
 
 def host_ops_at(events: list[dict], t: float) -> list[str]:
@@ -98,7 +99,7 @@ def compute_stream_waits(events: list[dict], pattern: str = "gemm|cutlass|nvjet|
         return {"compute_stream": None, "busy_ms_per_step": 0.0, "idle_ms_per_step": 0.0, "waits": [], "ended_by": []}
     compute = max(counts, key=counts.get)
     mine = sorted((e for e in work if e.get("tid") == compute), key=lambda e: float(e["ts"]))
-    spans = _union([(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in mine])
+    spans = interval_union([(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in mine])
     starts = [float(e["ts"]) for e in mine]
     others = [e for e in work if e.get("tid") != compute]
     copy_ends = sorted((float(e["ts"]) + float(e.get("dur", 0.0)), e) for e in others

@@ -1,8 +1,9 @@
 """Gather bandwidth of the largest weight (one layer's ``fc1_weight [E, 2 ffn, hidden]``): etp's
-own synchronous gather (``runtime.gathers._gather_now`` into the cache's ticket buffer) in bf16
-and FP8, against a raw NCCL ``all_gather_into_tensor`` of the same bytes on etp's all-gather
-communicator. Median of 20 calls after 5, queued back to back between CUDA events. Reported:
-algbw (bytes gathered / time) and busbw (algbw (W-1)/W) in GB/s, and etp over raw.
+own synchronous gather (``etp.runtime_of(model).acquire`` with prefetching off: the weight a
+GEMM asks for, gathered on demand into the cache's ticket buffer) in bf16 and FP8, against a
+raw NCCL ``all_gather_into_tensor`` of the same bytes on etp's all-gather communicator. Median
+of 20 calls after 5, queued back to back between CUDA events. Reported: algbw (bytes gathered /
+time) and busbw (algbw (W-1)/W) in GB/s, and etp over raw.
 """
 from __future__ import annotations
 
@@ -65,8 +66,9 @@ def _etp_gather(shape, env: Env, groups_cache: dict, gather_dtype: str) -> tuple
     if gather_dtype.startswith("fp8"):
         etp.quantize_shards(model)
     param = model.layers[0].fc1_weight
-    gathers = etp.runtime_of(model).gathers
-    gather = functools.partial(gathers._gather_now, gathers.state(param), Role.FWD, True)
+    # A consume outside autograd (records_grad=False: no gradient comes back for it), as a
+    # no-grad forward makes; without prefetch every call gathers the weight now.
+    gather = functools.partial(etp.runtime_of(model).acquire, param, Role.FWD, param.dtype, records_grad=False)
     fp8 = gather_dtype.startswith("fp8")
     label = gather_dtype if fp8 else str(param.dtype).removeprefix("torch.")
     entry = _entry(f"etp gather, {label}", _time_calls(gather, env), param.numel() * (1 if fp8 else param.element_size()),

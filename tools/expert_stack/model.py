@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 import etp
-from etp.activations import swiglu
+from etp.expert_swiglu import expert_swiglu
 from etp.gemm import GroupedGemm
 
 __all__ = ["Env", "ExpertStack", "Workload", "build_model", "init_distributed", "make_workload",
@@ -87,7 +87,7 @@ class BenchExperts(etp.GroupedSwiGLUExperts):
     the replicated FP8 baseline), runs its GEMMs through them; otherwise etp's own forward."""
 
     fp8_weights: dict | None = None  # name -> etp.quant.FP8Weight of this step
-    fp8_copies: dict | None = None   # name -> (data, transposed): the stable buffers behind it
+    fp8_copies: dict | None = None   # name -> the stable e4m3 buffer behind it
     fp8_wgrad: bool = False
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
@@ -95,15 +95,15 @@ class BenchExperts(etp.GroupedSwiGLUExperts):
         if not fp8:
             return super().forward(x, tokens_per_expert)
         gate_up = _FP8GroupedLinear.apply(x, self.fc1_weight, fp8["fc1_weight"], tokens_per_expert, self.fp8_wgrad)
-        hidden = swiglu(gate_up, None, quantize=True)  # hands fc2 its FP8 input
+        hidden = expert_swiglu(gate_up, None, quantize=True)  # hands fc2 its FP8 input
         return _FP8GroupedLinear.apply(hidden, self.fc2_weight, fp8["fc2_weight"], tokens_per_expert, self.fp8_wgrad)
 
 
 def quantize_full_weights(model: nn.Module) -> None:
-    """Per-expert e4m3 copies of every full expert weight and their transposes, written in
-    place into stable buffers with delayed scaling and a kept ``MultiTensorCastPlan``: what
-    ``etp.quantize_shards`` runs on shards once per step. A full weight lives for the whole
-    step, so its transpose (the input-gradient operand) is made here, in the cast's pass."""
+    """Per-expert e4m3 copies of every full expert weight, written in place into stable
+    buffers with delayed scaling and a kept ``MultiTensorCastPlan``: what
+    ``etp.quantize_shards`` runs on shards once per step. The input-gradient GEMM transposes
+    the FP8 weight itself, as it does for a gathered ETP weight."""
     from etp.kernels import MultiTensorCastPlan
     from etp.quant import FP8_DTYPE, cast_tensorwise, prepare_scale_rows
 
@@ -111,15 +111,13 @@ def quantize_full_weights(model: nn.Module) -> None:
                for layer in model.layers for name in ("fc1_weight", "fc2_weight")]
     for layer, name, w in weights:
         if name not in layer.fp8_copies:
-            layer.fp8_copies[name] = (torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device),
-                                      torch.empty(w.transpose(-2, -1).shape, dtype=FP8_DTYPE, device=w.device))
+            layer.fp8_copies[name] = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
     views = [w[e] for _, _, w in weights for e in range(w.shape[0])]
-    outs = [layer.fp8_copies[name][0][e] for layer, name, w in weights for e in range(w.shape[0])]
-    outs_t = [layer.fp8_copies[name][1][e] for layer, name, w in weights for e in range(w.shape[0])]
+    outs = [layer.fp8_copies[name][e] for layer, name, w in weights for e in range(w.shape[0])]
     if getattr(model, "fp8_cast_plan", None) is None:  # the buffers stay: its tables are built once
-        model.fp8_cast_plan = MultiTensorCastPlan(views, write_transposed=True, out=outs, out_transposed=outs_t)
+        model.fp8_cast_plan = MultiTensorCastPlan(views, out=outs)
     slots = torch.arange(len(views), device=views[0].device)
-    scales, model.fp8_amax = cast_tensorwise(views, slots, len(views), outs, out_transposed=outs_t,
+    scales, model.fp8_amax = cast_tensorwise(views, slots, len(views), outs,
                                              prev_amax=getattr(model, "fp8_amax", None), plan=model.fp8_cast_plan)
     first = 0
     for layer, name, w in weights:
@@ -134,11 +132,10 @@ def _store_fp8_weight(layer: BenchExperts, name: str, w: torch.Tensor, scales: t
     # each step would leave a graph reading freed memory.
     from etp.quant import FP8Weight
 
-    data, data_t = layer.fp8_copies[name]
+    data = layer.fp8_copies[name]
     if name not in layer.fp8_weights:
         layer.fp8_weights[name] = FP8Weight(data, torch.empty_like(scales), torch.empty_like(scales), False,
-                                            data.view(-1, data.shape[-1]), w.shape[0] * w.shape[1],
-                                            transposed=data_t)
+                                            data.view(-1, data.shape[-1]), w.shape[0] * w.shape[1])
     fp8 = layer.fp8_weights[name]
     fp8.scale.copy_(scales)
     torch.reciprocal(fp8.scale, out=fp8.scale_inv)

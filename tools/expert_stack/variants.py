@@ -96,8 +96,7 @@ def _replicated(shape, env: Env, variant: Variant) -> Prepared:
             layer.fp8_weights, layer.fp8_copies, layer.fp8_wgrad = {}, {}, variant.fp8_wgrad
         quantize_full_weights(model)  # the first quantization, as after initialization
         finalize = lambda: quantize_full_weights(model)  # noqa: E731 - once per optimizer step in training
-        info["fp8_copy_bytes"] = sum(d.numel() for layer in model.layers
-                                     for pair in layer.fp8_copies.values() for d in pair)
+        info["fp8_copy_bytes"] = sum(d.numel() for layer in model.layers for d in layer.fp8_copies.values())
     return Prepared(model, model, finalize, _bytes(model.parameters()), 0, "local", info)
 
 
@@ -162,10 +161,8 @@ def _join_side_streams(model) -> None:
     """The current stream waits for every ETP side stream (AG and RS)."""
     if not torch.cuda.is_available():
         return
-    for streams in etp.runtime_of(model).streams._streams.values():
-        for stream in (streams.ag, streams.rs):
-            if stream is not None:
-                torch.cuda.current_stream().wait_stream(stream)
+    for stream in etp.runtime_of(model).streams.side_streams():
+        torch.cuda.current_stream().wait_stream(stream)
 
 
 def _captured(prep: Prepared, env: Env) -> Prepared:

@@ -38,6 +38,8 @@ class Run:
     est_s: int            # what it took on 4xH100, start-up included
     timeout_s: int
     env: tuple[str, ...] = ()  # extra KEY=VALUE
+    figures: str | None = None  # its JSON's reader in check.FIGURES ([Note: the regression check])
+    reported: dict = field(default_factory=dict)  # GPU kind -> the benchmarks/ file BENCHMARKS.md reports
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,9 @@ def recipes_wide(k: int) -> Step:
     """The defaults, the best hand-written command before auto, and the peer at half and a quarter of
     a rank's share of the batch (its largest that fit: 32 of 64 on 2×H200, 16 of 32 on 4×H100)."""
     share = 128 // k
-    runs = (Run("etp_defaults", _train(k, WIDE), k, 50, 180),
+    runs = (Run("etp_defaults", _train(k, WIDE), k, 50, 180, figures="recipe",
+                reported={"2xh200": "recipe_wide_defaults_2xh200_21f815f.json",
+                          "4xh100": "recipe_wide_defaults_4xh100_3e009d7.json"}),
             Run("etp_fp8_step_eager", _train(k, WIDE, FP8_STEP_EAGER), k, 45, 180),
             *(Run(f"distopt_mb{mb}", _train(k, WIDE, f"{DISTOPT} --set micro_batch_size={mb}"), k, 50, 180)
               for mb in (share // 2, share // 4)))
@@ -82,7 +86,10 @@ def recipes_flagship(k: int) -> Step:
     """The defaults (micro_batch_size auto), micro-batch 2, and the peer at a rank's whole share of
     the batch and at half of it."""
     share = 32 // k
-    runs = (Run("etp_defaults", _train(k, FLAGSHIP), k, 50, 180),
+    runs = (Run("etp_defaults", _train(k, FLAGSHIP), k, 50, 180, figures="recipe",
+                reported={"2xh200": "recipe_flagship_defaults_2xh200_21f815f.json",
+                          "4xh100": "recipe_flagship_defaults_4xh100_4099d62.json",
+                          "4xh200": "recipe_flagship_defaults_4xh200_2f53541.json"}),
             Run("etp_mb2", _train(k, FLAGSHIP, "--set micro_batch_size=2"), k, 50, 180),
             *(Run(f"distopt_mb{mb}", _train(k, FLAGSHIP, f"{DISTOPT} --set micro_batch_size={mb}"), k, 50, 180)
               for mb in (share, share // 2)))
@@ -165,9 +172,24 @@ def memory_audit(k: int) -> Step:
             Run("wide", _train(k, WIDE, f"{audit} --set micro_batch_size=16", iters=10), k, 35, 150),
             Run("flagship_distopt", _train(k, FLAGSHIP, f"{audit} {DISTOPT} --set micro_batch_size=2", iters=10),
                 k, 40, 150),
-            # the language-model loss's time and memory beside megatron-core's (one GPU)
-            Run("cross_entropy", "python3 tools/bench_cross_entropy.py --out {json}", 1, 35, 120))
+            )
     return Step(f"memory_audit_{k}gpu", "The memory audit against measured peaks", runs, headlines.memory_audit)
+
+
+def cross_entropy() -> Step:
+    """The language-model loss's time and memory beside megatron-core's (one GPU)."""
+    return Step("cross_entropy_1gpu", "The memory audit against measured peaks",
+                (Run("cross_entropy", "python3 tools/bench_cross_entropy.py --out {json}", 1, 35, 120,
+                     figures="cross_entropy", reported={"1xh100": "cross_entropy_1xh100_a3140a5.json"}),),
+                headlines.none)
+
+
+def recipes_1gpu() -> Step:
+    """The recipes that fit one GPU at their defaults (world 1: nothing to shard, etp's kernels,
+    losses and captured step alone)."""
+    runs = (Run("flagship_defaults", _train(1, FLAGSHIP), 1, 60, 240, figures="recipe"),
+            Run("olmoe_defaults", _train(1, "--recipe recipes/olmoe_1b_7b.yaml", iters=14), 1, 60, 240, figures="recipe"))
+    return Step("recipes_1gpu", "The recipes against their peers", runs, headlines.recipes)
 
 
 def checkpoint(k: int) -> Step:
@@ -187,10 +209,12 @@ def checkpoint(k: int) -> Step:
 
 
 def kernels() -> Step:
-    adam = "python3 tools/bench_adam.py --recipe recipes/qwen3_30b_a3b.yaml --etp 4 --sweep --out {json}"
+    adam = "python3 tools/bench_adam.py --recipe recipes/qwen3_30b_a3b.yaml --etp 4 --out {json}"
     return Step("kernels_1gpu", "FP8 kernels against copy bandwidth",
-                (Run("kernels", "python3 tools/bench_kernels.py --out {json}", 1, 60, 240),
-                 Run("adam", adam, 1, 40, 180)), headlines.kernels)
+                (Run("kernels", "python3 tools/bench_kernels.py --out {json}", 1, 60, 240, figures="kernels",
+                     reported={"1xh200": "kernels_1xh200_d968ef1.json"}),
+                 Run("adam", adam, 1, 40, 180, figures="adam",
+                     reported={"1xh100": "adam_qwen3_etp4_1xh100_3e009d7.json"})), headlines.kernels)
 
 
 def expert_parallel(k: int) -> list[Step]:
@@ -226,12 +250,15 @@ def gpu_tests(n: int) -> list[Step]:
 
 def build_steps(n: int) -> list[Step]:
     """Every step for a machine of ``n`` GPUs, in the report's order: the 2-GPU and the n-GPU
-    rows of each table (one set when n is 2).
+    rows of each table (one set when n is 2); on one GPU, the steps that fit it.
 
     Example::
 
         [s.name for s in build_steps(4)][:3]   # ['expert_stack_2gpu', 'expert_stack_4gpu', 'recipes_wide_2gpu']
+        [s.name for s in build_steps(1)]       # ['kernels_1gpu', 'cross_entropy_1gpu', 'recipes_1gpu', 'tests_kernels']
     """
+    if n == 1:
+        return [kernels(), cross_entropy(), recipes_1gpu(), *(s for s in gpu_tests(1) if s.name == "tests_kernels")]
     sizes = sorted({2, n})
     steps = [expert_stack(k) for k in sizes]
     steps += [make(k) for make in (recipes_wide, recipes_flagship) for k in sizes]
@@ -243,6 +270,7 @@ def build_steps(n: int) -> list[Step]:
     steps.append(kernels())
     steps += [s for k in sizes for s in expert_parallel(k)]
     steps += [memory_audit(k) for k in sizes]
+    steps.append(cross_entropy())
     steps.append(checkpoint(n))
     steps += [graphs_flagship(k) for k in sizes]
     steps += gpu_tests(n)

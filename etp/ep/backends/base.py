@@ -1,6 +1,6 @@
 """What a backend is: how the rows of a layout move, nothing else.
 
-Every backend reads the same :class:`etp.ep.layout.Layout` (see [Note: receive layout]) and
+Every backend reads the same :class:`etp.ep.routing_layout.Layout` (see [Note: receive layout]) and
 writes into buffers the dispatcher allocated at construction; it never decides where a row
 goes. A dispatch backend fills a receive buffer, a combine backend sums rows back onto their
 source tokens. Dispatch and combine may come from different backends.

@@ -13,7 +13,7 @@ shapes, differentiable, no host round trip. See ``docs/jax.md``. Public API::
 from etp.jax.ep.checks import validate_topk_idx
 from etp.jax.ep.compat import shard_map
 from etp.jax.ep.config import EPConfig
-from etp.jax.ep.layout import EPHandle, ep_prepare
 from etp.jax.ep.moves import ep_combine, ep_dispatch
+from etp.jax.ep.routing_layout import EPHandle, ep_prepare
 
 __all__ = ["EPConfig", "EPHandle", "ep_combine", "ep_dispatch", "ep_prepare", "shard_map", "validate_topk_idx"]

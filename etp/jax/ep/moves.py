@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from etp.jax.ep.checks import check_combine, check_dispatch
 from etp.jax.ep.config import EPConfig
-from etp.jax.ep.layout import EPHandle
+from etp.jax.ep.routing_layout import EPHandle
 
 __all__ = ["ep_combine", "ep_dispatch"]
 

@@ -11,7 +11,7 @@ parameters), the gradient is clipped by its global norm, and the router's expert
 as megatron-core's ``finalize_model_grads`` does. The model must be built in fp32 (no
 ``Float16Module``) and hold no ETP weights; megatron-core's own ``TorchFullyShardedDataParallel``
 passes no mixed-precision policy, hence this one. etp-train steps with it for the recipe key
-``use_torch_fsdp2: true``; on CPU its model is etp's ``TinyMoELM``, sharded per attention and MoE.
+``use_torch_fsdp2: true``, on CPU ranks (gloo) as on GPUs.
 
 Example::
 
@@ -24,7 +24,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import torch
 
@@ -33,27 +32,12 @@ from etp.train.optimizer_steps import weight_decay_groups
 __all__ = ["FSDP2Step"]
 
 
-def _shard_units(model, layer_type) -> list:
-    """The modules ``fully_shard`` wraps below the root: megatron-core's ``TransformerLayer``s, or
-    for etp's CPU ``TinyMoELM`` (whose layers are ``ModuleDict``s its forward never calls, so
-    FSDP2's forward hooks would not fire on them) each layer's attention and MoE."""
-    from etp.megatron.tiny_lm import TinyMoELM
-
-    if isinstance(model, TinyMoELM):
-        # Its units return views (reshapes, the logits' transpose), which FSDP2 warns an in-place
-        # op could bypass; TinyMoELM adds them out of place, so the warning is noise.
-        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP(_Attention|_MoE|TinyMoELM)\) "
-                                "returned a view tensor")
-        return [layer[name] for layer in model.layers for name in ("attention", "moe")]
-    return [module for module in model.modules() if isinstance(module, layer_type)]
-
-
 class FSDP2Step:
     """torch FSDP2 per transformer layer; see the module docstring.
 
     Args:
         recipe: the ``etp.megatron.Recipe`` (optimizer settings, ``bf16`` / ``fp16``).
-        model: an unwrapped megatron-core GPTModel (or etp's CPU ``TinyMoELM``) in fp32.
+        model: an unwrapped megatron-core GPTModel in fp32.
         config: its ``TransformerConfig`` (the expert-bias update reads it); None for none.
         group: the data-parallel process group (None: megatron-core's).
     """
@@ -72,7 +56,7 @@ class FSDP2Step:
         mesh = DeviceMesh.from_group(group, device.type)
         compute = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else None
         policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
-        for module in _shard_units(model, TransformerLayer):
+        for module in [m for m in model.modules() if isinstance(m, TransformerLayer)]:
             fully_shard(module, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         self.recipe, self.model, self.config = recipe, model, config

@@ -1,8 +1,9 @@
 """Training checkpoints (etp.megatron.checkpoint) on CPU ranks (gloo).
 
-* Reshard: the tiny MoE LM (megatron TP linears, etp grouped experts; shapes chosen so that
+* Reshard: the tiny recipe's megatron-core GPTModel (etp grouped experts; shapes chosen so that
   shards are padded and straddle experts) trains 2 steps with AdamW at one layout and saves
-  (at TP = 2, where megatron's output gather needs CUDA, Adam steps on made-up gradients);
+  (at TP = 2, where megatron-core's MoE layer refuses to train without sequence parallelism,
+  which its torch norms refuse, Adam steps on made-up gradients);
   every parameter's full weight and full Adam moments are gathered *at save time* by the test
   itself (all-gather of shards, TP concat). Fresh models at other layouts load the
   checkpoint and their gathered full tensors must equal those bit for bit.
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from harness import run_distributed
 
 from etp.train.batches import Batches
-from etp.train.model_build import build_model, learning_rate
+from etp.train.model_build import build_model
 
 pytest.importorskip("megatron.core")
 ROOT = Path(__file__).resolve().parents[3]
@@ -31,7 +32,8 @@ SHAPES = dict(hidden_size=48, moe_ffn_hidden_size=36, micro_batch_size=2, seq_le
 def _recipe(tp: int, etp: int, eetp: int):
     from etp.recipe import Recipe
 
-    return Recipe.from_yaml(TINY, **SHAPES, tensor_model_parallel_size=tp, global_batch_size=2 * 4 // tp,
+    return Recipe.from_yaml(TINY, **SHAPES, tensor_model_parallel_size=tp, expert_tensor_parallel_size=1,
+                            global_batch_size=2 * 4 // tp,
                             etp={"etp_size": etp, "expert_etp_size": eetp, "pad_for_alignment": 16})
 
 
@@ -70,7 +72,8 @@ def _build(recipe):
     from etp.megatron.model import apply_etp
     from etp.train.optimizer_steps import TorchStep
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=recipe.parallel.tensor_model_parallel_size)
+    ps.initialize_model_parallel(tensor_model_parallel_size=recipe.parallel.tensor_model_parallel_size,
+                                 expert_tensor_parallel_size=recipe.parallel.expert_tensor_parallel_size)
     groups = build_megatron_etp_groups(recipe.etp)
     model, loss_fn, _ = build_model(recipe, torch.device("cpu"))
     apply_etp(model, recipe.etp, groups)
@@ -91,7 +94,7 @@ def _save_then_load(ctx, root, saved_layout, load_layouts):
             for index, _context in enumerate(trainer.microbatches(recipe.num_microbatches(4))):
                 loss, objective = loss_fn(model, batches.get(iteration, index))
                 objective.backward()
-            trainer.step(learning_rate(recipe, iteration), lambda name: contextlib.nullcontext())
+            trainer.step(recipe.train.lr, lambda name: contextlib.nullcontext())
         else:  # megatron's TP output gather needs CUDA: Adam steps on gradients made up from the
             # weights (equal on replicas, zero on padding rows like real ones)
             for param in model.parameters():

@@ -1,4 +1,4 @@
-"""etp.saved.rebuilt_in_backward and the experts' rebuilt SwiGLU output ([Note: rebuilt
+"""etp.rebuilt_activations.rebuilt_in_backward and the experts' rebuilt SwiGLU output ([Note: rebuilt
 activations])."""
 import gc
 import weakref
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import etp.modules
-from etp.gemm import grouped_linear, grouped_linear_reference
-from etp.saved import rebuilt_in_backward
+from etp.gemm import grouped_linear_reference, plain_grouped_linear
+from etp.rebuilt_activations import rebuilt_in_backward
 
 
 def test_a_rebuilt_tensor_gives_the_same_gradients_and_is_not_kept():
@@ -95,20 +95,20 @@ def test_a_rebuilt_tensor_refuses_an_input_modified_in_place():
 def test_the_experts_swiglu_output_is_rebuilt_with_the_same_bits(monkeypatch, rebuilt):
     # etp's grouped GEMM Function saves its input whole: tests/parity.py swaps in a loop of
     # torch.mm for the whole session once imported, which saves per-expert views instead.
-    monkeypatch.setattr(etp.modules, "plain_grouped_linear", grouped_linear)
+    monkeypatch.setattr(etp.modules, "plain_grouped_linear", plain_grouped_linear)
     experts = etp.modules.GroupedSwiGLUExperts(4, 8, 6, dtype=torch.float64)
     x = torch.randn(10, 8, dtype=torch.float64, requires_grad=True)
     counts = torch.tensor([3, 0, 5, 2])
     probs = torch.rand(10, dtype=torch.float64, requires_grad=True)
     outputs = []
-    real_swiglu = etp.modules.swiglu
+    real_swiglu = etp.modules.expert_swiglu
 
     def recording_swiglu(*args, **kwargs):
         out = real_swiglu(*args, **kwargs)
         outputs.append(weakref.ref(out))
         return out
 
-    monkeypatch.setattr(etp.modules, "swiglu", recording_swiglu)
+    monkeypatch.setattr(etp.modules, "expert_swiglu", recording_swiglu)
     if not rebuilt:
         monkeypatch.setattr(etp.modules, "rebuilt_in_backward", lambda *a, **k: torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
     y = experts(x, counts, probs)

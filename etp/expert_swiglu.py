@@ -13,7 +13,7 @@ from .gemm import attach_rowwise_fp8
 from .kernels import swiglu as swiglu_kernel
 from .kernels import swiglu_backward
 
-__all__ = ["swiglu", "swiglu_output"]
+__all__ = ["expert_swiglu", "expert_swiglu_output"]
 
 
 class _SwiGLUFunction(torch.autograd.Function):
@@ -38,7 +38,7 @@ class _SwiGLUFunction(torch.autograd.Function):
         return grad_gate_up, grad_probs, None, None
 
 
-def swiglu(gate_up: torch.Tensor, probs: torch.Tensor | None = None, quantize: bool = False,
+def expert_swiglu(gate_up: torch.Tensor, probs: torch.Tensor | None = None, quantize: bool = False,
            valid_rows: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(gate) * up`` (times ``probs[:, None]``) of ``gate_up [T, 2 * ffn]`` (gate columns
     first), differentiable in ``gate_up`` and ``probs``; one fused kernel each way on CUDA.
@@ -48,18 +48,18 @@ def swiglu(gate_up: torch.Tensor, probs: torch.Tensor | None = None, quantize: b
 
     Example::
 
-        h = swiglu(x @ w1.t())             # [T, ffn]
+        h = expert_swiglu(x @ w1.t())           # [T, ffn]
     """
     return _SwiGLUFunction.apply(gate_up.contiguous(), probs, quantize, valid_rows)
 
 
-def swiglu_output(gate_up: torch.Tensor, probs: torch.Tensor | None = None,
+def expert_swiglu_output(gate_up: torch.Tensor, probs: torch.Tensor | None = None,
                   valid_rows: torch.Tensor | None = None) -> torch.Tensor:
     """``swiglu``'s output alone, not differentiable: the same kernel and the same bits, what
-    backward rebuilds fc2's input with ([Note: rebuilt activations] in ``etp.saved``).
+    backward rebuilds fc2's input with ([Note: rebuilt activations] in ``etp.rebuilt_activations``).
 
     Example::
 
-        h = swiglu_output(gate_up, probs)   # equal to swiglu(gate_up, probs) bit for bit
+        h = expert_swiglu_output(gate_up, probs)   # equal to expert_swiglu(gate_up, probs) bit for bit
     """
     return swiglu_kernel(gate_up.contiguous(), probs, quantize=False, valid_rows=valid_rows)[0]

@@ -81,7 +81,7 @@ def count_pairs(topk_idx: torch.Tensor, num_experts: int, *, out: torch.Tensor |
         meta, blocks = count_pairs(topk_idx, num_experts, out=meta_buffer, return_blocks=True)
     """
     if _use_kernel(topk_idx, kernel):
-        meta, blocks = ep_layout.count_pairs(topk_idx, num_experts, out)
+        meta, blocks = ep_layout.count_pairs_triton(topk_idx, num_experts, out)
     else:
         meta, blocks = count_pairs_torch(topk_idx, num_experts), None
         if out is not None:
@@ -104,8 +104,8 @@ def pair_rows(topk_idx: torch.Tensor, meta: torch.Tensor, rank: int, capacity: i
         return pair_rows_torch(topk_idx, meta, rank, capacity, expert_capacity)
     num_experts = meta.shape[1] - META_COLUMNS
     if blocks is None:
-        _, blocks = ep_layout.count_pairs(topk_idx, num_experts)
-    return Layout(*ep_layout.pair_rows(topk_idx, meta, blocks, rank, capacity, expert_capacity))
+        _, blocks = ep_layout.count_pairs_triton(topk_idx, num_experts)
+    return Layout(*ep_layout.pair_rows_triton(topk_idx, meta, blocks, rank, capacity, expert_capacity))
 
 
 def count_pairs_torch(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
