@@ -264,3 +264,57 @@ def test_etp_convert_command(checkpoints, tmp_path, capsys):
     assert main(["import-hf", "--hf", str(hf), "--recipe", str(recipe), "--out", str(tmp_path / "ckpt")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("etp-convert: --out") and "exists" in err[0], err
+
+
+def _load_at_tp2_and_ep2(ctx, checkpoint: str, recipe_path: str):
+    """This rank's tensors of etp's model at TP 2, then at EP 2 (2 ranks), after loading
+    ``checkpoint``, each with how it is split (TP's partition dim, the expert axis, or None)."""
+    from megatron.core import parallel_state as ps
+
+    from etp.megatron.checkpoint import load_model_checkpoint
+    from etp.recipe import Recipe
+
+    out = []
+    for tp, ep in ((2, 1), (1, 2)):
+        recipe = Recipe.from_yaml(recipe_path, bf16=False, tensor_model_parallel_size=tp, expert_tensor_parallel_size=1,
+                                  expert_model_parallel_size=ep, moe_token_dispatcher_type="allgather", world_size=2,
+                                  micro_batch_size=1, global_batch_size=2 // tp)
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                     expert_tensor_parallel_size=1)
+        try:
+            model = etp_model(recipe)
+            load_model_checkpoint(checkpoint, model)
+            out.append({name: (p.detach().clone(), getattr(p, "partition_dim", None)
+                               if getattr(p, "tensor_model_parallel", False) and tp > 1
+                               else ("experts" if ep > 1 and "experts" in name else None))
+                        for name, p in model.named_parameters()})
+        finally:
+            ps.destroy_model_parallel()
+    return out
+
+
+def test_an_import_loads_at_tp_2_and_at_ep_2(checkpoints, tmp_path):
+    from harness import run_distributed
+
+    from etp.recipe import Recipe
+
+    hf, path = checkpoints["mixtral"]
+    recipe = Recipe.from_yaml(path, **NO_BF16)
+    import_hf(hf, recipe, tmp_path / "ckpt", quiet=True)
+    full = _model_state(tmp_path / "ckpt", recipe)  # one rank, checked against the safetensors above
+    ranks = run_distributed(_load_at_tp2_and_ep2, 2, str(tmp_path / "ckpt"), str(path))
+    for layout in range(2):
+        mine_all, theirs_all = ranks[0][layout], ranks[1][layout]
+        assert mine_all.keys() == set(full)
+        for name, (mine, split) in mine_all.items():
+            theirs = theirs_all[name][0]
+            if split is None:
+                assert torch.equal(mine, full[name]) and torch.equal(theirs, full[name]), name
+            else:  # TP: halves along the partition dim; EP: experts 0-1 on rank 0, 2-3 on rank 1
+                joined = torch.cat([mine, theirs], dim=0 if split == "experts" else split)
+                if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                    # TP 2 pads the vocabulary to a multiple of 2 x 128: megatron-core loads what the
+                    # checkpoint has (its embedding allows another padding) and zeros the rest
+                    assert not joined[VOCAB:].any(), name
+                    joined = joined[:VOCAB]
+                assert torch.equal(joined, full[name]), (layout, name)
