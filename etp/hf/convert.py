@@ -81,10 +81,10 @@ class Progress:
         return seconds
 
     def _show(self, lead: str, end: str = "", seconds: float | None = None) -> None:
-        gib = 2**30
+        unit, size = ("GiB", 2**30) if self.nbytes >= 2**30 else ("MiB", 2**20)
         tail = f" in {seconds:.1f} s" if seconds is not None else ""
         line = (f"{lead}etp-convert: {self.what} {self.done_tensors}/{self.tensors} tensors, "
-                f"{self.done_bytes / gib:.2f}/{self.nbytes / gib:.2f} GiB{tail}")
+                f"{self.done_bytes / size:.2f}/{self.nbytes / size:.2f} {unit}{tail}")
         print(line, end=end if self.tty else "\n", file=sys.stderr, flush=True)
 
 

@@ -2,7 +2,8 @@
 etp-convert, loaded into the model etp-train builds (``build_model``: megatron-core's GPTModel
 with etp's layer spec, on CPU) at ETP 1 and ETP 2 over 2 gloo ranks, against transformers' own
 forward of the same checkpoint in fp32. Tolerance: max |difference| <= 2e-5 on logits of order 1
-(measured ~1e-7: the same arithmetic in another order). A wrong RoPE base, norm epsilon or
+(measured ~1e-7: the same arithmetic in another order). The export, read by transformers, gives
+the original's logits bit for bit (its config.json read as the original's). A wrong RoPE base, norm epsilon or
 expert order is another model and fails it; so does the export of an ETP-2 fine-tune, read by
 transformers, against etp's model of the checkpoint it came from."""
 from __future__ import annotations
@@ -16,7 +17,7 @@ pytest.importorskip("megatron.core")
 from harness import run_distributed  # noqa: E402
 from hf_models import ARCHITECTURES, save, tokens  # noqa: E402
 
-from etp.hf import import_hf, recipe_from_hf  # noqa: E402
+from etp.hf import export_hf, import_hf, recipe_from_hf  # noqa: E402
 from etp.recipe import Recipe  # noqa: E402
 from etp.train.convert_command import etp_model  # noqa: E402
 
@@ -82,6 +83,10 @@ def test_etp_logits_are_transformers_logits_at_etp_1_and_2(name, tmp_path):
         for layout, found in zip(("ETP 1", "ETP 2"), logits):
             difference = (found - expected).abs().max().item()
             assert difference <= TOLERANCE, (name, layout, rank, difference)
+    # the export: transformers reads its config.json (RoPE base, epsilon, routing) as the original's
+    exported = export_hf(tmp_path / "ckpt", Recipe.from_yaml(path, bf16=False), tmp_path / "out", etp_model, quiet=True)
+    again = AutoModelForCausalLM.from_pretrained(exported).eval()
+    assert torch.equal(_transformers_logits(again, 0), _transformers_logits(reference, 0))
 
 
 def test_a_wrong_rope_base_epsilon_or_expert_order_is_another_model(tmp_path):
