@@ -216,7 +216,7 @@ def import_hf(hf: str | os.PathLike, recipe, out: str | os.PathLike, model_build
         metadata = {"kind": WEIGHTS_KIND, "source": "etp-convert import-hf", "hf_dir": str(hf.resolve()),
                     "recipe": str(recipe.source), "hf_config": cfg.values,
                     "hf_generation_config": json.loads(generation.read_text()) if generation.is_file() else None}
-        path = write_weights(out, tensors, objects, pieces, dtypes, source, metadata, lambda nbytes: None)
+        path = write_weights(out, tensors, objects, pieces, dtypes, source, metadata)
     progress.finish()
     return path
 
@@ -338,7 +338,10 @@ def export_hf(checkpoint: str | os.PathLike, recipe, out: str | os.PathLike, mod
         generation = metadata.get("hf_generation_config") or {
             "_from_model_config": True, **{k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}}
         (staging / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True))
-        os.rename(staging, out) if not out.exists() else _move_into(staging, out)
+        if out.exists():  # empty (checked above)
+            _move_into(staging, out)
+        else:
+            os.rename(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -124,7 +124,7 @@ def _boxes(tensor: MegatronTensor, piece: Piece, data: torch.Tensor):
 BoxSource = Callable[[Piece, int, int, tuple], torch.Tensor]
 
 
-def _lazy_strategy(producers: dict, on_written: Callable[[int], None]):
+def _lazy_strategy(producers: dict):
     """megatron-core's torch_dist format written synchronously (``sync_save_strategy``'s
     writer) whose planner makes each box's data when DCP writes it: the boxes of the state
     dict are meta tensors, ``producers[(key, global offset)]()`` the real ones."""
@@ -141,9 +141,7 @@ def _lazy_strategy(producers: dict, on_written: Callable[[int], None]):
             produce = producers.pop((write_item.index.fqn, tuple(write_item.index.offset or ())), None)
             if produce is None:
                 return super().resolve_data(write_item)
-            data = produce()
-            on_written(data.numel() * data.element_size())
-            return data
+            return produce()
 
     class LazySave(TorchDistSaveShardedStrategy):
         def save(self, sharded_state_dict, checkpoint_dir):
@@ -156,8 +154,7 @@ def _lazy_strategy(producers: dict, on_written: Callable[[int], None]):
 
 
 def write_weights(root: Path, tensors: dict[str, MegatronTensor], objects: dict, pieces: list[Piece],
-                  dtypes: dict[str, torch.dtype], source: BoxSource, metadata: dict,
-                  on_written: Callable[[int], None]) -> Path:
+                  dtypes: dict[str, torch.dtype], source: BoxSource, metadata: dict) -> Path:
     """Writes a weights-only etp checkpoint (iteration 0) of ``tensors`` filled by ``pieces``
     into ``root`` and publishes it (etp.megatron.checkpoint.publish). A box's data is made by
     ``source`` when the writer reaches it and dropped once written: memory holds one box.
@@ -165,7 +162,7 @@ def write_weights(root: Path, tensors: dict[str, MegatronTensor], objects: dict,
 
     Example::
 
-        write_weights(Path("ckpt"), tensors, objects, pieces, dtypes, source, {"kind": "weights"}, print)
+        write_weights(Path("ckpt"), tensors, objects, pieces, dtypes, source, {"kind": "weights"})
     """
     from megatron.core import dist_checkpointing
 
@@ -185,7 +182,7 @@ def write_weights(root: Path, tensors: dict[str, MegatronTensor], objects: dict,
     state = {"model": {**boxes, **objects}, "iteration": 0}
 
     def save_fn(directory: Path) -> None:
-        dist_checkpointing.save(state, str(directory), sharded_strategy=_lazy_strategy(producers, on_written))
+        dist_checkpointing.save(state, str(directory), sharded_strategy=_lazy_strategy(producers))
         if producers:  # every box was planned, so DCP asked for each one
             raise ConversionError(f"{len(producers)} boxes were never written (etp-convert's plan and torch DCP's "
                                   "disagree): report this")

@@ -318,3 +318,21 @@ def test_an_import_loads_at_tp_2_and_at_ep_2(checkpoints, tmp_path):
                     assert not joined[VOCAB:].any(), name
                     joined = joined[:VOCAB]
                 assert torch.equal(joined, full[name]), (layout, name)
+
+
+def test_a_bf16_checkpoint_loads_into_an_fp32_model_and_exports_as_bf16(tmp_path):
+    """Published weights are bf16 and CPU runs are fp32: the import keeps the checkpoint's dtype,
+    loading casts exactly, the export writes what the etp checkpoint holds."""
+    from hf_models import build
+
+    from etp.recipe import Recipe
+
+    build("mixtral").to(torch.bfloat16).save_pretrained(tmp_path / "hf")
+    recipe = Recipe.from_yaml(recipe_from_hf(tmp_path / "hf", tmp_path / "r.yaml"), **NO_BF16)
+    import_hf(tmp_path / "hf", recipe, tmp_path / "ckpt", quiet=True)
+    state, original = _model_state(tmp_path / "ckpt", recipe), _safetensors(tmp_path / "hf")
+    assert state["output_layer.weight"].dtype == torch.float32
+    assert torch.equal(state["output_layer.weight"], original["lm_head.weight"].float())
+    exported = _safetensors(export_hf(tmp_path / "ckpt", recipe, tmp_path / "out", quiet=True))
+    assert all(v.dtype == torch.bfloat16 and torch.equal(v, original[k]) for k, v in exported.items())
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["torch_dtype"] == "bfloat16"
