@@ -17,11 +17,13 @@ from ..modules import GroupedSwiGLUExperts
 __all__ = ["TinyMoELM"]
 
 
-def _rope(x: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding over the last dim of ``x [b, heads, s, d]``."""
+def _rope(x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotary position embedding over the last dim of ``x [b, heads, s, d]`` at ``position_ids
+    [b, s]`` (None: 0 .. s - 1)."""
     s, d = x.shape[-2], x.shape[-1]
     inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
-    angles = torch.arange(s, dtype=torch.float32, device=x.device)[:, None] * inv[None, :]
+    positions = torch.arange(s, device=x.device) if position_ids is None else position_ids[:, None, :]
+    angles = positions.to(torch.float32)[..., None] * inv
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
@@ -38,12 +40,15 @@ class _Attention(nn.Module):
         self.proj = RowParallelLinear(hidden, hidden, config=config, init_method=init, bias=False,
                                       input_is_parallel=True, skip_bias_add=True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [s, b, h]
+    def forward(self, x: torch.Tensor, attention_mask=None, position_ids=None) -> torch.Tensor:  # x [s, b, h]
         qkv, _ = self.qkv(x)
         s, b, width = qkv.shape
         local_heads = self.heads * width // (3 * x.shape[-1])
         q, k, v = qkv.view(s, b, local_heads, 3, -1).permute(3, 1, 2, 0, 4)  # 3 x [b, heads, s, d]
-        out = F.scaled_dot_product_attention(_rope(q), _rope(k), v, is_causal=True)
+        # attention_mask: megatron's [b, 1, s, s] bool, True = masked out (etp.data.batch)
+        mask = None if attention_mask is None else attention_mask.logical_not()
+        out = F.scaled_dot_product_attention(_rope(q, position_ids), _rope(k, position_ids), v, attn_mask=mask,
+                                             is_causal=mask is None)
         out, _ = self.proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))
         return out
 
@@ -96,7 +101,7 @@ def _sharded_state_dict(module: nn.Module, prefix: str, sharded_offsets: tuple, 
 
 
 class TinyMoELM(nn.Module):
-    """Decoder-only MoE LM: ``forward(tokens [b, s]) -> logits [b, s, vocab]``.
+    """Decoder-only MoE LM: ``forward(tokens [b, s], attention_mask, position_ids) -> logits [b, s, vocab]``.
 
     Args:
         recipe: an ``etp.megatron.Recipe`` (model sizes, init std).
@@ -135,10 +140,11 @@ class TinyMoELM(nn.Module):
         self.output = ColumnParallelLinear(hidden, vocab, config=config, init_method=init,
                                            bias=False, gather_output=True)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, attention_mask=None, position_ids=None) -> torch.Tensor:
+        """Logits of ``tokens [b, s]``; ``attention_mask`` / ``position_ids`` as ``etp.data.batch.Batch``'s."""
         x = self.embedding(tokens).transpose(0, 1)  # [s, b, h], megatron's layout
         for layer in self.layers:
-            x = x + layer["attention"](layer["attn_norm"](x))
+            x = x + layer["attention"](layer["attn_norm"](x), attention_mask, position_ids)
             x = x + layer["moe"](layer["mlp_norm"](x))
         logits, _ = self.output(self.final_norm(x))
         return logits.transpose(0, 1)

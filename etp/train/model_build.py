@@ -57,7 +57,8 @@ def learning_rate(recipe, iteration: int) -> float:
 
 
 def build_model(recipe, device):
-    """(model, ``loss_fn(module, batch)`` of a [b, s+1] token batch, megatron config or None).
+    """(model, ``loss_fn(module, batch)`` of an ``etp.data.batch.Batch`` (or a [b, s+1] token
+    batch), megatron config or None).
 
     ``loss_fn`` returns (the language-model loss to report, the objective to differentiate).
 
@@ -65,6 +66,9 @@ def build_model(recipe, device):
 
         model, loss_fn, config = build_model(recipe, torch.device("cuda"))
     """
+    from etp.data.batch import as_batch
+    from etp.megatron.cross_entropy import masked_token_mean
+
     m = recipe.model
     if device.type == "cpu":
         from etp.megatron.tiny_lm import TinyMoELM
@@ -77,8 +81,11 @@ def build_model(recipe, device):
         model = TinyMoELM(recipe)
 
         def loss_fn(module, batch):
-            logits = module(batch[:, :-1])
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+            batch = as_batch(batch)  # etp.data.batch.Batch: tokens, labels, loss / attention masks, positions
+            logits = module(batch.tokens, batch.attention_mask, batch.position_ids)
+            flat = logits.float().reshape(-1, logits.shape[-1]), batch.labels.reshape(-1)
+            loss = (F.cross_entropy(*flat) if batch.loss_mask is None else
+                    masked_token_mean(F.cross_entropy(*flat, reduction="none"), batch.loss_mask))
             return loss, loss + m.moe_aux_loss_coeff * module.aux_loss()
 
         return model, loss_fn, None
@@ -113,9 +120,9 @@ def build_model(recipe, device):
         fp32_router_counts(model)  # the expert bias's token counts, exact
 
     def loss_fn(module, batch):
-        tokens = batch[:, :-1]
-        position_ids = torch.arange(tokens.shape[1], device=device).expand_as(tokens)
-        loss = module(tokens, position_ids, None, labels=batch[:, 1:]).float().mean()
+        batch = as_batch(batch)  # etp.data.batch.Batch: tokens, labels, loss / attention masks, positions
+        per_token = module(batch.tokens, batch.positions(), batch.attention_mask, labels=batch.labels)
+        loss = masked_token_mean(per_token, batch.loss_mask)
         return loss, loss  # megatron adds the router's aux loss to the gradient itself
 
     return model, loss_fn, config
