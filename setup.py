@@ -9,8 +9,10 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["etp", "etp.*"]),
-    package_data={"etp": ["data/*.txt"]},
-    entry_points={"console_scripts": ["etp-train = etp.train.main:main", "etp-audit = etp.train.audit_command:main"]},
+    # The CPU quick start's corpus, its indexed dataset and tokenizer (etp/data/tiny.py).
+    package_data={"etp.data": ["*.txt", "*.bin", "*.idx", "tiny_tokenizer/*.json"]},
+    entry_points={"console_scripts": ["etp-train = etp.train.main:main", "etp-audit = etp.train.audit_command:main",
+                                      "etp-preprocess = etp.train.preprocess_command:main"]},
     install_requires=[
         # torch 2.11 (the GPU machines) through 2.13 (CPU machines) are tested.
         "torch>=2.11",
@@ -20,5 +22,8 @@ setup(
         "pyyaml",
     ],
     # "jax": etp.jax (expert parallelism for JAX under shard_map); nothing else imports JAX.
-    extras_require={"test": ["pytest", "matplotlib", "ruff"], "audit": ["matplotlib"], "jax": ["jax"]},
+    # "data": Hugging Face tokenizers through megatron-core (transformers) and training small ones
+    # locally (tokenizers), etp.data; the CPU quick start's tokenizer is one.
+    extras_require={"test": ["pytest", "matplotlib", "ruff", "transformers", "tokenizers"], "audit": ["matplotlib"],
+                    "jax": ["jax"], "data": ["transformers", "tokenizers"]},
 )
