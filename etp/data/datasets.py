@@ -101,5 +101,5 @@ def pretraining_sampler(total_samples: int, consumed_samples: int, micro_batch_s
         raise ValueError(f"data_parallel_rank {data_parallel_rank} is not below data_parallel_size {data_parallel_size}")
     per_step = micro_batch_size * data_parallel_size
     first = data_parallel_rank * micro_batch_size
-    for start in range(consumed_samples, total_samples - per_step + 1, per_step):
-        yield list(range(start + first, start + first + micro_batch_size))
+    return (list(range(start + first, start + first + micro_batch_size))
+            for start in range(consumed_samples, total_samples - per_step + 1, per_step))

@@ -10,6 +10,8 @@
 """
 from __future__ import annotations
 
+import multiprocessing
+
 import torch
 
 from etp.data.batch import Batch, document_attention_mask
@@ -76,16 +78,22 @@ class DatasetBatches:
         sampler = pretraining_sampler(len(dataset), consumed_samples, recipe.train.micro_batch_size,
                                       data_parallel_rank, data_parallel_size)
         workers = d.num_workers
-        loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
-                                             pin_memory=device.type == "cuda", persistent_workers=workers > 0)
-        self._loader = iter(loader)
+        # Forked workers share the rank's memory maps; etp-train's CPU ranks are spawned, which would
+        # make spawning (re-importing, re-opening everything) the workers' default too.
+        fork = "fork" if workers and "fork" in multiprocessing.get_all_start_methods() else None
+        self._loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
+                                                   pin_memory=device.type == "cuda", persistent_workers=workers > 0,
+                                                   multiprocessing_context=fork)
+        self._samples = None  # the loader's iterator, started (its workers too) at the first read
         self._last = None  # ((iteration, micro), batch)
         self.total_samples = len(dataset)
 
     def next(self) -> Batch:
         """The next micro-batch (this rank's rows of it)."""
+        if self._samples is None:
+            self._samples = iter(self._loader)
         try:
-            sample = next(self._loader)
+            sample = next(self._samples)
         except StopIteration:
             raise ValueError(f"the dataset's {self.total_samples} samples are all consumed: the run reads more than "
                              "it was built for (train_iters x global_batch_size; a resumed run needs the recipe it "
