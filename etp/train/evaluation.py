@@ -1,7 +1,7 @@
 """Validation and test: Megatron-LM's ``evaluate`` for etp-train.
 
-Every ``eval_interval`` iterations (and after the last one) etp-train runs ``eval_iters`` global
-batches of the valid split forward only, under the training layout, without gradients and with
+Every ``eval_interval`` iterations (and after the last one, ``train_iters``) etp-train runs
+``eval_iters`` global batches of the valid split forward only, under the training layout, without gradients and with
 dropout off; the test split once at the end. Each evaluation continues where the previous one
 stopped in its split (the consumed samples, saved in checkpoints like the train split's). The
 loss is the mean of the micro-batches' language-model losses over every data-parallel rank (the

@@ -146,14 +146,13 @@ def train(rank: int, world: int, recipe, options: RunOptions | None = None, port
             profiled = tools.profiler is not None and tools.profiler.covers(iteration - start)
             if tools.profiler is not None:
                 tools.profiler.step()
-            if _validation_due(recipe, iteration + 1, stop):
+            if _validation_due(recipe, iteration + 1):
                 _evaluate(run, recipe, readers[1], "valid", iteration + 1, micro, reporter)
             if checkpoints.due(iteration + 1, stop):
                 reporter.exclude(checkpoints.save(run.stepper, iteration + 1, _consumed(readers)))
             reporter.iteration_done(iteration, total / ps.get_data_parallel_world_size(), norm, profiled,
                                     iteration + 1 == stop, tools.timeline)
-        if start < stop:
-            _evaluate(run, recipe, readers[1], "valid", stop, micro, reporter)
+        if start < stop == recipe.train.train_iters:
             _evaluate(run, recipe, readers[2], "test", stop, micro, reporter)
         _finish(run, recipe, options, tools, reporter, flops, peak)
     finally:
@@ -162,9 +161,11 @@ def train(rank: int, world: int, recipe, options: RunOptions | None = None, port
     return reporter.losses
 
 
-def _validation_due(recipe, done: int, stop: int) -> bool:
-    """Every ``eval_interval`` iterations; the last iteration's validation runs after the loop."""
-    return done % recipe.data.eval_interval == 0 and done != stop
+def _validation_due(recipe, done: int) -> bool:
+    """Every ``eval_interval`` iterations and after the last (``train_iters``; not at an ``--exit-after``
+    stop between intervals): before that iteration's checkpoint, which then holds the valid samples
+    consumed, so a resumed run validates on the samples the uninterrupted run would have."""
+    return done % recipe.data.eval_interval == 0 or done == recipe.train.train_iters
 
 
 def _evaluate(run: Run, recipe, batches, split: str, iteration: int, micro: int, reporter: Reporter) -> None:

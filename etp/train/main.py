@@ -2,7 +2,8 @@
 
 * Without GPUs (recipe ``backend: gloo``, or no CUDA): spawns ``world_size`` gloo ranks on
   loopback and trains ``TinyMoELM`` (megatron-core TP linears, etp grouped experts) on the
-  recipe's corpus, read as bytes.
+  recipe's data (an indexed dataset through megatron-core's GPTDataset, synthetic ids or a text
+  file's bytes).
 * Under ``torchrun`` with GPUs: builds megatron-core's ``GPTModel`` with etp's grouped experts
   and trains it with megatron-core DDP and Adam.
 
