@@ -278,6 +278,9 @@ class Recipe(RecipeQuantities):
                   "mock_data remove it (or set data=synthetic)")
         if not t.is_synthetic and m.vocab_size < 256:
             _fail("vocab_size", m.vocab_size, f"must be >= 256 with data={t.data!r}: a text corpus is read as bytes")
+        if self.data.reset_attention_mask and m.attention_backend == "local":
+            _fail("attention_backend", "local", "must be sdpa with reset_attention_mask (megatron-core's local "
+                  "attention takes its fused causal softmax where it can, which ignores a per-document mask)")
         if self.data.tokenizer_type == "NullTokenizer" and m.vocab_size < 2:
             _fail("vocab_size", m.vocab_size, "must be >= 2 with tokenizer_type=NullTokenizer (ids below "
                   "vocab_size - 1, and vocab_size - 1 ends a document)")

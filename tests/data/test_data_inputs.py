@@ -98,6 +98,8 @@ RECIPE_CASES = {
     "masks without documents": ({"data_path": None, "reset_attention_mask": True, "data_cache_path": None},
                                 "reset_attention_mask", "needs documents"),
     "negative eval_iters": ({"eval_iters": -1}, "eval_iters", "must be >= 0"),
+    "document masks under local attention": ({"reset_attention_mask": True, "attention_backend": "local"},
+                                             "attention_backend", "must be sdpa with reset_attention_mask"),
 }
 
 
