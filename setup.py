@@ -9,8 +9,10 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["etp", "etp.*"]),
-    package_data={"etp": ["data/*.txt"]},
-    entry_points={"console_scripts": ["etp-train = etp.train.main:main", "etp-audit = etp.train.audit_command:main"]},
+    # The CPU quick start's corpus, its indexed dataset and tokenizer (etp/data/tiny.py).
+    package_data={"etp.data": ["*.txt", "*.bin", "*.idx", "tiny_tokenizer/*.json"]},
+    entry_points={"console_scripts": ["etp-train = etp.train.main:main", "etp-audit = etp.train.audit_command:main",
+                                      "etp-preprocess = etp.train.preprocess_command:main"]},
     install_requires=[
         # torch 2.11 (the GPU machines) through 2.13 (CPU machines) are tested.
         "torch>=2.11",
@@ -20,7 +22,10 @@ setup(
         "pyyaml",
     ],
     # "metrics": etp-train's tensorboard_dir / wandb_project (etp.train.metrics); "jax": etp.jax (expert
-    # parallelism for JAX under shard_map). Nothing imports them unless a run asks.
-    extras_require={"test": ["pytest", "matplotlib", "ruff", "tensorboard"], "audit": ["matplotlib"], "jax": ["jax"],
+    # parallelism for JAX under shard_map); "data": Hugging Face tokenizers through megatron-core
+    # (transformers) and training small ones locally (tokenizers), etp.data: the CPU quick start's
+    # tokenizer is one. Nothing imports them unless a run asks.
+    extras_require={"test": ["pytest", "matplotlib", "ruff", "tensorboard", "transformers", "tokenizers"],
+                    "audit": ["matplotlib"], "jax": ["jax"], "data": ["transformers", "tokenizers"],
                     "metrics": ["tensorboard", "wandb"]},
 )

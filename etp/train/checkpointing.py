@@ -137,6 +137,7 @@ class Checkpointing:
         t = recipe.train
         self.save_root = Path(t.save) if t.save else None
         self.load_root = Path(t.load) if t.load else self.save_root
+        self.loaded_consumed = None  # the checkpoint's consumed samples per split, once resumed
 
     def due(self, done: int, stop: int) -> bool:
         """Whether the run saves after ``done`` iterations (``stop``: its last)."""
@@ -162,14 +163,24 @@ class Checkpointing:
         iteration, metadata, _ = load_training_checkpoint(self.load_root, stepper.model, stepper.optimizer, wanted)
         if schedule is not None:
             schedule.load_state_dict(metadata.get("opt_param_scheduler"), iteration)
+        self.loaded_consumed = metadata.get("consumed_samples")
         if self.rank == 0:
             print(f"etp-train: resumed at iteration {iteration} from {self.load_root} (saved with layout "
                   f"{metadata.get('layout')})", flush=True)
         return iteration
 
-    def save(self, stepper, iteration: int, schedule=None) -> float:
-        """Saves ``iteration`` (with ``schedule``'s state, stepped past it); returns the seconds
-        it took (kept out of the step time)."""
+    def consumed_samples(self, iteration: int, global_batch_size: int) -> dict:
+        """The samples of each split the run has consumed when it starts at ``iteration``: what the
+        checkpoint it resumed from recorded, else ``iteration x global_batch_size`` train samples
+        (a fresh run: none). [Note: consumed samples]"""
+        if self.loaded_consumed is not None:
+            return dict(self.loaded_consumed)
+        return {"train": iteration * global_batch_size, "valid": 0}
+
+    def save(self, stepper, iteration: int, schedule=None, consumed: dict | None = None) -> float:
+        """Saves ``iteration`` (with ``schedule``'s state, stepped past it, and the samples each
+        split has ``consumed``, [Note: consumed samples]); returns the seconds it took (kept out of
+        the step time)."""
         from etp.megatron.checkpoint import save_training_checkpoint
 
         p, e = self.recipe.parallel, self.recipe.etp
@@ -180,6 +191,8 @@ class Checkpointing:
         metadata = {"recipe": str(self.recipe.source), "layout": layout}
         if schedule is not None:
             metadata["opt_param_scheduler"] = schedule.state_dict()  # Megatron-LM's name for it
+        if consumed is not None:
+            metadata["consumed_samples"] = consumed
         path = save_training_checkpoint(self.save_root, iteration, stepper.model, stepper.optimizer, metadata)
         seconds = time.perf_counter() - began
         if self.rank == 0:

@@ -4,7 +4,8 @@ Either way the model is megatron-core's ``GPTModel`` with etp's layer spec (grou
 SDPA attention), ETP applied, every recipe key honoured:
 
 * Without GPUs (recipe ``backend: gloo``, or no CUDA): spawns ``world_size`` gloo ranks on
-  loopback and trains it on the recipe's corpus, read as bytes, with torch AdamW after etp's
+  loopback and trains it on the recipe's data (an indexed dataset through megatron-core's GPTDataset, synthetic ids or a text
+  file's bytes), with torch AdamW after etp's
   gradient finalize (``etp.train.optimizer_steps.TorchStep``); megatron-core's few CUDA-only
   places run on the CPU ([Note: megatron-core on CPU] in ``etp.megatron.patches``).
 * Under ``torchrun`` with GPUs: trains it with megatron-core DDP and Adam.

@@ -48,6 +48,8 @@ def preflight(recipe, options: RunOptions) -> list[str]:
         for note in preflight(recipe, RunOptions(resume=True)):
             print(f"etp-train: {note}")
     """
+    from etp.data.checks import check_data
+
     notes = []
     recipe.resolve_data_path()  # RecipeError naming `data` when the corpus is missing
     _output_file("--json", options.json_path)
@@ -72,4 +74,8 @@ def preflight(recipe, options: RunOptions) -> list[str]:
     if options.exit_after is not None and options.exit_after < 1:
         raise TrainError(f"--exit-after {options.exit_after}: must be >= 1 (the last iteration to run)")
     notes += check_checkpoint_dirs(recipe, options)
+    try:  # data_path / mock_data: files, tokenizer, splits (etp.data.checks); last: a tokenizer loads for seconds
+        notes += check_data(recipe)
+    except ValueError as error:
+        raise TrainError(str(error)) from None
     return notes
