@@ -12,7 +12,8 @@ setup(
     # The CPU quick start's corpus, its indexed dataset and tokenizer (etp/data/tiny.py).
     package_data={"etp.data": ["*.txt", "*.bin", "*.idx", "tiny_tokenizer/*.json"]},
     entry_points={"console_scripts": ["etp-train = etp.train.main:main", "etp-audit = etp.train.audit_command:main",
-                                      "etp-preprocess = etp.train.preprocess_command:main"]},
+                                      "etp-preprocess = etp.train.preprocess_command:main",
+                                      "etp-convert = etp.train.convert_command:main"]},
     install_requires=[
         # torch 2.11 (the GPU machines) through 2.13 (CPU machines) are tested.
         "torch>=2.11",
@@ -24,8 +25,11 @@ setup(
     # "metrics": etp-train's tensorboard_dir / wandb_project (etp.train.metrics); "jax": etp.jax (expert
     # parallelism for JAX under shard_map); "data": Hugging Face tokenizers through megatron-core
     # (transformers) and training small ones locally (tokenizers), etp.data: the CPU quick start's
-    # tokenizer is one. Nothing imports them unless a run asks.
-    extras_require={"test": ["pytest", "matplotlib", "ruff", "tensorboard", "transformers", "tokenizers"],
-                    "audit": ["matplotlib"], "jax": ["jax"], "data": ["transformers", "tokenizers"],
-                    "metrics": ["tensorboard", "wandb"]},
+    # tokenizer is one; "hf": transformers and safetensors, for Hugging Face checkpoints (etp-convert,
+    # docs/hf.md) and the tests that check conversions against transformers' own models (etp.hf reads
+    # and writes safetensors itself). Nothing imports them unless a run asks.
+    extras_require={"test": ["pytest", "matplotlib", "ruff", "tensorboard", "transformers>=5.24,<6", "tokenizers",
+                             "safetensors>=0.8"],
+                    "audit": ["matplotlib"], "jax": ["jax"], "data": ["transformers>=5.24,<6", "tokenizers"],
+                    "metrics": ["tensorboard", "wandb"], "hf": ["transformers>=5.24,<6", "safetensors>=0.8"]},
 )

@@ -67,9 +67,9 @@ def weight_inventory(recipe) -> list[WeightSpec]:
         pre = f"decoder.layers.{layer}."
         norm(pre + "input_layernorm")
         linear(pre + "self_attention.linear_qkv", qkv_out // tp, h, "dense")
-        if m.qk_layernorm:  # over one head's width, replicated
-            norm(pre + "self_attention.q_layernorm", kv)
-            norm(pre + "self_attention.k_layernorm", kv)
+        if m.qk_layernorm:  # over one head's width (or every head's: full width), replicated
+            norm(pre + "self_attention.q_layernorm", m.qk_layernorm_widths[0])
+            norm(pre + "self_attention.k_layernorm", m.qk_layernorm_widths[1])
         linear(pre + "self_attention.linear_proj", h, m.num_attention_heads * kv // tp, "dense",
                bias_rows=h)
         norm(pre + "pre_mlp_layernorm")

@@ -36,6 +36,12 @@ Model (``recipe.model``, :class:`ModelSpec`):
         set it for heads x kv_channels != hidden_size, e.g. Qwen3-MoE's 32 x 128 at width 2048).
     qk_layernorm: false (true: each head's queries and keys normalized, with the normalization's
         kind, before rope; two [kv_channels] weights per layer, replicated under ETP).
+    qk_layernorm_width: head (etp's own: what qk_layernorm normalizes | full: the whole
+        num_attention_heads x kv_channels query and num_query_groups x kv_channels key as one
+        vector each, OLMoE's, etp.megatron.qk_norm.FullWidthQKNorm; RMSNorm and
+        tensor_model_parallel_size 1 only).
+    norm_epsilon: 1e-05 (every LayerNorm / RMSNorm's epsilon, megatron-core's layernorm_epsilon;
+        Qwen3's 1e-06).
     max_position_embeddings: None -> seq_length.
     vocab_size: etp's own reading: the embeddings the model has (before
         make_vocab_size_divisible_by pads them); every token id is below it. With a tokenizer,
@@ -44,6 +50,8 @@ Model (``recipe.model``, :class:`ModelSpec`):
     make_vocab_size_divisible_by: 128 (the embedding has padded_vocab_size rows).
     swiglu: false. normalization: LayerNorm (LayerNorm | RMSNorm).
     position_embedding_type: learned_absolute (learned_absolute | rope | none).
+    rotary_base: 10000 (the RoPE base period, GPTModel's rotary_base; rope only: Qwen3's and
+        Mixtral's 1000000).
     untie_embeddings_and_output_weights: false. add_bias_linear: true.
     init_method_std: 0.02. attention_dropout: 0.1. hidden_dropout: 0.1.
     num_experts: None (a dense model; otherwise the layers moe_layer_freq picks are MoE).
@@ -141,6 +149,13 @@ Training (``recipe.train``, :class:`TrainSpec`):
     save: None. save_interval: None (needs save; unset: one save, after the run's last
         iteration). load: None. A fresh run refuses a save directory that holds another run's
         checkpoints (etp-train --resume or --overwrite; see etp.train.checkpointing).
+    finetune: false (Megatron-LM's: true starts from load's model weights only, at iteration 0 with
+        a fresh optimizer and learning-rate schedule; needs load; not with --resume; a checkpoint
+        etp-convert import-hf wrote holds only weights: docs/hf.md). no_load_optim: false (true:
+        --resume loads the model and the iteration, not the optimizer state). no_load_rng: false
+        (etp's checkpoints hold no RNG state: batches follow seed and iteration, so true and
+        false load the same). skip_train: false (true: no training step and no save, the loaded
+        weights (finetune or --resume) are evaluated and their loss reported; needs load).
     data: synthetic (etp's own: "synthetic" for random token ids, or the path of a text
         corpus, read as bytes (memory-mapped), random windows of it; a relative path is looked up
         from the working directory, the recipe's directory and the directory holding the etp

@@ -1,5 +1,5 @@
-"""The architecture keys of a recipe (shared experts, QK norm, head width, router variants,
-dense and MoE layers mixed): what megatron-core's ``TransformerConfig`` or its modules would
+"""The architecture keys of a recipe (shared experts, QK norm and its width, head width, RoPE base,
+router variants, dense and MoE layers mixed): what megatron-core's ``TransformerConfig`` or its modules would
 refuse, or silently ignore, refused here first with the fix. See docs/architectures.md."""
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ def moe_layer_pattern(m) -> tuple[bool, ...]:
 
 def check_architecture(m) -> None:
     """The model-only checks of the architecture keys (``ModelSpec`` calls it)."""
+    _check_attention(m)
     if m.num_experts is None:
         for key, default in _MOE_ONLY.items():
             if getattr(m, key) != default:
@@ -55,6 +56,21 @@ def check_architecture(m) -> None:
               "SharedExpertMLP has no biases): set add_bias_linear: false")
     _check_scores(m)
     _check_groups(m)
+
+
+def _check_attention(m) -> None:
+    """QK-norm width and the RoPE base: keys that would do nothing (or something etp does not build)."""
+    if m.qk_layernorm_width != "head":
+        if not m.qk_layernorm:
+            _fail("qk_layernorm_width", m.qk_layernorm_width, "needs qk_layernorm: true (it says what the QK norm "
+                  "normalizes): set qk_layernorm or remove qk_layernorm_width")
+        if m.normalization != "RMSNorm":
+            _fail("qk_layernorm_width", m.qk_layernorm_width, f"full is an RMSNorm over the whole query and key "
+                  f"(OLMoE's), and normalization is {m.normalization}: set normalization: RMSNorm or "
+                  "qk_layernorm_width: head")
+    if m.rotary_base != 10000.0 and m.position_embedding_type != "rope":
+        _fail("rotary_base", m.rotary_base, f"applies to position_embedding_type: rope, not "
+              f"{m.position_embedding_type}: remove rotary_base or use rope")
 
 
 def _check_layer_freq(m) -> None:
@@ -124,6 +140,10 @@ def check_architecture_layout(recipe) -> None:
     calls it): the shared experts' width over TP, and which MLPs selective recompute can name."""
     m, p, t = recipe.model, recipe.parallel, recipe.train
     tp = p.tensor_model_parallel_size
+    if m.qk_layernorm and m.qk_layernorm_width == "full" and tp > 1:
+        _fail("qk_layernorm_width", "full", f"normalizes the whole query across heads, which "
+              f"tensor_model_parallel_size={tp} splits over ranks (etp's full-width QK norm is TP 1 only): use "
+              "tensor_model_parallel_size: 1 (ETP and EP shard the model instead)")
     shared = m.moe_shared_expert_intermediate_size
     if shared is not None and shared % tp:
         _fail("moe_shared_expert_intermediate_size", shared, f"must be divisible by tensor_model_parallel_size={tp}")

@@ -119,8 +119,8 @@ class RecipeQuantities:
         attention = h * qkv_out + m.num_attention_heads * kv * h
         if bias:
             attention += qkv_out + h
-        if m.qk_layernorm:  # one norm over the head width for queries, one for keys
-            attention += 2 * (norm // h) * kv
+        if m.qk_layernorm:  # one norm for queries, one for keys: a head wide, or every head (full width)
+            attention += (norm // h) * sum(m.qk_layernorm_widths)
 
         def mlp(ffn: int) -> int:
             n = h * gated * ffn + ffn * h

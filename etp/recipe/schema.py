@@ -61,6 +61,7 @@ def _positive(default: Any, help: str, **kw: Any) -> Any:
 
 
 _NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+_QK_LAYERNORM_WIDTHS = ("head", "full")
 _POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 _DISPATCHERS = ("allgather", "alltoall", "flex", "local", "etp")
 _LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
@@ -115,9 +116,15 @@ class ModelSpec:
     swiglu: bool = _key(False, _BOOL, "SwiGLU MLPs")
     normalization: str = _key("LayerNorm", _STR, "norm layers", choices=_NORMALIZATIONS)
     qk_layernorm: bool = _key(False, _BOOL, "normalize each head's queries and keys (the normalization's kind)")
+    qk_layernorm_width: str = _key(
+        "head", _STR, "what qk_layernorm normalizes: head (each head's kv_channels: megatron-core's, Qwen3's) or "
+        "full (the whole query and the whole key: OLMoE's)", choices=_QK_LAYERNORM_WIDTHS)
+    norm_epsilon: float = _key(1e-5, _FLOAT, "epsilon of every LayerNorm / RMSNorm", minimum=0.0,
+                               exclusive_minimum=True)
     position_embedding_type: str = _key(
         "learned_absolute", _STR, "position embedding", choices=_POSITION_EMBEDDINGS
     )
+    rotary_base: float = _key(10000.0, _FLOAT, "RoPE base period (rope only)", minimum=0.0, exclusive_minimum=True)
     untie_embeddings_and_output_weights: bool = _key(False, _BOOL, "separate output layer weight")
     add_bias_linear: bool = _key(True, _BOOL, "biases in linear layers")
     init_method_std: float = _key(
@@ -218,6 +225,17 @@ class ModelSpec:
     @property
     def is_moe(self) -> bool:
         return self.num_experts is not None
+
+    @property
+    def qk_layernorm_widths(self) -> tuple[int, int] | None:
+        """(query, key) widths of the QK norms' weights: one head's ``kv_channels`` each, or
+        with ``qk_layernorm_width: full`` every query head's and every key head's; None without
+        ``qk_layernorm``."""
+        if not self.qk_layernorm:
+            return None
+        if self.qk_layernorm_width == "full":
+            return self.num_attention_heads * self.kv_channels, self.num_query_groups * self.kv_channels
+        return self.kv_channels, self.kv_channels
 
     @property
     def moe_layers(self) -> tuple[bool, ...]:
@@ -393,6 +411,14 @@ class TrainSpec:
     save: str | None = _key(None, _STR, "checkpoint directory to save to")
     save_interval: int | None = _positive(None, "steps between checkpoints (unset: one save, after the last step)")
     load: str | None = _key(None, _STR, "checkpoint directory to load from")
+    finetune: bool = _key(False, _BOOL, "start from load's model weights only: iteration, optimizer and learning-rate "
+                          "schedule start fresh (a checkpoint etp-convert import-hf wrote, or any etp-train save)")
+    no_load_optim: bool = _key(False, _BOOL, "--resume without the optimizer state: fresh Adam moments, master "
+                               "weights from the model's; the iteration continues")
+    no_load_rng: bool = _key(False, _BOOL, "load no RNG state: etp's checkpoints hold none (batches follow the seed "
+                             "and the iteration), so both values load the same")
+    skip_train: bool = _key(False, _BOOL, "train nothing: evaluate the loaded weights (finetune or --resume) and "
+                            "report their loss")
     data: str = _key(SYNTHETIC, _STR, "'synthetic' or a text corpus path")
     deterministic: bool = _key(
         False, _BOOL, "bitwise-reproducible runs: torch deterministic algorithms, megatron deterministic_mode; "
@@ -449,6 +475,10 @@ class TrainSpec:
                   "(megatron-core's grad scaler would step on unscaled gradients): use bf16: true")
         if self.save_interval is not None and self.save is None:
             _fail("save_interval", self.save_interval, "needs save: a checkpoint directory")
+        for key in ("finetune", "skip_train"):
+            if getattr(self, key) and self.load is None:
+                _fail(key, True, "needs load: the checkpoint directory to start from (an etp-train save, or one "
+                      "etp-convert import-hf wrote), e.g. --set load=CKPT")
         self._check_recompute()
 
     @property

@@ -14,6 +14,18 @@ one run from destroying another's work.
   end of a run that has somewhere to save it.
 * The save directory must be writable, with room for one checkpoint (``checkpoint_bytes``),
   before the first iteration.
+
+[Note: fine-tuning]
+Megatron-LM's keys: ``finetune: true`` loads only ``load``'s model weights (its latest
+checkpoint, saved at any layout, or a weights-only one ``etp-convert import-hf`` wrote) and
+starts at iteration 0 with a fresh optimizer and learning-rate schedule; the optimizer's main
+(fp32) weights are refreshed from the loaded model. ``no_load_optim: true`` makes ``--resume``
+load the model and the iteration but not the optimizer state. ``skip_train: true`` trains
+nothing: the loaded weights are evaluated and their loss printed (and returned). A
+weights-only checkpoint cannot be resumed (no optimizer state, no run to continue): ``--resume``
+on one is refused, naming ``finetune``. A run started from a checkpoint that carries its
+Hugging Face ``config.json`` (an import) carries it on in its own saves, so ``etp-convert
+export-hf`` knows the architecture.
 """
 from __future__ import annotations
 
@@ -49,6 +61,37 @@ def _latest(root: Path) -> tuple[int | None, list[int]]:
     return find_latest(root), list_checkpoints(root)
 
 
+#: manifest metadata a run carries on from the checkpoint it started from
+CARRIED_METADATA = ("hf_config", "hf_generation_config")
+
+
+def _metadata(root: Path, iteration: int) -> dict:
+    from etp.megatron.checkpoint.manifest import iteration_dir, verify_checkpoint
+
+    return verify_checkpoint(iteration_dir(root, iteration), verify_hashes=False).get("metadata", {})
+
+
+def _check_loading(recipe, options: RunOptions, load: Path | None) -> list[str]:
+    """[Note: fine-tuning]'s checks: what ``finetune``, ``no_load_optim`` and ``skip_train`` need."""
+    t = recipe.train
+    if t.finetune and options.resume:
+        raise TrainError("--resume continues a run (its optimizer and iteration) and finetune: true starts one from "
+                         "weights only: drop one of them")
+    if t.skip_train and not (t.finetune or options.resume):
+        raise TrainError("skip_train: true evaluates loaded weights: add --set finetune=true (or --resume)")
+    if t.no_load_optim and not options.resume:
+        raise TrainError("no_load_optim: true applies to --resume (finetune loads no optimizer state already): "
+                         "add --resume or remove no_load_optim")
+    if not t.finetune:
+        return []
+    latest, published = _latest(load)
+    if latest is None:
+        raise TrainError(f"finetune: load={load} holds no checkpoint (no 'latest' marker; published: "
+                         f"{published or 'none'}): point load at an etp-train save or an etp-convert import-hf output")
+    return [f"fine-tuning from the model weights of {load} (iteration {latest}); iteration, optimizer and "
+            "schedule start fresh"]
+
+
 def check_checkpoint_dirs(recipe, options: RunOptions) -> list[str]:
     """The checks of [Note: a checkpoint directory is never clobbered by accident] that need
     no process group; raises ``TrainError`` naming the fix. Returns the notes to print (what
@@ -57,6 +100,7 @@ def check_checkpoint_dirs(recipe, options: RunOptions) -> list[str]:
     save = Path(t.save) if t.save else None
     load = Path(t.load) if t.load else save
     resume_at = None
+    notes += _check_loading(recipe, options, load)
     if options.resume:
         if load is None:
             raise TrainError("--resume needs a checkpoint directory: set the recipe's load (or save) key, "
@@ -69,8 +113,12 @@ def check_checkpoint_dirs(recipe, options: RunOptions) -> list[str]:
         if resume_at not in published:
             raise TrainError(f"--resume {resume_at}: {load} has no checkpoint of that iteration (it has "
                              f"{published}): pick one of them")
-        notes.append(f"resuming at iteration {resume_at} from {load}")
-    if save is None:
+        if _metadata(load, resume_at).get("kind") == "weights":
+            raise TrainError(f"--resume: {load} holds model weights only (etp-convert import-hf wrote it), no run to "
+                             "continue: start from it with --set finetune=true instead of --resume")
+        notes.append(f"resuming at iteration {resume_at} from {load}" + (" (model and iteration; a fresh optimizer: "
+                                                                          "no_load_optim)" if t.no_load_optim else ""))
+    if save is None or t.skip_train:  # skip_train saves nothing
         return notes
     _check_writable(save, checkpoint_bytes(recipe))
     latest, published = _latest(save)
@@ -138,10 +186,11 @@ class Checkpointing:
         self.save_root = Path(t.save) if t.save else None
         self.load_root = Path(t.load) if t.load else self.save_root
         self.loaded_consumed = None  # the checkpoint's consumed samples per split, once resumed
+        self.carried: dict = {}  # CARRIED_METADATA of the checkpoint the run started from
 
     def due(self, done: int, stop: int) -> bool:
         """Whether the run saves after ``done`` iterations (``stop``: its last)."""
-        if self.save_root is None:
+        if self.save_root is None or self.recipe.train.skip_train:
             return False
         interval = self.recipe.train.save_interval
         return done == stop or bool(interval and done % interval == 0)
@@ -153,21 +202,51 @@ class Checkpointing:
             if removed:
                 print(f"etp-train: --overwrite: deleted checkpoints {removed} of {self.save_root}", flush=True)
 
+    def start(self, stepper, schedule=None) -> int:
+        """The iteration the run starts at: ``--resume``'s, or 0 after ``finetune``'s weights
+        (see [Note: fine-tuning]), or 0 for a fresh run."""
+        if self.options.resume:
+            return self.resume(stepper, schedule)
+        if self.recipe.train.finetune:
+            self.finetune(stepper)
+        return 0
+
     def resume(self, stepper, schedule=None) -> int:
         """Loads the checkpoint ``--resume`` names into the model and optimizer (and its
         learning-rate schedule into ``schedule``, an ``etp.train.schedule.OptimizerSchedule``);
-        the iteration."""
-        from etp.megatron.checkpoint import load_training_checkpoint
+        the iteration. With ``no_load_optim`` the model alone (Megatron-LM: no optimizer and no
+        scheduler state; the schedule restarts at the iteration)."""
+        from etp.megatron.checkpoint import load_model_checkpoint, load_training_checkpoint
 
         wanted = None if self.options.resume is True else int(self.options.resume)
-        iteration, metadata, _ = load_training_checkpoint(self.load_root, stepper.model, stepper.optimizer, wanted)
-        if schedule is not None:
-            schedule.load_state_dict(metadata.get("opt_param_scheduler"), iteration)
+        if self.recipe.train.no_load_optim:
+            iteration, metadata, _ = load_model_checkpoint(self.load_root, stepper.model, wanted)
+            _refresh_main_weights(stepper)
+            if schedule is not None:
+                schedule.load_state_dict(None, iteration)
+        else:
+            iteration, metadata, _ = load_training_checkpoint(self.load_root, stepper.model, stepper.optimizer,
+                                                              wanted)
+            if schedule is not None:
+                schedule.load_state_dict(metadata.get("opt_param_scheduler"), iteration)
+        self.carried = {k: metadata[k] for k in CARRIED_METADATA if metadata.get(k) is not None}
         self.loaded_consumed = metadata.get("consumed_samples")
         if self.rank == 0:
             print(f"etp-train: resumed at iteration {iteration} from {self.load_root} (saved with layout "
                   f"{metadata.get('layout')})", flush=True)
         return iteration
+
+    def finetune(self, stepper) -> None:
+        """``finetune``: the model weights of ``load``'s latest checkpoint, at this run's layout."""
+        from etp.megatron.checkpoint import load_model_checkpoint
+
+        iteration, metadata, _ = load_model_checkpoint(self.load_root, stepper.model)
+        _refresh_main_weights(stepper)
+        self.carried = {k: metadata[k] for k in CARRIED_METADATA if metadata.get(k) is not None}
+        if self.rank == 0:
+            print(f"etp-train: fine-tuning from the model weights of {self.load_root} (its iteration {iteration}, "
+                  f"{metadata.get('source') or 'saved with layout ' + str(metadata.get('layout'))}); iteration 0, a "
+                  "fresh optimizer", flush=True)
 
     def consumed_samples(self, iteration: int, global_batch_size: int) -> dict:
         """The samples of each split the run has consumed when it starts at ``iteration``: what the
@@ -188,7 +267,7 @@ class Checkpointing:
                   "expert_model_parallel_size": p.expert_model_parallel_size,
                   "etp_size": e.etp_size, "expert_etp_size": e.expert_etp_size}
         began = time.perf_counter()
-        metadata = {"recipe": str(self.recipe.source), "layout": layout}
+        metadata = {"recipe": str(self.recipe.source), "layout": layout, **self.carried}
         if schedule is not None:
             metadata["opt_param_scheduler"] = schedule.state_dict()  # Megatron-LM's name for it
         if consumed is not None:
@@ -198,3 +277,12 @@ class Checkpointing:
         if self.rank == 0:
             print(f"etp-train: saved iteration {iteration} to {path} ({seconds:.1f} s)", flush=True)
         return seconds
+
+
+def _refresh_main_weights(stepper) -> None:
+    """After loading model weights into a stepper whose optimizer was built already: its main
+    (fp32) copies are the old weights; megatron-core's optimizers copy them again. torch AdamW
+    steps the parameters themselves."""
+    reload = getattr(stepper.optimizer, "reload_model_params", None)
+    if reload is not None:
+        reload()

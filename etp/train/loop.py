@@ -120,11 +120,18 @@ def train(rank: int, world: int, recipe, options: RunOptions | None = None, port
     _announce(run, recipe, flops, peak)
     checkpoints = Checkpointing(recipe, options, run.rank, run.world)
     schedule = OptimizerSchedule(recipe, run.stepper.optimizer, recipe.global_batch_size(run.world))
-    start = checkpoints.resume(run.stepper, schedule) if options.resume else 0
-    checkpoints.prepare(start if options.resume else None)
+    start = checkpoints.start(run.stepper, schedule)  # --resume's iteration, or 0 (after finetune's weights)
     readers = train_batches(recipe, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), run.device, micro,
                             checkpoints.consumed_samples(start, recipe.global_batch_size(run.world)))
     batches = readers[0]
+    if recipe.train.skip_train:  # [Note: fine-tuning]
+        from etp.train.finetune import evaluate_loaded
+
+        losses = [evaluate_loaded(run, recipe, batches, start)]
+        quiesce(run)
+        ps.destroy_model_parallel()
+        return losses
+    checkpoints.prepare(start if options.resume else None)
     stop = min(recipe.train.train_iters, options.exit_after or recipe.train.train_iters)
     if start >= stop and run.rank == 0:
         print(f"etp-train: nothing to do: the run is at iteration {start}, its last is {stop}", flush=True)

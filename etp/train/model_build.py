@@ -119,7 +119,7 @@ def transformer_config(recipe, device):
         moe_token_dispatcher_type=("alltoall" if m.moe_token_dispatcher_type in ("local", "etp")
                                    else m.moe_token_dispatcher_type),
         gated_linear_unit=m.swiglu, activation_func=F.silu if m.swiglu else F.gelu,
-        add_bias_linear=m.add_bias_linear, normalization=m.normalization,
+        add_bias_linear=m.add_bias_linear, normalization=m.normalization, layernorm_epsilon=m.norm_epsilon,
         init_method_std=m.init_method_std, hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout, bf16=recipe.train.bf16, params_dtype=dtype,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
@@ -135,7 +135,8 @@ def transformer_config(recipe, device):
 def gpt_model(recipe, config):
     """megatron-core's ``GPTModel`` of a recipe and its ``TransformerConfig``: etp's decoder spec
     (``etp_gpt_decoder_spec``: grouped experts with ``moe_grouped_gemm``, else megatron-core's
-    ``SequentialMLP``; SDPA attention, QK norm, dense and MoE layers),
+    ``SequentialMLP``; SDPA attention, QK norm per head or over the whole query and key
+    (``etp.megatron.qk_norm``), dense and MoE layers), the recipe's RoPE base,
     tied or untied embeddings, and etp's language-model loss (``use_vocab_cross_entropy``).
     Unsharded, on the device ``config`` initializes on.
 
@@ -151,9 +152,13 @@ def gpt_model(recipe, config):
     m = recipe.model
     spec = etp_gpt_decoder_spec(config, normalization=m.normalization, attention_backend=m.attention_backend,
                                 grouped_experts=m.moe_grouped_gemm)
+    if m.qk_layernorm and m.qk_layernorm_width == "full":
+        from etp.megatron.qk_norm import use_full_width_qk_norm
+
+        use_full_width_qk_norm(spec)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=recipe.padded_vocab_size,
                      max_sequence_length=m.max_position_embeddings or m.seq_length,
-                     position_embedding_type=m.position_embedding_type,
+                     position_embedding_type=m.position_embedding_type, rotary_base=m.rotary_base,
                      share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights)
     use_vocab_cross_entropy(model)  # the 16-bit logits kept for backward, not an fp32 softmax
     return model

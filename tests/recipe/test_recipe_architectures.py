@@ -66,6 +66,17 @@ BAD = {
     "layer frequency on a dense model": (
         {"num_experts": None, "moe_ffn_hidden_size": None, "moe_layer_freq": 2}, "moe_layer_freq", 2,
         "needs num_experts"),
+    "QK-norm width without QK norm": ({"qk_layernorm_width": "full"}, "qk_layernorm_width", "full",
+                                      "needs qk_layernorm: true"),
+    "full-width QK norm as a LayerNorm": ({"qk_layernorm": True, "qk_layernorm_width": "full"}, "qk_layernorm_width",
+                                          "full", "set normalization: RMSNorm"),
+    "full-width QK norm over TP": (
+        {"qk_layernorm": True, "qk_layernorm_width": "full", "normalization": "RMSNorm",
+         "tensor_model_parallel_size": 2}, "qk_layernorm_width", "full", "tensor_model_parallel_size: 1"),
+    "QK-norm width choice": ({"qk_layernorm": True, "qk_layernorm_width": "all"}, "qk_layernorm_width", "all",
+                             "allowed values"),
+    "RoPE base without RoPE": ({"rotary_base": 1e6}, "rotary_base", 1e6, "use rope"),
+    "zero norm epsilon": ({"norm_epsilon": 0.0}, "norm_epsilon", 0.0, "> 0.0"),
     "recompute mlp without dense layers": (
         {"recompute_granularity": "selective", "recompute_modules": ["mlp"]}, "recompute_modules", ["mlp"],
         "use 'moe'"),

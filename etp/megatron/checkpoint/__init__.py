@@ -22,7 +22,7 @@ from .manifest import (
     verify_checkpoint,
 )
 from .publish import load_checkpoint, save_checkpoint
-from .training import load_training_checkpoint, save_training_checkpoint, sync_save_strategy
+from .training import load_model_checkpoint, load_training_checkpoint, save_training_checkpoint, sync_save_strategy
 from .unpickle import safe_unpickling
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "iteration_dir",
     "list_checkpoints",
     "load_checkpoint",
+    "load_model_checkpoint",
     "load_training_checkpoint",
     "safe_unpickling",
     "save_checkpoint",

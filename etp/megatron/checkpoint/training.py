@@ -39,7 +39,7 @@ import torch.distributed as dist
 from .optimizer_state import _all_step_counts, _optimizer_sharded_state, _param_states
 from .publish import LoadedCheckpoint, load_checkpoint, save_checkpoint
 
-__all__ = ["load_training_checkpoint", "save_training_checkpoint", "sync_save_strategy"]
+__all__ = ["load_model_checkpoint", "load_training_checkpoint", "save_training_checkpoint", "sync_save_strategy"]
 
 
 def sync_save_strategy():
@@ -197,3 +197,36 @@ def load_training_checkpoint(root: str | Path, model: torch.nn.Module, optimizer
                 step_state["step"].fill_(state["optimizer_steps"][key])
     quantize_shards(inner)
     return LoadedCheckpoint(state["iteration"], loaded.metadata, None)
+
+
+def load_model_checkpoint(root: str | Path, model: torch.nn.Module, iteration: int | None = None) -> LoadedCheckpoint:
+    """Loads only the model weights of checkpoint ``iteration`` (default: ``latest``) of
+    ``root`` into ``model`` at its current layout (a collective): a training checkpoint's
+    optimizer state and iteration are left in the files, and a weights-only checkpoint
+    (``etp-convert import-hf``'s) loads the same way. Tensors load in place; FP8 shard copies
+    are re-quantized. An optimizer built before this call still holds the old weights in its
+    main (fp32) copies: refresh them (megatron-core's ``reload_model_params``). Returns
+    ``(iteration, metadata, None)``.
+
+    Raises:
+        etp.megatron.checkpoint.CheckpointError: no checkpoint, or a corrupt / partial / tampered one.
+
+    Example::
+
+        iteration, metadata, _ = load_model_checkpoint("imported", model)
+    """
+    from megatron.core import dist_checkpointing
+
+    from ...quant import quantize_shards
+
+    inner, model_sd = _model_sharded_state_dict(model)
+
+    def load_fn(directory: Path):
+        _validate_on_every_rank({"model": model_sd}, loading=True)
+        return dist_checkpointing.load({"model": model_sd}, str(directory), validate_access_integrity=False)
+
+    loaded = load_checkpoint(root, load_fn, iteration)
+    with torch.no_grad():
+        inner.load_state_dict(loaded.result["model"])
+    quantize_shards(inner)
+    return LoadedCheckpoint(loaded.iteration, loaded.metadata, None)
