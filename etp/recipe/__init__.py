@@ -156,6 +156,16 @@ Training (``recipe.train``, :class:`TrainSpec`):
         (etp's checkpoints hold no RNG state: batches follow seed and iteration, so true and
         false load the same). skip_train: false (true: no training step and no save, the loaded
         weights (finetune or --resume) are evaluated and their loss reported; needs load).
+        With load set and holding a checkpoint, a run without --resume resumes from its latest
+        (Megatron-LM's load; with load = save one command line serves the first start and every
+        restart), and starts fresh while load holds none ([Note: restarts]).
+    tensorboard_dir: None. wandb_project: None. wandb_exp_name: None. wandb_save_dir: None
+        (Megatron-LM's: every log interval's figures as TensorBoard scalars / a W&B run, offline
+        unless WANDB_MODE says otherwise; optional extras, pip install -e ".[metrics]"; besides,
+        --json RUN.json streams them to RUN.jsonl as the run goes: [Note: the metrics stream]).
+    exit_signal_handler: false. exit_duration_in_mins: None. exit_interval: None (Megatron-LM's:
+        on SIGTERM / after that many minutes / after an iteration that is a multiple of N, the
+        run saves (with save) and exits 0; [Note: early exits] in etp.train.exits).
     data: synthetic (etp's own: "synthetic" for random token ids, or the path of a text
         corpus, read as bytes (memory-mapped), random windows of it; a relative path is looked up
         from the working directory, the recipe's directory and the directory holding the etp

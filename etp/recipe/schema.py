@@ -419,6 +419,15 @@ class TrainSpec:
                              "and the iteration), so both values load the same")
     skip_train: bool = _key(False, _BOOL, "train nothing: evaluate the loaded weights (finetune or --resume) and "
                             "report their loss")
+    exit_signal_handler: bool = _key(False, _BOOL, "on SIGTERM, save at the next iteration boundary and exit 0")
+    tensorboard_dir: str | None = _key(None, _STR, "write every log interval's figures as TensorBoard scalars here")
+    wandb_project: str | None = _key(None, _STR, "log every log interval's figures to this W&B project (offline "
+                                     "unless WANDB_MODE says otherwise)")
+    wandb_exp_name: str | None = _key(None, _STR, "the W&B run's name")
+    wandb_save_dir: str | None = _key(None, _STR, "where W&B writes its files")
+    exit_duration_in_mins: float | None = _key(None, _FLOAT, "save and exit 0 after this many minutes", minimum=0.0,
+                                               exclusive_minimum=True)
+    exit_interval: int | None = _positive(None, "save and exit 0 after an iteration that is a multiple of it")
     data: str = _key(SYNTHETIC, _STR, "'synthetic' or a text corpus path")
     deterministic: bool = _key(
         False, _BOOL, "bitwise-reproducible runs: torch deterministic algorithms, megatron deterministic_mode; "

@@ -2,6 +2,8 @@
 one run from destroying another's work.
 
 [Note: a checkpoint directory is never clobbered by accident]
+* [Note: restarts] A run given ``load`` resumes from its latest checkpoint, or starts fresh while
+  it holds none (``resume_from_load``): with ``load`` = ``save`` every restart continues the run.
 * A fresh run (no ``--resume``) whose ``save`` directory already holds checkpoints is refused
   before any rank starts, naming ``--resume`` (continue that run) and ``--overwrite`` (replace
   its checkpoints: they are deleted first, and the run says which).
@@ -32,11 +34,12 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from etp.train.options import RunOptions, TrainError
 
-__all__ = ["Checkpointing", "check_checkpoint_dirs", "checkpoint_bytes"]
+__all__ = ["Checkpointing", "check_checkpoint_dirs", "checkpoint_bytes", "resume_from_load"]
 
 #: Free space a save needs beyond the checkpoint's tensors (metadata, manifests, rounding).
 SAVE_MARGIN = 1.05
@@ -90,6 +93,26 @@ def _check_loading(recipe, options: RunOptions, load: Path | None) -> list[str]:
                          f"{published or 'none'}): point load at an etp-train save or an etp-convert import-hf output")
     return [f"fine-tuning from the model weights of {load} (iteration {latest}); iteration, optimizer and "
             "schedule start fresh"]
+
+
+def resume_from_load(recipe, options: RunOptions) -> tuple[RunOptions, str | None]:
+    """[Note: restarts] Megatron-LM's ``load``: a run given ``load`` (and neither ``--resume`` nor
+    ``finetune``) resumes from that directory's latest checkpoint when it holds one, and starts
+    fresh while it holds none, so with ``load`` = ``save`` one command line serves the first start
+    and every restart under a launcher (``torchrun --max-restarts``, a requeued SLURM job). The
+    options the run then has, and the note to print.
+
+    Example::
+
+        options, note = resume_from_load(recipe, RunOptions())   # resume=True once load has a checkpoint
+    """
+    t = recipe.train
+    if options.resume or not t.load or t.finetune:
+        return options, None
+    latest, _ = _latest(Path(t.load))
+    if latest is None:
+        return options, f"load={t.load} holds no checkpoint yet: starting fresh"
+    return replace(options, resume=True), f"load={t.load} holds iteration {latest}: resuming from it"
 
 
 def check_checkpoint_dirs(recipe, options: RunOptions) -> list[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -136,7 +137,13 @@ def train(rank: int, world: int, recipe, options: RunOptions | None = None, port
     if start >= stop and run.rank == 0:
         print(f"etp-train: nothing to do: the run is at iteration {start}, its last is {stop}", flush=True)
     tools = _instruments(run, options, max(0, stop - start))
-    reporter = Reporter(recipe, run.rank, run.device, flops, peak, stop=stop, clock=clock, schedule=schedule)
+    from etp.train.metrics import MetricsStream
+
+    stream = None if options.json_path is None else str(Path(options.json_path).with_suffix(".jsonl"))
+    metrics = MetricsStream.open(recipe, run.rank, jsonl=stream)  # [Note: the metrics stream]
+    reporter = Reporter(recipe, run.rank, run.device, flops, peak, stop=stop, clock=clock, schedule=schedule,
+                        metrics=metrics)
+    exits = _early_exits(recipe, run)  # [Note: early exits]
     clock.mark("resume" if options.resume else "loop set-up")
     if run.rank == 0:
         print(f"etp-train: {clock.line('set up in')}", flush=True)
@@ -162,17 +169,43 @@ def train(rank: int, world: int, recipe, options: RunOptions | None = None, port
                 tools.profiler.step()
             if _validation_due(recipe, iteration + 1):
                 _evaluate(run, recipe, readers[1], "valid", iteration + 1, micro, reporter)
-            if checkpoints.due(iteration + 1, stop):
+            early = exits.reason(iteration + 1)
+            if checkpoints.due(iteration + 1, stop) or (early and checkpoints.save_root is not None):
                 reporter.exclude(checkpoints.save(run.stepper, iteration + 1, schedule, _consumed(readers)))
             reporter.iteration_done(iteration, total / ps.get_data_parallel_world_size(), norm, profiled,
-                                    iteration + 1 == stop, tools.timeline)
+                                    iteration + 1 == stop or early is not None, tools.timeline)
+            if early:
+                if run.rank == 0:
+                    print(f"etp-train: stopping after iteration {iteration + 1}: {early}"
+                          + ("" if checkpoints.save_root is None else f" (saved to {checkpoints.save_root})"),
+                          flush=True)
+                stop = iteration + 1
+                break
+        exits.uninstall()
         if start < stop == recipe.train.train_iters:
             _evaluate(run, recipe, readers[2], "test", stop, micro, reporter)
         _finish(run, recipe, options, tools, reporter, flops, peak)
+        metrics.close({"iterations": stop - start, "losses": len(reporter.losses)})
     finally:
+        metrics.close()  # a failed run keeps every line it streamed
         reporter.pauses.close()  # a failed run (a --tune candidate) leaves no collector callback behind
     ps.destroy_model_parallel()
     return reporter.losses
+
+
+def _early_exits(recipe, run: Run):
+    """The run's ``EarlyExit``, its SIGTERM handler installed; its vote goes over a gloo group
+    (the default one on CPU ranks), so it never synchronizes the device."""
+    import time
+
+    from etp.train.exits import EarlyExit
+
+    t = recipe.train
+    votes = t.exit_signal_handler or t.exit_duration_in_mins is not None
+    group = dist.new_group(backend="gloo") if votes and run.backend != "gloo" else None
+    exits = EarlyExit(recipe, time.monotonic(), group)
+    exits.install()
+    return exits
 
 
 def _validation_due(recipe, done: int) -> bool:

@@ -167,8 +167,10 @@ class Reporter:
     """
 
     def __init__(self, recipe, rank: int, device: torch.device, flops_per_iter: float, peak: float | None,
-                 *, stop: int | None = None, clock: StartupClock | None = None, schedule=None) -> None:
+                 *, stop: int | None = None, clock: StartupClock | None = None, schedule=None,
+                 metrics=None) -> None:
         self.recipe, self.rank, self.device = recipe, rank, device
+        self.metrics = metrics  # etp.train.metrics.MetricsStream: [Note: the metrics stream]
         self.flops_per_iter, self.peak = flops_per_iter, peak
         self.stop = recipe.train.train_iters if stop is None else stop
         self.clock = clock or StartupClock()
@@ -219,6 +221,12 @@ class Reporter:
                              "profiled": self._window_profiled, "elapsed_s": run_s, "eta_s": eta_s,
                              # this rank's; gather_collector_pauses adds the slowest rank's
                              "gc_ms_per_iter": self.pauses.take() / self._window_iterations})
+        if self.metrics is not None:
+            tokens = (self.recipe.train.global_batch_size or 0) * self.recipe.model.seq_length
+            cuda = self.device.type == "cuda"
+            self.metrics.log({**self.records[-1], "tokens_per_s": tokens / elapsed,
+                              "memory_allocated_gib": torch.cuda.memory_allocated() / 2**30 if cuda else None,
+                              "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None})
         if self.rank == 0:
             print(self.log_line(iteration + 1, self.losses[-1], lr, norm, elapsed, tflops, mfu, run_s, eta_s),
                   flush=True)
@@ -233,6 +241,9 @@ class Reporter:
         self.exclude(seconds)
         record = {"split": split, "iteration": iteration, "loss": loss, "ppl": perplexity(loss), "seconds": seconds}
         self.evaluations.append(record)
+        if self.metrics is not None:
+            name = "validation" if split == "valid" else split
+            self.metrics.log({"iteration": iteration, f"{name}_loss": loss, f"{name}_ppl": record["ppl"]})
         if self.rank == 0:
             name = "validation" if split == "valid" else split
             print(f"{name} loss at iteration {iteration} | lm loss {loss:.4f} | lm loss PPL {record['ppl']:.3f} | "
