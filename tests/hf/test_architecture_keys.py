@@ -1,7 +1,7 @@
 """The recipe keys that make the published architectures exact (rotary_base, norm_epsilon,
 qk_layernorm_width) reach the model etp-train builds: megatron-core's TransformerConfig, its
 rotary table, and the full-width QK norm against the formula in float64. The logits against
-transformers' own models: test_parity.py."""
+transformers' own models: test_hf_parity.py."""
 from __future__ import annotations
 
 import pytest
