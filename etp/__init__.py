@@ -26,7 +26,7 @@ _EXPORTS = {
     "ETPShardedParam": "param",
     "quantize_shards": "quant",
     "ETPRuntime": "runtime", "register_grad_ready_hook": "runtime",
-    "ETPStateError": "state",
+    "ETPStateError": "state_machines",
     "WrapSummary": "wrap", "prefetch_after_step": "wrap", "register_layer_types": "wrap", "runtime_of": "wrap",
     "shard_parameter": "wrap", "wrap_module_params_etp": "wrap",
 }

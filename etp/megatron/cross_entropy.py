@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..kernels.cross_entropy import cross_entropy_grad_, cross_entropy_stats
 
-__all__ = ["use_vocab_cross_entropy", "vocab_cross_entropy"]
+__all__ = ["masked_token_mean", "use_vocab_cross_entropy", "vocab_cross_entropy"]
 
 
 class _VocabCrossEntropy(torch.autograd.Function):
@@ -77,6 +77,23 @@ def vocab_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group=None) 
         loss = vocab_cross_entropy(logits, labels.transpose(0, 1))   # [s, b]
     """
     return _VocabCrossEntropy.apply(logits, labels, group)
+
+
+def masked_token_mean(per_token_loss: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
+    """A micro-batch's language-model loss from its per-token losses, as Megatron-LM's
+    ``pretrain_gpt.loss_func`` reduces them: ``sum(loss x loss_mask) / sum(loss_mask)`` (the
+    dataset's loss mask: 0 on padding and, with ``eod_mask_loss``, on end-of-document tokens), in
+    float32; the plain mean without a mask. A micro-batch whose mask is all 0 has loss 0, not NaN.
+
+    Example::
+
+        loss = masked_token_mean(model(tokens, positions, mask, labels=labels), batch.loss_mask)
+    """
+    per_token_loss = per_token_loss.float()
+    if loss_mask is None:
+        return per_token_loss.mean()
+    mask = loss_mask.to(per_token_loss.dtype).reshape(per_token_loss.shape)
+    return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
 
 
 def use_vocab_cross_entropy(model) -> None:

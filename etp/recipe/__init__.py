@@ -43,8 +43,10 @@ Model (``recipe.model``, :class:`ModelSpec`):
     norm_epsilon: 1e-05 (every LayerNorm / RMSNorm's epsilon, megatron-core's layernorm_epsilon;
         Qwen3's 1e-06).
     max_position_embeddings: None -> seq_length.
-    vocab_size: etp's own reading: there is no tokenizer; data is token ids < vocab_size
-        (a text corpus is read as UTF-8 bytes, so vocab_size >= 256 with a corpus).
+    vocab_size: etp's own reading: the embeddings the model has (before
+        make_vocab_size_divisible_by pads them); every token id is below it. With a tokenizer,
+        at least its vocabulary (checked before the ranks start); with data (a text file read as
+        UTF-8 bytes), at least 256.
     make_vocab_size_divisible_by: 128 (the embedding has padded_vocab_size rows).
     swiglu: false. normalization: LayerNorm (LayerNorm | RMSNorm).
     position_embedding_type: learned_absolute (learned_absolute | rope | none).
@@ -154,10 +156,20 @@ Training (``recipe.train``, :class:`TrainSpec`):
         (etp's checkpoints hold no RNG state: batches follow seed and iteration, so true and
         false load the same). skip_train: false (true: no training step and no save, the loaded
         weights (finetune or --resume) are evaluated and their loss reported; needs load).
+        With load set and holding a checkpoint, a run without --resume resumes from its latest
+        (Megatron-LM's load; with load = save one command line serves the first start and every
+        restart), and starts fresh while load holds none ([Note: restarts]).
+    tensorboard_dir: None. wandb_project: None. wandb_exp_name: None. wandb_save_dir: None
+        (Megatron-LM's: every log interval's figures as TensorBoard scalars / a W&B run, offline
+        unless WANDB_MODE says otherwise; optional extras, pip install -e ".[metrics]"; besides,
+        --json RUN.json streams them to RUN.jsonl as the run goes: [Note: the metrics stream]).
+    exit_signal_handler: false. exit_duration_in_mins: None. exit_interval: None (Megatron-LM's:
+        on SIGTERM / after that many minutes / after an iteration that is a multiple of N, the
+        run saves (with save) and exits 0; [Note: early exits] in etp.train.exits).
     data: synthetic (etp's own: "synthetic" for random token ids, or the path of a text
-        corpus, read as bytes; a relative path is looked up from the working directory, the
-        recipe's directory and the directory holding the etp package, see
-        :meth:`Recipe.resolve_data_path`).
+        corpus, read as bytes (memory-mapped), random windows of it; a relative path is looked up
+        from the working directory, the recipe's directory and the directory holding the etp
+        package, see :meth:`Recipe.resolve_data_path`; not with data_path or mock_data).
     deterministic: false (true: torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG,
         megatron-core deterministic_mode, deterministic SDPA kernels; bitwise-equal reruns;
         with cuda_graph step the embedding's backward is etp.kernels.embedding_backward in
@@ -192,6 +204,32 @@ Training (``recipe.train``, :class:`TrainSpec`):
         etp's models have none of those parts).
         ``--set recompute_modules=[core_attn,moe]``.
 
+Data (``recipe.data``, :class:`DataSpec`; Megatron-LM's names and meanings, read through
+megatron-core's ``GPTDataset`` and tokenizers, ``etp.data``; docs/data.md). Relative paths are
+looked up like data's; what the files hold is checked before any rank starts (etp.data.checks):
+    data_path: None (Megatron-LM's --data-path: a prefix of a .bin / .idx pair as etp-preprocess
+        writes it, several prefixes, or weight / prefix pairs [0.3, a, 0.7, b], or the string
+        "0.3 a 0.7 b"; see [Note: blends] in etp/recipe/data_keys.py).
+    split: None -> "969,30,1" with data_path (train, valid, test shares of each prefix's documents).
+    train_data_path, valid_data_path, test_data_path: None (a blend per split, instead of data_path
+        and split; a split without one is not read).
+    data_cache_path: None (where megatron-core caches each dataset's sample indices; None: a
+        cache/ directory beside each prefix).
+    mock_data: false (megatron-core's MockGPTDataset: generated documents, no files).
+    tokenizer_type: None (required with data_path / mock_data: HuggingFaceTokenizer,
+        SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer, TikTokenizer or
+        NullTokenizer, whose ids are below vocab_size - 1 and vocab_size - 1 ends a document).
+    tokenizer_model: None (the tokenizer's local path: a Hugging Face tokenizer directory, a
+        SentencePiece or tiktoken model file; nothing is downloaded).
+    reset_position_ids: false (positions restart after each end-of-document token).
+    reset_attention_mask: false (true: a token attends only to its own document, a block-diagonal
+        causal mask; [Note: per-document masks] in etp/data/batch.py).
+    eod_mask_loss: false (end-of-document tokens carry no loss).
+    num_workers: 2 (DataLoader worker processes per rank reading ahead; 0: the rank reads).
+    eval_interval: 1000 (iterations between validations; the run's end validates too).
+    eval_iters: 100 (global batches of the valid split per validation, and of the test split at
+        the end; 0: no validation).
+
 ``auto`` (``AUTO_KEYS``: cuda_graph, etp.etp_size, etp.expert_etp_size, etp.gather_dtype,
 etp.gather_reuse, micro_batch_size) is chosen at start-up for the machine, each choice printed with its reason:
 see [Note: auto settings] in ``etp/train/auto.py``.
@@ -216,11 +254,12 @@ as the float it looks like, and duplicate keys are errors.
 """
 from etp.recipe.loading import load_recipe_yaml, parse_overrides
 from etp.recipe.recipe import AUTO_KEYS, Recipe
-from etp.recipe.schema import ModelSpec, ParallelSpec, TrainSpec
+from etp.recipe.schema import DataSpec, ModelSpec, ParallelSpec, TrainSpec
 from etp.recipe.validation import RecipeError, check_parallel_layout
 
 __all__ = [
     "AUTO_KEYS",
+    "DataSpec",
     "ModelSpec",
     "ParallelSpec",
     "Recipe",

@@ -11,7 +11,7 @@ from etp.config import REMOVED_SETTINGS, ETPConfig
 from etp.recipe.architecture import check_architecture_layout
 from etp.recipe.loading import load_recipe_yaml
 from etp.recipe.quantities import RecipeQuantities
-from etp.recipe.schema import _ETP_FIELDS, _KEY_SECTION, _SECTIONS, ModelSpec, ParallelSpec, TrainSpec
+from etp.recipe.schema import _ETP_FIELDS, _KEY_SECTION, _SECTIONS, DataSpec, ModelSpec, ParallelSpec, TrainSpec
 from etp.recipe.validation import RecipeError, _fail
 
 
@@ -123,6 +123,8 @@ class Recipe(RecipeQuantities):
     parallel: ParallelSpec = field(default_factory=ParallelSpec)
     train: TrainSpec = None  # type: ignore[assignment]  # required; None fails validation
     etp: ETPConfig = field(default_factory=ETPConfig)
+    #: the corpus, tokenizer, masks and validation (``data_path``, ``tokenizer_type``, ``eval_interval``, ...)
+    data: DataSpec = field(default_factory=DataSpec)
     #: the YAML file it came from (relative data paths are also looked up next to it)
     source: Path | None = field(default=None, compare=False, repr=False)
     #: the flat mapping it was built from (before derived defaults), for :meth:`replace`
@@ -271,8 +273,17 @@ class Recipe(RecipeQuantities):
         refused = e.gather_format.unsupported(t.params_dtype)
         if refused:
             _fail("etp.gather_dtype", e.gather_dtype, refused)
+        if not t.is_synthetic and self.data.has_dataset:
+            _fail("data", t.data, "is etp's own corpus key (synthetic ids or a text file's bytes); with data_path / "
+                  "mock_data remove it (or set data=synthetic)")
         if not t.is_synthetic and m.vocab_size < 256:
             _fail("vocab_size", m.vocab_size, f"must be >= 256 with data={t.data!r}: a text corpus is read as bytes")
+        if self.data.reset_attention_mask and m.attention_backend == "local":
+            _fail("attention_backend", "local", "must be sdpa with reset_attention_mask (megatron-core's local "
+                  "attention takes its fused causal softmax where it can, which ignores a per-document mask)")
+        if self.data.tokenizer_type == "NullTokenizer" and m.vocab_size < 2:
+            _fail("vocab_size", m.vocab_size, "must be >= 2 with tokenizer_type=NullTokenizer (ids below "
+                  "vocab_size - 1, and vocab_size - 1 ends a document)")
 
     def _check_recompute(self) -> None:
         """Recompute settings against the model (TrainSpec checked the combinations alone)."""

@@ -10,6 +10,7 @@ import torch
 
 from etp.config import ETPConfig
 from etp.recipe.architecture import check_architecture, moe_layer_pattern
+from etp.recipe.data_keys import DEFAULT_SPLIT, check_data_keys, parse_blend, parse_split
 from etp.recipe.validation import (
     _BOOL,
     _FLOAT,
@@ -418,6 +419,15 @@ class TrainSpec:
                              "and the iteration), so both values load the same")
     skip_train: bool = _key(False, _BOOL, "train nothing: evaluate the loaded weights (finetune or --resume) and "
                             "report their loss")
+    exit_signal_handler: bool = _key(False, _BOOL, "on SIGTERM, save at the next iteration boundary and exit 0")
+    tensorboard_dir: str | None = _key(None, _STR, "write every log interval's figures as TensorBoard scalars here")
+    wandb_project: str | None = _key(None, _STR, "log every log interval's figures to this W&B project (offline "
+                                     "unless WANDB_MODE says otherwise)")
+    wandb_exp_name: str | None = _key(None, _STR, "the W&B run's name")
+    wandb_save_dir: str | None = _key(None, _STR, "where W&B writes its files")
+    exit_duration_in_mins: float | None = _key(None, _FLOAT, "save and exit 0 after this many minutes", minimum=0.0,
+                                               exclusive_minimum=True)
+    exit_interval: int | None = _positive(None, "save and exit 0 after an iteration that is a multiple of it")
     data: str = _key(SYNTHETIC, _STR, "'synthetic' or a text corpus path")
     deterministic: bool = _key(
         False, _BOOL, "bitwise-reproducible runs: torch deterministic algorithms, megatron deterministic_mode; "
@@ -558,7 +568,69 @@ class TrainSpec:
         return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
 
 
-_SECTIONS: dict[str, type] = {"model": ModelSpec, "parallel": ParallelSpec, "train": TrainSpec}
+@dataclass(frozen=True)
+class DataSpec:
+    """The corpus, its splits and blends, the tokenizer, per-document masks and validation of a
+    recipe (Megatron-LM names and meanings; see ``etp.recipe.data_keys`` and [Note: blends]).
+    Without ``data_path`` / ``mock_data`` etp-train reads the ``data`` key (synthetic ids or a
+    text file's bytes).
+
+    Example::
+
+        spec = DataSpec(data_path="corpus/wiki_text_document", tokenizer_type="HuggingFaceTokenizer",
+                        tokenizer_model="tokenizers/wiki")
+        spec.blend, spec.split_shares   # (('corpus/wiki_text_document',), None), (0.969, 0.03, 0.001)
+    """
+
+    # The blends are lists or strings (Megatron-LM's --data-path), parsed by check_data_keys.
+    data_path: Any = field(default=None, metadata={"help": "prefix, or weight / prefix pairs, of .bin / .idx"})
+    split: str | None = field(default=None, metadata={"help": "train, valid, test shares of data_path"})
+    train_data_path: Any = field(default=None, metadata={"help": "the train split's own blend"})
+    valid_data_path: Any = field(default=None, metadata={"help": "the valid split's own blend"})
+    test_data_path: Any = field(default=None, metadata={"help": "the test split's own blend"})
+    data_cache_path: str | None = _key(None, _STR, "where the datasets' sample indices are cached")
+    mock_data: bool = _key(False, _BOOL, "megatron-core's generated documents instead of a corpus")
+    tokenizer_type: str | None = _key(None, _STR, "Megatron-LM tokenizer type (HuggingFaceTokenizer, ...)")
+    tokenizer_model: str | None = _key(None, _STR, "local path of the tokenizer (nothing is downloaded)")
+    reset_position_ids: bool = _key(False, _BOOL, "position ids restart after each end-of-document token")
+    reset_attention_mask: bool = _key(False, _BOOL, "attention does not cross end-of-document tokens")
+    eod_mask_loss: bool = _key(False, _BOOL, "end-of-document tokens carry no loss")
+    num_workers: int = _key(2, _INT, "data-loader worker processes per rank (0: the rank reads)", minimum=0)
+    eval_interval: int = _positive(1000, "iterations between validations")
+    eval_iters: int = _key(100, _INT, "global batches per validation (0: none)", minimum=0)
+
+    def __post_init__(self) -> None:
+        _validate_fields(self)
+        if isinstance(self.split, (int, float)) and not isinstance(self.split, bool):
+            object.__setattr__(self, "split", str(self.split))
+        check_data_keys(self)
+        if self.data_path is not None and self.split is None:
+            object.__setattr__(self, "split", DEFAULT_SPLIT)
+
+    @property
+    def has_dataset(self) -> bool:
+        """Whether etp-train reads megatron-core datasets (``data_path``, a path per split, ``mock_data``)."""
+        return self.mock_data or any(getattr(self, key) is not None for key in
+                                     ("data_path", "train_data_path", "valid_data_path", "test_data_path"))
+
+    @property
+    def blend(self):
+        """``data_path`` as ``(prefixes, weights or None)`` (None without it)."""
+        return parse_blend("data_path", self.data_path)
+
+    def split_blend(self, split: str):
+        """``train_data_path`` / ``valid_data_path`` / ``test_data_path`` of ``split`` (train | valid |
+        test) as ``(prefixes, weights or None)``, None when unset."""
+        return parse_blend(f"{split}_data_path", getattr(self, f"{split}_data_path"))
+
+    @property
+    def split_shares(self) -> tuple[float, float, float] | None:
+        """``split`` as normalized (train, valid, test) shares (None without ``data_path``)."""
+        return None if self.split is None else parse_split(self.split)
+
+
+_SECTIONS: dict[str, type] = {"model": ModelSpec, "parallel": ParallelSpec, "train": TrainSpec,
+                             "data": DataSpec}
 #: flat recipe key -> section attribute of Recipe
 _KEY_SECTION: dict[str, str] = {
     f.name: section for section, cls in _SECTIONS.items() for f in dataclasses.fields(cls)

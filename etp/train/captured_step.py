@@ -33,13 +33,14 @@ Example (what ``etp-train --set cuda_graph=step`` does)::
 
     graphed = capture_step(model, loss_fn, first_batch, micro=2, device=torch.device("cuda"))
     for batch in micro_batches:
-        total += graphed(batch) / 2
+        total += graphed(*batch.tensors()) / 2
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from etp.data.batch import as_batch
 from etp.graphs import GraphedStep
 from etp.kernels.embedding import embedding_backward
 from etp.param import ETPShardedParam
@@ -93,15 +94,16 @@ def make_embeddings_capture_safe(model: torch.nn.Module) -> int:
     return count
 
 
-def capture_step(model, loss_fn, first_batch: torch.Tensor, micro: int, device) -> GraphedStep:
+def capture_step(model, loss_fn, first_batch, micro: int, device) -> GraphedStep:
     """One micro-batch's forward + backward as an ``etp.GraphedStep`` (three eager warm-ups on
     a side stream, gradients restored, then the capture); see [Note: etp-train graph step].
 
     Args:
         model: the DDP-wrapped megatron-core model (every trainable plain parameter has a
             ``main_grad``).
-        loss_fn: ``loss_fn(model, tokens) -> (loss, objective)``.
-        first_batch: a ``[micro_batch, seq + 1]`` token batch (its shape is the graph's).
+        loss_fn: ``loss_fn(model, batch) -> (loss, objective)``.
+        first_batch: an ``etp.data.batch.Batch`` (or a ``[micro_batch, seq + 1]`` token batch): its
+            tensors' shapes are the graph's; replay with ``graphed(*batch.tensors())``.
         micro: micro-batches per step (the objective is divided by it, as in eager training).
     """
     if device.type != "cuda":
@@ -122,8 +124,10 @@ def capture_step(model, loss_fn, first_batch: torch.Tensor, micro: int, device) 
         raise ValueError(f"cuda_graph=step: {missing} trainable parameters have no main_grad "
                          "(megatron-core DDP gives every one a main_grad); wrap the model with DDP first")
 
-    def step(tokens):
-        loss, objective = loss_fn(model, tokens)
+    first_batch = as_batch(first_batch)  # the graph's static inputs: the batch's tensors
+
+    def step(*tensors):
+        loss, objective = loss_fn(model, first_batch.with_tensors(tensors))
         grads = torch.autograd.grad(objective / micro, trainable, allow_unused=True)
         with torch.no_grad():
             for param, is_plain, grad in zip(trainable, plain, grads):
@@ -131,4 +135,4 @@ def capture_step(model, loss_fn, first_batch: torch.Tensor, micro: int, device) 
                     param.main_grad.add_(grad)
         return loss.detach()
 
-    return GraphedStep(model, step, first_batch.clone())
+    return GraphedStep(model, step, *first_batch.clone().tensors())

@@ -2,6 +2,8 @@
 one run from destroying another's work.
 
 [Note: a checkpoint directory is never clobbered by accident]
+* [Note: restarts] A run given ``load`` resumes from its latest checkpoint, or starts fresh while
+  it holds none (``resume_from_load``): with ``load`` = ``save`` every restart continues the run.
 * A fresh run (no ``--resume``) whose ``save`` directory already holds checkpoints is refused
   before any rank starts, naming ``--resume`` (continue that run) and ``--overwrite`` (replace
   its checkpoints: they are deleted first, and the run says which).
@@ -32,11 +34,12 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from etp.train.options import RunOptions, TrainError
 
-__all__ = ["Checkpointing", "check_checkpoint_dirs", "checkpoint_bytes"]
+__all__ = ["Checkpointing", "check_checkpoint_dirs", "checkpoint_bytes", "resume_from_load"]
 
 #: Free space a save needs beyond the checkpoint's tensors (metadata, manifests, rounding).
 SAVE_MARGIN = 1.05
@@ -90,6 +93,26 @@ def _check_loading(recipe, options: RunOptions, load: Path | None) -> list[str]:
                          f"{published or 'none'}): point load at an etp-train save or an etp-convert import-hf output")
     return [f"fine-tuning from the model weights of {load} (iteration {latest}); iteration, optimizer and "
             "schedule start fresh"]
+
+
+def resume_from_load(recipe, options: RunOptions) -> tuple[RunOptions, str | None]:
+    """[Note: restarts] Megatron-LM's ``load``: a run given ``load`` (and neither ``--resume`` nor
+    ``finetune``) resumes from that directory's latest checkpoint when it holds one, and starts
+    fresh while it holds none, so with ``load`` = ``save`` one command line serves the first start
+    and every restart under a launcher (``torchrun --max-restarts``, a requeued SLURM job). The
+    options the run then has, and the note to print.
+
+    Example::
+
+        options, note = resume_from_load(recipe, RunOptions())   # resume=True once load has a checkpoint
+    """
+    t = recipe.train
+    if options.resume or not t.load or t.finetune:
+        return options, None
+    latest, _ = _latest(Path(t.load))
+    if latest is None:
+        return options, f"load={t.load} holds no checkpoint yet: starting fresh"
+    return replace(options, resume=True), f"load={t.load} holds iteration {latest}: resuming from it"
 
 
 def check_checkpoint_dirs(recipe, options: RunOptions) -> list[str]:
@@ -185,6 +208,7 @@ class Checkpointing:
         t = recipe.train
         self.save_root = Path(t.save) if t.save else None
         self.load_root = Path(t.load) if t.load else self.save_root
+        self.loaded_consumed = None  # the checkpoint's consumed samples per split, once resumed
         self.carried: dict = {}  # CARRIED_METADATA of the checkpoint the run started from
 
     def due(self, done: int, stop: int) -> bool:
@@ -229,6 +253,7 @@ class Checkpointing:
             if schedule is not None:
                 schedule.load_state_dict(metadata.get("opt_param_scheduler"), iteration)
         self.carried = {k: metadata[k] for k in CARRIED_METADATA if metadata.get(k) is not None}
+        self.loaded_consumed = metadata.get("consumed_samples")
         if self.rank == 0:
             print(f"etp-train: resumed at iteration {iteration} from {self.load_root} (saved with layout "
                   f"{metadata.get('layout')})", flush=True)
@@ -246,9 +271,18 @@ class Checkpointing:
                   f"{metadata.get('source') or 'saved with layout ' + str(metadata.get('layout'))}); iteration 0, a "
                   "fresh optimizer", flush=True)
 
-    def save(self, stepper, iteration: int, schedule=None) -> float:
-        """Saves ``iteration`` (with ``schedule``'s state, stepped past it); returns the seconds
-        it took (kept out of the step time)."""
+    def consumed_samples(self, iteration: int, global_batch_size: int) -> dict:
+        """The samples of each split the run has consumed when it starts at ``iteration``: what the
+        checkpoint it resumed from recorded, else ``iteration x global_batch_size`` train samples
+        (a fresh run: none). [Note: consumed samples]"""
+        if self.loaded_consumed is not None:
+            return dict(self.loaded_consumed)
+        return {"train": iteration * global_batch_size, "valid": 0}
+
+    def save(self, stepper, iteration: int, schedule=None, consumed: dict | None = None) -> float:
+        """Saves ``iteration`` (with ``schedule``'s state, stepped past it, and the samples each
+        split has ``consumed``, [Note: consumed samples]); returns the seconds it took (kept out of
+        the step time)."""
         from etp.megatron.checkpoint import save_training_checkpoint
 
         p, e = self.recipe.parallel, self.recipe.etp
@@ -259,6 +293,8 @@ class Checkpointing:
         metadata = {"recipe": str(self.recipe.source), "layout": layout, **self.carried}
         if schedule is not None:
             metadata["opt_param_scheduler"] = schedule.state_dict()  # Megatron-LM's name for it
+        if consumed is not None:
+            metadata["consumed_samples"] = consumed
         path = save_training_checkpoint(self.save_root, iteration, stepper.model, stepper.optimizer, metadata)
         seconds = time.perf_counter() - began
         if self.rank == 0:

@@ -13,6 +13,7 @@ else is a bug and shows its traceback.
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import signal
 import socket
@@ -164,6 +165,8 @@ def spawn_cpu_ranks(world: int, recipe, options: RunOptions) -> int:
     procs = [context.Process(target=_spawned, args=(r, world, recipe, port, results, options)) for r in range(world)]
     for proc in procs:
         proc.start()
+    if recipe.train.exit_signal_handler:  # a SIGTERM to this launcher reaches its ranks, which save and exit 0
+        signal.signal(signal.SIGTERM, lambda signum, frame: [os.kill(p.pid, signum) for p in procs if p.is_alive()])
     failures = _collect(procs, results)
     for proc in procs:
         proc.join()

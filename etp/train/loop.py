@@ -1,14 +1,17 @@
 """``train()``: one rank of an etp-train run, as a loop over iterations.
 
 Each iteration runs the recipe's micro-batches (eagerly, or replaying the captured step of
-``cuda_graph: step``), the optimizer step, a checkpoint when one is due, and the log window.
+``cuda_graph: step``), the optimizer step, a validation and a checkpoint when due, and the log
+window; after the last, the validation and test losses (``etp.train.evaluation``).
 Everything else lives in the components: set-up (``setup.py``), checkpoints
 (``checkpointing.py``), reporting (``reporting.py``).
 """
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -82,7 +85,7 @@ def _micro_batches(run: Run, recipe, batches, iteration: int, micro: int, tools:
         if graphed is not None:
             # The replay adds this micro-batch's gradients into main_grad; DDP's reductions
             # start in finalize (overlap_grad_reduce is off with graphs), so no no_sync here.
-            total += graphed(batches.get(iteration, index)) / micro
+            total += graphed(*batches.get(iteration, index).tensors()) / micro
             continue
         with context:
             with tools.phase("forward"):
@@ -105,7 +108,7 @@ def train(rank: int, world: int, recipe, options: RunOptions | None = None, port
     """
     from megatron.core import parallel_state as ps
 
-    from etp.train.batches import Batches
+    from etp.train.batches import train_batches
     from etp.train.flops import peak_tflops, training_flops
 
     options = options or RunOptions()
@@ -113,13 +116,15 @@ def train(rank: int, world: int, recipe, options: RunOptions | None = None, port
     recipe = _resolved(recipe, rank, world)
     run = set_up(recipe, rank, world, port, clock)
     micro = recipe.num_microbatches(run.world)
-    batches = Batches(recipe, ps.get_data_parallel_rank(), run.device, micro)
     flops = training_flops(recipe, micro * recipe.train.micro_batch_size * recipe.model.seq_length)
     peak = recipe.train.peak_tflops or peak_tflops(torch.cuda.get_device_name() if run.device.type == "cuda" else None)
     _announce(run, recipe, flops, peak)
     checkpoints = Checkpointing(recipe, options, run.rank, run.world)
     schedule = OptimizerSchedule(recipe, run.stepper.optimizer, recipe.global_batch_size(run.world))
     start = checkpoints.start(run.stepper, schedule)  # --resume's iteration, or 0 (after finetune's weights)
+    readers = train_batches(recipe, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), run.device, micro,
+                            checkpoints.consumed_samples(start, recipe.global_batch_size(run.world)))
+    batches = readers[0]
     if recipe.train.skip_train:  # [Note: fine-tuning]
         from etp.train.finetune import evaluate_loaded
 
@@ -132,7 +137,13 @@ def train(rank: int, world: int, recipe, options: RunOptions | None = None, port
     if start >= stop and run.rank == 0:
         print(f"etp-train: nothing to do: the run is at iteration {start}, its last is {stop}", flush=True)
     tools = _instruments(run, options, max(0, stop - start))
-    reporter = Reporter(recipe, run.rank, run.device, flops, peak, stop=stop, clock=clock, schedule=schedule)
+    from etp.train.metrics import MetricsStream
+
+    stream = None if options.json_path is None else str(Path(options.json_path).with_suffix(".jsonl"))
+    metrics = MetricsStream.open(recipe, run.rank, jsonl=stream)  # [Note: the metrics stream]
+    reporter = Reporter(recipe, run.rank, run.device, flops, peak, stop=stop, clock=clock, schedule=schedule,
+                        metrics=metrics)
+    exits = _early_exits(recipe, run)  # [Note: early exits]
     clock.mark("resume" if options.resume else "loop set-up")
     if run.rank == 0:
         print(f"etp-train: {clock.line('set up in')}", flush=True)
@@ -156,15 +167,75 @@ def train(rank: int, world: int, recipe, options: RunOptions | None = None, port
             profiled = tools.profiler is not None and tools.profiler.covers(iteration - start)
             if tools.profiler is not None:
                 tools.profiler.step()
-            if checkpoints.due(iteration + 1, stop):
-                reporter.exclude(checkpoints.save(run.stepper, iteration + 1, schedule))
+            if _validation_due(recipe, iteration + 1):
+                _evaluate(run, recipe, readers[1], "valid", iteration + 1, micro, reporter)
+            early = exits.reason(iteration + 1)
+            if checkpoints.due(iteration + 1, stop) or (early and checkpoints.save_root is not None):
+                reporter.exclude(checkpoints.save(run.stepper, iteration + 1, schedule, _consumed(readers)))
             reporter.iteration_done(iteration, total / ps.get_data_parallel_world_size(), norm, profiled,
-                                    iteration + 1 == stop, tools.timeline)
+                                    iteration + 1 == stop or early is not None, tools.timeline)
+            if early:
+                if run.rank == 0:
+                    print(f"etp-train: stopping after iteration {iteration + 1}: {early}"
+                          + ("" if checkpoints.save_root is None else f" (saved to {checkpoints.save_root})"),
+                          flush=True)
+                stop = iteration + 1
+                break
+        exits.uninstall()
+        if start < stop == recipe.train.train_iters:
+            _evaluate(run, recipe, readers[2], "test", stop, micro, reporter)
         _finish(run, recipe, options, tools, reporter, flops, peak)
+        metrics.close({"iterations": stop - start, "losses": len(reporter.losses)})
     finally:
+        metrics.close()  # a failed run keeps every line it streamed
         reporter.pauses.close()  # a failed run (a --tune candidate) leaves no collector callback behind
     ps.destroy_model_parallel()
     return reporter.losses
+
+
+def _early_exits(recipe, run: Run):
+    """The run's ``EarlyExit``, its SIGTERM handler installed; its vote goes over a gloo group
+    (the default one on CPU ranks), so it never synchronizes the device."""
+    import time
+
+    from etp.train.exits import EarlyExit
+
+    t = recipe.train
+    votes = t.exit_signal_handler or t.exit_duration_in_mins is not None
+    group = dist.new_group(backend="gloo") if votes and run.backend != "gloo" else None
+    exits = EarlyExit(recipe, time.monotonic(), group)
+    exits.install()
+    return exits
+
+
+def _validation_due(recipe, done: int) -> bool:
+    """Every ``eval_interval`` iterations and after the last (``train_iters``; not at an ``--exit-after``
+    stop between intervals): before that iteration's checkpoint, which then holds the valid samples
+    consumed, so a resumed run validates on the samples the uninterrupted run would have."""
+    return done % recipe.data.eval_interval == 0 or done == recipe.train.train_iters
+
+
+def _evaluate(run: Run, recipe, batches, split: str, iteration: int, micro: int, reporter: Reporter) -> None:
+    """``eval_iters`` global batches of ``split`` (nothing without that split or with eval_iters 0)."""
+    from megatron.core import parallel_state as ps
+
+    from etp.train.evaluation import evaluate
+
+    if batches is None or recipe.data.eval_iters == 0:
+        return
+    began = time.perf_counter()
+    loss = evaluate(run.stepper.model, run.loss_fn, batches, recipe.data.eval_iters, micro, run.device,
+                    ps.get_data_parallel_group())
+    reporter.evaluation_done(split, iteration, loss, time.perf_counter() - began)
+
+
+def _consumed(readers) -> dict | None:
+    """The samples each split's reader has consumed (checkpoint metadata); None for etp's ``data``."""
+    from etp.train.batches import DatasetBatches
+
+    if not isinstance(readers[0], DatasetBatches):
+        return None
+    return {name: reader.consumed_samples for name, reader in zip(("train", "valid"), readers) if reader is not None}
 
 
 def _resolved(recipe, rank: int, world: int):

@@ -4,7 +4,8 @@ Either way the model is megatron-core's ``GPTModel`` with etp's layer spec (grou
 SDPA attention), ETP applied, every recipe key honoured:
 
 * Without GPUs (recipe ``backend: gloo``, or no CUDA): spawns ``world_size`` gloo ranks on
-  loopback and trains it on the recipe's corpus, read as bytes, with torch AdamW after etp's
+  loopback and trains it on the recipe's data (an indexed dataset through megatron-core's GPTDataset, synthetic ids or a text
+  file's bytes), with torch AdamW after etp's
   gradient finalize (``etp.train.optimizer_steps.TorchStep``); megatron-core's few CUDA-only
   places run on the CPU ([Note: megatron-core on CPU] in ``etp.megatron.patches``).
 * Under ``torchrun`` with GPUs: trains it with megatron-core DDP and Adam.
@@ -96,6 +97,7 @@ def main(argv=None) -> int:
     from etp.megatron.checkpoint.manifest import CheckpointError
     from etp.recipe import RecipeError
     from etp.train.auto import Machine, resolve_auto
+    from etp.train.checkpointing import resume_from_load
     from etp.train.launch import run_rank, spawn_cpu_ranks
     from etp.train.preflight import preflight
 
@@ -118,7 +120,8 @@ def main(argv=None) -> int:
         machine = Machine.detect(world) if torchrun else Machine(world, world)
         recipe, notes = resolve_auto(recipe, machine)  # [Note: auto settings]
         recipe.check_world_size(world)
-        notes = [*notes, *recipe.notes, *preflight(recipe, options)]
+        options, restart = resume_from_load(recipe, options)  # [Note: restarts]
+        notes = [*notes, *recipe.notes, *([restart] if restart else []), *preflight(recipe, options)]
     except (RecipeError, TrainError, CheckpointError) as error:
         if rank == 0:
             print(f"etp-train: error: {error}", file=sys.stderr)

@@ -16,8 +16,9 @@ __all__ = ["build_model", "gpt_model", "language_model_loss", "scale_router_loss
 
 
 def build_model(recipe, device):
-    """(model, ``loss_fn(module, batch)`` of a [b, s+1] token batch, its ``TransformerConfig``):
-    megatron-core's ``GPTModel`` of the recipe on ``device``, CPU or GPU.
+    """(model, ``loss_fn(module, batch)`` of an ``etp.data.batch.Batch`` (or a [b, s+1] token
+    batch), its ``TransformerConfig``): megatron-core's ``GPTModel`` of the recipe on ``device``,
+    CPU or GPU.
 
     ``loss_fn`` returns (the language-model loss to report, the objective to differentiate).
 
@@ -64,19 +65,26 @@ def build_model(recipe, device):
     return model, language_model_loss, config
 
 
-def language_model_loss(module, batch: torch.Tensor):
-    """(the mean next-token loss of a [b, s+1] token batch, the objective to differentiate):
-    the one place etp-train calls its model. megatron-core adds the router's auxiliary and
-    z-losses to the gradient itself (``scale_router_losses``), so the two are the same tensor.
+
+def language_model_loss(module, batch):
+    """(the next-token loss of a batch, the objective to differentiate): the one place
+    etp-train calls its model. ``batch`` is an ``etp.data.batch.Batch`` (tokens, labels, loss
+    mask, per-document attention mask, positions) or a [b, s+1] token tensor; the loss is
+    Megatron-LM's mean over the tokens the loss mask keeps. megatron-core adds the router's
+    auxiliary and z-losses to the gradient itself (``scale_router_losses``), so the two are the
+    same tensor.
 
     Example::
 
         loss, objective = language_model_loss(model, batch)
         objective.backward()
     """
-    tokens = batch[:, :-1]
-    position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-    loss = module(tokens, position_ids, None, labels=batch[:, 1:]).float().mean()
+    from etp.data.batch import as_batch
+    from etp.megatron.cross_entropy import masked_token_mean
+
+    batch = as_batch(batch)
+    per_token = module(batch.tokens, batch.positions(), batch.attention_mask, labels=batch.labels)
+    loss = masked_token_mean(per_token, batch.loss_mask)
     return loss, loss
 
 

@@ -48,6 +48,8 @@ def preflight(recipe, options: RunOptions) -> list[str]:
         for note in preflight(recipe, RunOptions(resume=True)):
             print(f"etp-train: {note}")
     """
+    from etp.data.checks import check_data
+
     notes = []
     recipe.resolve_data_path()  # RecipeError naming `data` when the corpus is missing
     _output_file("--json", options.json_path)
@@ -69,7 +71,17 @@ def preflight(recipe, options: RunOptions) -> list[str]:
                else f"leaves no iteration to decay over (lr_decay_iters={t.lr_decay_iters})")
         notes.append(f"lr_warmup_iters={t.warmup_clipped_from} {why}: the warm-up is clipped to "
                      f"{t.lr_warmup_iters} iterations")
+    from etp.train.metrics import missing_packages
+
+    missing = missing_packages(recipe)
+    if missing:
+        raise TrainError(f"tensorboard_dir / wandb_project need {', '.join(missing)}: pip install "
+                         f"{' '.join(missing)} (or etp[metrics])")
     if options.exit_after is not None and options.exit_after < 1:
         raise TrainError(f"--exit-after {options.exit_after}: must be >= 1 (the last iteration to run)")
     notes += check_checkpoint_dirs(recipe, options)
+    try:  # data_path / mock_data: files, tokenizer, splits (etp.data.checks); last: a tokenizer loads for seconds
+        notes += check_data(recipe)
+    except ValueError as error:
+        raise TrainError(str(error)) from None
     return notes

@@ -167,8 +167,10 @@ class Reporter:
     """
 
     def __init__(self, recipe, rank: int, device: torch.device, flops_per_iter: float, peak: float | None,
-                 *, stop: int | None = None, clock: StartupClock | None = None, schedule=None) -> None:
+                 *, stop: int | None = None, clock: StartupClock | None = None, schedule=None,
+                 metrics=None) -> None:
         self.recipe, self.rank, self.device = recipe, rank, device
+        self.metrics = metrics  # etp.train.metrics.MetricsStream: [Note: the metrics stream]
         self.flops_per_iter, self.peak = flops_per_iter, peak
         self.stop = recipe.train.train_iters if stop is None else stop
         self.clock = clock or StartupClock()
@@ -180,7 +182,8 @@ class Reporter:
         self._window_began = time.perf_counter()
         self._window_iterations = 0
         self._window_profiled = False
-        self._excluded = 0.0  # seconds of this window spent outside training (checkpoint saves)
+        self._excluded = 0.0  # seconds of this window spent outside training (checkpoint saves, validation)
+        self.evaluations: list[dict] = []  # validation and test losses (etp.train.evaluation)
         self.pauses = CollectorPauses()  # [Note: collector pauses]
 
     def start(self) -> None:
@@ -218,11 +221,33 @@ class Reporter:
                              "profiled": self._window_profiled, "elapsed_s": run_s, "eta_s": eta_s,
                              # this rank's; gather_collector_pauses adds the slowest rank's
                              "gc_ms_per_iter": self.pauses.take() / self._window_iterations})
+        if self.metrics is not None:
+            tokens = (self.recipe.train.global_batch_size or 0) * self.recipe.model.seq_length
+            cuda = self.device.type == "cuda"
+            self.metrics.log({**self.records[-1], "tokens_per_s": tokens / elapsed,
+                              "memory_allocated_gib": torch.cuda.memory_allocated() / 2**30 if cuda else None,
+                              "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None})
         if self.rank == 0:
             print(self.log_line(iteration + 1, self.losses[-1], lr, norm, elapsed, tflops, mfu, run_s, eta_s),
                   flush=True)
         self._window_began, self._window_iterations = time.perf_counter(), 0
         self._window_profiled, self._excluded = False, 0.0
+
+    def evaluation_done(self, split: str, iteration: int, loss: float, seconds: float) -> None:
+        """Records (and rank 0 prints) a validation or test loss after ``iteration`` iterations; its
+        ``seconds`` stay out of the log window's step time."""
+        from etp.train.evaluation import perplexity
+
+        self.exclude(seconds)
+        record = {"split": split, "iteration": iteration, "loss": loss, "ppl": perplexity(loss), "seconds": seconds}
+        self.evaluations.append(record)
+        if self.metrics is not None:
+            name = "validation" if split == "valid" else split
+            self.metrics.log({"iteration": iteration, f"{name}_loss": loss, f"{name}_ppl": record["ppl"]})
+        if self.rank == 0:
+            name = "validation" if split == "valid" else split
+            print(f"{name} loss at iteration {iteration} | lm loss {loss:.4f} | lm loss PPL {record['ppl']:.3f} | "
+                  f"{seconds * 1e3:.0f} ms", flush=True)
 
     def gather_collector_pauses(self, group=None) -> float | None:
         """Adds ``gc_ms_per_iter_max_rank`` (the slowest rank's collection time per iteration)
@@ -282,6 +307,8 @@ class Reporter:
             "params": recipe.num_params(), "active_params": recipe.num_params(active=True),
             "param_bytes_per_rank": {"before_etp": summary.bytes_before, "after_etp": summary.bytes_after},
             "losses": self.losses, "log": self.records,
+            "validation": [r for r in self.evaluations if r["split"] == "valid"],
+            "test": next((r for r in self.evaluations if r["split"] == "test"), None),
             "steady_iterations": [r["iteration"] for r in steady],
             "ms_per_iter": mean("ms_per_iter"), "tflops_per_rank": mean("tflops_per_rank"), "mfu": mean("mfu"),
             "flops_convention": "6 x GEMM weights per token + 12 x layers x heads x kv_channels x seq (full square)",

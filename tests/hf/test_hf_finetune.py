@@ -106,7 +106,9 @@ def _from_an_import(ctx, directory: str, recipe_path: str):
 
     skipped = train(ctx.rank, ctx.world_size, recipe(skip_train=True), RunOptions())
     tuned = train(ctx.rank, ctx.world_size, recipe(save=f"{directory}/tuned"), RunOptions())
-    evaluated = [Batches(recipe(), ctx.rank, torch.device("cpu"), 2).get(0, i) for i in range(2)]
+    read = [Batches(recipe(), ctx.rank, torch.device("cpu"), 2).get(0, i) for i in range(2)]
+    # each micro-batch's [b, s + 1] ids: its inputs and its last label (etp.data.batch.Batch)
+    evaluated = [torch.cat([batch.tokens, batch.labels[:, -1:]], dim=1) for batch in read]
     ps.initialize_model_parallel()
     try:
         r = recipe()

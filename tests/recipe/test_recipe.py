@@ -40,13 +40,14 @@ def test_tiny_cpu_recipe_validates():
     r, _ = resolve_auto(r, Machine(2, 2))
     assert (r.etp.etp_size, r.etp.expert_etp_size) == (2, 2) and r.auto == ()
     assert r.model.num_experts == 4 and r.model.moe_router_topk == 2
-    assert r.model.vocab_size == 256 and not r.train.bf16
-    assert r.train.data == "etp/data/tiny_corpus.txt"
+    assert r.model.vocab_size == 512 and not r.train.bf16
+    assert r.train.data == "synthetic" and r.data.data_path == "etp/data/tiny_corpus_text_document"
+    assert (r.data.tokenizer_type, r.data.split_shares) == ("HuggingFaceTokenizer", (0.9, 0.05, 0.05))
     assert (r.data_parallel_size(), r.expert_data_parallel_size()) == (2, 2)
     assert (r.replicate_size(), r.expert_replicate_size()) == (1, 1)
     assert (r.global_batch_size(), r.num_microbatches()) == (8, 1)
     # Matches megatron-core's GPTModel(local spec) parameter count for these settings.
-    assert r.num_params() == 164_672 and r.num_params(active=True) == 115_520
+    assert r.num_params() == 197_440 and r.num_params(active=True) == 148_288
 
 
 def test_flagship_recipe_validates_and_is_over_a_billion_parameters():
@@ -176,7 +177,9 @@ BAD = {
         {"num_experts": None, "moe_ffn_hidden_size": None, "expert_model_parallel_size": 2,
          "etp": {"expert_etp_size": 1}}, None, "expert_model_parallel_size", 2,
     ),
-    "byte corpus needs 256 ids": ({"vocab_size": 100}, None, "vocab_size", 100),
+    "byte corpus needs 256 ids": ({"vocab_size": 100, "data": "etp/data/tiny_corpus.txt", "data_path": None,
+                                   "tokenizer_type": None, "tokenizer_model": None, "data_cache_path": None},
+                                  None, "vocab_size", 100),
     "save_interval without save": ({"save_interval": 10}, None, "save_interval", 10),
     # checks that need the world size (the recipe's world_size, or check_world_size(n))
     "world % (TP x PP x CP)": (
@@ -402,9 +405,9 @@ def test_resolve_data_path(tmp_path):
     assert Recipe.from_yaml(BIG, data="synthetic").resolve_data_path() is None
     (tmp_path / "corpus.txt").write_text("hello world\n")
     path = tmp_path / "r.yaml"
-    path.write_text(TINY.read_text().replace("etp/data/tiny_corpus.txt", "corpus.txt"))
+    path.write_text(BIG.read_text().replace("etp/data/tiny_corpus.txt", "corpus.txt"))
     assert Recipe.from_yaml(path).resolve_data_path() == tmp_path / "corpus.txt"
-    missing = Recipe.from_yaml(TINY, data="no/such/corpus.txt")
+    missing = Recipe.from_yaml(BIG, data="no/such/corpus.txt")
     with pytest.raises(RecipeError, match=r"data='no/such/corpus.txt': no such file") as info:
         missing.resolve_data_path()
     assert info.value.key == "data"
@@ -416,7 +419,7 @@ def test_the_bundled_corpus_is_found_from_any_directory(tmp_path, monkeypatch):
     from importlib.resources import files
 
     copy = tmp_path / "elsewhere.yaml"
-    copy.write_text(TINY.read_text())
+    copy.write_text(BIG.read_text())
     monkeypatch.chdir(tmp_path)
     bundled = Path(str(files("etp") / "data" / "tiny_corpus.txt")).resolve()  # the installed package data
     assert Recipe.from_yaml(copy).resolve_data_path().resolve() == bundled

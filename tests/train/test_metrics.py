@@ -3,6 +3,7 @@ leaves readable, TensorBoard scalars read back by TensorBoard's own reader, the 
 receives, and a missing package named before a run starts."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -106,3 +107,23 @@ def test_a_real_offline_wandb_run_writes_its_files(tmp_path, monkeypatch):
     stream.log({"iteration": 1, "loss": 2.0})
     stream.close()
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def test_etp_train_streams_every_log_window_and_tensorboard_gets_them(tmp_path):
+    from pathlib import Path
+
+    from etp.train.main import main
+
+    pytest.importorskip("tensorboard")
+    root = Path(__file__).resolve().parents[2]
+    report = tmp_path / "run.json"
+    assert main(["--recipe", str(root / "recipes" / "tiny_moe_cpu.yaml"), "--train-iters", "4", "--log-interval", "2",
+                 "--set", f"tensorboard_dir={tmp_path / 'tb'}", "--set", "eval_interval=4", "--set", "eval_iters=1",
+                 "--json", str(report)]) == 0
+    records, summary = metrics.read_stream(tmp_path / "run.jsonl")
+    windows = [r for r in records if "loss" in r]
+    assert [r["iteration"] for r in windows] == [2, 4] and summary is not None
+    assert [r["loss"] for r in windows] == [r["loss"] for r in json.loads(report.read_text())["log"]]
+    assert all(r["tokens_per_s"] > 0 and r["lr"] > 0 for r in windows)
+    assert any("validation_loss" in r for r in records)
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))

@@ -89,7 +89,7 @@ def test_input_errors_are_one_line_before_any_rank_starts(case, tmp_path):
     argv = {
         "unwritable_save": ["--set", f"save={blocker / 'ckpt'}"],
         "resume_without_checkpoint": ["--set", f"save={tmp_path / 'empty'}", "--resume"],
-        "missing_data": ["--set", f"data={tmp_path / 'nope.txt'}"],
+        "missing_data": ["--set", f"data_path={tmp_path / 'nope'}"],
         "json_is_a_dir": ["--json", str(tmp_path)],
     }[case]
     expect = {"unwritable_save": "not a writable directory", "resume_without_checkpoint": "holds no checkpoint",
