@@ -137,8 +137,8 @@ def check_checkpoint_dirs(recipe, options: RunOptions) -> list[str]:
             raise TrainError(f"--resume {resume_at}: {load} has no checkpoint of that iteration (it has "
                              f"{published}): pick one of them")
         if _metadata(load, resume_at).get("kind") == "weights":
-            raise TrainError(f"--resume: {load} holds model weights only (etp-convert import-hf wrote it), no run to "
-                             "continue: start from it with --set finetune=true instead of --resume")
+            raise TrainError(f"load={load} holds model weights only (etp-convert import-hf wrote it), no run to "
+                             "resume: start from it with --set finetune=true")
         notes.append(f"resuming at iteration {resume_at} from {load}" + (" (model and iteration; a fresh optimizer: "
                                                                           "no_load_optim)" if t.no_load_optim else ""))
     if save is None or t.skip_train:  # skip_train saves nothing

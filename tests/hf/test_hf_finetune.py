@@ -48,9 +48,13 @@ def test_resuming_a_weights_only_checkpoint_is_refused_naming_finetune(tmp_path)
     hf = save("mixtral", tmp_path / "hf")
     recipe = Recipe.from_yaml(recipe_from_hf(hf, tmp_path / "r.yaml"), bf16=False)
     import_hf(hf, recipe, tmp_path / "ckpt", etp_model, quiet=True)
-    with pytest.raises(TrainError) as error:
-        check_checkpoint_dirs(recipe.replace(load=str(tmp_path / "ckpt")), RunOptions(resume=True))
-    assert "holds model weights only" in str(error.value) and "finetune=true" in str(error.value)
+    from etp.train.checkpointing import resume_from_load
+
+    loading = recipe.replace(load=str(tmp_path / "ckpt"))
+    for options in (RunOptions(resume=True), resume_from_load(loading, RunOptions())[0]):  # --resume, or load alone
+        with pytest.raises(TrainError) as error:
+            check_checkpoint_dirs(loading, options)
+        assert "holds model weights only" in str(error.value) and "finetune=true" in str(error.value)
     notes = check_checkpoint_dirs(recipe.replace(load=str(tmp_path / "ckpt"), finetune=True), RunOptions())
     assert any("fine-tuning from the model weights" in note for note in notes)
 
