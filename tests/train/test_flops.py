@@ -20,12 +20,12 @@ RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
 def test_tiny_recipe_hand_count():
     r = Recipe.from_yaml(RECIPES / "tiny_moe_cpu.yaml")
-    # h 64, 4 heads x 16, 2 layers, 4 experts top-2 of width 64 (SwiGLU), vocab 256, untied, RMSNorm.
+    # h 64, 4 heads x 16, 2 layers, 4 experts top-2 of width 64 (SwiGLU), vocab 512 (the bundled tokenizer's), untied, RMSNorm.
     qkv, proj, router, norms = 64 * 192, 64 * 64, 4 * 64, 2 * 64
     experts = 2 * (64 * 2 * 64 + 64 * 64)  # two active experts: fc1 [128, 64], fc2 [64, 64]
     layer = qkv + proj + router + experts + norms
-    weights = 2 * layer + 64 + 256 * 64  # + final norm + logits GEMM; the input embedding is a lookup
-    assert gemm_weights_per_token(r) == weights == 99136
+    weights = 2 * layer + 64 + 512 * 64  # + final norm + logits GEMM; the input embedding is a lookup
+    assert gemm_weights_per_token(r) == weights == 115520
     attention = 12 * 2 * (4 * 16) * 64  # 12 x L x heads x kv_channels x s, the full square
     assert attention_flops_per_token(r) == attention == 98304
     assert attention_flops_per_token(r, causal=True) == attention // 2
@@ -35,7 +35,7 @@ def test_tiny_recipe_hand_count():
 def test_tied_embeddings_count_the_logits_gemm_once():
     r = Recipe.from_yaml(RECIPES / "tiny_moe_cpu.yaml")
     tied = r.replace(untie_embeddings_and_output_weights=False)
-    assert tied.num_params(active=True) == r.num_params(active=True) - 256 * 64
+    assert tied.num_params(active=True) == r.num_params(active=True) - 512 * 64
     assert gemm_weights_per_token(tied) == gemm_weights_per_token(r)
 
 
