@@ -34,6 +34,10 @@ class GroupedSwiGLUExperts(nn.Module):
         ffn_hidden_size: width of each expert's hidden layer.
         dtype, device: of the weights.
         init_std: standard deviation of the normal initialization.
+        first_expert: the global index of this module's first expert (an expert-parallel
+            rank's offset). Expert ``e`` is drawn from its own generator, seeded by one number
+            from the default generator and ``e``: a model built at any expert-parallel size
+            holds the same experts, and the modules built after it draw the same numbers.
 
     Example::
 
@@ -49,6 +53,7 @@ class GroupedSwiGLUExperts(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         init_std: float = 0.02,
+        first_expert: int = 0,
     ) -> None:
         super().__init__()
         for name, value in (
@@ -64,12 +69,23 @@ class GroupedSwiGLUExperts(nn.Module):
         kw = dict(dtype=dtype, device=device)
         self.fc1_weight = nn.Parameter(torch.empty(num_experts, 2 * ffn_hidden_size, hidden_size, **kw))
         self.fc2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size, **kw))
-        nn.init.normal_(self.fc1_weight, std=init_std)
-        nn.init.normal_(self.fc2_weight, std=init_std)
+        self._init_by_global_expert(init_std, first_expert)
         for weight in (self.fc1_weight, self.fc2_weight):
             # megatron-core's convention for expert params: reduced over the expert DP group.
             weight.allreduce = False
             weight.is_expert = True
+
+    @torch.no_grad()
+    def _init_by_global_expert(self, std: float, first_expert: int) -> None:
+        # One draw from the default (CPU) generator whatever the expert count, so the default
+        # stream advances the same at every expert-parallel size.
+        base = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+        if self.fc1_weight.device.type == "meta":
+            return
+        for local in range(self.num_experts):
+            for k, weight in enumerate((self.fc1_weight, self.fc2_weight)):
+                gen = torch.Generator(device=weight.device).manual_seed(base + 2 * (first_expert + local) + k)
+                weight[local].normal_(0.0, std, generator=gen)
 
     def forward(
         self, x: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor | None = None

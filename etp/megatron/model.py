@@ -60,9 +60,13 @@ class ETPGroupedExperts(_megatron_module()):
         ffn = config.moe_ffn_hidden_size or config.ffn_hidden_size
         device = None if config.use_cpu_initialization else torch.cuda.current_device()
         self.num_local_experts = num_local_experts
+        # megatron-core's MoELayer gives expert-parallel rank r the experts from r * local on.
+        from megatron.core.utils import get_pg_rank
+
+        ep_rank = get_pg_rank(pg_collection.ep if pg_collection is not None else None)
         self.experts = GroupedSwiGLUExperts(
             num_local_experts, config.hidden_size, ffn, dtype=config.params_dtype,
-            device=device, init_std=config.init_method_std,
+            device=device, init_std=config.init_method_std, first_expert=ep_rank * num_local_experts,
         )
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):

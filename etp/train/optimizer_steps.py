@@ -37,13 +37,13 @@ class _EtpSyncedChunk:
     #: what finalize_model_grads reads of DDP's config
     ddp_config = SimpleNamespace(use_megatron_fsdp=False)
 
-    def __init__(self, model, etp_config, groups) -> None:
-        self.module, self.etp_config, self.groups = model, etp_config, groups
+    def __init__(self, model, etp_config, groups, ep_group=None) -> None:
+        self.module, self.etp_config, self.groups, self.ep_group = model, etp_config, groups, ep_group
 
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
         import etp
 
-        etp.finalize_grads(self.module, self.etp_config, self.groups)
+        etp.finalize_grads(self.module, self.etp_config, self.groups, ep_group=self.ep_group)
 
 
 class TorchStep:
@@ -56,6 +56,8 @@ class TorchStep:
         model: the model, ETP-wrapped or not.
         groups: its ETP groups.
         tp_group: the tensor-parallel group (the grad norm sums TP pieces over it).
+        ep_group: the expert-parallel group, None without expert parallelism (experts' gradients
+            and grad norm are completed over it: ``etp.finalize_grads``).
         config: the model's ``TransformerConfig``; None: the model's ``config`` attribute, if it
             has one (a plain torch model has none: ``etp.finalize_grads`` alone).
 
@@ -64,9 +66,10 @@ class TorchStep:
         step = TorchStep(recipe, gpt_model, groups, ps.get_tensor_model_parallel_group())
     """
 
-    def __init__(self, recipe, model, groups, tp_group, config=None) -> None:
+    def __init__(self, recipe, model, groups, tp_group, config=None, ep_group=None) -> None:
         t = recipe.train
         self.recipe, self.model, self.groups, self.tp_group = recipe, model, groups, tp_group
+        self.ep_group = ep_group
         self.config = config if config is not None else getattr(model, "config", None)
         self.optimizer = torch.optim.AdamW(weight_decay_groups(model, t.weight_decay), lr=t.lr,
                                            betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
@@ -80,12 +83,13 @@ class TorchStep:
 
         with phase("finalize"):
             if self.config is None:
-                etp.finalize_grads(self.model, self.recipe.etp, self.groups)
+                etp.finalize_grads(self.model, self.recipe.etp, self.groups, ep_group=self.ep_group)
             else:
                 from megatron.core.distributed import finalize_model_grads
 
-                finalize_model_grads([_EtpSyncedChunk(self.model, self.recipe.etp, self.groups)])
-            norm = etp.clip_grad_norm_(self.model, self.groups, self.recipe.train.clip_grad, self.tp_group)
+                finalize_model_grads([_EtpSyncedChunk(self.model, self.recipe.etp, self.groups, self.ep_group)])
+            norm = etp.clip_grad_norm_(self.model, self.groups, self.recipe.train.clip_grad, self.tp_group,
+                                       self.ep_group)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         with phase("optimizer"):

@@ -117,7 +117,8 @@ def set_up(recipe, rank: int, world: int, port: int | None = None, clock=None) -
 
         stepper = MegatronFSDPStep(recipe, model, config)
     elif device.type == "cpu":
-        stepper = TorchStep(recipe, model, groups, ps.get_tensor_model_parallel_group(), config)
+        ep_group = ps.get_expert_model_parallel_group() if recipe.parallel.expert_model_parallel_size > 1 else None
+        stepper = TorchStep(recipe, model, groups, ps.get_tensor_model_parallel_group(), config, ep_group)
     else:
         stepper = MegatronStep(recipe, model, config)
     if (recipe.train.deterministic and device.type == "cuda" and recipe.train.cuda_graph != "step"
