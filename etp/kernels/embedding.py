@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from etp.kernels.amax import accumulator_dtype, cdiv, check_impl, interpreter_active
+from etp.kernels.amax import accumulator_dtype, cdiv, check_impl
 from etp.kernels.launch import launch
 
 __all__ = ["embedding_backward", "embedding_backward_reference"]
@@ -73,8 +73,8 @@ def embedding_backward(ids: torch.Tensor, grad: torch.Tensor, num_rows: int, *, 
             check would read the device).
         grad: ``ids.shape + [H]``, bf16 / fp16 / fp32 / fp64.
         num_rows: the embedding table's rows.
-        impl: "auto" (Triton on CUDA, and on CPU under the Triton interpreter; else the
-            ordered torch loop), "triton" or "torch".
+        impl: "auto" (Triton on CUDA, else the ordered torch loop), "triton" (on CPU under the
+            Triton interpreter too) or "torch".
 
     Returns:
         ``[num_rows, H]`` in fp32 (fp64 for fp64 ``grad``).
@@ -85,7 +85,7 @@ def embedding_backward(ids: torch.Tensor, grad: torch.Tensor, num_rows: int, *, 
     """
     check_impl(impl)
     flat_ids, flat_grad = _check(ids, grad, num_rows)
-    use_triton = impl == "triton" or (impl == "auto" and (grad.is_cuda or interpreter_active()))
+    use_triton = impl == "triton" or (impl == "auto" and grad.is_cuda)
     if not use_triton:
         return embedding_backward_reference(ids, grad, num_rows)
     hidden = flat_grad.shape[1]
