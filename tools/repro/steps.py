@@ -180,15 +180,18 @@ def cross_entropy() -> Step:
     """The language-model loss's time and memory beside megatron-core's (one GPU)."""
     return Step("cross_entropy_1gpu", "The memory audit against measured peaks",
                 (Run("cross_entropy", "python3 tools/bench_cross_entropy.py --out {json}", 1, 35, 120,
-                     figures="cross_entropy", reported={"1xh100": "cross_entropy_1xh100_a3140a5.json"}),),
+                     figures="cross_entropy", reported={"1xh100": "cross_entropy_1xh100_a3140a5.json",
+                                                        "1xh200": "cross_entropy_1xh200_12e4669.json"}),),
                 headlines.none)
 
 
 def recipes_1gpu() -> Step:
     """The recipes that fit one GPU at their defaults (world 1: nothing to shard, etp's kernels,
     losses and captured step alone)."""
-    runs = (Run("flagship_defaults", _train(1, FLAGSHIP), 1, 60, 240, figures="recipe"),
-            Run("olmoe_defaults", _train(1, "--recipe recipes/olmoe_1b_7b.yaml", iters=14), 1, 60, 240, figures="recipe"))
+    runs = (Run("flagship_defaults", _train(1, FLAGSHIP), 1, 60, 240, figures="recipe",
+                reported={"1xh200": "recipe_flagship_defaults_1xh200_12e4669.json"}),
+            Run("olmoe_defaults", _train(1, "--recipe recipes/olmoe_1b_7b.yaml", iters=14), 1, 60, 240, figures="recipe",
+                reported={"1xh200": "recipe_olmoe_defaults_1xh200_12e4669.json"}))
     return Step("recipes_1gpu", "The recipes against their peers", runs, headlines.recipes)
 
 
@@ -212,9 +215,10 @@ def kernels() -> Step:
     adam = "python3 tools/bench_adam.py --recipe recipes/qwen3_30b_a3b.yaml --etp 4 --out {json}"
     return Step("kernels_1gpu", "FP8 kernels against copy bandwidth",
                 (Run("kernels", "python3 tools/bench_kernels.py --out {json}", 1, 60, 240, figures="kernels",
-                     reported={"1xh200": "kernels_1xh200_d968ef1.json"}),
+                     reported={"1xh200": "kernels_1xh200_12e4669.json"}),
                  Run("adam", adam, 1, 40, 180, figures="adam",
-                     reported={"1xh100": "adam_qwen3_etp4_1xh100_3e009d7.json"})), headlines.kernels)
+                     reported={"1xh100": "adam_qwen3_etp4_1xh100_3e009d7.json",
+                               "1xh200": "adam_qwen3_etp4_1xh200_12e4669.json"})), headlines.kernels)
 
 
 def expert_parallel(k: int) -> list[Step]:
