@@ -79,7 +79,7 @@ class GroupedSwiGLUExperts(nn.Module):
     def _init_by_global_expert(self, std: float, first_expert: int) -> None:
         # One draw from the default (CPU) generator whatever the expert count, so the default
         # stream advances the same at every expert-parallel size.
-        base = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+        base = int(torch.randint(0, 2**62, (), dtype=torch.int64, device="cpu"))
         if self.fc1_weight.device.type == "meta":
             return
         for local in range(self.num_experts):

@@ -21,3 +21,10 @@ def test_experts_are_the_same_at_any_expert_parallel_size():
     # Distinct experts, distinct weights, drawn from N(0, 0.5^2).
     assert not torch.equal(whole.fc1_weight[0], whole.fc1_weight[1])
     assert abs(float(whole.fc1_weight.std()) - 0.5) < 0.05
+
+
+def test_experts_build_on_the_meta_device():
+    # etp-convert builds the model on meta before it streams the weights in.
+    with torch.device("meta"):
+        experts = GroupedSwiGLUExperts(2, 8, 6)
+    assert experts.fc1_weight.is_meta
