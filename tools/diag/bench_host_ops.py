@@ -53,9 +53,9 @@ def host_us(fn, calls: int, rounds: int) -> float:
 
 
 def cases():
+    from etp.formats.fp8 import FP8Weight
     from etp.gemm import DenseGemm, GroupedGemm, quantize_activation
     from etp.kernels import quantize_rowwise, transpose_last2
-    from etp.quant import FP8Weight
     from etp.transport.stream_ops import WAIT_GEQ, WRITE, MemoryOps
 
     dev = torch.device("cuda")

@@ -86,7 +86,7 @@ class BenchExperts(etp.GroupedSwiGLUExperts):
     """``GroupedSwiGLUExperts`` that, given FP8 copies of its full weights (``fp8_weights``,
     the replicated FP8 baseline), runs its GEMMs through them; otherwise etp's own forward."""
 
-    fp8_weights: dict | None = None  # name -> etp.quant.FP8Weight of this step
+    fp8_weights: dict | None = None  # name -> etp.formats.fp8.FP8Weight of this step
     fp8_copies: dict | None = None   # name -> the stable e4m3 buffer behind it
     fp8_wgrad: bool = False
 
@@ -104,8 +104,9 @@ def quantize_full_weights(model: nn.Module) -> None:
     buffers with delayed scaling and a kept ``MultiTensorCastPlan``: what
     ``etp.quantize_shards`` runs on shards once per step. The input-gradient GEMM transposes
     the FP8 weight itself, as it does for a gathered ETP weight."""
+    from etp.formats.fp8 import FP8_DTYPE, prepare_scale_rows
+    from etp.formats.fp8_tensorwise import cast_tensorwise
     from etp.kernels import MultiTensorCastPlan
-    from etp.quant import FP8_DTYPE, cast_tensorwise, prepare_scale_rows
 
     weights = [(layer, name, getattr(layer, name).detach())
                for layer in model.layers for name in ("fc1_weight", "fc2_weight")]
@@ -130,7 +131,7 @@ def quantize_full_weights(model: nn.Module) -> None:
 def _store_fp8_weight(layer: BenchExperts, name: str, w: torch.Tensor, scales: torch.Tensor) -> None:
     # In place: a captured step reads the addresses it saw at capture, so fresh scale tensors
     # each step would leave a graph reading freed memory.
-    from etp.quant import FP8Weight
+    from etp.formats.fp8 import FP8Weight
 
     data = layer.fp8_copies[name]
     if name not in layer.fp8_weights:
