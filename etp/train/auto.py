@@ -32,6 +32,11 @@ always wins. In the order they are decided:
 * ``etp.gather_reuse: auto``: the most reuse the memory audit predicts to fit the GPU ("step"
   with several micro-batches, "pass" with one, else "chain"); "chain" without a GPU to size
   against.
+
+Both gather keys govern ETP-sharded weights only. Where the ETP sizes (the recipe's or auto's)
+are both 1 no weight is sharded (``wrap_module_params_etp`` leaves the model untouched), so
+they cannot change the run: auto says so ("inert: nothing is sharded") and takes the values
+that hold nothing ("param", "chain"), and ``--tune`` does not time them (``inert_auto_keys``).
 """
 from __future__ import annotations
 
@@ -40,8 +45,8 @@ from dataclasses import dataclass
 
 from etp.recipe.validation import RecipeError
 
-__all__ = ["FP8_EAGER_TOKENS", "QUANTIZED_GATHERS", "Machine", "kept_reuse", "quantized_gathers_refusal",
-           "resolve_auto"]
+__all__ = ["FP8_EAGER_TOKENS", "GATHER_KEYS", "QUANTIZED_GATHERS", "Machine", "inert_auto_keys", "kept_reuse",
+           "nothing_sharded", "quantized_gathers_refusal", "resolve_auto"]
 
 #: Tokens per micro-batch from which an eager step's GEMMs are long enough for FP8 to pay.
 FP8_EAGER_TOKENS = 16384
@@ -49,6 +54,10 @@ FP8_EAGER_TOKENS = 16384
 #: The quantized gather format ``auto`` and ``--tune`` weigh against the parameters' own: the
 #: measured best (BENCHMARKS.md, "Recipes"). Whether it applies, its format object says.
 QUANTIZED_GATHERS = "fp8_tensorwise"
+
+#: The auto keys that set how ETP-sharded weights travel and stay gathered: with no weight
+#: sharded they change nothing.
+GATHER_KEYS = ("etp.gather_dtype", "etp.gather_reuse")
 
 
 @dataclass(frozen=True)
@@ -110,6 +119,42 @@ def _etp_sizes(recipe, machine: Machine, notes: list[str]) -> dict:
         notes.append(f"etp.expert_etp_size auto -> {chosen['expert_etp_size']}: the expert-data-parallel ranks "
                      f"of one host (expert-data-parallel size {edp})")
     return chosen
+
+
+def nothing_sharded(recipe, machine: Machine) -> str | None:
+    """Why no weight of ``recipe`` is ETP-sharded on ``machine`` (``"inert: ..."``, the reason
+    ``auto`` and ``--tune`` give for the ``GATHER_KEYS``), or None where some weight is.
+
+    Decided from the ETP sizes the recipe sets, or auto picks where it says auto, before any
+    model is built: ``wrap_module_params_etp`` shards nothing exactly when both are 1 (dense
+    weights shard over ``etp_size``, routed experts over ``expert_etp_size``; every model has
+    dense attention weights, so ``etp_size`` above 1 alone shards some).
+
+    Example::
+
+        nothing_sharded(Recipe.from_yaml("recipes/moe_flagship.yaml"), Machine(1, 1))
+        # 'inert: nothing is sharded (ETP size 1: etp.etp_size and etp.expert_etp_size are 1)'
+    """
+    chosen = _etp_sizes(recipe, machine, [])
+    sizes = (chosen.get("etp_size", recipe.etp.etp_size), chosen.get("expert_etp_size", recipe.etp.expert_etp_size))
+    if sizes != (1, 1):
+        return None
+    if recipe.parallel.fsdp_peer:
+        return f"inert: nothing is sharded by ETP ({recipe.parallel.fsdp_peer} shards every weight itself, ETP size 1)"
+    return "inert: nothing is sharded (ETP size 1: etp.etp_size and etp.expert_etp_size are 1)"
+
+
+def inert_auto_keys(recipe, machine: Machine) -> dict[str, str]:
+    """The ``auto`` keys of ``recipe`` that cannot change its run on ``machine``, each with why:
+    what ``--tune`` does not time.
+
+    Example::
+
+        inert_auto_keys(Recipe.from_yaml("recipes/moe_flagship.yaml"), Machine(1, 1))
+        # {'etp.gather_dtype': 'inert: nothing is sharded ...', 'etp.gather_reuse': 'inert: ...'}
+    """
+    why = nothing_sharded(recipe, machine)
+    return {key: why for key in GATHER_KEYS if key in recipe.auto} if why else {}
 
 
 def _micro_batch(recipe, machine: Machine, notes: list[str]) -> int | None:
@@ -202,6 +247,10 @@ def quantized_gathers_refusal(recipe, machine: Machine) -> str | None:
 def _gather_dtype(recipe, machine: Machine, captured: bool, notes: list[str]) -> str | None:
     if "etp.gather_dtype" not in recipe.auto:
         return None
+    inert = nothing_sharded(recipe, machine)
+    if inert:  # the parameters' own dtype: no quantization step for weights that never travel
+        notes.append(f"etp.gather_dtype auto -> param: {inert}")
+        return "param"
     tokens = recipe.train.micro_batch_size * recipe.model.seq_length
     quantized = QUANTIZED_GATHERS
     why = quantized_gathers_refusal(recipe, machine)
@@ -238,6 +287,10 @@ def kept_reuse(recipe, world_size: int) -> str:
 def _gather_reuse(recipe, machine: Machine, notes: list[str]) -> str | None:
     if "etp.gather_reuse" not in recipe.auto:
         return None
+    inert = nothing_sharded(recipe, machine)
+    if inert:  # "chain": no resident buffers for weights that are never gathered
+        notes.append(f"etp.gather_reuse auto -> chain: {inert}")
+        return "chain"
     if machine.gpu_memory is None:
         notes.append("etp.gather_reuse auto -> chain: no GPU memory to size the resident weights against")
         return "chain"

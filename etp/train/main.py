@@ -67,7 +67,8 @@ def _parse(argv):
     parser.add_argument("--tune", metavar="OUT.yaml",
                         help="time a few iterations of every candidate the recipe's auto keys choose between "
                              "(and the micro-batch sizes the memory audit says fit), print the table and write "
-                             "the fastest as overrides for --overrides; run it outside torchrun")
+                             "the fastest as overrides for --overrides; settings inert here (the gather keys with "
+                             "nothing ETP-sharded) are not timed; run it outside torchrun")
     return parser.parse_args(argv)
 
 

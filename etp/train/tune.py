@@ -4,8 +4,11 @@ For every key the recipe leaves ``auto`` (and for ``micro_batch_size``, over the
 memory audit says fit under the recipe's global batch), each combination runs a few
 iterations as its own etp-train run (gloo ranks on CPU, ``torchrun`` on GPUs), in the
 launching process's order, with a progress line each. Candidates the audit says do not fit
-are listed as skipped, never tried. The table of all of them is printed, and the fastest is
-written as a YAML mapping of overrides that ``etp-train --overrides OUT.yaml`` applies as it is.
+are listed as skipped, never tried. A key that cannot change this run is not varied
+(``inert_auto_keys``: the gather keys where nothing is ETP-sharded, e.g. on one GPU): it is
+named with its reason and stays ``auto``, which says the same at start-up. The table of all
+of them is printed, and the fastest is written as a YAML mapping of overrides that
+``etp-train --overrides OUT.yaml`` applies as it is.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from etp.train.auto import QUANTIZED_GATHERS, Machine, kept_reuse, quantized_gathers_refusal
+from etp.train.auto import QUANTIZED_GATHERS, Machine, inert_auto_keys, kept_reuse, quantized_gathers_refusal
 from etp.train.options import RunOptions, TrainError
 
 __all__ = ["Candidate", "candidates", "tune"]
@@ -52,7 +55,8 @@ def _micro_batches(recipe, machine: Machine) -> list[int]:
 
 def candidates(recipe, machine: Machine, micro_batches: int = 3) -> list[Candidate]:
     """Every combination of the recipe's ``auto`` keys' choices on ``machine`` and of its
-    ``micro_batches`` largest micro-batch sizes the audit says fit (all of them on CPU).
+    ``micro_batches`` largest micro-batch sizes the audit says fit (all of them on CPU). Keys
+    that cannot change the run (``inert_auto_keys``) are not varied: they stay ``auto``.
 
     Example::
 
@@ -62,12 +66,13 @@ def candidates(recipe, machine: Machine, micro_batches: int = 3) -> list[Candida
     from etp.audit import fits, predict_peak
 
     choices: dict[str, list] = {}
+    inert = inert_auto_keys(recipe, machine)
     if "cuda_graph" in recipe.auto:
         choices["cuda_graph"] = ["none", "step"] if machine.cuda else ["none"]
-    if "etp.gather_dtype" in recipe.auto:
+    if "etp.gather_dtype" in recipe.auto and "etp.gather_dtype" not in inert:
         choices["etp.gather_dtype"] = ["param"] + ([QUANTIZED_GATHERS] if quantized_gathers_refusal(recipe, machine) is None
                                                    else [])
-    if "etp.gather_reuse" in recipe.auto:
+    if "etp.gather_reuse" in recipe.auto and "etp.gather_reuse" not in inert:
         # "keep": the weights stay gathered as long as auto would keep them at that micro-batch
         # size ("step" over several micro-batches, "pass" for one), so auto's pick is a candidate.
         choices["etp.gather_reuse"] = ["chain", "keep"]
@@ -143,6 +148,13 @@ def tune(recipe, recipe_path: str, base_args: list[str], out_path: str, machine:
         raise TrainError("--tune: the recipe leaves nothing auto (cuda_graph, etp.gather_dtype, etp.gather_reuse, "
                          "micro_batch_size); "
                          "set the keys to tune to auto")
+    inert = inert_auto_keys(recipe, machine)
+    if set(recipe.auto) <= set(inert):
+        raise TrainError(f"--tune: nothing to time: the recipe's only auto keys, {', '.join(inert)}, are "
+                         f"{next(iter(inert.values()))}; set micro_batch_size or cuda_graph to auto, or run "
+                         "without --tune")
+    for key, why in inert.items():
+        print(f"etp-train --tune: {key} not timed: {why}", flush=True)
     found = candidates(recipe, machine)
     runnable = [c for c in found if c.skipped is None]
     for index, candidate in enumerate(runnable, 1):
