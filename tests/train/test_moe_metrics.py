@@ -187,3 +187,37 @@ def test_only_training_forwards_count_and_an_untracked_loss_is_absent():
     assert MoEMetrics.line(record) == "expert load max/mean 1.12 (layer 0)"
     assert moe.window(iterations=1)["moe/expert_load_mean_layer_0"] == 0  # a fresh window
     moe.remove()
+
+
+def _gpu_run(tmp_path, graph: str) -> list[dict]:
+    """The flagship recipe at 2 layers on up to 2 GPUs, deterministic, with a z-loss: its log windows."""
+    import os
+    import subprocess
+    import sys
+
+    world = min(2, torch.cuda.device_count())
+    out = tmp_path / f"{graph}.json"
+    settings = [f"world_size={world}", "num_layers=2", f"etp.etp_size={world}", f"etp.expert_etp_size={world}",
+                "micro_batch_size=1", f"global_batch_size={2 * world}", "lr_warmup_iters=2",
+                "overlap_grad_reduce=false", "etp.gather_dtype=param", "etp.gather_reuse=chain", "deterministic=true",
+                "moe_z_loss_coeff=1e-3", f"cuda_graph={graph}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+           "-m", "etp.train", "--recipe", str(ROOT / "recipes" / "moe_flagship.yaml"), "--train-iters", "6",
+           "--log-interval", "3", "--json", str(out), *[arg for s in settings for arg in ("--set", s)]]
+    subprocess.run(cmd, check=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return json.loads(out.read_text())["log"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+def test_a_captured_step_counts_what_the_eager_step_counts(tmp_path):
+    """``cuda_graph: step``: the tracker's and the counts' adds replay inside the graph, and the
+    capture's warm-ups are dropped (without ``reset`` the first window counts three more
+    forwards). Deterministic runs train bit for bit alike (tests/train/test_captured_step.py),
+    so every figure is equal."""
+    eager, captured = _gpu_run(tmp_path, "none"), _gpu_run(tmp_path, "step")
+    keys = [k for k in eager[0] if "load" in k or "z_loss" in k]
+    assert len(keys) == 3 + 5 * 2
+    for a, b in zip(eager, captured, strict=True):
+        assert {k: b[k] for k in keys} == {k: a[k] for k in keys}
+        for layer in (0, 1):  # every token of the window's batches to top-4 of 64 experts
+            assert b[f"moe/expert_load_mean_layer_{layer}"] * 64 == 2 * min(2, torch.cuda.device_count()) * 2048 * 4 * 3
