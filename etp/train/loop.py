@@ -145,7 +145,7 @@ def train(rank: int, world: int, recipe, options: RunOptions | None = None, port
     if recipe.model.is_moe:
         from etp.train.moe_metrics import MoEMetrics
 
-        moe = MoEMetrics.of(run.stepper.model, micro)  # [Note: MoE metrics]
+        moe = MoEMetrics.of(run.stepper.model, micro, run.device)  # [Note: MoE metrics]
     reporter = Reporter(recipe, run.rank, run.device, flops, peak, stop=stop, clock=clock, schedule=schedule,
                         metrics=metrics, moe=moe)
     exits = _early_exits(recipe, run)  # [Note: early exits]

@@ -84,16 +84,17 @@ class MoEMetrics:
     Args:
         routers: the model's megatron-core routers (one per MoE layer).
         micro_batches: micro-batches per iteration (the router losses' 1 / count scale).
+        device: where the counts accumulate (the routers'; default: the first router weight's).
 
     Construction clears megatron-core's tracker (a previous run in this process leaves its
     entries, sized for its own layers) and hooks every router.
 
     Example::
 
-        moe = MoEMetrics.of(model, micro_batches=recipe.num_microbatches(world))
+        moe = MoEMetrics.of(model, micro_batches=recipe.num_microbatches(world), device=torch.device("cuda"))
     """
 
-    def __init__(self, routers: list, micro_batches: int) -> None:
+    def __init__(self, routers: list, micro_batches: int, device: torch.device | None = None) -> None:
         from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
         if not routers:
@@ -106,18 +107,18 @@ class MoEMetrics:
         # Without sequence parallelism the tensor-parallel ranks route the same tokens.
         self.duplicates = 1 if config.sequence_parallel else self.routers[0].tp_group.size()
         self.counts = torch.zeros(len(self.routers), self.num_experts, dtype=torch.int64,
-                                  device=self.routers[0].weight.device)
+                                  device=device or self.routers[0].weight.device)
         self._hooks = [router.register_forward_hook(_CountRoutedTokens(self.counts, slot))
                        for slot, router in enumerate(self.routers)]
         get_moe_layer_wise_logging_tracker().clear()
 
     @classmethod
-    def of(cls, model: torch.nn.Module, micro_batches: int) -> MoEMetrics | None:
+    def of(cls, model: torch.nn.Module, micro_batches: int, device: torch.device | None = None) -> MoEMetrics | None:
         """The metrics of ``model``'s routers, or None when it has none (a dense model)."""
         from megatron.core.transformer.moe.router import Router
 
         routers = [module for module in model.modules() if isinstance(module, Router)]
-        return cls(routers, micro_batches) if routers else None
+        return cls(routers, micro_batches, device) if routers else None
 
     def reset(self) -> None:
         """Drops what was accumulated so far (the capture's warm-ups), on the device."""
