@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Plots an etp-train run's metrics stream (``run.jsonl``, [Note: the metrics stream]) to PNG:
 the loss (and validation loss), the throughput (tokens/s and TFLOP/s per rank) and, for MoE
-recipes, the expert load (the most loaded expert's tokens against the mean, per layer). A
-stream cut short by a crash plots what it holds.
+recipes, the router's auxiliary losses and the expert load (the most loaded expert's tokens
+against the mean, per layer; [Note: MoE metrics]). A stream cut short by a crash plots what it
+holds.
 
 Example::
 
@@ -20,8 +21,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from etp.train.metrics import read_stream  # noqa: E402
 
 #: (panel title, fields plotted on it); a panel none of the runs has a field of is left out.
-PANELS = (("loss", ("loss", "validation_loss")), ("throughput", ("tokens_per_s", "tflops_per_rank")))
-LOAD_PREFIX = "expert_load_max_over_mean/"
+PANELS = (("loss", ("loss", "validation_loss")), ("throughput", ("tokens_per_s", "tflops_per_rank")),
+          ("router losses (mean over MoE layers)",
+           ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss", "z_loss")))
+#: etp.train.moe_metrics' per-layer ratio, ``moe/expert_load_max_over_mean_layer_{i}``.
+LOAD_PREFIX = "moe/expert_load_max_over_mean_layer_"
 
 
 def _series(records: list[dict], field: str) -> tuple[list, list]:
@@ -36,7 +40,8 @@ def plot(streams: dict[str, list[dict]]):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    load_fields = sorted({k for records in streams.values() for r in records for k in r if k.startswith(LOAD_PREFIX)})
+    load_fields = sorted({k for records in streams.values() for r in records for k in r if k.startswith(LOAD_PREFIX)},
+                         key=lambda k: int(k.removeprefix(LOAD_PREFIX)))  # layer 10 after layer 9
     panels = [(title, fields) for title, fields in PANELS
               if any(_series(records, f)[0] for records in streams.values() for f in fields)]
     if load_fields:
@@ -47,7 +52,7 @@ def plot(streams: dict[str, list[dict]]):
             for field in fields:
                 xs, ys = _series(records, field)
                 if xs:
-                    name = field.removeprefix(LOAD_PREFIX)
+                    name = f"layer {field.removeprefix(LOAD_PREFIX)}" if field.startswith(LOAD_PREFIX) else field
                     axis.plot(xs, ys, label=f"{label} {name}" if len(streams) > 1 else name)
         axis.set_title(title)
         axis.set_xlabel("iteration")

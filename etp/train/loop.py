@@ -141,8 +141,13 @@ def train(rank: int, world: int, recipe, options: RunOptions | None = None, port
 
     stream = None if options.json_path is None else str(Path(options.json_path).with_suffix(".jsonl"))
     metrics = MetricsStream.open(recipe, run.rank, jsonl=stream)  # [Note: the metrics stream]
+    moe = None
+    if recipe.model.is_moe:
+        from etp.train.moe_metrics import MoEMetrics
+
+        moe = MoEMetrics.of(run.stepper.model, micro, run.device)  # [Note: MoE metrics]
     reporter = Reporter(recipe, run.rank, run.device, flops, peak, stop=stop, clock=clock, schedule=schedule,
-                        metrics=metrics)
+                        metrics=metrics, moe=moe)
     exits = _early_exits(recipe, run)  # [Note: early exits]
     clock.mark("resume" if options.resume else "loop set-up")
     if run.rank == 0:
@@ -157,6 +162,8 @@ def train(rank: int, world: int, recipe, options: RunOptions | None = None, port
                 with tools.phase("capture"), clock.timed("capture"):
                     graphed = capture_step(run.stepper.model, run.loss_fn, batches.get(iteration, 0), micro,
                                            run.device)
+                if moe is not None:
+                    moe.reset()  # the capture's eager warm-ups routed tokens no iteration counts
             total = _micro_batches(run, recipe, batches, iteration, micro, tools, graphed)
             # The optimizer step (finalize, clip, Adam, FP8 re-quantization): post-step hooks go after it.
             norm = run.stepper.step(schedule.lr, tools.phase)
@@ -189,6 +196,8 @@ def train(rank: int, world: int, recipe, options: RunOptions | None = None, port
     finally:
         metrics.close()  # a failed run keeps every line it streamed
         reporter.pauses.close()  # a failed run (a --tune candidate) leaves no collector callback behind
+        if moe is not None:
+            moe.remove()
     ps.destroy_model_parallel()
     return reporter.losses
 

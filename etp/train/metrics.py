@@ -5,8 +5,22 @@ measured up to its last log line.
 [Note: the metrics stream]
 Every log interval closes one *record*: a flat dict of the window's figures (``iteration``,
 ``loss``, ``lr``, ``grad_norm``, ``ms_per_iter``, ``tokens_per_s``, ``tflops_per_rank``, ``mfu``,
-memory, the router's auxiliary and z losses, per-layer expert load, validation loss when the
-window evaluated). ``MetricsStream.log`` hands it to every sink that was asked for:
+``profiled``, ``elapsed_s``, ``eta_s``, ``gc_ms_per_iter``, ``memory_allocated_gib``,
+``peak_allocated_gib``); a validation or test adds a record of its own (``iteration``,
+``validation_loss`` / ``test_loss``, ``validation_ppl`` / ``test_ppl``). An MoE recipe's records
+carry the router's losses and the expert load too ([Note: MoE metrics] in
+``etp/train/moe_metrics.py``):
+
+* ``load_balancing_loss`` (``seq_load_balancing_loss`` / ``global_load_balancing_loss`` for those
+  balancing types) and ``z_loss`` (with ``moe_z_loss_coeff``), Megatron-LM's names and figures:
+  without their coefficients, the mean over the window's micro-batches and the MoE layers;
+  ``moe/load_balancing_loss_layer_{i}``, ``moe/z_loss_layer_{i}`` per layer (``i`` 0-based);
+* ``moe/expert_load_max_layer_{i}``, ``moe/expert_load_mean_layer_{i}``: the most loaded
+  expert's tokens and the mean over the experts, summed over the window and all ranks;
+  ``moe/expert_load_max_over_mean_layer_{i}`` their ratio (1: balanced) and
+  ``expert_load_max_over_mean`` the largest ratio over the layers.
+
+``MetricsStream.log`` hands each record to every sink that was asked for:
 
 * ``JsonlSink``: one JSON object per line, flushed as it is written (``--json run.json`` streams
   to ``run.jsonl`` beside the report; the report itself is written at the end, as before), then

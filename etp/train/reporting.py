@@ -1,7 +1,8 @@
 """What etp-train tells its user: how long each start-up phase took (``StartupClock``), a log
 line every ``log_interval`` iterations (loss, learning rate, grad norm, ms/iter, TFLOP/s per
 rank, MFU against the datasheet peak, peak memory, time since the run began and the estimated
-time to its end), the profiler's breakdown and the timeline at the end, and the JSON report
+time to its end; for MoE recipes the router losses and the most imbalanced layer's expert load,
+[Note: MoE metrics]), the profiler's breakdown and the timeline at the end, and the JSON report
 (``--json``).
 
 Losses are read on the host at log intervals only: a read per iteration would empty the
@@ -158,6 +159,9 @@ class Reporter:
         clock: the run's ``StartupClock`` (elapsed time counts from its start; its first-step
             line is printed after the first iteration). None: a clock started here.
         schedule: the run's ``etp.train.schedule.OptimizerSchedule`` (the learning rate column).
+        metrics: the run's ``etp.train.metrics.MetricsStream`` (None: no stream).
+        moe: the run's ``etp.train.moe_metrics.MoEMetrics`` (None: a dense model): each window's
+            router losses and expert load join its record and, short, its log line.
 
     Example::
 
@@ -168,9 +172,10 @@ class Reporter:
 
     def __init__(self, recipe, rank: int, device: torch.device, flops_per_iter: float, peak: float | None,
                  *, stop: int | None = None, clock: StartupClock | None = None, schedule=None,
-                 metrics=None) -> None:
+                 metrics=None, moe=None) -> None:
         self.recipe, self.rank, self.device = recipe, rank, device
         self.metrics = metrics  # etp.train.metrics.MetricsStream: [Note: the metrics stream]
+        self.moe = moe  # etp.train.moe_metrics.MoEMetrics: [Note: MoE metrics]
         self.flops_per_iter, self.peak = flops_per_iter, peak
         self.stop = recipe.train.train_iters if stop is None else stop
         self.clock = clock or StartupClock()
@@ -216,11 +221,12 @@ class Reporter:
         lr = None if self.schedule is None else self.schedule.stepped_lr
         run_s = self.clock.elapsed()
         eta_s = max(0, self.stop - iteration - 1) * elapsed
+        moe = {} if self.moe is None else self.moe.window(self._window_iterations)  # every rank: an all-reduce
         self.records.append({"iteration": iteration + 1, "loss": self.losses[-1], "lr": lr, "grad_norm": norm,
                              "ms_per_iter": elapsed * 1e3, "tflops_per_rank": tflops, "mfu": mfu,
                              "profiled": self._window_profiled, "elapsed_s": run_s, "eta_s": eta_s,
                              # this rank's; gather_collector_pauses adds the slowest rank's
-                             "gc_ms_per_iter": self.pauses.take() / self._window_iterations})
+                             "gc_ms_per_iter": self.pauses.take() / self._window_iterations, **moe})
         if self.metrics is not None:
             tokens = (self.recipe.train.global_batch_size or 0) * self.recipe.model.seq_length
             cuda = self.device.type == "cuda"
@@ -228,8 +234,8 @@ class Reporter:
                               "memory_allocated_gib": torch.cuda.memory_allocated() / 2**30 if cuda else None,
                               "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None})
         if self.rank == 0:
-            print(self.log_line(iteration + 1, self.losses[-1], lr, norm, elapsed, tflops, mfu, run_s, eta_s),
-                  flush=True)
+            line = self.log_line(iteration + 1, self.losses[-1], lr, norm, elapsed, tflops, mfu, run_s, eta_s)
+            print(line + (f" | {self.moe.line(moe)}" if moe else ""), flush=True)
         self._window_began, self._window_iterations = time.perf_counter(), 0
         self._window_profiled, self._excluded = False, 0.0
 

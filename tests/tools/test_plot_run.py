@@ -19,8 +19,9 @@ def _stream(path: Path, records: list[dict]) -> Path:
 
 
 def test_each_line_is_the_stream_it_read(tmp_path):
-    records = [{"iteration": i, "loss": 3.0 / i, "tokens_per_s": 100.0 * i,
-                "expert_load_max_over_mean/layer0": 1.0 + 1 / i} for i in range(1, 6)]
+    records = [{"iteration": i, "loss": 3.0 / i, "tokens_per_s": 100.0 * i, "load_balancing_loss": 1 + 0.1 / i,
+                "moe/expert_load_max_over_mean_layer_10": 1.0 + 2 / i,
+                "moe/expert_load_max_over_mean_layer_2": 1.0 + 1 / i} for i in range(1, 6)]
     records[2]["validation_loss"] = 0.9
     figure = plot_run.plot({"run": records})
     lines = {(ax.get_title(), ln.get_label()): (list(ln.get_xdata()), list(ln.get_ydata()))
@@ -28,7 +29,12 @@ def test_each_line_is_the_stream_it_read(tmp_path):
     assert lines[("loss", "loss")] == ([1, 2, 3, 4, 5], [r["loss"] for r in records])
     assert lines[("loss", "validation_loss")] == ([3], [0.9])
     assert lines[("throughput", "tokens_per_s")][1] == [r["tokens_per_s"] for r in records]
-    assert lines[("expert load (max / mean tokens per expert)", "layer0")][1] == [1 + 1 / i for i in range(1, 6)]
+    load = "expert load (max / mean tokens per expert)"
+    assert lines[(load, "layer 2")][1] == [1 + 1 / i for i in range(1, 6)]
+    assert lines[(load, "layer 10")][1] == [1 + 2 / i for i in range(1, 6)]
+    assert [ln.get_label() for ax in figure.axes if ax.get_title() == load for ln in ax.get_lines()] == [
+        "layer 2", "layer 10"]
+    assert lines[("router losses (mean over MoE layers)", "load_balancing_loss")][1] == [1 + 0.1 / i for i in range(1, 6)]
     assert ("throughput", "tflops_per_rank") not in lines
 
 
