@@ -280,7 +280,9 @@ def _train(ctx, mode, steps):
             for micro in range(2):  # two microbatches per optimizer step
                 gen = torch.Generator().manual_seed(1000 * step + 10 * ctx.rank + micro)
                 x = torch.randn(16, 32, generator=gen).to(ctx.device, dtype)
-                target = torch.randn(16, 5, generator=gen).to(ctx.device, dtype)
+                # A target the model can learn (a fixed function of x, plus noise): the runs must
+                # learn, not only stay close.
+                target = (x[:, :5].cpu() + 0.1 * torch.randn(16, 5, generator=gen)).to(ctx.device, dtype)
                 loss = F.mse_loss(model(x, COUNTS).float(), target.float())
                 loss.backward()
                 losses.append(loss.item())
@@ -303,7 +305,7 @@ def test_fp8_training_tracks_bf16_gathers():
         assert quantizations == steps  # once per optimizer step, not per microbatch
         for a, b in zip(fp8_losses, ref_losses):
             assert abs(a - b) <= 0.05 * abs(b), (a, b)
-        assert sum(fp8_losses[-10:]) < sum(fp8_losses[:10])
+        assert sum(fp8_losses[-10:]) < 0.9 * sum(fp8_losses[:10]), (fp8_losses[:10], fp8_losses[-10:])
 
 
 # ---------------------------------------------------------------- GPU: FP8 GEMMs
