@@ -161,6 +161,7 @@ def test_capture_turns_off_overlapped_gradient_reduction_instead_of_refusing():
     assert not recipe.parallel.overlap_grad_reduce and "overlap_grad_reduce turned off" in recipe.notes[0]
 
 
+@pytest.mark.slow  # times real candidate runs; test_tune_candidates.py holds the candidate list by default
 def test_tune_times_the_candidates_and_writes_overrides_etp_train_accepts(tmp_path, capsys):
     out = tmp_path / "best.yaml"
     base = [sys.executable, "-m", "etp.train", "--recipe", str(TINY), "--set", "global_batch_size=2",

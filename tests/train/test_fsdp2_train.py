@@ -95,6 +95,7 @@ def _etp_train(tmp_path, name: str, *sets: str) -> tuple[dict, str]:
     return json.loads(report.read_text()), stdout.read_text()
 
 
+@pytest.mark.slow  # the benchmark peer's full CPU run (etp's own runs are default); its refusals and auto choices are default
 def test_fsdp2_run_trains_like_ddp_without_etp(tmp_path, capsys):
     """Per iteration, loss and gradient norm of the FSDP2 run equal the DDP run's (TorchStep:
     ETP off, gradients all-reduced and averaged over the 2 data-parallel ranks, torch AdamW).

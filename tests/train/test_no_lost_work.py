@@ -59,6 +59,7 @@ def test_a_fresh_run_into_another_runs_checkpoints_is_refused(short_run):
     assert (tmp / "ckpt" / "latest").read_text().strip() == "4"
 
 
+@pytest.mark.slow  # a finished run's report; the restart tests resume for real
 def test_resuming_a_finished_run_says_so_and_writes_its_report(short_run):
     _, _, _, tmp = short_run
     rc, out, err = _etp_train("--train-iters", "4", "--set", f"save={tmp / 'ckpt'}", "--resume",
@@ -70,6 +71,7 @@ def test_resuming_a_finished_run_says_so_and_writes_its_report(short_run):
     assert report["provenance"]["command"]
 
 
+@pytest.mark.slow  # a second run on top of the shared one; the one-line refusals before any rank starts are default
 def test_resuming_an_older_iteration_into_the_same_directory_is_refused(short_run, tmp_path):
     import shutil
 
@@ -130,6 +132,7 @@ def _children(pid: int) -> list[int]:
     return sorted(found)
 
 
+@pytest.mark.slow  # three runs; tests/train/test_restarts.py resumes a SIGTERM'd run to the same losses by default
 def test_a_rank_killed_mid_step_ends_the_run_and_a_resume_reproduces_it(tmp_path):
     """SIGKILL one of the two ranks after the checkpoint at iteration 4: the run ends (the other
     rank's collectives fail on the lost peer) within 60 s, naming the killed rank; the last
