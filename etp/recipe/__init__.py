@@ -147,8 +147,11 @@ Training (``recipe.train``, :class:`TrainSpec`):
     bf16: false. fp16: false (true is refused: etp-train builds no fp16 model and scales no loss;
         use bf16). seed: 1234. log_interval: 100.
     save: None. save_interval: None (needs save; unset: one save, after the run's last
-        iteration). load: None. A fresh run refuses a save directory that holds another run's
-        checkpoints (etp-train --resume or --overwrite; see etp.train.checkpointing).
+        iteration). async_save: false (Megatron-LM's: true copies each save's tensors to host, the
+        step goes on while a background thread writes them, and the checkpoint becomes latest only
+        once every rank's write finished; needs save). load: None. A run refuses a save directory
+        that holds another run's checkpoints (each checkpoint names its run ID; etp-train --resume
+        or --overwrite; see etp.train.checkpointing).
     finetune: false (Megatron-LM's: true starts from load's model weights only, at iteration 0 with
         a fresh optimizer and learning-rate schedule; needs load; not with --resume; a checkpoint
         etp-convert import-hf wrote holds only weights: docs/hf.md). no_load_optim: false (true:

@@ -410,6 +410,9 @@ class TrainSpec:
     log_interval: int = _positive(100, "steps between log lines")
     save: str | None = _key(None, _STR, "checkpoint directory to save to")
     save_interval: int | None = _positive(None, "steps between checkpoints (unset: one save, after the last step)")
+    async_save: bool = _key(False, _BOOL, "the step does not wait for the disk: each save's tensors are copied to "
+                            "host, written in the background, and published as latest once every rank's write "
+                            "finished (needs save)")
     load: str | None = _key(None, _STR, "checkpoint directory to load from")
     finetune: bool = _key(False, _BOOL, "start from load's model weights only: iteration, optimizer and learning-rate "
                           "schedule start fresh (a checkpoint etp-convert import-hf wrote, or any etp-train save)")
@@ -484,6 +487,8 @@ class TrainSpec:
                   "(megatron-core's grad scaler would step on unscaled gradients): use bf16: true")
         if self.save_interval is not None and self.save is None:
             _fail("save_interval", self.save_interval, "needs save: a checkpoint directory")
+        if self.async_save and self.save is None:
+            _fail("async_save", True, "needs save: a checkpoint directory (it says how saves are written)")
         for key in ("finetune", "skip_train"):
             if getattr(self, key) and self.load is None:
                 _fail(key, True, "needs load: the checkpoint directory to start from (an etp-train save, or one "

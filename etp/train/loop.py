@@ -177,6 +177,7 @@ def train(rank: int, world: int, recipe, options: RunOptions | None = None, port
             if _validation_due(recipe, iteration + 1):
                 _evaluate(run, recipe, readers[1], "valid", iteration + 1, micro, reporter)
             early = exits.reason(iteration + 1)
+            reporter.exclude(checkpoints.poll())  # publishes an async save whose writes finished
             if checkpoints.due(iteration + 1, stop) or (early and checkpoints.save_root is not None):
                 reporter.exclude(checkpoints.save(run.stepper, iteration + 1, schedule, _consumed(readers)))
             reporter.iteration_done(iteration, total / ps.get_data_parallel_world_size(), norm, profiled,
@@ -188,6 +189,7 @@ def train(rank: int, world: int, recipe, options: RunOptions | None = None, port
                           flush=True)
                 stop = iteration + 1
                 break
+        checkpoints.finish_pending()  # an exit waits for the async save in flight, then exits 0
         exits.uninstall()
         if start < stop == recipe.train.train_iters:
             _evaluate(run, recipe, readers[2], "test", stop, micro, reporter)

@@ -8,6 +8,8 @@ verification and safe loading.
   description of a weight.
 * ``optimizer_state.py``: optimizer state described like its parameters.
 * ``publish.py``: crash-safe publishing and verified loading; see [Note: crash-safe checkpoints].
+* ``background.py``: ``async_save``'s writer (megatron-core's async request, run in a thread of
+  this process); see [Note: async saves].
 * ``manifest.py``: directories, manifests and verification.
 * ``unpickle.py``: restricted unpickling of the files megatron and torch DCP unpickle.
 """
@@ -21,8 +23,14 @@ from .manifest import (
     list_checkpoints,
     verify_checkpoint,
 )
-from .publish import load_checkpoint, save_checkpoint
-from .training import load_model_checkpoint, load_training_checkpoint, save_training_checkpoint, sync_save_strategy
+from .publish import PendingCheckpoint, begin_checkpoint, load_checkpoint, save_checkpoint
+from .training import (
+    begin_training_checkpoint,
+    load_model_checkpoint,
+    load_training_checkpoint,
+    save_training_checkpoint,
+    sync_save_strategy,
+)
 from .unpickle import safe_unpickling
 
 __all__ = [
@@ -30,6 +38,9 @@ __all__ = [
     "MANIFEST_NAME",
     "CheckpointError",
     "LoadedCheckpoint",
+    "PendingCheckpoint",
+    "begin_checkpoint",
+    "begin_training_checkpoint",
     "find_latest",
     "iteration_dir",
     "list_checkpoints",

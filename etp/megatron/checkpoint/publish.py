@@ -122,7 +122,7 @@ from .manifest import (
 )
 from .unpickle import safe_unpickling
 
-__all__ = ["load_checkpoint", "save_checkpoint"]
+__all__ = ["PendingCheckpoint", "begin_checkpoint", "load_checkpoint", "save_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -343,6 +343,102 @@ def save_checkpoint(root: str | os.PathLike, iteration: int, save_fn: Callable[[
     finally:
         lock.release()
     return Path(final)
+
+
+class PendingCheckpoint:
+    """A checkpoint whose files this rank's background writer is still writing
+    (``begin_checkpoint``); nothing names it until ``publish``.
+
+    ``written()`` says whether this rank's writer is done (local, no communication);
+    ``publish()`` (collective) waits for every rank's writer, has the files that need every
+    rank's results written (``finalize_fn``: torch DCP's ``.metadata``, megatron's
+    ``metadata.json``), hashes what the writers did not, and publishes as ``save_checkpoint``
+    does: manifest, rename, ``latest`` last. A writer that failed on any rank fails the
+    publish on every rank (``CheckpointError``; the attempt is deleted, ``latest`` unchanged).
+    A process that dies before ``publish`` leaves ``latest`` where it was.
+
+    Example (every rank)::
+
+        pending = begin_checkpoint("/ckpt", 20, start_fn, metadata={"recipe": "tiny_moe_cpu"})
+        ...                               # training goes on while the files are written
+        if pending.written(): ...         # poll at an iteration boundary (agree across ranks first)
+        path = pending.publish()          # /ckpt/iter_0000020, now latest
+    """
+
+    def __init__(self, comm: _Comm, root: Path, iteration: int, tmp: Path, metadata: dict, lock: _StagingLock,
+                 written, finalize_fn: Callable[[], Any]) -> None:
+        self.iteration, self.tmp = iteration, tmp
+        self._comm, self._root, self._metadata, self._lock = comm, root, metadata, lock
+        self._written, self._finalize_fn = written, finalize_fn
+
+    def written(self) -> bool:
+        """Whether this rank's background writer has finished (successfully or not)."""
+        return self._written.done()
+
+    def publish(self) -> Path:
+        """Collective: waits for every rank's writer, then publishes; the published directory."""
+        comm, tmp = self._comm, self.tmp
+        try:
+            shares = _agree(comm, _attempt(comm, self._written.result), f"writing {tmp} in the background")
+            written = {rel: entry for share in shares for rel, entry in share.items()}
+            _agree(comm, _attempt(comm, self._finalize_fn), f"finishing {tmp}")
+            files = _on_rank0(comm, "listing the written files", _list_files, tmp)
+            mismatched = [rel for rel, size in files if rel in written and written[rel][0] != size]
+            if mismatched or not set(written) <= {rel for rel, _ in files}:
+                raise CheckpointError(f"{tmp}: files changed after their writers hashed them: "
+                                      f"{mismatched or sorted(set(written) - {rel for rel, _ in files})}")
+            rest = [(rel, size) for rel, size in files if rel not in written]  # written at the start or the finish
+            my_share = _shares(rest, comm.world_size)[comm.rank]
+            hashed = _agree(comm, _attempt(comm, _hash_and_sync, tmp, my_share), "hashing the files")
+            digests = {rel: digest for rel, (_, digest) in written.items()}
+            digests.update({rel: digest for share in hashed for rel, digest in share.items()})
+            final = _on_rank0(comm, f"publishing {tmp}", _publish, self._root, self.iteration, tmp, files,
+                              digests, self._metadata, comm.world_size)
+        except CheckpointError:
+            if comm.rank == 0:
+                _discard(tmp)
+            raise
+        finally:
+            self._lock.release()
+        return Path(final)
+
+
+def begin_checkpoint(root: str | os.PathLike, iteration: int, start_fn: Callable[[Path], tuple[Any, Callable]],
+                     metadata: dict | None = None, group=None) -> PendingCheckpoint:
+    """Collective: starts a checkpoint whose files are written in the background; publish it
+    later with ``PendingCheckpoint.publish`` (every rank, at the same point of its program).
+
+    ``start_fn(tmp_dir)`` runs on every rank and does what must happen before training goes
+    on (planning, copying tensors to host); it returns ``(written, finalize_fn)``: ``written``
+    a ``concurrent.futures.Future`` whose result is ``{relative path: (size, sha256)}`` of the
+    files this rank's background writer wrote and fsynced, ``finalize_fn`` a collective that
+    writes the files that need every rank's results. ``metadata`` as in ``save_checkpoint``.
+
+    Example (every rank)::
+
+        pending = begin_checkpoint("/ckpt", 20, start_fn, metadata={"recipe": "tiny_moe_cpu"})
+        path = pending.publish()
+    """
+    _check_iteration(iteration)
+    comm = _Comm(group)
+    root = Path(root)
+    metadata = {} if metadata is None else metadata
+    lock = _StagingLock()  # only rank 0's is ever acquired; held until the publish
+    started = []
+    try:
+        tmp = Path(_on_rank0(comm, "preparing the save", _create_staging, root, iteration, metadata, lock))
+        try:
+            # start_fn's value stays local: a Future is not picklable for the all-gather
+            _agree(comm, _attempt(comm, lambda: started.append(start_fn(tmp))), f"starting the save into {tmp}")
+        except CheckpointError:
+            if comm.rank == 0:
+                _discard(tmp)
+            raise
+    except BaseException:
+        lock.release()
+        raise
+    written, finalize_fn = started[0]
+    return PendingCheckpoint(comm, root, iteration, tmp, metadata, lock, written, finalize_fn)
 
 
 # --------------------------------------------------------------------------------------

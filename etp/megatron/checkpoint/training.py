@@ -36,10 +36,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .background import host_staged_strategy, start_in_background
 from .optimizer_state import _all_step_counts, _optimizer_sharded_state, _param_states
-from .publish import LoadedCheckpoint, load_checkpoint, save_checkpoint
+from .publish import LoadedCheckpoint, PendingCheckpoint, begin_checkpoint, load_checkpoint, save_checkpoint
 
-__all__ = ["load_model_checkpoint", "load_training_checkpoint", "save_training_checkpoint", "sync_save_strategy"]
+__all__ = ["begin_training_checkpoint", "load_model_checkpoint", "load_training_checkpoint",
+           "save_training_checkpoint", "sync_save_strategy"]
 
 
 def sync_save_strategy():
@@ -143,10 +145,7 @@ def save_training_checkpoint(root: str | Path, iteration: int, model: torch.nn.M
     """
     from megatron.core import dist_checkpointing
 
-    inner, model_sd = _model_sharded_state_dict(model)
-    opt_sd, steps = _optimizer_sharded_state(model_sd, _param_states(optimizer), _etp_groups(inner))
-    state = {"model": model_sd, "optimizer": opt_sd, "iteration": iteration,
-             "optimizer_steps": _all_step_counts(steps)}
+    state = _training_state(model, optimizer, iteration)
 
     def save_fn(directory: Path) -> None:
         _validate_on_every_rank(state)
@@ -154,6 +153,39 @@ def save_training_checkpoint(root: str | Path, iteration: int, model: torch.nn.M
                                 validate_access_integrity=False)  # done above, on every rank
 
     return save_checkpoint(root, iteration, save_fn, metadata or {})
+
+
+def _training_state(model: torch.nn.Module, optimizer, iteration: int) -> dict:
+    """The sharded state dict a training checkpoint holds ([Note: ETP training checkpoints])."""
+    inner, model_sd = _model_sharded_state_dict(model)
+    opt_sd, steps = _optimizer_sharded_state(model_sd, _param_states(optimizer), _etp_groups(inner))
+    return {"model": model_sd, "optimizer": opt_sd, "iteration": iteration, "optimizer_steps": _all_step_counts(steps)}
+
+
+def begin_training_checkpoint(root: str | Path, iteration: int, model: torch.nn.Module, optimizer,
+                              metadata: dict | None = None) -> PendingCheckpoint:
+    """``save_training_checkpoint``'s checkpoint, written in the background ([Note: async
+    saves]): returns once this rank's tensors are copied to host, so the next step may change
+    them; the same files, published as ``latest`` by the returned ``PendingCheckpoint``'s
+    ``publish()`` (a collective) once every rank's write finished. A collective.
+
+    Example::
+
+        pending = begin_training_checkpoint("ckpt", 100, model, optimizer, {"recipe": "moe.yaml"})
+        ...                        # training steps
+        path = pending.publish()   # ckpt/iter_0000100, now latest
+    """
+    from megatron.core import dist_checkpointing
+
+    state = _training_state(model, optimizer, iteration)
+
+    def start_fn(directory: Path):
+        _validate_on_every_rank(state)
+        request = dist_checkpointing.save(state, str(directory), sharded_strategy=host_staged_strategy(),
+                                          validate_access_integrity=False, async_sharded_save=True)
+        return start_in_background(request)
+
+    return begin_checkpoint(root, iteration, start_fn, metadata or {})
 
 
 def load_training_checkpoint(root: str | Path, model: torch.nn.Module, optimizer,
