@@ -138,7 +138,8 @@ def _model_difference(run: dict, recipe) -> str | None:
     theirs, ours = run.get("model"), model_identity(recipe)
     if not isinstance(theirs, dict):
         return None
-    differ = [f"{key} {theirs.get(key)!r} there, {ours.get(key)!r} here" for key in sorted(set(theirs) | set(ours))
+    keys = [*ours, *(key for key in theirs if key not in ours)]  # MODEL_KEYS' order: the defining keys first
+    differ = [f"{key} {theirs.get(key)!r} there, {ours.get(key)!r} here" for key in keys
               if theirs.get(key) != ours.get(key)]
     if not differ:
         return None

@@ -22,6 +22,12 @@ Publishing (``save_checkpoint``), collective over ``group``:
    atomically (write ``.latest.<random>.tmp``, fsync, ``os.replace``, fsync the root);
 6. leftovers of earlier crashed saves (unlocked ``.tmp_*`` directories) are removed.
 
+``begin_checkpoint`` splits the same publish around a background writer ([Note: async saves]
+in ``background.py``): steps 1 and the synchronous part of 2 happen at once, the writers run
+in the background (each hashing and fsyncing the files it wrote), and
+``PendingCheckpoint.publish`` does the rest of 2 (the files that need every rank's results)
+and steps 3-6 later, every rank at the same point. The lock is held throughout.
+
 A process killed at any point before step 5's ``os.replace`` leaves ``latest`` and the
 checkpoint it names untouched; a kill between the rename and the ``latest`` update leaves a
 complete but unreferenced ``iter_*`` directory, which the next save of that iteration moves
