@@ -328,7 +328,7 @@ class Checkpointing:
         self.loaded_consumed = None  # the checkpoint's consumed samples per split, once resumed
         self.carried: dict = {}  # CARRIED_METADATA of the checkpoint the run started from
         self.run_id: str | None = None  # [Note: run IDs]: adopted on resume, else drawn at the first need
-        self.resumed_at: int | None = None
+        self._resumed_run_id: str | None = None  # the resumed checkpoint's (None: written before run IDs)
         self.pending = None  # the async save in flight (etp.megatron.checkpoint.PendingCheckpoint)
         self._pending_began = 0.0
         self._vote_group = None
@@ -347,7 +347,8 @@ class Checkpointing:
         """``--overwrite``: deletes what the preflight said it would (rank 0, before any save)."""
         if self.options.overwrite and self.save_root is not None and self.rank == 0:
             same_dir = resumed_at is not None and self.load_root.resolve() == self.save_root.resolve()
-            removed = remove_conflicting_checkpoints(self.save_root, resumed_at, self.run_id, same_dir)
+            # what the preflight compared: the resumed checkpoint's ID, not one drawn since
+            removed = remove_conflicting_checkpoints(self.save_root, resumed_at, self._resumed_run_id, same_dir)
             if removed:
                 print(f"etp-train: --overwrite: deleted checkpoints {removed} of {self.save_root}", flush=True)
 
@@ -392,7 +393,7 @@ class Checkpointing:
         self.carried = {k: metadata[k] for k in CARRIED_METADATA if metadata.get(k) is not None}
         self.loaded_consumed = metadata.get("consumed_samples")
         run = metadata.get("run") if isinstance(metadata.get("run"), dict) else {}
-        self.run_id, self.resumed_at = run.get("id"), iteration  # the run it continues ([Note: run IDs])
+        self.run_id = self._resumed_run_id = run.get("id")  # the run it continues ([Note: run IDs])
         self._agree_run_id()  # a checkpoint written before run IDs: a fresh ID from here on
         if self.rank == 0:
             print(f"etp-train: resumed at iteration {iteration} from {self.load_root} (saved with layout "
