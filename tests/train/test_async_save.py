@@ -17,6 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# Three etp-train runs (~1 min on 2 cores) for an opt-in key: run with -m slow (the restart and
+# run-ID tests are default).
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("megatron.core")
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "recipes" / "tiny_moe_cpu.yaml")
