@@ -207,8 +207,6 @@ def train(rank: int, world: int, recipe, options: RunOptions | None = None, port
 def _early_exits(recipe, run: Run):
     """The run's ``EarlyExit``, its SIGTERM handler installed; its vote goes over a gloo group
     (the default one on CPU ranks), so it never synchronizes the device."""
-    import time
-
     from etp.train.exits import EarlyExit
 
     t = recipe.train
