@@ -19,12 +19,10 @@ De-duplication is reported as what it is: ``dedup`` = bytes of every (token, exp
 another rank / the bytes moved, with ``a2a every pair`` the all-to-all of all those rows.
 
 A backend may carry ``tune()`` options and ``EPConfig`` fields, ``/``-separated, in a row of
-its own: ``nccl@num_ctas=64``, ``symm_dedup@combine=pull/peer_order=sequential`` (the combine
-that pulls, peers in rank order: what it was before pushing), ``hierarchical@ranks_per_host=2``
+its own: ``nccl@num_ctas=64``, ``symm_dedup@num_ctas=32/num_warps=4``, ``hierarchical@ranks_per_host=2``
 (hosts declared: 2 hosts x 2 on one 4-GPU machine). ``--ranks-per-host`` declares them for
 every backend (the ``symm_*`` backends are then unavailable). ``--sweep`` times forward dispatch and combine over a grid of launch
-options instead (``--sweep-*``; symm backends: also ``--sweep-combine`` push / pull and
-``--sweep-order`` rotated / sequential peers; nccl backends: ``--sweep-ctas``).
+options instead (``--sweep-*``; nccl backends: ``--sweep-ctas`` only).
 
     torchrun --nproc-per-node=4 tools/bench_ep.py --out ep.json --benchmarks-md ep.md
     torchrun --nproc-per-node=4 tools/bench_ep.py --backends nccl,symm_dedup,hierarchical@ranks_per_host=2
@@ -278,8 +276,7 @@ def _sweep_backend(disp, backend, workload, idx, weights, x, args, a2a_cache):
     """Forward dispatch and combine of one dispatcher at every grid point of its kind."""
     symm = backend.startswith("symm_")
     grid = (dict(num_ctas=_ints(args.sweep_ctas), tile_rows=_ints(args.sweep_rows), num_warps=_ints(args.sweep_warps),
-                 num_stages=_ints(args.sweep_stages), combine=args.sweep_combine.split(","),
-                 peer_order=args.sweep_order.split(","))
+                 num_stages=_ints(args.sweep_stages))
             if symm else dict(num_ctas=_ints(args.sweep_ctas)))
     backends = {id(b): b for b in (disp.dispatch_backend, disp.combine_backend)}.values()
     rows = []
@@ -432,8 +429,6 @@ def _parser():
     parser.add_argument("--sweep-rows", default="0", help="0: automatic")
     parser.add_argument("--sweep-warps", default="8")
     parser.add_argument("--sweep-stages", default="3")
-    parser.add_argument("--sweep-combine", default="push,pull")
-    parser.add_argument("--sweep-order", default="rotated,sequential")
     parser.add_argument("--trace", action="store_true",
                         help="also profile one call of each move: its span and top kernels (rank 0 prints)")
     parser.add_argument("--out", default=None)

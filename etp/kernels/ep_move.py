@@ -32,9 +32,9 @@ it holds per source token and writes one partial sum into the source's slot; the
 then reduces its slots locally) instead of pulling. A kernel that walks per-source slots
 must also not walk them source by source: every program of every rank would write to (or
 read from) rank 0 first, then rank 1, ..., so one peer's link carries all the traffic at a
-time. ``ROTATE`` interleaves the sources (iteration i takes rank ``me + 1 + i mod W``), so
-at any moment each rank's programs spread over all peers and different ranks start at
-different peers.
+time. The slot kernels therefore interleave the sources (iteration i takes rank
+``me + 1 + i mod W``), so at any moment each rank's programs spread over all peers and
+different ranks start at different peers.
 
 [Note: own rows]
 A de-duplicating dispatch pushes each token once per peer rank into a per-token slot there,
@@ -136,13 +136,13 @@ def _push_kernel(x_ptr, w_ptr, row_ptr, rank_ptr, x_table, w_table, own_ptr, T, 
 
 
 @triton.jit
-def _pull_reduce_kernel(table, row_ptr, rank_ptr, out_ptr, T, H, me, T_max,
+def _pull_reduce_kernel(table, row_ptr, rank_ptr, out_ptr, T, H,
                         K: tl.constexpr, DEDUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
                         ALIGN: tl.constexpr, STAGES: tl.constexpr):
     """``out[t] = sum_k src_d[row]`` over sent pairs, accumulated in fp32 in k order (the
     K loads of a tile are issued together; the adds stay in k order: bit-identical to
-    ``sum_pairs``). DEDUP: ``src_d[me*T_max + t]`` once per destination rank d (its partial
-    sum), in the order of each rank's first pair."""
+    ``sum_pairs``). DEDUP: ``src_d[t]`` once per destination rank d (the partial sum d pushed
+    into this rank's block d, see ``slot_table``), in the order of each rank's first pair."""
     n_h = tl.cdiv(H, BLOCK_H)
     for it in tl.range(tl.program_id(0), tl.cdiv(T, ROWS) * n_h, tl.num_programs(0), num_stages=STAGES):
         t64, h, live, hmask = _token_tile(it, n_h, T, H, ROWS, BLOCK_H)
@@ -155,7 +155,7 @@ def _pull_reduce_kernel(table, row_ptr, rank_ptr, out_ptr, T, H, me, T_max,
             take = row >= 0
             if DEDUP:
                 take, seen = _first_of_rank(take, d, seen)
-                row = t64 + me * T_max
+                row = t64
             src = tl.load(table + tl.where(take, d, 0)).to(tl.pointer_type(out_ptr.dtype.element_ty))
             src = tl.multiple_of(src + tl.where(take, row, 0) * H, ALIGN)
             acc += tl.load(src[:, None] + h[None, :], mask=take[:, None] & hmask[None, :], other=0.0).to(tl.float32)
@@ -228,20 +228,14 @@ def _select_kernel(src_ptr, map_ptr, local_ptr, out_ptr, tpe_ptr, totals_ptr, H,
 
 
 @triton.jit
-def _slot_tile(it, n_h, W, T_max, tokens_ptr, me, ROTATE: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+def _slot_tile(it, n_h, W, T_max, tokens_ptr, me, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
     """Loop iteration ``it`` over the W * T_max per-token slots (``n_h`` column blocks per
     slot, tiles of ROWS tokens of one source rank): the slots, the columns, the tile's
     source rank s (a scalar), the tokens, and whether each token exists (``t < tokens[s]``).
-    ROTATE: consecutive iterations take ranks ``me + 1, me + 2, ...`` in turn, see [Note: peer
-    order]; else all of rank 0's tiles, then rank 1's, ..."""
-    n_t = tl.cdiv(T_max, ROWS)
+    Consecutive iterations take ranks ``me + 1, me + 2, ...`` in turn (see [Note: peer order])."""
     rest = it // n_h
-    if ROTATE:
-        s = (me + 1 + rest % W) % W
-        tile = rest // W
-    else:
-        s = rest // n_t
-        tile = rest % n_t
+    s = (me + 1 + rest % W) % W
+    tile = rest // W
     t = tile * ROWS + tl.arange(0, ROWS)
     h = (it % n_h) * BLOCK_H + tl.arange(0, BLOCK_H)
     q = s * T_max + t
@@ -249,12 +243,12 @@ def _slot_tile(it, n_h, W, T_max, tokens_ptr, me, ROTATE: tl.constexpr, ROWS: tl
 
 
 @triton.jit
-def _gather_tokens_kernel(table, tokens_ptr, out_ptr, W, T_max, H, skip, ROTATE: tl.constexpr, ROWS: tl.constexpr,
+def _gather_tokens_kernel(table, tokens_ptr, out_ptr, W, T_max, H, skip, ROWS: tl.constexpr,
                           BLOCK_H: tl.constexpr, ALIGN: tl.constexpr, STAGES: tl.constexpr):
     """``out[s*T_max + t] = src_s[t]`` for every rank s != skip and t < tokens[s]."""
     n_h = tl.cdiv(H, BLOCK_H)
     for it in tl.range(tl.program_id(0), W * tl.cdiv(T_max, ROWS) * n_h, tl.num_programs(0), num_stages=STAGES):
-        q, h, s, t, live = _slot_tile(it, n_h, W, T_max, tokens_ptr, skip, ROTATE, ROWS, BLOCK_H)
+        q, h, s, t, live = _slot_tile(it, n_h, W, T_max, tokens_ptr, skip, ROWS, BLOCK_H)
         live = live & ((t * 0 + s) != skip)  # a vector compare: the interpreter masks with vectors only
         src = tl.load(table + s).to(tl.pointer_type(out_ptr.dtype.element_ty))
         src = tl.multiple_of(src + tl.where(live, t, 0).to(tl.int64) * H, ALIGN)
@@ -264,17 +258,16 @@ def _gather_tokens_kernel(table, tokens_ptr, out_ptr, W, T_max, H, skip, ROTATE:
 
 
 @triton.jit
-def _local_reduce_kernel(y_ptr, red_ptr, tokens_ptr, out_ptr, W, T_max, H, me, K: tl.constexpr, PUSH: tl.constexpr,
-                         ROTATE: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr,
-                         STAGES: tl.constexpr):
-    """``out[q] = sum_k y[red[q, k]]`` (red >= 0, k order, fp32; the K loads of a tile issued
-    together) for slots q = s*T_max + t, t < tokens[s], that have at least one row here;
-    other slots are left as they are. PUSH: ``out_ptr`` is a pointer table and the sum goes
-    to rank s's slot ``me*T_max + t`` instead (the local reads and one remote write per
-    token of a combine that pushes, see [Note: peer order])."""
+def _local_reduce_kernel(y_ptr, red_ptr, tokens_ptr, out_table, W, T_max, H, me, K: tl.constexpr,
+                         ROWS: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr, STAGES: tl.constexpr):
+    """For slots q = s*T_max + t, t < tokens[s], that have at least one row here: rank s's
+    slot ``me*T_max + t`` (``out_table`` holds the ranks' buffers) gets ``sum_k y[red[q, k]]``
+    (red >= 0, k order, fp32; the K loads of a tile issued together); other slots are left as
+    they are. The local reads and one remote write per token of a combine that pushes (see
+    [Note: peer order])."""
     n_h = tl.cdiv(H, BLOCK_H)
     for it in tl.range(tl.program_id(0), W * tl.cdiv(T_max, ROWS) * n_h, tl.num_programs(0), num_stages=STAGES):
-        q, h, s, t, live = _slot_tile(it, n_h, W, T_max, tokens_ptr, me, ROTATE, ROWS, BLOCK_H)
+        q, h, s, t, live = _slot_tile(it, n_h, W, T_max, tokens_ptr, me, ROWS, BLOCK_H)
         hmask = h < H
         q64 = q.to(tl.int64)
         acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
@@ -285,11 +278,8 @@ def _local_reduce_kernel(y_ptr, red_ptr, tokens_ptr, out_ptr, W, T_max, H, me, K
             found = found | take
             offs = (tl.where(take, row, 0) * H)[:, None] + h[None, :]
             acc += tl.load(y_ptr + offs, mask=take[:, None] & hmask[None, :], other=0.0).to(tl.float32)
-        if PUSH:
-            dst = tl.load(out_ptr + s).to(tl.pointer_type(y_ptr.dtype.element_ty))
-            dst = tl.multiple_of(dst + (me * T_max + t.to(tl.int64)) * H, ALIGN)
-        else:
-            dst = tl.multiple_of(out_ptr + q64 * H, ALIGN)
+        dst = tl.load(out_table + s).to(tl.pointer_type(y_ptr.dtype.element_ty))
+        dst = tl.multiple_of(dst + (me * T_max + t.to(tl.int64)) * H, ALIGN)
         tl.store(dst[:, None] + h[None, :], acc.to(y_ptr.dtype.element_ty), mask=found[:, None] & hmask[None, :])
 
 
@@ -345,7 +335,7 @@ def push_rows(x, w, pair_row, pair_rank, x_table, w_table, *, mode: int, me: int
            STAGES=pipeline_stages(stages, ROWS, H, x.element_size()), num_warps=num_warps)
 
 
-def pull_reduce(table, pair_row, pair_rank, out, *, dedup: bool = False, me: int = 0, t_max: int = 0,
+def pull_reduce(table, pair_row, pair_rank, out, *, dedup: bool = False,
                 num_ctas: int = 32, rows=None, num_warps: int = DEFAULT_NUM_WARPS,
                 stages: int = DEFAULT_STAGES) -> None:
     """``out [T, H]``: each token's sum of its pairs' rows pulled from the peers."""
@@ -356,7 +346,7 @@ def pull_reduce(table, pair_row, pair_rank, out, *, dedup: bool = False, me: int
     if dedup:
         _check_dedup_world(table)
     ROWS = tile_rows(rows, H, K)
-    launch(_pull_reduce_kernel, grid(num_ctas), table, pair_row, pair_rank, out, tokens, H, me, t_max, K=K, DEDUP=dedup,
+    launch(_pull_reduce_kernel, grid(num_ctas), table, pair_row, pair_rank, out, tokens, H, K=K, DEDUP=dedup,
            ROWS=ROWS, BLOCK_H=row_block(H), ALIGN=row_align(out),
            STAGES=pipeline_stages(stages, ROWS, H, out.element_size(), K),
            num_warps=num_warps)
@@ -405,36 +395,35 @@ def select_rows(src, src_map, out, tokens_per_expert, totals, *, identity: bool 
     totals[0:1].copy_(totals[1:2])
 
 
-def gather_tokens(table, tokens, out, t_max: int, *, skip: int = -1, rotate: bool = True, num_ctas: int = 32,
+def gather_tokens(table, tokens, out, t_max: int, *, skip: int = -1, num_ctas: int = 32,
                   rows=None, num_warps: int = DEFAULT_NUM_WARPS, stages: int = DEFAULT_STAGES) -> None:
-    """``out [W*T_max, H]``: every rank's token rows (all-gather), but rank ``skip``'s.
-    ``rotate``: the peers in turn from ``skip + 1`` (see [Note: peer order])."""
+    """``out [W*T_max, H]``: every rank's token rows (all-gather), but rank ``skip``'s, the
+    peers in turn from ``skip + 1`` (see [Note: peer order])."""
     H = out.shape[1]
     ROWS = tile_rows(rows, H)
-    launch(_gather_tokens_kernel, grid(num_ctas), table, tokens, out, tokens.numel(), t_max, H, skip, ROTATE=rotate,
+    launch(_gather_tokens_kernel, grid(num_ctas), table, tokens, out, tokens.numel(), t_max, H, skip,
            ROWS=ROWS, BLOCK_H=row_block(H), ALIGN=row_align(out),
            STAGES=pipeline_stages(stages, ROWS, H, out.element_size()), num_warps=num_warps)
 
 
-def local_reduce(y, red, tokens, out, t_max: int, *, push: bool = False, me: int = 0, rotate: bool = True,
-                 num_ctas: int = 32, rows=None, num_warps: int = DEFAULT_NUM_WARPS,
-                 stages: int = DEFAULT_STAGES) -> None:
-    """``out [W*T_max, H]``: per source token, the sum of its rows held here. ``push``:
-    ``out`` is the pointer table of the sources' ``[W*T_max, H]`` buffers and the sum of
-    source s's token t goes to rank s's slot ``me*T_max + t``. ``rotate``: the sources in
-    turn from ``me + 1`` (see [Note: peer order])."""
+def local_reduce(y, red, tokens, out_table, t_max: int, *, me: int = 0, num_ctas: int = 32, rows=None,
+                 num_warps: int = DEFAULT_NUM_WARPS, stages: int = DEFAULT_STAGES) -> None:
+    """Per source token, the sum of its rows held here, pushed into the source:
+    ``out_table`` is the pointer table of the sources' ``[W*T_max, H]`` buffers and the sum of
+    source s's token t goes to rank s's slot ``me*T_max + t``, the sources in turn from
+    ``me + 1`` (see [Note: peer order])."""
     H, K = y.shape[1], red.shape[-1]
     ROWS = tile_rows(rows, H, K)
-    launch(_local_reduce_kernel, grid(num_ctas), y, red, tokens, out, tokens.numel(), t_max, H, me, K=K, PUSH=push,
-           ROTATE=rotate, ROWS=ROWS, BLOCK_H=row_block(H), ALIGN=row_align(y),
+    launch(_local_reduce_kernel, grid(num_ctas), y, red, tokens, out_table, tokens.numel(), t_max, H, me, K=K,
+           ROWS=ROWS, BLOCK_H=row_block(H), ALIGN=row_align(y),
            STAGES=pipeline_stages(stages, ROWS, H, y.element_size(), K), num_warps=num_warps)
 
 
 def slot_table(buffer: torch.Tensor, world: int) -> torch.Tensor:
     """Pointer table of the W ``[T_max, H]`` slot blocks of one local ``[W*T_max, H]`` buffer:
-    ``pull_reduce(slot_table(buf, W), ..., dedup=True, me=0, t_max=T_max)`` then reads
-    ``buf[d*T_max + t]`` for each destination rank d of token t (the partial sums that rank
-    d pushed here), in the same order and with the same fp32 sum as the pull from the peers."""
+    ``pull_reduce(slot_table(buf, W), ..., dedup=True)`` then reads ``buf[d*T_max + t]`` for
+    each destination rank d of token t (the partial sums that rank d pushed here), each token's
+    once per rank in the order of its first pair to each."""
     step = buffer.shape[0] // world * buffer.stride(0) * buffer.element_size()
     return torch.tensor([buffer.data_ptr() + d * step for d in range(world)], dtype=torch.int64,
                         device=buffer.device)

@@ -38,7 +38,7 @@ def push_rows_ref(x, w, pair_row, pair_rank, x_bufs, w_bufs, *, mode, me=0, t_ma
             own[row] = x[t]
 
 
-def pull_reduce_ref(srcs, pair_row, pair_rank, out, *, dedup=False, me=0, t_max=0):
+def pull_reduce_ref(srcs, pair_row, pair_rank, out, *, dedup=False):
     tokens = out.shape[0]
     if tokens == 0:
         return
@@ -49,7 +49,7 @@ def pull_reduce_ref(srcs, pair_row, pair_rank, out, *, dedup=False, me=0, t_max=
         for k in range(topk):
             row, d = int(pair_row[t * topk + k]), int(pair_rank[t * topk + k])
             if dedup and first[t, k]:
-                acc[t] += srcs[d][me * t_max + t].float()
+                acc[t] += srcs[d][t].float()
             elif not dedup and row >= 0:
                 acc[t] += srcs[d][row].float()
     out.copy_(acc)
@@ -84,7 +84,7 @@ def gather_tokens_ref(srcs, tokens, out, t_max, skip=-1):
         out[s * t_max: s * t_max + n] = src[:n]
 
 
-def local_reduce_ref(y, red, tokens, out, t_max, *, push_to=None, me=0):
+def local_reduce_ref(y, red, tokens, push_to, t_max, *, me=0):
     """``push_to``: the sources' buffers (``push_to[s]``); the sum goes to slot me*t_max + t."""
     for q in range(red.shape[0]):
         s, t = divmod(q, t_max)
@@ -93,10 +93,7 @@ def local_reduce_ref(y, red, tokens, out, t_max, *, push_to=None, me=0):
             acc = torch.zeros(y.shape[1], dtype=torch.float32, device=y.device)
             for r in rows:
                 acc += y[r].float()
-            if push_to is None:
-                out[q] = acc.to(out.dtype)
-            else:
-                push_to[s][me * t_max + t] = acc.to(push_to[s].dtype)
+            push_to[s][me * t_max + t] = acc.to(push_to[s].dtype)
 
 
 def push_meta_ref(pair_row, pair_rank, map_bufs, red_bufs, me, t_max, topk):

@@ -108,24 +108,20 @@ def _check_all_moves(case, world, capacity, expert_capacity=None, *, topk=3, hid
     # 3. all-gather of the token rows (all, and all but one rank's).
     staged = [torch.cat([x, torch.full((t_max - x.shape[0], hidden), 3.0, device=DEVICE)]) for x in xs]
     tokens = layouts[0].tokens
-    for skip, rotate in ((-1, False), (world - 1, True)):
+    for skip in (-1, world - 1):
         got, want = _bufs(1, world * t_max, hidden, fill=-1.0)[0], _bufs(1, world * t_max, hidden, fill=-1.0)[0]
-        km.gather_tokens(tab(staged), tokens, got, t_max, skip=skip, rotate=rotate, **ctas(4))
+        km.gather_tokens(tab(staged), tokens, got, t_max, skip=skip, **ctas(4))
         ref.gather_tokens_ref(staged, tokens, want, t_max, skip=skip)
         assert torch.equal(got, want)
-    # 4. combine: pull-reduce, and local reduce + de-duplicated pull; per-pair scalars.
+    # 4. combine: pull-reduce, and local reduce pushed + de-duplicated slot reduce; per-pair scalars.
     gen = torch.Generator().manual_seed(0)
     ys = [torch.randn(capacity, hidden, generator=gen).to(DEVICE) for _ in range(world)]
-    # Slots without a row here must keep what they held: start from 5, not 0.
-    partial, want_partial = _bufs(world, world * t_max, hidden, fill=5.0), _bufs(world, world * t_max, hidden, fill=5.0)
-    # The pushed variant: rank d writes source s's partial sums into s's slot d*t_max + t.
+    # Rank d writes source s's partial sums into s's slot d*t_max + t; slots without a row
+    # from d must keep what they held: start from 5, not 0.
     pushed, want_pushed = _bufs(world, world * t_max, hidden, fill=5.0), _bufs(world, world * t_max, hidden, fill=5.0)
     for d in range(world):
-        km.local_reduce(ys[d], red[d], tokens, partial[d], t_max, rotate=d % 2 == 0, **ctas(3))
-        ref.local_reduce_ref(ys[d], red[d], tokens, want_partial[d], t_max)
-        assert torch.equal(partial[d], want_partial[d])
-        km.local_reduce(ys[d], red[d], tokens, tab(pushed), t_max, push=True, me=d, rotate=d % 2 == 1, **ctas(3))
-        ref.local_reduce_ref(ys[d], red[d], tokens, None, t_max, push_to=want_pushed, me=d)
+        km.local_reduce(ys[d], red[d], tokens, tab(pushed), t_max, me=d, **ctas(3))
+        ref.local_reduce_ref(ys[d], red[d], tokens, want_pushed, t_max, me=d)
     for s in range(world):
         assert torch.equal(pushed[s], want_pushed[s]), f"pushed partial sums of source {s}"
     for r, lay in enumerate(layouts):
@@ -140,16 +136,13 @@ def _check_all_moves(case, world, capacity, expert_capacity=None, *, topk=3, hid
             summed = torch.empty_like(out)
             sum_pairs(per_pair.view(T, topk, hidden), summed)
             assert torch.equal(out, summed), "pull_reduce is not the k-order fp32 sum every backend reproduces"
+        # The source's reduction of the partial sums pushed to it: the same sum, another order.
         out2, want2 = torch.empty(T, hidden, device=DEVICE), torch.empty(T, hidden, device=DEVICE)
-        km.pull_reduce(tab(partial), lay.pair_row, lay.pair_rank, out2, dedup=True, me=r, t_max=t_max, **ctas(2))
-        ref.pull_reduce_ref(partial, lay.pair_row, lay.pair_rank, want2, dedup=True, me=r, t_max=t_max)
-        assert torch.equal(out2, want2)
+        blocks = list(pushed[r].view(world, t_max, hidden))
+        km.pull_reduce(km.slot_table(pushed[r], world), lay.pair_row, lay.pair_rank, out2, dedup=True, **ctas(2))
+        ref.pull_reduce_ref(blocks, lay.pair_row, lay.pair_rank, want2, dedup=True)
+        assert torch.equal(out2, want2), "de-duplicated slot reduce differs from the reference"
         torch.testing.assert_close(out2, out, rtol=1e-6, atol=1e-6)  # same sum, other order
-        # The source's local reduction of what was pushed to it: the same sum, bit for bit.
-        out3 = torch.empty(T, hidden, device=DEVICE)
-        km.pull_reduce(km.slot_table(pushed[r], world), lay.pair_row, lay.pair_rank, out3, dedup=True, me=0,
-                       t_max=t_max, **ctas(2))
-        assert torch.equal(out3, want2), "pushed combine differs from the pulled one"
         pairs, want_pairs = torch.empty(T * topk, device=DEVICE), torch.empty(T * topk, device=DEVICE)
         km.pull_pairs(tab(recv_w), lay.pair_row, lay.pair_rank, pairs, **ctas(2))
         ref.pull_pairs_ref(recv_w, lay.pair_row, lay.pair_rank, want_pairs)
@@ -355,14 +348,10 @@ def _symm_on_cpu(ctx, name):
                                                                                   "backend": "reference"}))
     gen = torch.Generator().manual_seed(1)
     errors = []
-    # Correctness against reference, T shrinking so that stale rows must be zeroed; the last
-    # steps with the combine that pulls from the peers, walking them in rank order.
+    # Correctness against reference, T shrinking so that stale rows must be zeroed.
     for tokens in (6, 3, 0, 5, 4):
-        if tokens == 4:
-            disp.combine_backend.tune(combine="pull", peer_order="sequential")
         errors += _layer_against_reference(disp, ref_disp, gen, tokens, "")
     # The moves of one handle, step after step: identical launches, nothing allocated.
-    disp.combine_backend.tune(combine="push", peer_order="rotated")
     per_step, allocs, seen, handle, x, w, recv_x = _steady_moves(disp, gen, launches)
     with torch.no_grad():
         # tune() changes the launches of the next moves, not their results.
@@ -391,7 +380,7 @@ def test_symm_backend_on_cpu_is_graph_safe_and_allocation_free(name):
     # The combines push: symm_push its rows back to per-pair slots, the others their partial sums.
     launched = {fn: kw for fn, _, kw in per_step[0]}
     assert ("copy_rows" in launched) == (name == "symm_push")
-    assert name == "symm_push" or dict(launched["local_reduce"])["push"] is True
+    assert name == "symm_push" or "local_reduce" in launched
     # A CUDA graph replays the launches of its capture: every call must launch the same.
     for step in per_step[1:]:
         assert step == per_step[0], "a move's kernel arguments changed between steps"

@@ -34,8 +34,6 @@ Algorithms (all share the layout of [Note: receive layout] and produce the same 
   receiver's buffer (the permutation into expert order fused into the transfer); combine
   writes each row of ``expert_out`` back into its source's slot for that pair and every
   source sums its K slots locally (fp32, k order: bit-identical to ``reference``).
-  ``tune(combine="pull")``: combine stages ``expert_out`` in symmetric memory and the
-  sources pull their K rows instead.
 * ``symm_dedup``: a token crosses to a rank once however many of its experts live there:
   dispatch pushes it into the receiver's per-token slot and the receiver expands it into
   its rows locally (its own tokens straight from ``x``: they skip the slot); combine first
@@ -43,8 +41,7 @@ Algorithms (all share the layout of [Note: receive layout] and produce the same 
   into the source's slot, where the source reduces its slots locally (summation order
   differs from ``reference``: per rank first, then over ranks in the order of the token's
   first pair to each; bf16 partial sums). Both moves write to peers and walk the peers in
-  rotation ([Note: peer order] in ``etp.kernels.ep_move``; ``tune(combine="pull")`` keeps
-  the older combine that reads the partial sums from the peers, for comparison).
+  rotation ([Note: peer order] in ``etp.kernels.ep_move``).
 * ``symm_allgather``: every rank pulls every peer's tokens (all-gather), then selects its
   rows locally (its own from ``x``); combine as ``symm_dedup``. Moves tokens routed nowhere
   here too, and wins where nearly every token has an expert on every rank (large K, few
@@ -85,8 +82,6 @@ class _SymmBackend(Backend):
         # Launch parameters of every kernel (the same on every call: see [Note: graph-safe moves]).
         self._launch = dict(num_ctas=cfg.num_ctas, rows=cfg.tile_rows, num_warps=cfg.num_warps,
                             stages=cfg.num_stages)
-        # How the de-duplicated combine moves partial sums, and whether per-peer loops rotate.
-        self._push_combine, self._rotate = True, True
         self._stage = self.alloc_rows(ctx.capacity, cfg.hidden_size)
         self._stage_w = self.alloc_rows(ctx.capacity, None, cfg.weight_dtype)
 
@@ -101,24 +96,12 @@ class _SymmBackend(Backend):
         self._buffers[t.data_ptr()] = (t, handle, table, totals)
         return t
 
-    def tune(self, *, num_ctas=None, tile_rows=None, num_warps=None, num_stages=None, combine=None,
-             peer_order=None) -> None:
+    def tune(self, *, num_ctas=None, tile_rows=None, num_warps=None, num_stages=None) -> None:
         """Changes the copy kernels' launch parameters (``EPConfig``'s fields of those names;
         None keeps one) from the next move on, e.g. to sweep them in a benchmark without
-        reallocating the buffers. A CUDA graph captured before keeps the old ones.
-        ``combine``: ``"push"`` (default) or ``"pull"``, how ``symm_dedup`` / ``symm_allgather``
-        move the partial sums back; ``peer_order``: ``"rotated"`` (default) or ``"sequential"``
-        (see [Note: peer order] in ``etp.kernels.ep_move``)."""
+        reallocating the buffers. A CUDA graph captured before keeps the old ones."""
         new = dict(num_ctas=num_ctas, rows=tile_rows, num_warps=num_warps, stages=num_stages)
         self._launch.update({key: value for key, value in new.items() if value is not None})
-        if combine is not None:
-            if combine not in ("push", "pull"):
-                raise ValueError(f"combine={combine!r}: expected 'push' or 'pull'")
-            self._push_combine = combine == "push"
-        if peer_order is not None:
-            if peer_order not in ("rotated", "sequential"):
-                raise ValueError(f"peer_order={peer_order!r}: expected 'rotated' or 'sequential'")
-            self._rotate = peer_order == "rotated"
 
     def _table(self, t):
         entry = self._buffers.get(t.data_ptr())
@@ -146,15 +129,6 @@ class _SymmBackend(Backend):
             return table
         self._select(y, None, stage, tokens_per_expert, identity=True)
         return self._table(stage)
-
-    # Combine by pulling each pair's row from its destination (symm_push's combine).
-    def combine(self, y, handle, out):
-        lay = handle.layout
-        self._barrier()
-        table = self._staged(y, self._stage, lay.tokens_per_expert)
-        self._barrier()
-        with record_function("etp::ep_symm_pull_reduce"):
-            km.pull_reduce(table, lay.pair_row, lay.pair_rank, out, **self._launch)
 
     def combine_pairs(self, v, handle, out):
         lay = handle.layout
@@ -206,9 +180,7 @@ class SymmPushBackend(_SymmBackend):
     def combine(self, y, handle, out):
         """Each destination pushes its rows back into their sources' per-pair slots (posted
         writes, see [Note: peer order]); each source sums its K slots locally (fp32, k order:
-        bit-identical to ``reference``). ``tune(combine="pull")``: the sources pull instead."""
-        if not self._push_combine:
-            return super().combine(y, handle, out)
+        bit-identical to ``reference``)."""
         lay = handle.layout
         self._barrier()
         with record_function("etp::ep_symm_push_back"):
@@ -274,22 +246,12 @@ class SymmDedupBackend(_SymmBackend):
     def combine(self, y, handle, out):
         lay, me, red = handle.layout, self.ctx.rank, self._red.view(-1, self.ctx.cfg.topk)
         self._barrier()
-        if self._push_combine:
-            with record_function("etp::ep_symm_reduce_push"):
-                km.local_reduce(y.contiguous(), red, lay.tokens, self._table(self._tokens), self._t_max, push=True,
-                                me=me, rotate=self._rotate, **self._launch)
-            self._barrier()
-            with record_function("etp::ep_symm_slot_reduce"):
-                km.pull_reduce(self._slots, lay.pair_row, lay.pair_rank, out, dedup=True, me=0, t_max=self._t_max,
-                               **self._launch)
-            return
-        with record_function("etp::ep_symm_local_reduce"):
-            km.local_reduce(y.contiguous(), red, lay.tokens, self._tokens, self._t_max, rotate=self._rotate,
+        with record_function("etp::ep_symm_reduce_push"):
+            km.local_reduce(y.contiguous(), red, lay.tokens, self._table(self._tokens), self._t_max, me=me,
                             **self._launch)
         self._barrier()
-        with record_function("etp::ep_symm_pull_reduce"):
-            km.pull_reduce(self._table(self._tokens), lay.pair_row, lay.pair_rank, out, dedup=True, me=me,
-                           t_max=self._t_max, **self._launch)
+        with record_function("etp::ep_symm_slot_reduce"):
+            km.pull_reduce(self._slots, lay.pair_row, lay.pair_rank, out, dedup=True, **self._launch)
 
 
 class SymmAllGatherBackend(SymmDedupBackend):
@@ -320,7 +282,7 @@ class SymmAllGatherBackend(SymmDedupBackend):
         self._barrier()
         with record_function("etp::ep_symm_all_gather"):
             km.gather_tokens(self._table(self._x_stage), lay.tokens, self._tokens, self._t_max, skip=self.ctx.rank,
-                             rotate=self._rotate, **self._launch)
+                             **self._launch)
         with record_function("etp::ep_symm_expand"):
             self._select(self._tokens, self._map, out_x, lay.tokens_per_expert, local=x)
         if w is not None:
