@@ -51,34 +51,61 @@ TINY = dict(QWEN3_30B_A3B, vocab_size=512, hidden_size=64, intermediate_size=96,
 _SKIP_LOSS = re.compile(r"skip_train: loss ([\d.]+) of the loaded weights")
 
 
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (torchrun's workers), from /proc."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                pass
+    return found
+
+
+def _high_water_kib(pid: int) -> int:
+    """The process's peak resident set (``VmHWM``: its own, unlike ``ru_maxrss``, which a child
+    inherits from the parent it was forked from)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 def _timed(command: list[str], log: Path, timeout: int) -> dict:
-    """Runs ``command`` (output to ``log``): its return code, wall seconds and peak RSS (GB)."""
+    """Runs ``command`` (output to ``log``): its return code, wall seconds and peak RSS (GB, the
+    largest ``VmHWM`` of the process and its descendants, read every 0.1 s)."""
     print(f"[hf_round_trip] {' '.join(command)}", flush=True)
     began = time.perf_counter()
+    peak = {}
     with open(log, "w") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
-        deadline = began + timeout
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.perf_counter() > deadline:
+        while proc.poll() is None:
+            for pid in _tree(proc.pid):
+                peak[pid] = max(peak.get(pid, 0), _high_water_kib(pid))
+            if time.perf_counter() > began + timeout:
                 proc.kill()
-                pid, status, usage = os.wait4(proc.pid, 0)
+                proc.wait()
                 break
-            time.sleep(0.2)
+            time.sleep(0.1)
     seconds = time.perf_counter() - began
     text = log.read_text(errors="replace")
-    result = {"command": " ".join(command), "rc": os.waitstatus_to_exitcode(status), "wall_s": round(seconds, 1),
-              "peak_rss_gb": round(usage.ru_maxrss * 1024 / 1e9, 2)}  # ru_maxrss: KiB on Linux
+    result = {"command": " ".join(command), "rc": proc.returncode if proc.returncode is not None else "timeout",
+              "wall_s": round(seconds, 1), "peak_rss_gb": round(max(peak.values(), default=0) * 1024 / 1e9, 2)}
     if result["rc"] != 0:
         result["error"] = "\n".join(line for line in text.splitlines() if "error" in line.lower())[-1500:]
-        print(f"[hf_round_trip] FAILED rc {result['rc']}:\n{text[-2000:]}", flush=True)
+        print(f"[hf_round_trip] FAILED rc {result['rc']} after {seconds:.0f} s:\n{text[-2000:]}", flush=True)
     else:
         print(f"[hf_round_trip]   rc 0 in {seconds:.0f} s, peak RSS {result['peak_rss_gb']} GB", flush=True)
     match = _SKIP_LOSS.search(text)
     if match:
         result["loss"] = float(match.group(1))
+        print(f"[hf_round_trip]   etp-train's loss {result['loss']}", flush=True)
     return result
 
 
@@ -144,8 +171,17 @@ def main(argv=None) -> int:
     sets = [item for key, value in keys.items() for item in ("--set", f"{key}={value}")]
     launcher = ([sys.executable, "-m", "etp.train"] if smoke else
                 ["torchrun", "--standalone", "--nproc-per-node=1", "-m", "etp.train"])
-    report = {"layers": args.layers, "architecture": arch, "recipe": RECIPE, "recipe_keys": keys, "stages": {}}
+    report = {"layers": args.layers, "architecture": arch, "recipe": RECIPE, "recipe_keys": keys, "stages": {},
+              "provenance": provenance()}
     stages = report["stages"]
+    out = Path(args.out)
+    logs = out.with_name(out.stem + "_logs")
+    logs.mkdir(parents=True, exist_ok=True)
+
+    def timed(name, command):
+        stages[name] = _timed(command, logs / f"{name}.log", args.timeout)
+        out.write_text(json.dumps(report, indent=1))  # what ran so far survives a kill
+        return stages[name]
 
     with tempfile.TemporaryDirectory(prefix="hf_round_trip_", dir=os.environ.get("ETP_BENCH_TMP")) as tmp:
         tmp = Path(tmp)
@@ -168,26 +204,22 @@ def main(argv=None) -> int:
               flush=True)
 
         convert = [sys.executable, "-m", "etp.train.convert_command"]
-        stages["import"] = _timed([*convert, "import-hf", "--hf", str(hf), "--recipe", RECIPE, "--out", str(imported),
-                                   *sets], tmp / "import.log", args.timeout)
+        timed("import", [*convert, "import-hf", "--hf", str(hf), "--recipe", RECIPE, "--out", str(imported), *sets])
         evaluate = ["--set", "finetune=true", "--set", "skip_train=true", "--set", "cuda_graph=none",
                     "--train-iters", "1"]
-        stages["import_loss"] = _timed([*launcher, "--recipe", RECIPE, *sets, "--set", f"load={imported}", *evaluate],
-                                       tmp / "import_loss.log", args.timeout)
-        stages["finetune"] = _timed([*launcher, "--recipe", RECIPE, *sets, "--set", f"load={imported}",
-                                     "--set", "finetune=true", "--set", f"save={tuned}", "--train-iters",
-                                     str(args.iters), "--log-interval", "1", "--json", str(tmp / "finetune.json")],
-                                    tmp / "finetune.log", args.timeout)
+        timed("import_loss", [*launcher, "--recipe", RECIPE, *sets, "--set", f"load={imported}", *evaluate])
+        timed("finetune", [*launcher, "--recipe", RECIPE, *sets, "--set", f"load={imported}", "--set", "finetune=true",
+                           "--set", f"save={tuned}", "--train-iters", str(args.iters), "--log-interval", "1",
+                           "--json", str(tmp / "finetune.json")])
         if (tmp / "finetune.json").exists():
             run = json.loads((tmp / "finetune.json").read_text())
             stages["finetune"].update(losses=run["losses"], ms_per_iter=run["ms_per_iter"],
                                       peak_allocated_gib=run.get("peak_allocated_gib"))
         shutil.rmtree(imported, ignore_errors=True)
         shutil.rmtree(hf, ignore_errors=True)
-        stages["tuned_loss"] = _timed([*launcher, "--recipe", RECIPE, *sets, "--set", f"load={tuned}", *evaluate],
-                                      tmp / "tuned_loss.log", args.timeout)
-        stages["export"] = _timed([*convert, "export-hf", "--checkpoint", str(tuned), "--recipe", RECIPE, "--out",
-                                   str(exported), *sets], tmp / "export.log", args.timeout)
+        timed("tuned_loss", [*launcher, "--recipe", RECIPE, *sets, "--set", f"load={tuned}", *evaluate])
+        timed("export", [*convert, "export-hf", "--checkpoint", str(tuned), "--recipe", RECIPE, "--out", str(exported),
+                         *sets])
         shutil.rmtree(tuned, ignore_errors=True)
         if stages["export"]["rc"] == 0:
             began = time.perf_counter()
@@ -211,8 +243,7 @@ def main(argv=None) -> int:
     ok = all(c["relative"] is not None and c["relative"] <= args.tolerance for c in report["comparisons"].values())
     ok = ok and reloaded is not None and reloaded < original_loss
     report["passed"] = ok
-    report["provenance"] = provenance()
-    Path(args.out).write_text(json.dumps(report, indent=1))
+    out.write_text(json.dumps(report, indent=1))
     print("| comparison | etp | transformers | relative |\n|---|---:|---:|---:|")
     for name, c in report["comparisons"].items():
         relative = "" if c["relative"] is None else f"{c['relative']:.2e}"

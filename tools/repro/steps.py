@@ -181,7 +181,7 @@ def cross_entropy() -> Step:
     return Step("cross_entropy_1gpu", "The memory audit against measured peaks",
                 (Run("cross_entropy", "python3 tools/bench_cross_entropy.py --out {json}", 1, 35, 120,
                      figures="cross_entropy", reported={"1xh100": "cross_entropy_1xh100_a3140a5.json",
-                                                        "1xh200": "cross_entropy_1xh200_12e4669.json"}),),
+                                                        "1xh200": "cross_entropy_1xh200_0838926.json"}),),
                 headlines.none)
 
 
@@ -189,10 +189,21 @@ def recipes_1gpu() -> Step:
     """The recipes that fit one GPU at their defaults (world 1: nothing to shard, etp's kernels,
     losses and captured step alone)."""
     runs = (Run("flagship_defaults", _train(1, FLAGSHIP), 1, 60, 240, figures="recipe",
-                reported={"1xh200": "recipe_flagship_defaults_1xh200_12e4669.json"}),
+                reported={"1xh200": "recipe_flagship_defaults_1xh200_0838926.json"}),
             Run("olmoe_defaults", _train(1, "--recipe recipes/olmoe_1b_7b.yaml", iters=14), 1, 60, 240, figures="recipe",
-                reported={"1xh200": "recipe_olmoe_defaults_1xh200_12e4669.json"}))
+                reported={"1xh200": "recipe_olmoe_defaults_1xh200_0838926.json"}))
     return Step("recipes_1gpu", "The recipes against their peers", runs, headlines.recipes)
+
+
+def around_the_step() -> list[Step]:
+    """One GPU: what data, per-document masks, metrics and saves cost the flagship's step; a
+    full-width Qwen3-MoE through import, fine-tuning and export against transformers."""
+    costs = "python3 tools/bench_run_costs.py --iters 12 --out {json}"
+    hf = "python3 tools/hf_round_trip.py --layers 4 --iters 4 --timeout 240 --out {json}"
+    return [Step("run_costs_1gpu", "Around the step: data, per-document masks, metrics",
+                 (Run("run_costs", costs, 1, 330, 480),), headlines.none),
+            Step("hf_round_trip_1gpu", "Around the step: data, per-document masks, metrics",
+                 (Run("hf_round_trip", hf, 1, 420, 600),), headlines.none)]
 
 
 def checkpoint(k: int) -> Step:
@@ -215,10 +226,10 @@ def kernels() -> Step:
     adam = "python3 tools/bench_adam.py --recipe recipes/qwen3_30b_a3b.yaml --etp 4 --out {json}"
     return Step("kernels_1gpu", "FP8 kernels against copy bandwidth",
                 (Run("kernels", "python3 tools/bench_kernels.py --out {json}", 1, 60, 240, figures="kernels",
-                     reported={"1xh200": "kernels_1xh200_12e4669.json"}),
+                     reported={"1xh200": "kernels_1xh200_0838926.json"}),
                  Run("adam", adam, 1, 40, 180, figures="adam",
                      reported={"1xh100": "adam_qwen3_etp4_1xh100_3e009d7.json",
-                               "1xh200": "adam_qwen3_etp4_1xh200_12e4669.json"})), headlines.kernels)
+                               "1xh200": "adam_qwen3_etp4_1xh200_0838926.json"})), headlines.kernels)
 
 
 def expert_parallel(k: int) -> list[Step]:
@@ -259,10 +270,11 @@ def build_steps(n: int) -> list[Step]:
     Example::
 
         [s.name for s in build_steps(4)][:3]   # ['expert_stack_2gpu', 'expert_stack_4gpu', 'recipes_wide_2gpu']
-        [s.name for s in build_steps(1)]       # ['kernels_1gpu', 'cross_entropy_1gpu', 'recipes_1gpu', 'tests_kernels']
+        [s.name for s in build_steps(1)][:4]   # ['kernels_1gpu', 'cross_entropy_1gpu', 'recipes_1gpu', 'tests_kernels']
     """
-    if n == 1:
-        return [kernels(), cross_entropy(), recipes_1gpu(), *(s for s in gpu_tests(1) if s.name == "tests_kernels")]
+    if n == 1:  # the regression check's steps first: a --budget of 540 s holds those
+        return [kernels(), cross_entropy(), recipes_1gpu(), *(s for s in gpu_tests(1) if s.name == "tests_kernels"),
+                *around_the_step()]
     sizes = sorted({2, n})
     steps = [expert_stack(k) for k in sizes]
     steps += [make(k) for make in (recipes_wide, recipes_flagship) for k in sizes]
