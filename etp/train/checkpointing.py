@@ -432,6 +432,10 @@ class Checkpointing:
                   "expert_model_parallel_size": p.expert_model_parallel_size,
                   "etp_size": e.etp_size, "expert_etp_size": e.expert_etp_size}
         waited = self.finish_pending()  # saves are published in order
+        # The step the host just queued may still be running on the device: the save's first copy
+        # would wait for it, and that wait would be kept out of the step's time with the save's.
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
         began = time.perf_counter()
         run = {"id": self._agree_run_id(), "recipe": _recipe_name(self.recipe), "model": model_identity(self.recipe)}
         metadata = {"recipe": str(self.recipe.source), "layout": layout, "run": run, **self.carried}
