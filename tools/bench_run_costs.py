@@ -72,7 +72,7 @@ def _sets(*pairs: str) -> list[str]:
 
 
 def _run(args, name: str, extra: list[str], folder: Path, env: dict | None = None) -> dict:
-    json_path, log_path = folder / f"{name}.json", folder / f"{name}.log"
+    json_path, log_path = folder / f"{name}.json", args.logs / f"{name}.log"
     command = _train_command(args, extra, json_path)
     print(f"[run_costs] {name}: {' '.join(command)}", flush=True)
     began = time.perf_counter()
@@ -107,8 +107,8 @@ def _ratio(a: dict, b: dict) -> float | None:
     return None
 
 
-def run_pairs(args, folder: Path) -> list[dict]:
-    rows = []
+def run_pairs(args, folder: Path, report: dict) -> list[dict]:
+    rows = report["rows"]
     corpus = None
     if {"data_path", "doc_mask"} & set(args.pairs):
         prefix = folder / "corpus"
@@ -152,6 +152,7 @@ def run_pairs(args, folder: Path) -> list[dict]:
             row["wait_s_per_save"] = {r["name"]: r.get("saves_sync_s") or r.get("saves_async_wait_s")
                                       for r in runs}
         rows.append(row)
+        Path(args.out).write_text(json.dumps(report, indent=1))  # what ran so far survives a kill
     if corpus:
         rows.insert(0, {"pair": "corpus", **corpus})
     return rows
@@ -197,11 +198,13 @@ def main(argv=None) -> int:
         args.vocab, args.corpus_tokens, args.median_doc, args.workers = 512, 20_000, 60, 1
         args.save_interval, args.save_set = 2, []
         args.base_set = _sets("world_size=2", "backend=gloo", "eval_interval=1000")
+    out = Path(args.out)
+    args.logs = out.with_name(out.stem + "_logs")  # each run's log, kept
+    args.logs.mkdir(parents=True, exist_ok=True)
+    report = {"recipe": args.recipe, "gpus": args.gpus, "iters": args.iters, "rows": [], "provenance": provenance()}
     with tempfile.TemporaryDirectory(prefix="run_costs_", dir=os.environ.get("ETP_BENCH_TMP")) as tmp:
-        rows = run_pairs(args, Path(tmp))
-    report = {"recipe": args.recipe, "gpus": args.gpus, "iters": args.iters, "rows": rows,
-              "provenance": provenance()}
-    Path(args.out).write_text(json.dumps(report, indent=1))
+        rows = run_pairs(args, Path(tmp), report)
+    out.write_text(json.dumps(report, indent=1))
     print(markdown(rows))
     print(f"wrote {args.out}")
     failed = [r["name"] for row in rows for r in row.get("runs", ()) if r.get("rc") != 0]

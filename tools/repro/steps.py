@@ -201,7 +201,7 @@ def around_the_step() -> list[Step]:
     costs = "python3 tools/bench_run_costs.py --iters 12 --out {json}"
     hf = "python3 tools/hf_round_trip.py --layers 4 --iters 4 --timeout 240 --out {json}"
     return [Step("run_costs_1gpu", "Around the step: data, per-document masks, metrics",
-                 (Run("run_costs", costs, 1, 330, 480),), headlines.none),
+                 (Run("run_costs", costs, 1, 420, 570),), headlines.none),
             Step("hf_round_trip_1gpu", "Around the step: data, per-document masks, metrics",
                  (Run("hf_round_trip", hf, 1, 420, 600),), headlines.none)]
 
