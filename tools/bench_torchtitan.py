@@ -52,17 +52,27 @@ it balances nothing), weight decay (megatron-core skips biases and 1-D weights, 
 AdamW decays every parameter), and the precision layout (etp: bf16 weights, fp32 main gradients
 and fp32 master weights; torchtitan at one GPU: fp32 weights and gradients under bf16 autocast).
 
-Defaults: 4 layers, micro-batch 2, 20 steps (5 warm-up). ``etp-audit`` predicts the etp run's
-peak at 52 GiB and the megatron_stock run's (local attention: the score matrices) at 84 GiB at
-micro-batch 2 (116 GiB at 4) on one 139 GiB H200. ``--budget-s`` (345 s) bounds the whole
-invocation: each run's timeout is the smaller of its cap (``--timeout NAME=SECONDS``; etp 120,
-torchtitan 240, megatron_stock 120) and what the budget leaves after 60 s for each later run;
-a run that fails or times out records its error tail and what it logged, and the next run
-starts.
+Defaults: 4 layers, micro-batch 2, 20 steps (5 warm-up): the largest micro-batch at which the
+memory audit leaves the megatron_stock run (its local attention keeps every score matrix) well
+inside one 139 GiB H200; the etp run's prediction is far below it::
+
+    etp-audit --recipe recipes/qwen3_30b_a3b.yaml --world-size 1 --gpu-memory 139GiB \
+        --set num_layers=4 --set micro_batch_size=2 --set global_batch_size=2
+    etp-audit ... (the same) --set attention_backend=local --set moe_grouped_gemm=false \
+        --set moe_token_dispatcher_type=alltoall --set megatron_fallbacks=stock --set cuda_graph=none
+
+``--budget-s`` (345 s) bounds the whole invocation: each run's timeout is the smaller of its cap
+(``--timeout NAME=SECONDS``; etp 120, torchtitan 240, megatron_stock 120) and what the budget
+leaves after 60 s for each later run; a run that fails or times out records its error tail and
+what it logged (``status``, ``error_tail``, the steps it logged), and the next run starts. Each
+run's log, the token file, torchtitan's TOML and the runs' own JSON stay in ``--work-dir``
+(default: a new temporary directory, named in the report); every run's ``log_tail`` is in the
+report.
 
 On the GPU machine (Python 3.12, torch there), with megatron-core's wheels in ``.whl/`` and
 torchtitan 0.2.2's (with torchdata, datasets, dill, multiprocess, tyro, docstring-parser,
-typeguard, tomli) in ``.whltt/``::
+typeguard, typing-extensions, tomli; the rest of what they import is on that machine) in
+``.whltt/``::
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl .whltt/*.whl
     export PYTHONPATH=/tmp/site:$PWD
@@ -118,8 +128,9 @@ DIFFERENCES = (
     "precision: etp keeps bf16 weights with fp32 main gradients and fp32 master weights (megatron-core's mixed "
     "precision); torchtitan on one GPU keeps fp32 weights and gradients and runs under bf16 autocast; both "
     "multiply in bf16 and step AdamW in fp32",
-    "attention: etp and torchtitan both call torch's scaled_dot_product_attention (torchtitan prefers cuDNN, then "
-    "flash); megatron_stock uses megatron-core's DotProductAttention (the full score matrix)",
+    "attention: etp and torchtitan both call torch's scaled_dot_product_attention, etp allowing flash, efficient "
+    "and math kernels, torchtitan cuDNN first, then flash and math; megatron_stock uses megatron-core's "
+    "DotProductAttention (the full score matrix)",
 )
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 #: torchtitan's per-step log line (``MetricsProcessor.log``), colors stripped.
