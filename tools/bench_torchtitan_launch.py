@@ -49,7 +49,7 @@ def import_datasets_or_stub() -> str:
         import datasets
 
         return str(getattr(datasets, "__version__", "unknown"))
-    except Exception as error:  # noqa: BLE001 - any import failure: the stand-in is the fallback
+    except Exception as error:  # any import failure (a missing or mismatched dependency): the stand-in
         reason = f"{type(error).__name__}: {error}"
 
     def unavailable(*args, **kwargs):

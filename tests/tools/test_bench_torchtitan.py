@@ -350,3 +350,24 @@ def test_torchtitans_metrics_processor_writes_the_fields_the_tool_reads(tmp_path
     assert steps[0]["loss"] == 3.5 and steps[0]["ms"] == pytest.approx(250, rel=0.05)
     assert steps[0]["own_tflops"] == pytest.approx(1000 * 8192 / (steps[0]["ms"] / 1e3) / 1e12)
     assert steps[0]["titan_max_active_gib"] == 50 and steps[0]["titan_max_reserved_gib"] == 60
+
+
+def test_each_run_gets_its_cap_or_what_the_budget_leaves_the_later_runs(tmp_path, monkeypatch):
+    given = {}
+
+    def fake_run_child(name, command, env, timeout, log_path):
+        given[name] = timeout
+        log_path.write_text("")
+        return {"command": shlex.join(command), "returncode": 0, "timed_out": False, "timeout_s": timeout,
+                "wall_s": 0.0, "log": str(log_path)}
+
+    monkeypatch.setattr(bench, "run_child", fake_run_child)
+    common = ["--steps", "3", "--warmup", "1", "--work-dir", str(tmp_path / "w"), "--out", str(tmp_path / "r.json")]
+    bench.main(["--budget-s", "200", *common])
+    # etp: 200 less 60 s for each of the two later runs; torchtitan: less 60 for one; the last its cap.
+    assert 70 < given["etp"] <= 80 and 130 < given["torchtitan"] <= 140 and given["megatron_stock"] == 120
+    given.clear()
+    bench.main(["--budget-s", "100", "--timeout", "megatron_stock=50", *common])
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert "etp" not in given and report["runs"]["etp"]["status"] == "not run"  # under 30 s left for it
+    assert 30 <= given["torchtitan"] <= 40 and given["megatron_stock"] == 50
