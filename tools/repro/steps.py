@@ -206,6 +206,14 @@ def around_the_step() -> list[Step]:
                  (Run("hf_round_trip", hf, 1, 420, 600),), headlines.none)]
 
 
+def torchtitan() -> Step:
+    """One GPU: etp-train against torchtitan's trainer (and megatron-core's own paths) on a
+    Qwen3-30B-A3B-shaped model at 4 layers (torchtitan 0.2.2 must be importable)."""
+    cmd = "python3 tools/bench_torchtitan.py --layers 4 --steps 20 --out {json}"
+    return Step("torchtitan_1gpu", "The recipes against their peers", (Run("torchtitan", cmd, 1, 345, 420),),
+                headlines.none)
+
+
 def checkpoint(k: int) -> Step:
     """Saved at ETP k, resumed from iteration 10 at three other layouts (2 layers, 16 experts)."""
     small = ("--set num_layers=2 --set num_experts=16 --set global_batch_size=16 --set micro_batch_size=2 "
@@ -274,7 +282,7 @@ def build_steps(n: int) -> list[Step]:
     """
     if n == 1:  # the regression check's steps first: a --budget of 540 s holds those
         return [kernels(), cross_entropy(), recipes_1gpu(), *(s for s in gpu_tests(1) if s.name == "tests_kernels"),
-                *around_the_step()]
+                torchtitan(), *around_the_step()]
     sizes = sorted({2, n})
     steps = [expert_stack(k) for k in sizes]
     steps += [make(k) for make in (recipes_wide, recipes_flagship) for k in sizes]
