@@ -16,16 +16,59 @@ taken with ``ETPGroups.from_process_groups``.
 Every shard group carries two communicators over the same ranks: one for all-gathers and
 one for reduce-scatters, so that NCCL can run a weight gather and a gradient reduce-scatter
 at the same time (collectives on one communicator execute in issue order).
+
+[Note: group timeouts]
+A collective whose peer stopped answering (a host that died without closing its sockets, a hung
+process) waits for its group's timeout, then fails the rank, so that the launcher can restart the
+run. torch's ``new_group`` does not inherit the world's timeout: without one it takes its
+backend's default (30 minutes for gloo), whatever ``init_process_group`` was given. Every group
+etp creates therefore goes through ``new_process_group``, which passes the world group's timeout
+unless told otherwise (etp-train: the recipe's ``distributed_timeout_minutes``, Megatron-LM's key,
+which it also gives megatron-core's ``initialize_model_parallel``); the public functions that
+create groups take an optional ``timeout`` for the same purpose.
 """
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from .config import ETPConfig
 
-__all__ = ["ShardGroup", "ETPGroups", "build_etp_groups"]
+__all__ = ["ShardGroup", "ETPGroups", "build_etp_groups", "new_process_group", "world_timeout"]
+
+
+def world_timeout() -> datetime.timedelta | None:
+    """The timeout the world process group was created with (``init_process_group(timeout=...)``),
+    None before it exists or where its backend does not say. See [Note: group timeouts].
+
+    Example::
+
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+        world_timeout()   # datetime.timedelta(seconds=30)
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    world = dist.group.WORLD
+    for device in getattr(world, "_device_types", ()):
+        try:
+            return world._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):  # a backend without torch's Options (a third-party one)
+            continue
+    return None
+
+
+def new_process_group(ranks=None, *, timeout: datetime.timedelta | None = None, **kwargs) -> dist.ProcessGroup:
+    """``torch.distributed.new_group(ranks, **kwargs)`` whose collectives wait ``timeout`` (None:
+    the world group's, :func:`world_timeout`) for their peers, rather than torch's default for
+    the backend. A collective over the world, like ``new_group``. See [Note: group timeouts].
+
+    Example::
+
+        vote = new_process_group(backend="gloo")   # a CPU group over the world, the world's timeout
+    """
+    return dist.new_group(ranks, timeout=timeout if timeout is not None else world_timeout(), **kwargs)
 
 
 @dataclass(frozen=True)
@@ -55,7 +98,8 @@ class ShardGroup:
         return cls(None, None, (me,), 0)
 
 
-def _from_partition(groups: list[dist.ProcessGroup | None]) -> list[ShardGroup]:
+def _from_partition(groups: list[dist.ProcessGroup | None],
+                    timeout: datetime.timedelta | None = None) -> list[ShardGroup]:
     """ShardGroups for this rank's member of each of several partitions of the world."""
     if not dist.is_initialized():
         return [ShardGroup.single() for _ in groups]
@@ -68,7 +112,7 @@ def _from_partition(groups: list[dist.ProcessGroup | None]) -> list[ShardGroup]:
     result = []
     for index, group in enumerate(groups):
         partition = [ranks[index] for ranks in everyone if ranks[index] is not None]
-        reduce_groups = new_groups(partition)  # every rank creates every communicator
+        reduce_groups = new_groups(partition, timeout)  # every rank creates every communicator
         if mine[index] is None:
             result.append(ShardGroup.single())
         else:
@@ -77,24 +121,32 @@ def _from_partition(groups: list[dist.ProcessGroup | None]) -> list[ShardGroup]:
     return result
 
 
-def new_groups(partition) -> dist.ProcessGroup | None:
+def new_groups(partition, timeout: datetime.timedelta | None = None) -> dist.ProcessGroup | None:
     """Creates a process group for every rank list of ``partition`` (a collective: every rank
     calls it with the same partition; duplicates are created once, in sorted order) and
-    returns the one this rank belongs to (None if none, or if it holds only this rank)."""
+    returns the one this rank belongs to (None if none, or if it holds only this rank).
+    ``timeout``: how long their collectives wait for a peer (None: the world group's; see
+    [Note: group timeouts]).
+
+    Example::
+
+        replicate = new_groups([(0, 2), (1, 3)])   # on rank 2: the group of ranks 0 and 2
+    """
     me = dist.get_rank()
     mine = None
     for ranks in sorted({tuple(r) for r in partition if len(r) > 1}):  # singletons need none
-        group = dist.new_group(list(ranks))
+        group = new_process_group(list(ranks), timeout=timeout)
         if me in ranks:
             mine = group
     return mine
 
 
-def shard_group_from_partition(partition) -> ShardGroup:
+def shard_group_from_partition(partition, timeout: datetime.timedelta | None = None) -> ShardGroup:
     """This rank's ShardGroup of a partition into shard groups: two communicators per group
-    (all-gather and reduce-scatter). A collective, like ``new_groups``."""
+    (all-gather and reduce-scatter), waiting ``timeout`` as in ``new_groups``. A collective,
+    like ``new_groups``."""
     me = dist.get_rank()
-    ag, rs = new_groups(partition), new_groups(partition)
+    ag, rs = new_groups(partition, timeout), new_groups(partition, timeout)
     for ranks in partition:
         if me in ranks and len(ranks) > 1:
             return ShardGroup(ag, rs, tuple(ranks), tuple(ranks).index(me))
@@ -122,8 +174,11 @@ class ETPGroups:
         dense_replicate: dist.ProcessGroup | None = None,
         expert: dist.ProcessGroup | None = None,
         expert_replicate: dist.ProcessGroup | None = None,
+        timeout: datetime.timedelta | None = None,
     ) -> "ETPGroups":
-        """Takes existing groups; ``expert`` defaults to ``dense``.
+        """Takes existing groups; ``expert`` defaults to ``dense``. The reduce-scatter
+        communicators it creates beside them wait ``timeout`` for a peer (None: the world
+        group's; [Note: group timeouts]).
 
         A collective over the world: every rank calls it with its own members of the same
         partitions.
@@ -133,25 +188,27 @@ class ETPGroups:
             groups = ETPGroups.from_process_groups(dense=mpu.get_data_parallel_group())
         """
         if expert is None or expert is dense:
-            (dense_group,) = _from_partition([dense])
+            (dense_group,) = _from_partition([dense], timeout)
             expert_group = dense_group
             if expert_replicate is None:
                 expert_replicate = dense_replicate
         else:
-            dense_group, expert_group = _from_partition([dense, expert])
+            dense_group, expert_group = _from_partition([dense, expert], timeout)
         return cls(dense_group, expert_group, dense_replicate, expert_replicate)
 
 
-def _contiguous_groups(world: int, size: int) -> tuple[ShardGroup, dist.ProcessGroup | None]:
+def _contiguous_groups(world: int, size: int,
+                       timeout: datetime.timedelta | None) -> tuple[ShardGroup, dist.ProcessGroup | None]:
     """Creates (on every rank, in the same order) the contiguous shard groups of ``size``
     and the strided replicate groups; returns this rank's pair."""
     shards = [tuple(range(start, start + size)) for start in range(0, world, size)]
     replicas = [tuple(range(offset, world, size)) for offset in range(size)]
-    return shard_group_from_partition(shards), new_groups(replicas)
+    return shard_group_from_partition(shards, timeout), new_groups(replicas, timeout)
 
 
-def build_etp_groups(config: ETPConfig) -> ETPGroups:
-    """Builds the ETP groups of ``config`` over the default (world) process group.
+def build_etp_groups(config: ETPConfig, timeout: datetime.timedelta | None = None) -> ETPGroups:
+    """Builds the ETP groups of ``config`` over the default (world) process group; their
+    collectives wait ``timeout`` for a peer (None: the world group's; [Note: group timeouts]).
 
     Must be called by every rank after ``torch.distributed.init_process_group``. A size of 1
     means ETP is off for that kind of weight; see [Note: ETP rank layout].
@@ -168,8 +225,8 @@ def build_etp_groups(config: ETPConfig) -> ETPGroups:
         )
     world = dist.get_world_size()
     config.check_world_size(world)
-    dense, dense_replicate = _contiguous_groups(world, config.etp_size)
+    dense, dense_replicate = _contiguous_groups(world, config.etp_size, timeout)
     if config.expert_etp_size == config.etp_size:
         return ETPGroups(dense, dense, dense_replicate, dense_replicate)
-    expert, expert_replicate = _contiguous_groups(world, config.expert_etp_size)
+    expert, expert_replicate = _contiguous_groups(world, config.expert_etp_size, timeout)
     return ETPGroups(dense, expert, dense_replicate, expert_replicate)

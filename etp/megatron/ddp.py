@@ -31,11 +31,12 @@ them further. What changes:
 from __future__ import annotations
 
 import contextlib
+import datetime
 
 import torch
 import torch.distributed as dist
 
-from ..groups import ETPGroups
+from ..groups import ETPGroups, new_process_group
 from ..param import ETPShardedParam
 from ..runtime import register_grad_ready_hook
 from ..wrap import is_expert_param, runtime_of
@@ -43,24 +44,26 @@ from ..wrap import is_expert_param, runtime_of
 __all__ = ["ETPDistributedDataParallel", "etp_process_groups"]
 
 
-def _group_or_self(group: dist.ProcessGroup | None, singletons: dict) -> dist.ProcessGroup:
+def _group_or_self(group: dist.ProcessGroup | None, singletons: dict,
+                   timeout: datetime.timedelta | None) -> dist.ProcessGroup:
     """DDP needs a real group even for a replicate axis of size 1."""
     if group is not None:
         return group
     if "mine" not in singletons:
         me = dist.get_rank()
         for rank in range(dist.get_world_size()):  # a collective: every rank makes every one
-            made = dist.new_group([rank])
+            made = new_process_group([rank], timeout=timeout)
             if rank == me:
                 singletons["mine"] = made
     return singletons["mine"]
 
 
-def etp_process_groups(groups: ETPGroups):
+def etp_process_groups(groups: ETPGroups, timeout: datetime.timedelta | None = None):
     """megatron-core ``ProcessGroupCollection`` whose data-parallel groups are the ETP
     replicate groups (what DDP and the optimizer reduce over); the model-parallel groups are
     parallel_state's. A collective when a replicate axis has size 1 (it creates singleton
-    groups), so every rank calls it.
+    groups, waiting ``timeout``: None is the world group's, [Note: group timeouts] in
+    ``etp/groups.py``), so every rank calls it.
 
     Example::
 
@@ -80,8 +83,8 @@ def etp_process_groups(groups: ETPGroups):
     pgs.tp_ep_pp = ps.get_expert_tensor_model_pipeline_parallel_group()
     pgs.embd = ps.get_embedding_group(check_initialized=False)
     pgs.pos_embd = ps.get_position_embedding_group(check_initialized=False)
-    dense = _group_or_self(groups.dense_replicate, singletons)
-    expert = _group_or_self(groups.expert_replicate, singletons)
+    dense = _group_or_self(groups.dense_replicate, singletons, timeout)
+    expert = _group_or_self(groups.expert_replicate, singletons, timeout)
     pgs.dp = pgs.dp_cp = pgs.intra_dp_cp = dense
     pgs.expt_dp = pgs.intra_expt_dp = expert
     pgs.intra_dist_opt = ps.get_intra_distributed_optimizer_instance_group(check_initialized=False)

@@ -23,6 +23,8 @@ rank   TP group    DP group        ETP group     replicate group
 """
 from __future__ import annotations
 
+import datetime
+
 import torch.distributed as dist
 
 from ..config import ETPConfig
@@ -59,10 +61,12 @@ def _replicas(position: dict[int, int], outer_groups: list[tuple[int, ...]]):
     return replicas
 
 
-def build_megatron_etp_groups(config: ETPConfig) -> ETPGroups:
+def build_megatron_etp_groups(config: ETPConfig, timeout: datetime.timedelta | None = None) -> ETPGroups:
     """Builds ETP groups inside megatron-core's data-parallel groups; see
     [Note: ETP ranks under megatron-core]. A collective: every rank calls it after
-    ``parallel_state.initialize_model_parallel``.
+    ``parallel_state.initialize_model_parallel``. Their collectives wait ``timeout`` for a peer
+    (None: the world group's, as Megatron-LM's ``distributed_timeout_minutes`` sets it;
+    [Note: group timeouts] in ``etp/groups.py``).
 
     Raises:
         ValueError: an ETP size does not divide its data-parallel group size.
@@ -96,8 +100,8 @@ def build_megatron_etp_groups(config: ETPConfig) -> ETPGroups:
     expert_shards, expert_position = _partitions(
         expert_dp, config.expert_etp_size, "expert-data-parallel group", "expert_etp_size"
     )
-    dense = shard_group_from_partition(dense_shards)
-    dense_replicate = new_groups(_replicas(dense_position, dp_cp))
-    expert = shard_group_from_partition(expert_shards)
-    expert_replicate = new_groups(_replicas(expert_position, expert_dp))
+    dense = shard_group_from_partition(dense_shards, timeout)
+    dense_replicate = new_groups(_replicas(dense_position, dp_cp), timeout)
+    expert = shard_group_from_partition(expert_shards, timeout)
+    expert_replicate = new_groups(_replicas(expert_position, expert_dp), timeout)
     return ETPGroups(dense, expert, dense_replicate, expert_replicate)

@@ -18,6 +18,7 @@ distributed optimizer) on the replicate groups and makes two things exact:
 """
 from __future__ import annotations
 
+import datetime
 import functools
 
 import torch.distributed as dist
@@ -31,7 +32,8 @@ from .fast_fallbacks import inner_optimizers
 __all__ = ["etp_copy_index", "get_etp_megatron_optimizer", "inner_optimizers", "param_pairs"]
 
 
-def _stats_group(replicate: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+def _stats_group(replicate: dist.ProcessGroup | None,
+                 timeout: datetime.timedelta | None = None) -> dist.ProcessGroup | None:
     """The ranks sharing this rank's index within its replicate group: every distinct piece
     of the model once (TP x PP x ETP x EP). A collective; None means the world."""
     me = dist.get_rank()
@@ -41,7 +43,7 @@ def _stats_group(replicate: dist.ProcessGroup | None) -> dist.ProcessGroup | Non
     if len(set(everyone)) == 1:
         return None
     partition = [tuple(r for r, i in enumerate(everyone) if i == value) for value in sorted(set(everyone))]
-    return new_groups(partition)
+    return new_groups(partition, timeout)
 
 
 def param_pairs(inner) -> list[tuple]:
@@ -85,7 +87,8 @@ def _mark_duplicates(chunks, groups) -> None:
                 param.shared = True  # equal on ETP peers: counted once, on the first
 
 
-def get_etp_megatron_optimizer(config, model_chunks, fast_fallbacks: bool = True, **kwargs):
+def get_etp_megatron_optimizer(config, model_chunks, fast_fallbacks: bool = True,
+                               timeout: datetime.timedelta | None = None, **kwargs):
     """megatron-core ``get_megatron_optimizer`` for ``ETPDistributedDataParallel`` chunks.
 
     Args:
@@ -96,6 +99,8 @@ def get_etp_megatron_optimizer(config, model_chunks, fast_fallbacks: bool = True
             fused kernel, which also writes the bf16 weights ([Note: etp AdamW step]), and step
             without a host synchronization (``grad_norm`` is then a device tensor,
             [Note: sync-free step]).
+        timeout: how long the grad-norm statistics groups it creates wait for a peer (None: the
+            world group's; [Note: group timeouts] in ``etp/groups.py``).
         kwargs: passed on (``config_overrides`` ...); ``pg_collection`` and
             ``use_gloo_process_groups`` are set here.
 
@@ -122,7 +127,8 @@ def get_etp_megatron_optimizer(config, model_chunks, fast_fallbacks: bool = True
             raise ValueError(f"get_etp_megatron_optimizer sets {key} itself: drop it")
     groups = runtime_of(chunks[0]).groups
     _mark_duplicates(chunks, groups)
-    dense_stats, expert_stats = _stats_group(groups.dense_replicate), _stats_group(groups.expert_replicate)
+    dense_stats = _stats_group(groups.dense_replicate, timeout)
+    expert_stats = _stats_group(groups.expert_replicate, timeout)
     if fast_fallbacks:
         patches.use_fast_fallbacks(True)  # no-op with apex / TransformerEngine; [Note: megatron fallbacks]
     optimizer = get_megatron_optimizer(config, chunks, pg_collection=chunks[0].etp_pg_collection,

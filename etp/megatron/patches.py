@@ -19,6 +19,12 @@ Process-wide rebindings (idempotent, each with its way back):
 * ``use_cpu_megatron_core(on)``: the few megatron-core methods that place tensors on the current
   CUDA device, make CUDA streams or save CUDA RNG states, run on CPU ([Note: megatron-core on CPU]).
 
+Per-run settings of megatron-core's state:
+
+* ``time_out_megatron_groups(timeout)``: after ``parallel_state.initialize_model_parallel``, every
+  group it made waits ``timeout`` (megatron-core's expert-data-parallel gloo group is created
+  without the ``distributed_timeout_minutes`` it was given; [Note: group timeouts] in etp/groups.py).
+
 Per-optimizer replacements (a megatron-core optimizer, chained or not):
 
 * ``step_with_fused_adamw(optimizer)``: each torch AdamW's ``step`` becomes etp's fused AdamW,
@@ -45,7 +51,8 @@ import sys
 import types
 
 __all__ = ["SUPPORTED_MEGATRON_CORE", "check_megatron_core", "step_with_fused_adamw", "step_without_host_sync",
-           "use_cpu_megatron_core", "use_fast_fallbacks", "use_fused_rope", "use_te_free_router"]
+           "time_out_megatron_groups", "use_cpu_megatron_core", "use_fast_fallbacks", "use_fused_rope",
+           "use_te_free_router"]
 
 log = logging.getLogger(__name__)
 
@@ -329,6 +336,27 @@ def use_cpu_megatron_core(on: bool) -> bool:
     if dispatcher.cuda_dtoh_stream is _NO_STREAM:
         dispatcher.cuda_dtoh_stream = None
     return True
+
+
+def time_out_megatron_groups(timeout) -> int:
+    """Sets ``timeout`` (a ``datetime.timedelta``) on every process group of this rank that
+    ``parallel_state.initialize_model_parallel`` made (its list of them; the world group is
+    left as it was created). megatron-core 0.16 passes its ``distributed_timeout_minutes`` to
+    every group but the expert-data-parallel gloo one, which would wait torch's gloo default
+    (30 minutes) for a stalled peer. Local (no collective); returns how many groups it set.
+
+    Example::
+
+        parallel_state.initialize_model_parallel(distributed_timeout_minutes=0.5)
+        patches.time_out_megatron_groups(datetime.timedelta(minutes=0.5))
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    groups = [g for g in parallel_state._global_process_group_list or () if g is not None]  # None: the world
+    for group in groups:
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+    return len(groups)
 
 
 def step_with_fused_adamw(optimizer) -> int:

@@ -119,6 +119,11 @@ Parallelism (``recipe.parallel``, :class:`ParallelSpec`):
     world_size: None (etp driver key: ranks the recipe is meant for; the CPU driver spawns
         this many; under torchrun None takes the launcher's, a value must equal WORLD_SIZE).
     backend: auto (etp driver key: auto | gloo | nccl; auto is nccl with CUDA, else gloo).
+    distributed_timeout_minutes: 10 (Megatron-LM's: how long a collective of any process group
+        waits for a peer that stopped answering before the rank fails, so that the launcher can
+        restart the run; the world group's, megatron-core's and every group etp creates; a number
+        > 0, fractions allowed (0.5: 30 s); longer than any wait of one rank for another, such as
+        a checkpoint save or a dataset index build; [Note: group timeouts] in etp.groups).
 
 Training (``recipe.train``, :class:`TrainSpec`):
     micro_batch_size, train_iters, lr: required. micro_batch_size: auto takes the largest that

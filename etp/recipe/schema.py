@@ -3,6 +3,7 @@ parallel and train sections (Megatron-LM argument names)."""
 from __future__ import annotations
 
 import dataclasses
+import datetime
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,6 +87,8 @@ _UNSUPPORTED_RECOMPUTE_MODULES = {
     "mla_up_proj": "needs multi-latent attention, which etp's models do not have",
 }
 SYNTHETIC = "synthetic"
+#: the longest ``distributed_timeout_minutes`` a ``datetime.timedelta`` holds
+_LONGEST_TIMEOUT_MINUTES = datetime.timedelta.max // datetime.timedelta(minutes=1)
 
 
 
@@ -277,9 +280,19 @@ class ParallelSpec:
     ddp_bucket_size: int | None = _positive(None, "elements per DDP gradient bucket (None: megatron-core's default)")
     world_size: int | None = _positive(None, "ranks the recipe is meant for (etp driver key)")
     backend: str = _key("auto", _STR, "process-group backend (etp driver key)", choices=_BACKENDS)
+    # Checked in __post_init__, with the fix in its message.
+    distributed_timeout_minutes: float = _key(
+        10.0, _FLOAT, "minutes a collective waits for a peer before the rank fails (every process group)")
 
     def __post_init__(self) -> None:
         _validate_fields(self)
+        minutes = self.distributed_timeout_minutes
+        if not minutes > 0:
+            _fail("distributed_timeout_minutes", minutes, "must be > 0: the minutes a collective waits for a "
+                  "stalled peer before the rank fails (Megatron-LM's default 10; fractions allowed, e.g. 0.5 for 30 s)")
+        if minutes > _LONGEST_TIMEOUT_MINUTES:
+            _fail("distributed_timeout_minutes", minutes, f"is longer than a timedelta holds: use at most "
+                  f"{_LONGEST_TIMEOUT_MINUTES}")
         for key, what in (("pipeline_model_parallel_size", "runs no pipeline schedule (every rank would build "
                            "and run all layers)"),
                           ("context_parallel_size", "splits no sequence over context-parallel ranks (each "
@@ -341,6 +354,11 @@ class ParallelSpec:
         """The FSDP peer's recipe key (``use_torch_fsdp2`` / ``use_megatron_fsdp``) when one is on."""
         return ("use_torch_fsdp2" if self.use_torch_fsdp2 else "use_megatron_fsdp" if self.use_megatron_fsdp
                 else None)
+
+    @property
+    def distributed_timeout(self) -> datetime.timedelta:
+        """``distributed_timeout_minutes`` as the ``timeout`` of ``init_process_group`` / ``new_group``."""
+        return datetime.timedelta(minutes=self.distributed_timeout_minutes)
 
     @property
     def model_parallel_size(self) -> int:

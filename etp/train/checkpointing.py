@@ -58,6 +58,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from etp.groups import new_process_group
 from etp.train.options import RunOptions, TrainError
 
 __all__ = ["Checkpointing", "check_checkpoint_dirs", "checkpoint_bytes", "model_identity", "resume_from_load"]
@@ -334,7 +335,7 @@ class Checkpointing:
         self._vote_group = None
         if t.async_save and dist.is_initialized() and dist.get_backend() != "gloo":
             # the poll's vote goes over gloo (a CPU tensor): no device synchronization per iteration
-            self._vote_group = dist.new_group(backend="gloo")
+            self._vote_group = new_process_group(backend="gloo")  # the world's timeout
 
     def due(self, done: int, stop: int) -> bool:
         """Whether the run saves after ``done`` iterations (``stop``: its last)."""

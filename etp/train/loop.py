@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
+from etp.groups import new_process_group
 from etp.train.checkpointing import Checkpointing
 from etp.train.options import RunOptions
 from etp.train.reporting import Reporter, StartupClock, fp8_eager_hint, param_bits_sum
@@ -211,7 +212,7 @@ def _early_exits(recipe, run: Run):
 
     t = recipe.train
     votes = t.exit_signal_handler or t.exit_duration_in_mins is not None
-    group = dist.new_group(backend="gloo") if votes and run.backend != "gloo" else None
+    group = new_process_group(backend="gloo") if votes and run.backend != "gloo" else None  # the world's timeout
     exits = EarlyExit(recipe, time.monotonic(), group)
     exits.install()
     return exits

@@ -13,7 +13,6 @@ distributed optimizer.
 """
 from __future__ import annotations
 
-import datetime
 import importlib.util
 import os
 import warnings
@@ -53,11 +52,13 @@ def _silence_fallback_warnings(rank: int) -> None:
 
 
 def _init_process_group(recipe, rank: int, world: int, port: int | None) -> tuple[int, int, str, torch.device]:
+    """The world group, waiting ``distributed_timeout_minutes`` for a stalled peer (the groups etp
+    creates later take its timeout: [Note: group timeouts] in ``etp/groups.py``)."""
     backend = recipe.parallel.backend
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not dist.is_initialized():
-        init = dict(backend=backend, timeout=datetime.timedelta(minutes=10))
+        init = dict(backend=backend, timeout=recipe.parallel.distributed_timeout)
         if port is not None:
             init.update(init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         dist.init_process_group(**init)
@@ -89,6 +90,7 @@ def set_up(recipe, rank: int, world: int, port: int | None = None, clock=None) -
         determinism = enable_determinism()
     from megatron.core import parallel_state as ps
 
+    from etp.megatron import patches
     from etp.megatron.groups import build_megatron_etp_groups
     from etp.megatron.model import apply_etp
     from etp.train.model_build import build_model
@@ -100,8 +102,10 @@ def set_up(recipe, rank: int, world: int, port: int | None = None, clock=None) -
                                  pipeline_model_parallel_size=p.pipeline_model_parallel_size,
                                  expert_model_parallel_size=p.expert_model_parallel_size,
                                  expert_tensor_parallel_size=p.expert_tensor_parallel_size,
-                                 context_parallel_size=p.context_parallel_size)
-    groups = build_megatron_etp_groups(recipe.etp)
+                                 context_parallel_size=p.context_parallel_size,
+                                 distributed_timeout_minutes=p.distributed_timeout_minutes)
+    patches.time_out_megatron_groups(p.distributed_timeout)  # one megatron-core group skips it
+    groups = build_megatron_etp_groups(recipe.etp, timeout=p.distributed_timeout)
     mark = clock.mark if clock is not None else lambda name: None
     mark("process groups")
     model, loss_fn, config = build_model(recipe, device)

@@ -3,6 +3,7 @@ validate, every kind of bad value fails before any process group exists with a m
 naming the key and the value, overrides, YAML details, and the Megatron-LM flags."""
 import argparse
 import dataclasses
+import datetime
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -111,6 +112,9 @@ BAD = {
     "normalization": ({"normalization": "rmsnorm"}, None, "normalization", "rmsnorm"),
     "lr decay": ({"lr_decay_style": "exp"}, None, "lr_decay_style", "exp"),
     "backend": ({"backend": "mpi"}, None, "backend", "mpi"),
+    "no timeout": ({"distributed_timeout_minutes": 0}, None, "distributed_timeout_minutes", 0.0),
+    "negative timeout": ({"distributed_timeout_minutes": -1}, None, "distributed_timeout_minutes", -1.0),
+    "timeout past a timedelta": ({"distributed_timeout_minutes": 1e300}, None, "distributed_timeout_minutes", 1e300),
     "etp reduction": ({"etp": {"reduction": "avg"}}, None, "etp.reduction", "avg"),
     "etp pad for fp8_blockwise": (
         {"bf16": True, "etp": {"gather_dtype": "fp8_blockwise"}}, None, "etp.pad_for_alignment", 16
@@ -372,6 +376,8 @@ def test_derived_defaults_follow_megatron_lm(tiny_values):
     assert (m.normalization, m.position_embedding_type, m.add_bias_linear) == (
         "LayerNorm", "learned_absolute", True)
     assert p.expert_tensor_parallel_size == 1 and p.world_size is None and p.backend == "auto"
+    assert p.distributed_timeout_minutes == 10.0 and p.distributed_timeout == datetime.timedelta(minutes=10)
+    assert Recipe.from_dict({**minimal, "distributed_timeout_minutes": 0.5}).parallel.distributed_timeout.seconds == 30
     assert (t.weight_decay, t.clip_grad, t.adam_beta2, t.seed, t.log_interval) == (
         0.01, 1.0, 0.999, 1234, 100)
     assert t.global_batch_size is None and t.data == "synthetic"

@@ -12,10 +12,13 @@ test hook that runs the cross-host code on one machine (e.g. 4 GPUs as 2 hosts x
 """
 from __future__ import annotations
 
+import datetime
 import socket
 from typing import NamedTuple, Optional
 
 import torch.distributed as dist
+
+from etp.groups import new_process_group
 
 __all__ = ["HostGroups", "host_groups", "ranks_per_host"]
 
@@ -66,16 +69,26 @@ class HostGroups(NamedTuple):
     rail_group: object  # this local index on every host
 
 
-def host_groups(group, declared: Optional[int] = None) -> HostGroups:
+def host_groups(group, declared: Optional[int] = None,
+                timeout: Optional[datetime.timedelta] = None) -> HostGroups:
     """This rank's :class:`HostGroups` of ``group`` (the sub-groups made once per process and
-    group, by their members only)."""
+    group, by their members only; their collectives wait ``timeout`` for a peer, None: the
+    world group's, [Note: group timeouts] in ``etp/groups.py``).
+
+    Example::
+
+        groups = host_groups(ep_group, declared=2)   # 4 ranks as 2 hosts x 2
+        groups.host_group, groups.rail_group
+    """
     size = ranks_per_host(group, declared)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    key = (_members(group), size)
+    key = (_members(group), size, timeout)  # a call asking for another timeout gets groups of its own
     if key not in _GROUPS:
         host, local = divmod(rank, size)
         to_global = lambda ranks: [dist.get_global_rank(group, r) for r in ranks]  # noqa: E731
-        host_group = dist.new_group(to_global(range(host * size, (host + 1) * size)), use_local_synchronization=True)
-        rail_group = dist.new_group(to_global(range(local, world, size)), use_local_synchronization=True)
+        host_group = new_process_group(to_global(range(host * size, (host + 1) * size)), timeout=timeout,
+                                       use_local_synchronization=True)
+        rail_group = new_process_group(to_global(range(local, world, size)), timeout=timeout,
+                                       use_local_synchronization=True)
         _GROUPS[key] = HostGroups(size, world // size, host, local, host_group, rail_group)
     return _GROUPS[key]
