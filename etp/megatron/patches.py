@@ -44,8 +44,8 @@ import logging
 import sys
 import types
 
-__all__ = ["SUPPORTED_MEGATRON_CORE", "check_megatron_core", "step_with_fused_adamw", "step_without_host_sync",
-           "use_cpu_megatron_core", "use_fast_fallbacks", "use_fused_rope", "use_te_free_router"]
+__all__ = ["SUPPORTED_MEGATRON_CORE", "check_megatron_core", "spec_submodules", "step_with_fused_adamw",
+           "step_without_host_sync", "use_cpu_megatron_core", "use_fast_fallbacks", "use_fused_rope", "use_te_free_router"]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,23 @@ def check_megatron_core(version: str | None = None) -> str:
 
 
 check_megatron_core()
+
+
+def spec_submodules(spec):
+    """The ``submodules`` of one entry of a megatron-core layer spec.
+
+    megatron-core 0.16 writes every entry as a ``ModuleSpec``; from 0.18 on the MLP / MoE entry
+    of a ``TransformerLayer`` is a ``functools.partial`` of the module's class (its submodules
+    among the keywords), and ``ModuleSpec`` stays for the others.
+
+    Example::
+
+        spec = get_gpt_layer_local_spec(num_experts=8)
+        spec_submodules(spec.submodules.mlp).experts = ModuleSpec(module=ETPGroupedExperts)
+    """
+    if isinstance(spec, functools.partial):
+        return spec.keywords["submodules"]
+    return spec.submodules
 
 
 def use_te_free_router() -> None:
