@@ -45,7 +45,8 @@ import sys
 import types
 
 __all__ = ["SUPPORTED_MEGATRON_CORE", "check_megatron_core", "spec_submodules", "step_with_fused_adamw",
-           "step_without_host_sync", "use_cpu_megatron_core", "use_fast_fallbacks", "use_fused_rope", "use_te_free_router"]
+           "step_without_host_sync", "use_cpu_megatron_core", "use_fast_fallbacks", "use_fused_rope", "use_te_free_router",
+           "whole_layer_cuda_graphs"]
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,24 @@ def spec_submodules(spec):
     if isinstance(spec, functools.partial):
         return spec.keywords["submodules"]
     return spec.submodules
+
+
+def whole_layer_cuda_graphs() -> dict:
+    """The ``TransformerConfig`` keyword of megatron-core's CUDA-graph scope "the whole layer"
+    (what it makes of its default, ``"full"``, which it deprecates with a warning), under this
+    megatron-core's name for it: ``cuda_graph_scope`` up to 0.17, ``cuda_graph_modules`` from
+    0.18 (which deprecates the old name with a warning of its own).
+
+    Example::
+
+        TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, **whole_layer_cuda_graphs())
+    """
+    from dataclasses import fields
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    renamed = "cuda_graph_modules" in {field.name for field in fields(TransformerConfig)}
+    return {"cuda_graph_modules" if renamed else "cuda_graph_scope": []}
 
 
 def use_te_free_router() -> None:
