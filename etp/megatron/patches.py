@@ -44,7 +44,8 @@ import logging
 import sys
 import types
 
-__all__ = ["SUPPORTED_MEGATRON_CORE", "check_megatron_core", "spec_submodules", "step_with_fused_adamw",
+__all__ = ["SUPPORTED_MEGATRON_CORE", "check_megatron_core", "grads_for_norm", "separate_grad_norm_groups",
+           "spec_submodules", "step_with_fused_adamw",
            "step_without_host_sync", "use_cpu_megatron_core", "use_fast_fallbacks", "use_fused_rope", "use_te_free_router",
            "whole_layer_cuda_graphs"]
 
@@ -101,6 +102,27 @@ def spec_submodules(spec):
     if isinstance(spec, functools.partial):
         return spec.keywords["submodules"]
     return spec.submodules
+
+
+def grads_for_norm(link) -> list:
+    """The gradients one megatron-core optimizer (a link of a chained one) counts in its clipping
+    norm: ``get_main_grads_for_grad_norm()`` up to 0.18, ``get_grads_for_grad_norm()`` from 0.19
+    (which leaves out parameters tagged with a separate grad-norm group: see
+    ``separate_grad_norm_groups``).
+
+    Example::
+
+        squares = sum(g.square().sum() for link in inner_optimizers(opt) for g in grads_for_norm(link))
+    """
+    method = getattr(link, "get_grads_for_grad_norm", None) or link.get_main_grads_for_grad_norm
+    return method()
+
+
+def separate_grad_norm_groups(link) -> set[str]:
+    """The grad-norm groups megatron-core 0.19 norms and clips apart from the rest (multi-token
+    prediction's, ``grad_norm_group = "mtp"``) that parameters of ``link`` are tagged with; empty
+    before 0.19, which has none."""
+    return {group for p in link.get_parameters() if (group := getattr(p, "grad_norm_group", None)) is not None}
 
 
 def whole_layer_cuda_graphs() -> dict:
