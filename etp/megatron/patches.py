@@ -1,5 +1,6 @@
 """Every patch etp makes to megatron-core's internals, in one place, for the megatron-core
-versions it supports.
+versions it supports: ``>=0.16.1,<0.20``, tested on 0.16.1 and 0.19.2 (Python 3.12; 0.17 and
+later need it).
 
 etp plugs into megatron-core mostly by composition (layer specs, its own experts and token
 dispatchers, DDP / optimizer builders). Where that is not enough, it rebinds a name inside
@@ -26,6 +27,21 @@ Per-optimizer replacements (a megatron-core optimizer, chained or not):
 * ``step_without_host_sync(optimizer)``: ``optimizer.step`` becomes the same step with the
   norm and the clip on the device ([Note: sync-free step]).
 
+What the supported versions name or build differently, read through one helper each (the rest
+of etp calls these, never the version):
+
+* ``spec_submodules(spec)``: a layer spec's MLP / MoE entry is a ``ModuleSpec`` up to 0.17, a
+  ``functools.partial`` from 0.18.
+* ``grads_for_norm(link)`` / ``separate_grad_norm_groups(link)``: an optimizer's gradients to
+  norm (``get_main_grads_for_grad_norm`` up to 0.18, ``get_grads_for_grad_norm`` in 0.19, which
+  norms multi-token prediction's parameters apart).
+* ``whole_layer_cuda_graphs()``: ``TransformerConfig``'s ``cuda_graph_scope`` up to 0.17,
+  ``cuda_graph_modules`` from 0.18.
+
+``etp.data.tokenizer`` carries the tokenizer's two (the data room sits beneath this one):
+``build_tokenizer`` moved to ``megatron.core.tokenizers.utils`` in 0.17 and renamed arguments, and
+0.18's NullTokenizer counts its end-of-document id in Megatron-LM's ``--vocab-size``.
+
 Example::
 
     from etp.megatron import patches
@@ -51,8 +67,8 @@ __all__ = ["SUPPORTED_MEGATRON_CORE", "check_megatron_core", "grads_for_norm", "
 
 log = logging.getLogger(__name__)
 
-#: The megatron-core releases these patches were written against and tested on: [lowest, first not).
-SUPPORTED_MEGATRON_CORE = ("0.16.1", "0.17")
+#: The megatron-core releases these patches support: [lowest, first not). Tested on 0.16.1 and 0.19.2.
+SUPPORTED_MEGATRON_CORE = ("0.16.1", "0.20")
 
 
 def _release(version: str) -> tuple[int, ...]:
@@ -70,14 +86,15 @@ def check_megatron_core(version: str | None = None) -> str:
 
     Example::
 
-        check_megatron_core("0.19.2")   # ImportError: etp supports megatron-core >=0.16.1,<0.17 ...
+        check_megatron_core("0.19.2")   # "0.19.2"
+        check_megatron_core("0.20.0")   # ImportError: etp supports megatron-core >=0.16.1,<0.20, found 0.20.0 ...
     """
+    low, high = SUPPORTED_MEGATRON_CORE
     if version is None:
         try:
             version = importlib.metadata.version("megatron-core")
         except importlib.metadata.PackageNotFoundError:
-            raise ImportError("etp.megatron needs megatron-core: pip install 'megatron-core>=0.16.1,<0.17'") from None
-    low, high = SUPPORTED_MEGATRON_CORE
+            raise ImportError(f"etp.megatron needs megatron-core: pip install 'megatron-core>={low},<{high}'") from None
     if not _release(low) <= _release(version) < _release(high):
         raise ImportError(f"etp supports megatron-core >={low},<{high}, found {version}: "
                           f"pip install 'megatron-core>={low},<{high}'")
