@@ -37,6 +37,8 @@ of etp calls these, never the version):
   norms multi-token prediction's parameters apart).
 * ``whole_layer_cuda_graphs()``: ``TransformerConfig``'s ``cuda_graph_scope`` up to 0.17,
   ``cuda_graph_modules`` from 0.18.
+* ``moe_router_losses()`` / ``forget_moe_router_losses()``: the routers' loss tracker, a dict
+  in ``moe_utils`` up to 0.17, a ``MoEMetricsTracker`` from 0.18.
 
 ``etp.data.tokenizer`` carries the tokenizer's two (the data room sits beneath this one):
 ``build_tokenizer`` moved to ``megatron.core.tokenizers.utils`` in 0.17 and renamed arguments, and
@@ -60,8 +62,8 @@ import logging
 import sys
 import types
 
-__all__ = ["SUPPORTED_MEGATRON_CORE", "check_megatron_core", "grads_for_norm", "separate_grad_norm_groups",
-           "spec_submodules", "step_with_fused_adamw",
+__all__ = ["SUPPORTED_MEGATRON_CORE", "check_megatron_core", "forget_moe_router_losses", "grads_for_norm",
+           "moe_router_losses", "separate_grad_norm_groups", "spec_submodules", "step_with_fused_adamw",
            "step_without_host_sync", "use_cpu_megatron_core", "use_fast_fallbacks", "use_fused_rope", "use_te_free_router",
            "whole_layer_cuda_graphs"]
 
@@ -140,6 +142,46 @@ def separate_grad_norm_groups(link) -> set[str]:
     prediction's, ``grad_norm_group = "mtp"``) that parameters of ``link`` are tagged with; empty
     before 0.19, which has none."""
     return {group for p in link.get_parameters() if (group := getattr(p, "grad_norm_group", None)) is not None}
+
+
+def _moe_metrics_tracker():
+    """megatron-core's ``MoEMetricsTracker`` (0.18 on), None before it had one."""
+    try:
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    except ModuleNotFoundError:
+        return None
+    return get_moe_metrics_tracker()
+
+
+def moe_router_losses() -> dict:
+    """The router losses megatron-core's tracker holds, live: loss name -> (its float32
+    [layers] tensor of sums the routers add into, its ``reduce_group`` or None). Up to 0.17 the
+    tracker is ``moe_utils``' layer-wise dict; from 0.18 a ``MoEMetricsTracker``, whose dict of
+    that form 0.18 and 0.19 still return only as a snapshot (and with a deprecation warning).
+
+    Example::
+
+        {name: values.sum() for name, (values, _) in moe_router_losses().items()}
+    """
+    tracker = _moe_metrics_tracker()
+    if tracker is not None:
+        return {name: (entry.values, entry.reduce_group) for name, entry in tracker.metrics.items()}
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    return {name: (entry["values"], entry.get("reduce_group"))
+            for name, entry in get_moe_layer_wise_logging_tracker().items()}
+
+
+def forget_moe_router_losses() -> None:
+    """Drops every entry of megatron-core's router-loss tracker (a previous run in this process
+    leaves its own, sized for its layers); the routers make new ones as they record."""
+    tracker = _moe_metrics_tracker()
+    if tracker is not None:
+        tracker.metrics.clear()  # the tracker's own dict, not a copy
+        return
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    get_moe_layer_wise_logging_tracker().clear()
 
 
 def whole_layer_cuda_graphs() -> dict:
