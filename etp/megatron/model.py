@@ -16,9 +16,10 @@ from ..groups import ETPGroups
 from ..modules import GroupedSwiGLUExperts
 from ..streams import to_device_async
 from ..wrap import WrapSummary, wrap_module_params_etp
+from .compat import spec_submodules
 from .groups import build_megatron_etp_groups
 from .local_dispatcher import regathered_rows
-from .patches import spec_submodules, use_te_free_router
+from .patches import use_te_free_router
 
 __all__ = ["ETPGroupedExperts", "apply_etp", "etp_gpt_decoder_spec", "etp_gpt_layer_spec", "fp32_router_counts"]
 

@@ -11,7 +11,7 @@ and on a large recipe these waits are a visible share of every iteration.
 ``step(optimizer)`` is the same step with every decision on the device:
 
 * the norm: per link of the (chained) optimizer, the sum of squares of the gradients megatron
-  counts (``etp.megatron.patches.grads_for_norm``: ``shared`` duplicates left out), all-reduced over that link's ``get_grad_stats_parallel_group()``, summed over
+  counts (``etp.megatron.compat.grads_for_norm``: ``shared`` duplicates left out), all-reduced over that link's ``get_grad_stats_parallel_group()``, summed over
   the links and square-rooted: a device tensor;
 * the clip coefficient ``min(1, clip_grad / (norm + 1e-6))``, megatron's formula, also a
   device tensor. Where the link's torch Adam runs fused it is handed to the kernel as
@@ -39,11 +39,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from etp.megatron.compat import grads_for_norm, separate_grad_norm_groups
 from etp.megatron.fast_fallbacks import (  # foreach_l2_norm: the norm megatron's clipping runs on
     foreach_l2_norm,
     inner_optimizers,
 )
-from etp.megatron.patches import grads_for_norm, separate_grad_norm_groups
 
 __all__ = ["clip_coefficient", "grad_norm", "step", "unsupported_reason"]
 

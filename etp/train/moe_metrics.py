@@ -6,7 +6,7 @@
 and z-loss, each divided by its coefficient, into its layer-wise tracker
 (``moe_utils.save_to_aux_losses_tracker``, from megatron-core 0.18 ``MoEMetricsTracker.record``:
 ``values[layer_number - 1] += loss.detach()``, one float32 tensor per loss name on the device;
-etp reads it through ``etp.megatron.patches.moe_router_losses``). Megatron-LM's loop calls ``track_moe_metrics``
+etp reads it through ``etp.megatron.compat.moe_router_losses``). Megatron-LM's loop calls ``track_moe_metrics``
 every iteration, which reduces the values across ranks, scales them by 1 / micro-batches, adds
 their mean over the MoE layers into ``total_loss_dict`` and clears them; the log line prints
 that sum over the interval divided by its iterations. etp-train lets the tracker's sums run
@@ -96,7 +96,7 @@ class MoEMetrics:
     """
 
     def __init__(self, routers: list, micro_batches: int, device: torch.device | None = None) -> None:
-        from etp.megatron.patches import forget_moe_router_losses
+        from etp.megatron.compat import forget_moe_router_losses
 
         if not routers:
             raise ValueError("MoEMetrics needs at least one router (a dense model has no MoE metrics)")
@@ -123,7 +123,7 @@ class MoEMetrics:
 
     def reset(self) -> None:
         """Drops what was accumulated so far (the capture's warm-ups), on the device."""
-        from etp.megatron.patches import moe_router_losses
+        from etp.megatron.compat import moe_router_losses
 
         self.counts.zero_()
         for values, _ in moe_router_losses().values():  # megatron-core's clear: the same tensors, zeroed
@@ -138,7 +138,7 @@ class MoEMetrics:
     def window(self, iterations: int) -> dict:
         """The window's figures ([Note: MoE metrics]), then a fresh window; every rank calls it
         (one all-reduce over the default group, then one host read)."""
-        from etp.megatron.patches import moe_router_losses
+        from etp.megatron.compat import moe_router_losses
 
         tracker = moe_router_losses()
         names = sorted(tracker)  # the same on every rank: the same routers ran

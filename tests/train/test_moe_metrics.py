@@ -166,7 +166,7 @@ def test_only_training_forwards_count_and_an_untracked_loss_is_absent():
     key and the log line names none; evaluation and no-grad forwards add no tokens."""
     from megatron.core.transformer.moe.moe_utils import save_to_aux_losses_tracker
 
-    from etp.megatron.patches import moe_router_losses
+    from etp.megatron.compat import moe_router_losses
     from etp.train.moe_metrics import MoEMetrics
 
     save_to_aux_losses_tracker("stale", torch.tensor(1.0), layer_number=1, num_layers=7)  # a previous run's
