@@ -17,8 +17,9 @@ setup(
     install_requires=[
         # torch 2.11 (the GPU machines) through 2.13 (CPU machines) are tested.
         "torch>=2.11",
-        # The range etp.megatron.patches supports (checked at import); imported lazily by etp.megatron only.
-        "megatron-core>=0.16.1,<0.17",
+        # The range etp.megatron.patches supports (checked at import), tested on 0.16.1 and 0.19.2
+        # (0.17 and later need Python 3.12); imported lazily by etp.megatron only.
+        "megatron-core>=0.16.1,<0.20",
         "triton",
         "pyyaml",
     ],

@@ -6,10 +6,11 @@ path must exist, and the Hugging Face hub is switched offline while the tokenize
 what goes wrong is one line naming the key and the fix (a path that holds no tokenizer, a
 missing package, a vocabulary larger than the recipe's).
 
-``NullTokenizer`` reads ids already written as numbers. Megatron-LM's ``--vocab-size N`` gives it
-``N + 1`` ids, ``N`` ending each document; a recipe's ``vocab_size`` counts every id the model
-embeds, so etp builds it with ``N = vocab_size - 1``: ids below ``vocab_size - 1``, and
-``vocab_size - 1`` the end-of-document id.
+``NullTokenizer`` reads ids already written as numbers. A recipe's ``vocab_size`` counts every id
+the model embeds: ids below ``vocab_size - 1``, and ``vocab_size - 1`` the end-of-document id, on
+every supported megatron-core. Megatron-LM's ``--vocab-size N`` means ``N + 1`` such ids up to
+megatron-core 0.17 (etp passes ``vocab_size - 1``) and ``N`` from 0.18 on (etp passes
+``vocab_size``).
 """
 from __future__ import annotations
 
@@ -41,15 +42,44 @@ def _hub_offline():
                 os.environ[key] = value
 
 
+def _megatron_build():
+    """megatron-core's ``build_tokenizer``: in ``tokenizers.text.utils`` up to 0.16, in
+    ``tokenizers.utils`` from 0.17 (the versions ``etp.megatron.patches`` supports)."""
+    try:
+        from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+    except ModuleNotFoundError:
+        from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer
+    return build_tokenizer
+
+
+def _null_tokenizer_size(vocab_size: int) -> int:
+    """Megatron-LM's ``--vocab-size`` of a NullTokenizer of ``vocab_size`` ids, the last ending each
+    document: megatron-core 0.18 made the argument the count of every id (its NullTokenizer then
+    takes an ``eod_id``, by default the last), where 0.16 and 0.17 add the end-of-document id to it."""
+    import inspect
+
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+    return vocab_size if "eod_id" in inspect.signature(NullTokenizer).parameters else vocab_size - 1
+
+
 def _megatron_args(tokenizer_type: str, tokenizer_model: str | None, vocab_size: int | None) -> SimpleNamespace:
-    """The Megatron-LM arguments megatron-core's ``build_tokenizer`` reads, at Megatron-LM's defaults."""
+    """The Megatron-LM arguments megatron-core's ``build_tokenizer`` reads, at Megatron-LM's defaults,
+    under the names of every supported megatron-core (each reads its own and ignores the rest)."""
     return SimpleNamespace(
-        tokenizer_type=tokenizer_type, tokenizer_model=tokenizer_model, tokenizer_metadata=None,
-        tokenizer_special_tokens=None, tokenizer_sentencepiece_legacy=False, tiktoken_pattern=None,
-        tiktoken_num_special_tokens=1000, vocab_file=None, merge_file=None,
-        # tokenizers trained with the `tokenizers` library ship only the fast tokenizer.json
-        tokenizer_hf_use_fast=True, trust_remote_code=False, tokenizer_hf_include_special_tokens=False,
-        vocab_size=vocab_size)
+        tokenizer_type=tokenizer_type, tokenizer_model=tokenizer_model, tokenizer_sentencepiece_legacy=False,
+        tiktoken_pattern=None, tiktoken_num_special_tokens=1000, vocab_file=None, merge_file=None,
+        trust_remote_code=False, vocab_size=vocab_size,
+        # megatron-core 0.16's names; tokenizers trained with the `tokenizers` library ship only the
+        # fast tokenizer.json
+        tokenizer_metadata=None, tokenizer_special_tokens=None, tokenizer_hf_use_fast=True,
+        tokenizer_hf_include_special_tokens=False,
+        # the same settings under 0.17's names, and what 0.17 added: no chat template, extra
+        # whitespace ignored (0.16's SentencePiece default), no padded vocabulary (the recipe's
+        # vocab_size is the model's)
+        metadata_path=None, special_tokens=None, tokenizer_hf_no_use_fast=False,
+        tokenizer_hf_no_include_special_tokens=True, chat_template=None,
+        tokenizer_sentencepiece_ignore_extra_whitespaces=True, pad_vocab_size=False)
 
 
 def build_tokenizer(tokenizer_type: str, tokenizer_model: str | os.PathLike | None, vocab_size: int | None = None,
@@ -64,12 +94,11 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str | os.PathLike | No
         tokenizer = build_tokenizer("HuggingFaceTokenizer", "etp/data/tiny_tokenizer")
         tokenizer.tokenize("a small model"), tokenizer.eod, tokenizer.vocab_size
     """
-    from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer as megatron_build
-
+    megatron_build = _megatron_build()
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None or vocab_size < 2:
             raise ValueError(f"tokenizer_type=NullTokenizer needs vocab_size >= 2 (got {vocab_size!r})")
-        return megatron_build(_megatron_args(tokenizer_type, None, vocab_size - 1))
+        return megatron_build(_megatron_args(tokenizer_type, None, _null_tokenizer_size(vocab_size)))
     if tokenizer_model is None:
         raise ValueError(f"tokenizer_type={tokenizer_type} needs {key}: the local path of the tokenizer")
     path = Path(tokenizer_model).expanduser()

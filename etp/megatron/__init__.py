@@ -4,7 +4,8 @@ ETP groups inside megatron-core's data-parallel groups (``groups``), the TP-line
 point (``layers``), ``apply_etp`` and the grouped-experts ModuleSpec (``model``),
 megatron-core DDP / optimizer / finalize for ETP models (``ddp``, ``optimizer``,
 ``finalize``: import them explicitly, they import megatron-core), the Megatron-LM flags
-(``args``), and every patch of megatron-core internals (``patches``). Recipes live in
+(``args``), every patch of megatron-core internals (``patches``) and the readers of what the
+supported megatron-core versions name differently (``compat``). Recipes live in
 :mod:`etp.recipe`, the trainer in :mod:`etp.train`.
 """
 from etp._moved import forward as _forward

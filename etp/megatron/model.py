@@ -16,6 +16,7 @@ from ..groups import ETPGroups
 from ..modules import GroupedSwiGLUExperts
 from ..streams import to_device_async
 from ..wrap import WrapSummary, wrap_module_params_etp
+from .compat import spec_submodules
 from .groups import build_megatron_etp_groups
 from .local_dispatcher import regathered_rows
 from .patches import use_te_free_router
@@ -43,7 +44,7 @@ class ETPGroupedExperts(_megatron_module()):
         model = GPTModel(config=config, transformer_layer_spec=spec, ...)
     """
 
-    def __init__(self, num_local_experts: int, config, pg_collection=None, submodules=None):
+    def __init__(self, num_local_experts: int, config, pg_collection=None, submodules=None, name=None):
         super().__init__(config=config)
         if not config.gated_linear_unit or config.activation_func is not torch.nn.functional.silu:
             raise ValueError(
@@ -109,7 +110,7 @@ def etp_gpt_layer_spec(num_experts: int | None = None, attention_backend: str = 
     if attention_backend == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = ModuleSpec(module=SDPAttention)
     if num_experts and grouped_experts:
-        spec.submodules.mlp.submodules.experts = ModuleSpec(module=ETPGroupedExperts)
+        spec_submodules(spec.submodules.mlp).experts = ModuleSpec(module=ETPGroupedExperts)
     return spec
 
 

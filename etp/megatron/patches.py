@@ -1,5 +1,6 @@
 """Every patch etp makes to megatron-core's internals, in one place, for the megatron-core
-versions it supports.
+versions it supports: ``>=0.16.1,<0.20``, tested on 0.16.1 and 0.19.2 (Python 3.12; 0.17 and
+later need it).
 
 etp plugs into megatron-core mostly by composition (layer specs, its own experts and token
 dispatchers, DDP / optimizer builders). Where that is not enough, it rebinds a name inside
@@ -32,6 +33,9 @@ Per-optimizer replacements (a megatron-core optimizer, chained or not):
 * ``step_without_host_sync(optimizer)``: ``optimizer.step`` becomes the same step with the
   norm and the clip on the device ([Note: sync-free step]).
 
+What the supported versions name or build differently (not patches: etp reads it) is read
+through one helper each in :mod:`etp.megatron.compat`.
+
 Example::
 
     from etp.megatron import patches
@@ -56,8 +60,8 @@ __all__ = ["SUPPORTED_MEGATRON_CORE", "check_megatron_core", "step_with_fused_ad
 
 log = logging.getLogger(__name__)
 
-#: The megatron-core releases these patches were written against and tested on: [lowest, first not).
-SUPPORTED_MEGATRON_CORE = ("0.16.1", "0.17")
+#: The megatron-core releases these patches support: [lowest, first not). Tested on 0.16.1 and 0.19.2.
+SUPPORTED_MEGATRON_CORE = ("0.16.1", "0.20")
 
 
 def _release(version: str) -> tuple[int, ...]:
@@ -75,14 +79,15 @@ def check_megatron_core(version: str | None = None) -> str:
 
     Example::
 
-        check_megatron_core("0.19.2")   # ImportError: etp supports megatron-core >=0.16.1,<0.17 ...
+        check_megatron_core("0.19.2")   # "0.19.2"
+        check_megatron_core("0.20.0")   # ImportError: etp supports megatron-core >=0.16.1,<0.20, found 0.20.0 ...
     """
+    low, high = SUPPORTED_MEGATRON_CORE
     if version is None:
         try:
             version = importlib.metadata.version("megatron-core")
         except importlib.metadata.PackageNotFoundError:
-            raise ImportError("etp.megatron needs megatron-core: pip install 'megatron-core>=0.16.1,<0.17'") from None
-    low, high = SUPPORTED_MEGATRON_CORE
+            raise ImportError(f"etp.megatron needs megatron-core: pip install 'megatron-core>={low},<{high}'") from None
     if not _release(low) <= _release(version) < _release(high):
         raise ImportError(f"etp supports megatron-core >={low},<{high}, found {version}: "
                           f"pip install 'megatron-core>={low},<{high}'")
@@ -90,6 +95,13 @@ def check_megatron_core(version: str | None = None) -> str:
 
 
 check_megatron_core()
+
+
+
+
+
+
+
 
 
 def use_te_free_router() -> None:

@@ -1,9 +1,9 @@
 """Full-width QK norm: an RMSNorm over the whole query and the whole key of a layer (OLMoE's),
 as megatron-core ``SelfAttention``'s ``q_layernorm`` / ``k_layernorm`` submodules.
 
-megatron-core 0.16.1 builds its QK norms over one head (``hidden_size`` = ``kv_channels``,
-applied to ``[sq, b, heads, kv_channels]``): Qwen3's, and ``TransformerConfig`` has no other
-width. OLMoE normalizes the ``heads * kv_channels`` wide query (and the ``query_groups *
+megatron-core (0.16.1 and 0.19.2 alike) builds its QK norms over one head (``hidden_size`` =
+``kv_channels``, applied to ``[sq, b, heads, kv_channels]``): Qwen3's, and ``TransformerConfig``
+has no other width. OLMoE normalizes the ``heads * kv_channels`` wide query (and the ``query_groups *
 kv_channels`` wide key) as one vector, with one weight per channel of every head. This module
 takes megatron-core's place in the layer spec, reads the same ``[sq, b, heads, kv_channels]``
 tensor, normalizes it over its last two dimensions together, and holds its weight under the

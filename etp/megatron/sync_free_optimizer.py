@@ -10,9 +10,8 @@ and on a large recipe these waits are a visible share of every iteration.
 
 ``step(optimizer)`` is the same step with every decision on the device:
 
-* the norm: per link of the (chained) optimizer, the sum of squares of its
-  ``get_main_grads_for_grad_norm()`` (the same tensors megatron counts: ``shared`` duplicates
-  left out), all-reduced over that link's ``get_grad_stats_parallel_group()``, summed over
+* the norm: per link of the (chained) optimizer, the sum of squares of the gradients megatron
+  counts (``etp.megatron.compat.grads_for_norm``: ``shared`` duplicates left out), all-reduced over that link's ``get_grad_stats_parallel_group()``, summed over
   the links and square-rooted: a device tensor;
 * the clip coefficient ``min(1, clip_grad / (norm + 1e-6))``, megatron's formula, also a
   device tensor. Where the link's torch Adam runs fused it is handed to the kernel as
@@ -25,7 +24,9 @@ Multiplying by a coefficient of exactly 1 changes nothing, so a step that does n
 megatron's; one that clips differs by the rounding of a divide against a multiply.
 
 Not covered (``etp.megatron.patches.step_without_host_sync`` leaves megatron's step and says why, once): fp16 loss scaling (its
-inf check is the host's decision to skip a step) and ``log_num_zeros_in_grad`` (a host count).
+inf check is the host's decision to skip a step), ``log_num_zeros_in_grad`` (a host count) and
+megatron-core 0.19's separate grad-norm groups (multi-token prediction's parameters, normed and
+clipped on their own).
 
 Example::
 
@@ -38,6 +39,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from etp.megatron.compat import grads_for_norm, separate_grad_norm_groups
 from etp.megatron.fast_fallbacks import (  # foreach_l2_norm: the norm megatron's clipping runs on
     foreach_l2_norm,
     inner_optimizers,
@@ -55,6 +57,8 @@ def unsupported_reason(optimizer) -> str | None:
             return "fp16 loss scaling (its inf check decides on the host whether to step)"
         if getattr(link.config, "log_num_zeros_in_grad", False):
             return "log_num_zeros_in_grad (a count the host reads)"
+        if groups := separate_grad_norm_groups(link):
+            return f"separate grad-norm groups {sorted(groups)} (megatron-core norms and clips them on their own)"
     return None
 
 
@@ -64,7 +68,7 @@ def grad_norm(optimizer) -> torch.Tensor:
     group: every rank calls it."""
     squares = []
     for link in inner_optimizers(optimizer):
-        norm, _ = foreach_l2_norm(0, None, [link.get_main_grads_for_grad_norm()], False)
+        norm, _ = foreach_l2_norm(0, None, [grads_for_norm(link)], False)
         square = norm.square()
         dist.all_reduce(square, group=link.get_grad_stats_parallel_group())
         squares.append(square)

@@ -98,6 +98,8 @@ def transformer_config(recipe, device):
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from etp.megatron.compat import whole_layer_cuda_graphs
+
     m, p = recipe.model, recipe.parallel
     # FSDP2 shards fp32 master weights and casts them to bf16 as it gathers them (FSDP2Step).
     dtype = torch.bfloat16 if recipe.train.bf16 and not p.use_torch_fsdp2 else torch.float32
@@ -127,7 +129,7 @@ def transformer_config(recipe, device):
         expert_tensor_parallel_size=p.expert_tensor_parallel_size,
         sequence_parallel=p.sequence_parallel, use_cpu_initialization=device.type == "cpu",
         deterministic_mode=recipe.train.deterministic,
-        cuda_graph_scope=[],  # what megatron-core turns its default ("full", deprecated, a warning) into
+        **whole_layer_cuda_graphs(),  # megatron-core's default, without its deprecation warning
         **recipe.recompute_kwargs(),
     )
 

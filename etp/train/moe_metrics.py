@@ -4,8 +4,9 @@
 [Note: MoE metrics]
 *Router losses.* megatron-core's router saves every training micro-batch's load-balancing loss
 and z-loss, each divided by its coefficient, into its layer-wise tracker
-(``moe_utils.save_to_aux_losses_tracker``: ``values[layer_number - 1] += loss.detach()``, one
-float32 tensor per loss name on the device). Megatron-LM's loop calls ``track_moe_metrics``
+(``moe_utils.save_to_aux_losses_tracker``, from megatron-core 0.18 ``MoEMetricsTracker.record``:
+``values[layer_number - 1] += loss.detach()``, one float32 tensor per loss name on the device;
+etp reads it through ``etp.megatron.compat.moe_router_losses``). Megatron-LM's loop calls ``track_moe_metrics``
 every iteration, which reduces the values across ranks, scales them by 1 / micro-batches, adds
 their mean over the MoE layers into ``total_loss_dict`` and clears them; the log line prints
 that sum over the interval divided by its iterations. etp-train lets the tracker's sums run
@@ -95,7 +96,7 @@ class MoEMetrics:
     """
 
     def __init__(self, routers: list, micro_batches: int, device: torch.device | None = None) -> None:
-        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+        from etp.megatron.compat import forget_moe_router_losses
 
         if not routers:
             raise ValueError("MoEMetrics needs at least one router (a dense model has no MoE metrics)")
@@ -110,7 +111,7 @@ class MoEMetrics:
                                   device=device or self.routers[0].weight.device)
         self._hooks = [router.register_forward_hook(_CountRoutedTokens(self.counts, slot))
                        for slot, router in enumerate(self.routers)]
-        get_moe_layer_wise_logging_tracker().clear()
+        forget_moe_router_losses()
 
     @classmethod
     def of(cls, model: torch.nn.Module, micro_batches: int, device: torch.device | None = None) -> MoEMetrics | None:
@@ -122,10 +123,11 @@ class MoEMetrics:
 
     def reset(self) -> None:
         """Drops what was accumulated so far (the capture's warm-ups), on the device."""
-        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+        from etp.megatron.compat import moe_router_losses
 
         self.counts.zero_()
-        clear_aux_losses_tracker()
+        for values, _ in moe_router_losses().values():  # megatron-core's clear: the same tensors, zeroed
+            values.zero_()
 
     def remove(self) -> None:
         """Unhooks the routers."""
@@ -136,12 +138,12 @@ class MoEMetrics:
     def window(self, iterations: int) -> dict:
         """The window's figures ([Note: MoE metrics]), then a fresh window; every rank calls it
         (one all-reduce over the default group, then one host read)."""
-        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+        from etp.megatron.compat import moe_router_losses
 
-        tracker = get_moe_layer_wise_logging_tracker()
+        tracker = moe_router_losses()
         names = sorted(tracker)  # the same on every rank: the same routers ran
         layers = len(self.layers)
-        flat = torch.cat([tracker[name]["values"][self.layers].double() for name in names]
+        flat = torch.cat([tracker[name][0][self.layers].double() for name in names]
                          + [self.counts.flatten().double()])  # counts below 2**53 stay exact
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world > 1:
@@ -150,7 +152,7 @@ class MoEMetrics:
         self.reset()
         record, per_layer = {}, {}
         for k, name in enumerate(names):
-            group = tracker[name].get("reduce_group")
+            group = tracker[name][1]
             share = (1 if group is None else group.size()) / world
             losses = [v * share / (self.micro_batches * iterations) for v in values[k * layers:(k + 1) * layers]]
             record[name] = sum(losses) / layers

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy
 
@@ -16,6 +17,26 @@ def documents(count: int, seed: int, longest: int = 40) -> list[list[int]]:
     """``count`` documents of random ids below ``EOD``, each ending in ``EOD``."""
     rng = numpy.random.default_rng(seed)
     return [list(rng.integers(0, EOD, int(rng.integers(1, longest)))) + [EOD] for _ in range(count)]
+
+
+def megatron_null_tokenizer(ids: int):
+    """megatron-core's own NullTokenizer of ``ids`` ids, ``ids - 1`` ending each document, built
+    here, not through etp. Its builder moved to ``tokenizers.utils`` in 0.17, which also reads
+    ``pad_vocab_size``; Megatron-LM's ``--vocab-size`` counts the end-of-document id from 0.18 on
+    (the NullTokenizer that takes an ``eod_id``) and not before."""
+    import inspect
+
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+    try:
+        from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+    except ModuleNotFoundError:
+        from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer
+    vocab_size = ids if "eod_id" in inspect.signature(NullTokenizer).parameters else ids - 1
+    tokenizer = build_tokenizer(SimpleNamespace(tokenizer_type="NullTokenizer", vocab_size=vocab_size,
+                                                pad_vocab_size=False))
+    assert (tokenizer.vocab_size, tokenizer.eod) == (ids, ids - 1)
+    return tokenizer
 
 
 def write_dataset(prefix: Path, docs: list[list[int]]) -> str:

@@ -119,3 +119,23 @@ def test_data_path_forms():
     assert Recipe.from_yaml(TINY, data_path=["a", "b"]).data.blend == (("a", "b"), None)
     assert Recipe.from_yaml(TINY, data_path=[1, "a", 3, "b"]).data.blend == (("a", "b"), (1.0, 3.0))
     assert Recipe.from_yaml(TINY, split=100).data.split_shares == (1.0, 0.0, 0.0)
+
+
+def test_tokenizers_keep_the_recipes_ids():
+    """Whichever supported megatron-core builds them: etp's NullTokenizer of a recipe's vocab_size
+    V holds V ids, V - 1 ending each document (megatron-core 0.18 changed what Megatron-LM's
+    --vocab-size counts), and the bundled Hugging Face tokenizer gives the ids of the ``tokenizers``
+    library's own encoding, no special tokens added, its end of document the eos token's id."""
+    from tokenizers import Tokenizer
+
+    from etp.data.tokenizer import build_tokenizer
+
+    null = build_tokenizer("NullTokenizer", None, VOCAB)
+    assert (null.vocab_size, null.eod) == (VOCAB, VOCAB - 1)
+    assert null.tokenize("3 0 126") == [3, 0, 126]
+    folder = Path(__file__).resolve().parents[2] / "etp" / "data" / "tiny_tokenizer"
+    reference = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    hf = build_tokenizer("HuggingFaceTokenizer", folder)
+    text = "a small model reads a small corpus"
+    assert list(hf.tokenize(text)) == reference.encode(text, add_special_tokens=False).ids
+    assert (hf.vocab_size, hf.eod) == (reference.get_vocab_size(), reference.token_to_id("<|endoftext|>"))

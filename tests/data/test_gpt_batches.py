@@ -4,11 +4,10 @@ masks, reset positions) equal the samples megatron-core's builder yields for the
 configuration, in Megatron-LM's sampler order; a run resumed from its consumed samples at another
 data-parallel layout reads the global batches the uninterrupted run read."""
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
-from data_cases import EOD, VOCAB, data_recipe, documents, write_dataset
+from data_cases import EOD, VOCAB, data_recipe, documents, megatron_null_tokenizer, write_dataset
 from harness import run_distributed
 
 pytest.importorskip("megatron.core")
@@ -20,9 +19,8 @@ def _megatron_reference(tmp: Path, prefixes, reset: bool):
     attention mask megatron-core builds itself."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-    from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer
 
-    tokenizer = build_tokenizer(SimpleNamespace(tokenizer_type="NullTokenizer", vocab_size=VOCAB - 1))
+    tokenizer = megatron_null_tokenizer(VOCAB)
     config = GPTDatasetConfig(random_seed=1234, sequence_length=SEQ, blend=(prefixes, [0.3, 0.7]), split="80,15,5",
                               path_to_cache=str(tmp / "reference_cache"), tokenizer=tokenizer,
                               reset_position_ids=reset, reset_attention_mask=reset, eod_mask_loss=reset,

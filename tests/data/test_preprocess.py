@@ -3,10 +3,9 @@ writes for the same tokens (tokenized here by megatron-core's tokenizer, documen
 Megatron-LM's ``tools/preprocess_data.py`` builds them), whatever the number of workers; the
 bundled tiny dataset is that output; bad input is one line."""
 import json
-from types import SimpleNamespace
 
 import pytest
-from data_cases import ROOT
+from data_cases import ROOT, megatron_null_tokenizer
 
 pytest.importorskip("megatron.core")
 TOKENIZER = ROOT / "etp" / "data" / "tiny_tokenizer"
@@ -69,14 +68,12 @@ def test_output_is_megatron_cores_builder_byte_for_byte(tmp_path, hf_tokenizer, 
 def test_keys_sentence_lists_and_empty_documents(tmp_path):
     """Two --json-keys (a dataset each), a field given as a list of sentences, an empty document,
     NullTokenizer ids; 1 and 3 workers write the same bytes as megatron-core's builder."""
-    from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer
-
     from etp.train.preprocess_command import main
 
     rows = [{"text": "1 2 3", "code": ["4 5", "6"]}, {"text": "7", "code": []}, {"text": "8 9", "code": ["10"]}] * 40
     jsonl = tmp_path / "in.jsonl"
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    null = build_tokenizer(SimpleNamespace(tokenizer_type="NullTokenizer", vocab_size=99))  # etp's --vocab-size 100
+    null = megatron_null_tokenizer(100)  # etp's --vocab-size 100
     for workers in (1, 3):
         out = tmp_path / f"w{workers}"
         assert main(["--input", str(jsonl), "--json-keys", "text", "code", "--tokenizer-type", "NullTokenizer",

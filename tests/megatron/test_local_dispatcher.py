@@ -24,7 +24,7 @@ def _routing(tokens=37, experts=8, topk=3, seed=0):
 def test_permutation_matches_megatron_permute(tokens, experts, topk):
     routing_map, probs = _routing(tokens, experts, topk)
     x = torch.randn(tokens, 16)
-    reference, reference_probs, _ = permute(x, routing_map, probs=probs, num_out_tokens=tokens * topk)
+    reference, reference_probs, _ = permute(x, routing_map, probs=probs, num_out_tokens=tokens * topk)[:3]
     idx, order, token_rows, inverse = local_permutation(routing_map, topk)
     assert torch.equal(_Permute.apply(x, token_rows, inverse, topk), reference)
     assert torch.equal(probs.gather(1, idx).reshape(-1).index_select(0, order), reference_probs)
@@ -72,6 +72,7 @@ def test_moe_layer_matches_megatron_alltoall():
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from etp.megatron.compat import spec_submodules
     from etp.megatron.local_dispatcher import LocalTokenDispatcher, install_local_dispatchers
     from etp.megatron.model import etp_gpt_layer_spec
     from etp.megatron.patches import use_te_free_router
@@ -89,11 +90,11 @@ def test_moe_layer_matches_megatron_alltoall():
                                    gated_linear_unit=True, activation_func=torch.nn.functional.silu,
                                    add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16,
                                    moe_aux_loss_coeff=0.0)
-        spec = etp_gpt_layer_spec(num_experts=16).submodules.mlp
+        submodules = spec_submodules(etp_gpt_layer_spec(num_experts=16).submodules.mlp)  # MoESubmodules
         outputs = []
         for local in (False, True):
             torch.manual_seed(0)
-            layer = MoELayer(config, spec.submodules).cuda()
+            layer = MoELayer(config, submodules).cuda()
             if local:
                 assert install_local_dispatchers(layer) == 1
                 assert isinstance(layer.token_dispatcher, LocalTokenDispatcher)

@@ -12,7 +12,8 @@ With overlap on, DDP's grad-ready must only be fired for an ETP weight once its
 reduce-scattered gradient is in ``main_grad``.
 
 megatron-core's DDP allocates its buffers on ``torch.cuda.current_device()``; on CPU the
-test points that at "cpu" (DDP's collectives are plain torch.distributed calls).
+test points that at "cpu" (DDP's collectives are plain torch.distributed calls), and
+``torch.cuda.current_stream()`` at a stream with nothing to wait for.
 """
 import contextlib
 import pickle
@@ -91,8 +92,23 @@ def _owned(ddp, param):
     return ranges
 
 
+class _HostStream:
+    """What ``torch.cuda.current_stream()`` answers on CPU ranks: megatron-core 0.19's gradient
+    reduce makes the current stream wait for CUDA-graph gradient events (none on CPU)."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+
+_HOST_STREAM = _HostStream()
+
+
 def _ddp_step(ctx, overlap: bool, reduction: str, per_token: bool = False, distopt: bool = False):
     torch.cuda.current_device = lambda: "cpu"  # megatron-core DDP buffers on CPU, see the doc
+    torch.cuda.current_stream = lambda device=None: _HOST_STREAM  # 0.19's reduce waits on it
     from megatron.core import ModelParallelConfig
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallelConfig
@@ -218,7 +234,7 @@ def _ddp_step(ctx, overlap: bool, reduction: str, per_token: bool = False, disto
 # uneven token counts (mean reduction), and the distributed optimizer's chunks (synchronous).
 DDP_CONFIGS = {"overlap_sum": (True, "sum", False), "sync_per_token": (False, "mean", True),
                "distopt_sync": (False, "mean", False, True)}
-# In this order: DDP's bodies last (they point torch.cuda.current_device at the CPU).
+# In this order: DDP's bodies last (they point torch.cuda.current_device / current_stream at the CPU).
 SHARED_BODIES = ("groups_layout", "linears_tp2", *DDP_CONFIGS)
 _shared_outcome: dict = {}  # filled by the first test that asks, in whichever module
 

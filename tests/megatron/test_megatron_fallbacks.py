@@ -111,9 +111,9 @@ def test_a_checkpoint_load_creates_adam_steps_where_torch_would(fused):
 
 
 def test_an_unsupported_megatron_core_is_refused_in_one_line():
-    assert patches.check_megatron_core("0.16.1") == "0.16.1"
-    assert patches.check_megatron_core("0.16.2rc1") == "0.16.2rc1"
-    for version in ("0.19.2", "0.16.0", "0.17.0rc0"):
-        with pytest.raises(ImportError, match=r"supports megatron-core >=0\.16\.1,<0\.17, found") as err:
+    for version in ("0.16.1", "0.16.2rc1", "0.17.1", "0.19.2", "0.19.3rc0"):
+        assert patches.check_megatron_core(version) == version
+    for version in ("0.16.0", "0.15.3", "0.20.0", "0.20.0rc0", "1.0.0"):
+        with pytest.raises(ImportError, match=r"supports megatron-core >=0\.16\.1,<0\.20, found") as err:
             patches.check_megatron_core(version)
         assert "\n" not in str(err.value)

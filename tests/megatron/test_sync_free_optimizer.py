@@ -28,7 +28,7 @@ class _Link:
     def get_parameters(self):
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
-    def get_main_grads_for_grad_norm(self):
+    def _grads_for_norm(self):
         return [p.grad for p in self.get_parameters() if not getattr(p, "shared", False)]
 
     def get_grad_stats_parallel_group(self):
@@ -40,6 +40,17 @@ class _Link:
     def step_with_ready_grads(self):
         self.optimizer.step()
         return True
+
+
+def _norm_method_name() -> str:
+    """The installed megatron-core's name for a link's gradients to norm (renamed in 0.19)."""
+    from megatron.core.optimizer.optimizer import MegatronOptimizer
+
+    return next(name for name in ("get_grads_for_grad_norm", "get_main_grads_for_grad_norm")
+                if hasattr(MegatronOptimizer, name))
+
+
+setattr(_Link, _norm_method_name(), _Link._grads_for_norm)  # under that name only, as megatron-core has it
 
 
 class _Chain:
@@ -117,7 +128,7 @@ def test_step_matches_float64_clip_and_adam(fused, clip_grad):
     assert (coefficients[0] < 0.2) == (clip_grad == CLIP)  # the clipping case does clip hard
 
 
-def test_install_refuses_loss_scaling_and_zero_counting():
+def test_install_refuses_loss_scaling_zero_counting_and_separate_norms():
     link = _Link([torch.nn.Parameter(torch.zeros(2))], 1.0, None, False)
     link.grad_scaler = object()
     assert "fp16 loss scaling" in sync_free_optimizer.unsupported_reason(_Chain([link]))
@@ -125,4 +136,7 @@ def test_install_refuses_loss_scaling_and_zero_counting():
     link.grad_scaler, link.config.log_num_zeros_in_grad = None, True
     assert "log_num_zeros_in_grad" in sync_free_optimizer.unsupported_reason(link)
     link.config.log_num_zeros_in_grad = False
+    link.get_parameters()[0].grad_norm_group = "mtp"  # megatron-core 0.19 norms and clips it apart
+    assert "separate grad-norm groups ['mtp']" in sync_free_optimizer.unsupported_reason(link)
+    del link.get_parameters()[0].grad_norm_group
     assert patches.step_without_host_sync(link) is True and link.step.func is sync_free_optimizer.step

@@ -164,16 +164,17 @@ class _FakeRouter(torch.nn.Module):
 def test_only_training_forwards_count_and_an_untracked_loss_is_absent():
     """No router saved a loss (``moe_aux_loss_coeff: 0``, no z-loss): the window has no loss
     key and the log line names none; evaluation and no-grad forwards add no tokens."""
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    from megatron.core.transformer.moe.moe_utils import save_to_aux_losses_tracker
 
+    from etp.megatron.compat import moe_router_losses
     from etp.train.moe_metrics import MoEMetrics
 
-    tracker = get_moe_layer_wise_logging_tracker()
-    tracker["stale"] = {"values": torch.ones(7)}  # a previous run's entry in this process
+    save_to_aux_losses_tracker("stale", torch.tensor(1.0), layer_number=1, num_layers=7)  # a previous run's
+    assert "stale" in moe_router_losses()
     routing_map = torch.tensor([[1, 1, 0], [1, 0, 1], [1, 1, 0], [0, 1, 1]], dtype=torch.bool)  # 4 tokens, top-2
     model = torch.nn.ModuleList([_FakeRouter(3, routing_map), _FakeRouter(1, routing_map.flip(1))])
     moe = MoEMetrics(list(model), micro_batches=2)
-    assert "stale" not in tracker and moe.layers == [0, 2]
+    assert "stale" not in moe_router_losses() and moe.layers == [0, 2]
     for _ in range(3):  # training forwards
         [router(None) for router in model]
     with torch.no_grad():

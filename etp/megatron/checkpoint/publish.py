@@ -2,8 +2,9 @@
 Crash-safe publishing and safe loading of megatron-core ``dist_checkpointing`` checkpoints.
 
 A checkpoint lives in ``<root>/iter_0000020/`` (megatron-core's torch_dist files: ``*.distcp``
-shards, torch DCP's pickled ``.metadata``, megatron's ``metadata.json`` and ``common.pt``)
-plus ``etp_manifest.json``; ``<root>/latest`` names the iteration to resume from.
+shards, torch DCP's pickled ``.metadata``, megatron's ``metadata.json`` and, before
+megatron-core 0.19, ``common.pt``) plus ``etp_manifest.json``; ``<root>/latest`` names the
+iteration to resume from.
 
 Publishing (``save_checkpoint``), collective over ``group``:
 
@@ -42,7 +43,7 @@ problem and the earlier checkpoints that could be loaded instead; nothing falls 
 silently.
 
 Then ``load_fn(path)`` runs inside ``safe_unpickling()``. The files of a torch_dist checkpoint
-that are unpickled on load (megatron-core 0.16.1, torch 2.13):
+that are unpickled on load (megatron-core 0.16.1 and 0.19.2, torch 2.11 and 2.13):
 
 * ``.metadata``: ``torch.distributed.checkpoint.FileSystemReader.read_metadata`` calls
   ``pickle.load`` (full pickle: arbitrary code). megatron builds its readers internally
@@ -57,6 +58,8 @@ that are unpickled on load (megatron-core 0.16.1, torch 2.13):
   ``TorchCommonLoadStrategy`` calls ``torch.load(path, map_location='cpu')`` without
   ``weights_only``; torch >= 2.6 then defaults to ``weights_only=True``, but the environment
   variable ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` turns that into a full unpickle.
+  megatron-core 0.19 writes the common state as a ShardedObject in the shards instead (next
+  item) but still reads a ``common.pt`` it finds the same way.
 * ShardedObjects inside ``*.distcp`` shards (BYTE_IO items, e.g. optimizer param groups,
   RNG states): torch DCP's ``DefaultLoadPlanner.load_bytes`` (inherited by megatron's
   ``MCoreLoadPlanner``) calls ``torch.load(value, weights_only=False)``: a full unpickle of

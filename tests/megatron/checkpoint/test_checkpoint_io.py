@@ -6,11 +6,11 @@
   previous checkpoint still verifies and loads with identical values, ``latest`` still names
   it, and the next save cleans up and publishes;
 * verification: truncated, byte-flipped, missing, extra and symlinked files are refused;
-* unpickling: ``.metadata``, ``common.pt`` and a ShardedObject replaced by pickles whose
-  ``__reduce__`` creates a marker file are refused, by the manifest and, with the manifest
-  rewritten by the attacker, by the restricted unpicklers themselves; the marker never
-  appears (and does appear when the same file is loaded the unprotected way, which shows the
-  payload is live).
+* unpickling: ``.metadata``, ``common.pt`` (megatron-core 0.19 writes none but reads one it
+  finds) and a ShardedObject replaced by pickles whose ``__reduce__`` creates a marker file
+  are refused, by the manifest and, with the manifest rewritten by the attacker, by the
+  restricted unpicklers themselves; the marker never appears (and does appear when the same
+  file is loaded the unprotected way, which shows the payload is live).
 """
 from __future__ import annotations
 
@@ -281,6 +281,14 @@ def marker(tmp_path, monkeypatch):
     return path
 
 
+def _common_files() -> set[str]:
+    """The file megatron-core writes the common (non-tensor) state to: ``common.pt`` up to 0.18;
+    none from 0.19 on, which keeps it as a ShardedObject inside the shards."""
+    from megatron.core.dist_checkpointing import serialization
+
+    return set() if hasattr(serialization, "_legacy_common_state_exists") else {"common.pt"}
+
+
 def _rewrite_manifest_entry(directory: Path, rel: str) -> None:
     """What an attacker who can write the checkpoint does: re-list the file he replaced."""
     manifest = json.loads((directory / MANIFEST_NAME).read_text())
@@ -309,8 +317,8 @@ def test_round_trip_through_megatron(saved):
     manifest = verify_checkpoint(iteration_dir(root, 20))
     assert manifest["iteration"] == 20 and manifest["world_size"] == WORLD
     assert manifest["metadata"] == METADATA and manifest["etp_version"]
-    assert set(manifest["files"]) == {".metadata", "common.pt", "metadata.json",
-                                      "__0_0.distcp", "__1_0.distcp"}
+    assert set(manifest["files"]) == {".metadata", "metadata.json", "__0_0.distcp", "__1_0.distcp",
+                                      *_common_files()}
     # The crashed save's leftover is gone; nothing but the published checkpoints remains.
     assert sorted(p.name for p in root.iterdir()) == ["iter_0000010", "iter_0000020", LATEST_NAME]
 
@@ -391,27 +399,27 @@ def test_byte_flipped_shard_is_refused(ckpt):
 def test_incomplete_or_altered_directory_is_refused(ckpt, damage):
     directory = iteration_dir(ckpt, 20)
     expected = {
-        "missing_file": "common.pt: missing",
+        "missing_file": "metadata.json: missing",
         "extra_file": "evil.py: not listed in the manifest",
         "symlink": "not a regular file",
         "no_manifest": f"{MANIFEST_NAME}: missing",
         "bad_manifest": f"{MANIFEST_NAME}: unreadable",
-        "unsafe_name": "unsafe file name '../iter_0000010/common.pt'",
+        "unsafe_name": "unsafe file name '../iter_0000010/metadata.json'",
     }[damage]
     if damage == "missing_file":
-        (directory / "common.pt").unlink()
+        (directory / "metadata.json").unlink()
     elif damage == "extra_file":
         (directory / "evil.py").write_text("print('hi')")
     elif damage == "symlink":
-        (directory / "common.pt").unlink()
-        (directory / "common.pt").symlink_to(iteration_dir(ckpt, 10) / "common.pt")
+        (directory / "metadata.json").unlink()
+        (directory / "metadata.json").symlink_to(iteration_dir(ckpt, 10) / "metadata.json")
     elif damage == "no_manifest":
         (directory / MANIFEST_NAME).unlink()
     elif damage == "bad_manifest":
         (directory / MANIFEST_NAME).write_text("{not json")
     else:
         manifest = json.loads((directory / MANIFEST_NAME).read_text())
-        manifest["files"]["../iter_0000010/common.pt"] = manifest["files"]["common.pt"]
+        manifest["files"]["../iter_0000010/metadata.json"] = manifest["files"]["metadata.json"]
         (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError) as info:
         verify_checkpoint(directory)
@@ -469,11 +477,9 @@ def _megatron_read_metadata(path):
 
 
 def _megatron_read_common(path):
-    from megatron.core.dist_checkpointing.strategies.common import (
-        TorchCommonLoadStrategy,
-    )
+    from megatron.core.dist_checkpointing import load_common_state_dict
 
-    return TorchCommonLoadStrategy().load_common(path)
+    return load_common_state_dict(str(path))
 
 
 def _plant_metadata(directory: Path) -> None:
@@ -495,7 +501,9 @@ ATTACKS = {
 def test_code_running_pickle_is_refused_by_the_manifest(ckpt, marker, target):
     plant, megatron_reader, _ = ATTACKS[target]
     plant(iteration_dir(ckpt, 20))
-    with pytest.raises(CheckpointError, match=rf"{target}: (size|sha256)"):
+    # a replaced file (megatron-core 0.16: common.pt is one) or an added one (0.19 still reads a
+    # common.pt it finds, but writes the common state into the shards)
+    with pytest.raises(CheckpointError, match=rf"{target}: (size|sha256|not listed)"):
         load_checkpoint(ckpt, megatron_reader)
     assert not marker.exists()
 
