@@ -595,6 +595,7 @@ def test_etp_train_passes_recompute_to_its_transformer_config(monkeypatch):
         built.append(real(**kwargs))
         raise Built
 
+    capture.__dataclass_fields__ = real.__dataclass_fields__  # etp.megatron.compat reads the config's fields
     monkeypatch.setattr(transformer_config, "TransformerConfig", capture)
     monkeypatch.setattr(mcore_random, "model_parallel_cuda_manual_seed", lambda seed: None)
     for overrides in ({}, {"recompute_granularity": "full", "recompute_method": "block",
