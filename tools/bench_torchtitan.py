@@ -78,6 +78,11 @@ typeguard, typing-extensions, tomli; the rest of what they import is on that mac
     export PYTHONPATH=/tmp/site:$PWD
     python3 tools/bench_torchtitan.py --layers 4 --steps 20 --out $OUT/titan.json
 
+``--profile`` also traces steady steps of each run (etp-train's ``--profile``, torchtitan's
+``[profiling]``) and classifies both traces with ``etp.train.profile.breakdown``, one FLOP-free
+table of where each spends its step (GEMMs, attention, routing, elementwise, optimizer, host
+gaps); profiled runs are slower, so the timing table of that invocation is not the headline.
+
 Without a GPU, ``--dry-run`` writes the token file, the torchtitan config and the commands (and
 the JSON, every run "not run") and runs nothing::
 
@@ -132,6 +137,9 @@ DIFFERENCES = (
     "and math kernels, torchtitan cuDNN first, then flash and math; megatron_stock uses megatron-core's "
     "DotProductAttention (the full score matrix)",
 )
+#: torchtitan's ``profiling.profile_freq`` under ``--profile``: it traces steps 9 and 10.
+PROFILE_STEP = 10
+
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 #: torchtitan's per-step log line (``MetricsProcessor.log``), colors stripped.
 _TITAN_STEP = re.compile(
@@ -517,6 +525,10 @@ def _parse(argv):
     parser.add_argument("--stock-set", action="append", metavar="KEY=VALUE",
                         help=f"the megatron_stock row's overrides instead of {' '.join(STOCK_SETS)}")
     parser.add_argument("--no-compile", action="store_true", help="torchtitan without torch.compile")
+    parser.add_argument("--profile", action="store_true",
+                        help="also torch-profile steady steps of every run and classify each trace with "
+                             "etp.train.profile.breakdown (where each run spends its step); profiled steps "
+                             "are slower, so the timing table of such a run is not the headline")
     parser.add_argument("--budget-s", type=float, default=345.0, help="wall seconds for all runs together")
     parser.add_argument("--timeout", action="append", default=[], metavar="NAME=SECONDS",
                         help="a run's timeout cap (defaults: " + ", ".join(f"{k} {v:.0f}" for k, v in
@@ -559,6 +571,9 @@ def main(argv=None) -> int:
     spec_path.write_text(json.dumps({"model_args": titan_model_args(recipe), "metrics": str(metrics_path)}, indent=1))
     job = titan_job_config(recipe, steps=args.steps, tokens=work / "tokens.npy", dump_folder=work / "titan",
                            assets=work, compile_model=not args.no_compile)
+    if args.profile:  # two active steps after three warm-up ones, ending at profile_freq
+        job["profiling"] = {"enable_profiling": True, "save_traces_folder": "profile_traces",
+                            "profile_freq": PROFILE_STEP, "profiler_warmup": 3, "profiler_active": 2}
     (work / "titan.toml").write_text(to_toml(job))
     env = dict(os.environ, PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
@@ -572,6 +587,9 @@ def main(argv=None) -> int:
                                        *(a for s in stock_sets for a in ("--set", s)),
                                        "--json", str(work / "megatron_stock.json")), env),
     }
+    if args.profile:
+        for name in ("etp", "megatron_stock"):
+            plans[name][0].extend(["--profile", str(work / f"{name}_profile")])
     runs = {}
     for index, name in enumerate(args.runs):
         command, run_env = plans[name]
@@ -588,6 +606,8 @@ def main(argv=None) -> int:
                     metrics_path.unlink()  # the launcher appends
                 child = run_child(name, command, run_env, min(args.caps[name], left), work / f"{name}.log")
         runs[name] = _collect(name, child, command, work, recipe, args, metrics_path)
+        if args.profile and child is not None:
+            runs[name]["profile"] = profile_breakdown(name, work)
     report = {
         "recipe": args.recipe, "layers": recipe.model.num_layers, "seq_length": recipe.model.seq_length,
         "micro_batch_size": recipe.train.micro_batch_size, "global_batch_size": recipe.train.micro_batch_size,
@@ -609,9 +629,43 @@ def main(argv=None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1, default=str))
     print(markdown(report), flush=True)
+    if args.profile:
+        print(profile_markdown(runs), flush=True)
     print(f"[bench] wrote {args.out} ({report['wall_s']} s)", flush=True)
     ran = [r for r in runs.values() if r.get("returncode") is not None]
     return 1 if ran and all(r["returncode"] != 0 or r["timed_out"] for r in ran) else 0
+
+
+def profile_breakdown(name: str, work: Path) -> dict:
+    """The run's trace classified by ``etp.train.profile.breakdown`` (per-iteration ms of each
+    kernel class, wall, busy, host gaps, top kernels), or why there is none. etp-train writes
+    ``<name>_profile/trace_rank0.json``; torchtitan ``titan/profile_traces/iteration_N/rank0_trace.json``."""
+    from etp.train.profile import breakdown
+
+    if name == "torchtitan":
+        found = sorted((work / "titan" / "profile_traces").glob("iteration_*/rank0_trace.json"))
+    else:
+        found = sorted((work / f"{name}_profile").glob("trace_rank0.json"))
+    if not found:
+        return {"error": "no trace written"}
+    table = breakdown(json.loads(found[-1].read_text()))
+    table["trace"] = str(found[-1])
+    return table
+
+
+def profile_markdown(runs: dict) -> str:
+    """One row per kernel class, one column per profiled run (ms per iteration)."""
+    names = [n for n, r in runs.items() if "classes" in r.get("profile", {})]
+    if not names:
+        return "(no profile)"
+    rows = ["| ms per iteration | " + " | ".join(names) + " |", "|---" + "|---:" * len(names) + "|"]
+    from etp.train.profile import CLASSES
+
+    for key in (*CLASSES, "busy", "host_gaps", "wall"):
+        cells = [runs[n]["profile"]["classes"].get(key) if key in CLASSES else runs[n]["profile"].get(key)
+                 for n in names]
+        rows.append(f"| {key} | " + " | ".join(_cell(c, 2) for c in cells) + " |")
+    return "\n".join(rows)
 
 
 def _collect(name: str, child: dict | None, command: list[str], work: Path, recipe, args, metrics_path: Path) -> dict:

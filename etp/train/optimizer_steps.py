@@ -100,10 +100,13 @@ class TorchStep:
         return norm
 
 
-def megatron_optimizer(opt_config, model, fast: bool):
-    """megatron-core's optimizer over a peer's wrapped ``model`` (DDP or Megatron-FSDP), with the
-    TE/apex-free fast paths etp's own optimizer gets when ``fast`` ([Note: megatron fallbacks],
-    [Note: sync-free step]): peers are measured on the same footing.
+def megatron_optimizer(opt_config, model, fast: bool, etp_adamw: bool = False):
+    """megatron-core's optimizer over a model without ETP weights wrapped in megatron-core's DDP or
+    Megatron-FSDP, with the TE/apex-free fast paths etp's own optimizer gets when ``fast``
+    ([Note: megatron fallbacks], [Note: sync-free step]): peers are measured on the same footing.
+    ``etp_adamw`` also steps it with etp's fused AdamW ([Note: etp AdamW step]), as
+    ``get_etp_megatron_optimizer`` does: megatron-core's DDP takes it, Megatron-FSDP's sharded
+    parameters keep torch's fused Adam.
 
     Example::
 
@@ -118,14 +121,17 @@ def megatron_optimizer(opt_config, model, fast: bool):
     optimizer = get_megatron_optimizer(opt_config, [model], use_gloo_process_groups=False)
     if fast:
         fast_fallbacks.fuse_adam(optimizer)
+        if etp_adamw:
+            patches.step_with_fused_adamw(optimizer)
         patches.step_without_host_sync(optimizer)
     return optimizer
 
 
 class MegatronStep:
     """GPU: megatron-core DDP (fp32 gradient buffers) and megatron-core's Adam (mixed
-    precision, optionally distributed); ``ETPDistributedDataParallel`` and etp's finalize /
-    optimizer builder when the model holds ETP weights, megatron-core's own otherwise."""
+    precision, optionally distributed) stepped by etp's fused AdamW under ``megatron_fallbacks:
+    fast``; ``ETPDistributedDataParallel`` and etp's finalize / optimizer builder when the model
+    holds ETP weights, megatron-core's own otherwise."""
 
     def __init__(self, recipe, model, config) -> None:
         from megatron.core.distributed import (
@@ -160,7 +166,8 @@ class MegatronStep:
             self.finalize = etp_finalize_model_grads
         else:
             self.model = DistributedDataParallel(config, ddp_config, model)
-            self.optimizer = megatron_optimizer(opt_config, self.model, fast)
+            # No ETP weights (world 1, or ETP sizes of 1): the same AdamW step as with them.
+            self.optimizer = megatron_optimizer(opt_config, self.model, fast, etp_adamw=True)
             self.finalize = finalize_model_grads
 
     def microbatches(self, count: int):

@@ -47,8 +47,8 @@ def _silence_fallback_warnings(rank: int) -> None:
     warnings.filterwarnings("ignore", message="`load_state_dict` is deprecated")  # megatron's DCP call
     if rank == 0 and importlib.util.find_spec("apex") is None:
         print("etp-train: NVIDIA apex not found: megatron-core's fallbacks run on torch's foreach "
-              "ops and fused Adam (etp.megatron.fast_fallbacks; with ETP weights, etp's fused AdamW steps "
-              "instead); TransformerEngine is not used", flush=True)
+              "ops, and etp's fused AdamW steps the optimizer (etp.megatron.fast_fallbacks, "
+              "etp.megatron.fused_adamw; Megatron-FSDP's keeps torch's fused Adam); TransformerEngine is not used", flush=True)
 
 
 def _init_process_group(recipe, rank: int, world: int, port: int | None) -> tuple[int, int, str, torch.device]:

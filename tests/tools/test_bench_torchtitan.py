@@ -371,3 +371,29 @@ def test_each_run_gets_its_cap_or_what_the_budget_leaves_the_later_runs(tmp_path
     report = json.loads((tmp_path / "r.json").read_text())
     assert "etp" not in given and report["runs"]["etp"]["status"] == "not run"  # under 30 s left for it
     assert 30 <= given["torchtitan"] <= 40 and given["megatron_stock"] == 50
+
+
+def _trace(gemm_us: float, adam_us: float) -> dict:
+    """A two-kernel Chrome trace over one profiler step (microseconds)."""
+    return {"traceEvents": [
+        {"ph": "X", "cat": "cpu_op", "name": "ProfilerStep#9", "ts": 0, "dur": 1000},
+        {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_tst_256x128", "ts": 10, "dur": gemm_us, "args": {}},
+        {"ph": "X", "cat": "kernel", "name": "multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata>",
+         "ts": 500, "dur": adam_us, "args": {}}]}
+
+
+def test_profile_finds_each_runs_trace_and_classifies_it(tmp_path):
+    """``--profile``: etp-train's trace under ``<run>_profile/`` and torchtitan's under its dump
+    folder, each through etp's classifier; a run without a trace says so."""
+    (tmp_path / "etp_profile").mkdir()
+    (tmp_path / "etp_profile" / "trace_rank0.json").write_text(json.dumps(_trace(300, 200)))
+    titan = tmp_path / "titan" / "profile_traces" / "iteration_10"
+    titan.mkdir(parents=True)
+    (titan / "rank0_trace.json").write_text(json.dumps(_trace(100, 400)))
+    runs = {name: {"profile": bench.profile_breakdown(name, tmp_path)}
+            for name in ("etp", "torchtitan", "megatron_stock")}
+    assert runs["megatron_stock"]["profile"] == {"error": "no trace written"}
+    assert runs["etp"]["profile"]["classes"]["gemm"] == pytest.approx(0.3)
+    assert runs["torchtitan"]["profile"]["classes"]["optimizer"] == pytest.approx(0.4)
+    table = bench.profile_markdown(runs)
+    assert "| gemm | 0.30 | 0.10 |" in table and "megatron_stock" not in table
