@@ -6,10 +6,11 @@ float64 per-document reference.
 Candidates, all on ``[b, heads, s, d]`` bf16 with documents of log-normal lengths per row:
 
 * ``sdpa_causal``: ``scaled_dot_product_attention(is_causal=True)``, the floor (no documents);
-* ``sdpa_mask``: SDPA under the boolean block-diagonal causal mask (what etp-train runs,
-  ``etp.data.batch.document_attention_mask``);
-* ``flex``: ``torch.nn.attention.flex_attention`` under a ``BlockMask`` of the documents
-  (compiled; skips the blocks no document spans);
+* ``sdpa_mask``: SDPA under the boolean block-diagonal causal mask (what etp-train runs
+  where FlexAttention does not, ``etp.data.batch.document_attention_mask``);
+* ``flex``: what etp-train runs on CUDA (``etp.megatron.document_attention``): compiled
+  ``flex_attention`` under the block mask etp builds from the document ids (skips the tiles no
+  document spans, runs the single-document ones unmasked);
 * ``sdpa_per_document``: one causal SDPA call per document (a variable-length emulation:
   exact, its host loop the cost).
 
@@ -81,14 +82,14 @@ def candidates(docs: torch.Tensor, s: int) -> dict:
     fns = {"sdpa_causal": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
            "sdpa_mask": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)}
     try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        from etp.megatron.document_attention import document_attention, flex_ineligible_reason
 
-        def document_causal(b, h, q_idx, kv_idx):
-            return (q_idx >= kv_idx) & (docs[b, q_idx] == docs[b, kv_idx])
-
-        block_mask = create_block_mask(document_causal, docs.shape[0], None, s, s, device=device)
-        compiled = torch.compile(flex_attention, dynamic=False)
-        fns["flex"] = lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
+        ids = docs.to(torch.int32).contiguous()
+        probe = torch.empty(1, 1, s, 1, device=device)
+        reason = flex_ineligible_reason(probe, probe, 0.0)
+        if reason is not None:
+            raise RuntimeError(f"etp runs SDPA under the mask here: {reason}")
+        fns["flex"] = lambda q, k, v: document_attention(q, k, v, ids, scale=q.shape[-1] ** -0.5)
     except Exception as exc:  # noqa: BLE001 - reported, the others still run
         fns["flex"] = exc
     bounds = []

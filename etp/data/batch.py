@@ -10,7 +10,8 @@ build the attention mask on the host as a float ``[s, s]`` lower triangle per sa
 sequence 4096) and copy it to the device; ``document_attention_mask`` builds the same boolean
 mask on the device from the tokens instead: token ``i`` may attend to ``j`` iff ``j <= i`` and
 both lie in the same document, a document being the tokens after one eod up to and including
-the next.
+the next. etp-train's batches carry the ``[b, s]`` document ids (``document_ids``) rather than
+the mask: FlexAttention reads them as they are, SDPA expands them into this mask.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-__all__ = ["Batch", "as_batch", "document_attention_mask"]
+__all__ = ["Batch", "as_batch", "document_attention_mask", "document_ids", "mask_from_document_ids"]
 
 
 @dataclass
@@ -31,7 +32,9 @@ class Batch:
         loss_mask: ``[b, s]`` float weights of each token's loss (1 counts, 0 does not); None:
             every token counts and the loss is the plain mean.
         attention_mask: ``[b, 1, s, s]`` bool, True where a score is masked out (megatron-core's
-            convention); None: causal attention over the whole sequence.
+            convention); or ``[b, s]`` int32 document ids (``document_ids``: a token attends to
+            the tokens of its own document up to itself, [Note: document attention] in
+            ``etp/megatron/document_attention.py``); None: causal attention over the whole sequence.
         position_ids: ``[b, s]``; None: ``0 .. s - 1`` in every row.
 
     Example::
@@ -78,6 +81,32 @@ def as_batch(batch) -> Batch:
     return Batch(tokens=batch[:, :-1], labels=batch[:, 1:])
 
 
+def document_ids(tokens: torch.Tensor, eod: int) -> torch.Tensor:
+    """``[b, s]`` int32: each token's document within its row ([Note: per-document masks]), the
+    form in which a batch carries per-document attention (``Batch.attention_mask``): the eods
+    strictly before a token (the eod itself ends its own document). Never decreases along a row.
+
+    Example::
+
+        document_ids(torch.tensor([[5, 0, 7, 8]]), eod=0)   # tensor([[0, 0, 1, 1]])
+    """
+    ends = tokens == eod
+    return (torch.cumsum(ends, dim=1, dtype=torch.int32) - ends.to(torch.int32)).contiguous()
+
+
+def mask_from_document_ids(ids: torch.Tensor) -> torch.Tensor:
+    """The ``[b, 1, s, s]`` bool mask of ``ids [b, s]``: True where token ``i`` may not attend to
+    token ``j`` (``j > i`` or another document), megatron-core's convention.
+
+    Example::
+
+        mask_from_document_ids(torch.tensor([[0, 0, 1, 1]]))[0, 0, 2]   # tensor([True, True, False, True])
+    """
+    s = ids.shape[1]
+    future = torch.ones(s, s, dtype=torch.bool, device=ids.device).triu(1)
+    return (future | (ids[:, :, None] != ids[:, None, :])).unsqueeze(1)
+
+
 def document_attention_mask(tokens: torch.Tensor, eod: int) -> torch.Tensor:
     """The block-diagonal causal mask of [Note: per-document masks] for ``tokens [b, s]``:
     ``[b, 1, s, s]`` bool, True where token ``i`` may not attend to token ``j``. Equal to what
@@ -88,10 +117,4 @@ def document_attention_mask(tokens: torch.Tensor, eod: int) -> torch.Tensor:
         document_attention_mask(torch.tensor([[5, 0, 7, 8]]), eod=0)[0, 0]
         # token 2 and 3 see only tokens 2..3: rows 2 and 3 mask columns 0 and 1
     """
-    ends = tokens == eod
-    # A token's document: the eods strictly before it (the eod itself ends its own document).
-    document = torch.cumsum(ends, dim=1) - ends.to(torch.long)
-    s = tokens.shape[1]
-    future = torch.ones(s, s, dtype=torch.bool, device=tokens.device).triu(1)
-    other = document[:, :, None] != document[:, None, :]
-    return (future | other).unsqueeze(1)
+    return mask_from_document_ids(document_ids(tokens, eod))

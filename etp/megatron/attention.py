@@ -66,8 +66,9 @@ def sdpa_core_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     Args:
         query: ``[sq, b, heads, d]``; key, value: ``[sk, b, groups, d]``.
         attention_mask: megatron's boolean mask broadcastable to ``[b, heads, sq, sk]``,
-            True where a score is masked out (a floating mask is added to the scores); None
-            for no mask, or the causal one when ``causal``.
+            True where a score is masked out (a floating mask is added to the scores); integer
+            ``[b, s]`` document ids: per-document causal attention ([Note: document attention]);
+            None for no mask, or the causal one when ``causal``.
         causal: apply the causal (lower-triangular) mask when ``attention_mask`` is None.
         scale: multiplies ``Q K^T`` (``1 / sqrt(d)`` by default in the module).
 
@@ -79,10 +80,16 @@ def sdpa_core_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     if heads % groups:
         raise ValueError(f"query heads {heads} must be a multiple of key/value groups {groups}")
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads or groups, s, d]
+    gqa = {"enable_gqa": True} if groups != heads else {}
+    if attention_mask is not None and not attention_mask.is_floating_point() and attention_mask.dtype != torch.bool:
+        from .document_attention import document_attention  # [Note: document attention]
+
+        with _deterministic_backends():
+            out = document_attention(q, k, v, attention_mask, scale=scale, dropout_p=dropout_p, sdpa_kwargs=gqa)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * d)
     mask = None
     if attention_mask is not None:
         mask = attention_mask.logical_not() if attention_mask.dtype == torch.bool else attention_mask.to(q.dtype)
-    gqa = {"enable_gqa": True} if groups != heads else {}
     with _deterministic_backends():
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout_p,

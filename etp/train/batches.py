@@ -14,7 +14,7 @@ import multiprocessing
 
 import torch
 
-from etp.data.batch import Batch, document_attention_mask
+from etp.data.batch import Batch, document_ids
 from etp.streams import to_device_async
 
 __all__ = ["Batches", "DatasetBatches", "train_batches"]
@@ -102,7 +102,7 @@ class DatasetBatches:
         move = (lambda t: t.to(self.device, non_blocking=True)) if self.device.type == "cuda" else (lambda t: t)
         tokens = move(sample["tokens"])
         return Batch(tokens=tokens, labels=move(sample["labels"]), loss_mask=move(sample["loss_mask"]),
-                     attention_mask=document_attention_mask(tokens, self.eod) if self.reset_attention_mask else None,
+                     attention_mask=document_ids(tokens, self.eod) if self.reset_attention_mask else None,
                      position_ids=move(sample["position_ids"]) if self.reset_position_ids else None)
 
     def get(self, iteration: int, micro: int) -> Batch:

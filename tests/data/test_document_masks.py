@@ -59,9 +59,12 @@ def _attention_per_document(q, k, v, tokens, scale):
     return out.reshape(s, b, heads * d)
 
 
+@pytest.mark.parametrize("form", ["bool-mask", "document-ids"])
 @pytest.mark.parametrize("groups", [4, 2], ids=["mha", "gqa"])
-def test_sdpa_under_the_block_mask_is_attention_per_document(groups):
-    from etp.data.batch import document_attention_mask
+def test_sdpa_under_the_block_mask_is_attention_per_document(groups, form):
+    """The dense mask and the document ids etp-train's batches carry (on CPU: SDPA under the
+    mask they expand to; FlexAttention on GPUs, tests/megatron/test_document_attention.py)."""
+    from etp.data.batch import document_attention_mask, document_ids
     from etp.megatron.attention import sdpa_core_attention
 
     tokens = _rows(1)
@@ -69,7 +72,8 @@ def test_sdpa_under_the_block_mask_is_attention_per_document(groups):
     gen = torch.Generator().manual_seed(2)
     q = torch.randn(s, b, 4, 8, dtype=torch.float64, generator=gen)
     k, v = (torch.randn(s, b, groups, 8, dtype=torch.float64, generator=gen) for _ in range(2))
-    got = sdpa_core_attention(q, k, v, document_attention_mask(tokens, EOD), causal=True, scale=0.3)
+    mask = document_attention_mask(tokens, EOD) if form == "bool-mask" else document_ids(tokens, EOD)
+    got = sdpa_core_attention(q, k, v, mask, causal=True, scale=0.3)
     want = _attention_per_document(q, k, v, tokens, 0.3)
     assert torch.allclose(got, want, rtol=0, atol=1e-12), (got - want).abs().max()
     causal = sdpa_core_attention(q, k, v, None, causal=True, scale=0.3)
@@ -110,11 +114,12 @@ def _packed_equals_separate(model, call) -> float:
     """Max |logits of a packed row (reset mask and positions) - logits of each document alone|."""
     from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 
-    from etp.data.batch import document_attention_mask
+    from etp.data.batch import document_ids
 
     tokens = _rows(3, b=2, s=20)
     positions = torch.stack([_get_ltor_masks_and_position_ids(r, EOD, True, True, True, False)[2] for r in tokens])
-    packed = call(model, tokens, document_attention_mask(tokens, EOD), positions)
+    # The document ids etp-train's batches carry: megatron-core hands them to core attention untouched.
+    packed = call(model, tokens, document_ids(tokens, EOD), positions)
     worst = 0.0
     for j in range(tokens.shape[0]):
         for doc in _documents(tokens[j]):

@@ -75,7 +75,11 @@ def _same(batch, want, reset: bool) -> None:
     assert torch.equal(batch.loss_mask, torch.stack([w["loss_mask"] for w in want]))
     if reset:
         assert torch.equal(batch.position_ids, torch.stack([w["position_ids"] for w in want]))
-        assert torch.equal(batch.attention_mask, torch.stack([w["attention_mask"] for w in want]))
+        from etp.data.batch import mask_from_document_ids
+
+        # The batch carries document ids; the mask they stand for is megatron-core's dataset mask.
+        assert batch.attention_mask.dtype == torch.int32 and batch.attention_mask.shape == batch.tokens.shape
+        assert torch.equal(mask_from_document_ids(batch.attention_mask), torch.stack([w["attention_mask"] for w in want]))
         assert (batch.tokens == EOD).any() and not batch.loss_mask.all()  # the masks were exercised
     else:
         assert batch.position_ids is None and batch.attention_mask is None  # 0 .. s-1, causal
