@@ -21,7 +21,8 @@ iff ``j <= i`` and both have the same id. Two kernels compute that exactly:
 ``block_mask(ids)`` uses fixed-shape tensor ops only (no host synchronization), so a captured
 step (``cuda_graph: step``) records it with the rest of the forward and a replay rebuilds it from
 the new ids in the static input. It is built once per forward, not per layer: one cached entry,
-keyed on the ids tensor, its version (a copy into it bumps it) and its address.
+keyed on the ids tensor, its version (a copy into it bumps it), its address and whether a graph
+is being captured (a capture that reused its warm-ups' entry would replay their tiles forever).
 
 Example::
 
@@ -39,7 +40,7 @@ __all__ = ["BLOCK", "block_mask", "document_attention", "flex_ineligible_reason"
 BLOCK = 128
 
 _compiled = None
-_cached: tuple | None = None  # ((id, version, data_ptr), ids, BlockMask)
+_cached: tuple | None = None  # ((id, version, data_ptr, capturing), ids, BlockMask)
 
 
 def _mask_mod(ids: torch.Tensor):
@@ -89,7 +90,10 @@ def block_mask(ids: torch.Tensor):
 def _cached_block_mask(ids: torch.Tensor):
     """``block_mask(ids)``, built once for every layer of one forward."""
     global _cached
-    key = (id(ids), ids._version, ids.data_ptr())
+    # Capturing is part of the key: a graph must record the build (its replays rebuild from the
+    # ids copied into the static input), never reuse an entry its eager warm-ups made.
+    capturing = ids.is_cuda and torch.cuda.is_current_stream_capturing()
+    key = (id(ids), ids._version, ids.data_ptr(), capturing)
     if _cached is None or _cached[0] != key:
         _cached = (key, ids, block_mask(ids))
     return _cached[2]
