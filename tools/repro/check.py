@@ -73,8 +73,15 @@ def _recipe(report: dict) -> dict:
     return {"ms/iter": (sum(r["ms_per_iter"] for r in logged) / len(logged), "lower")}
 
 
+def _torchtitan(report: dict) -> dict:
+    """``tools/bench_torchtitan.py``: each run's median ms/step (etp-train and its peers, one call)."""
+    return {f"{name} ms/step": (run["ms_per_step_median"], "lower") for name, run in report.get("runs", {}).items()
+            if run.get("ms_per_step_median") is not None}
+
+
 #: JSON reader of each run kind (a run's name, or its step's name up to the GPU count).
-FIGURES = {"kernels": _kernels, "adam": _adam, "cross_entropy": _cross_entropy, "recipe": _recipe}
+FIGURES = {"kernels": _kernels, "adam": _adam, "cross_entropy": _cross_entropy, "recipe": _recipe,
+           "torchtitan": _torchtitan}
 
 
 @dataclass

@@ -181,7 +181,7 @@ def cross_entropy() -> Step:
     return Step("cross_entropy_1gpu", "The memory audit against measured peaks",
                 (Run("cross_entropy", "python3 tools/bench_cross_entropy.py --out {json}", 1, 35, 120,
                      figures="cross_entropy", reported={"1xh100": "cross_entropy_1xh100_a3140a5.json",
-                                                        "1xh200": "cross_entropy_1xh200_0838926.json"}),),
+                                                        "1xh200": "cross_entropy_1xh200_6709d0d.json"}),),
                 headlines.none)
 
 
@@ -189,9 +189,9 @@ def recipes_1gpu() -> Step:
     """The recipes that fit one GPU at their defaults (world 1: nothing to shard, etp's kernels,
     losses and captured step alone)."""
     runs = (Run("flagship_defaults", _train(1, FLAGSHIP), 1, 60, 240, figures="recipe",
-                reported={"1xh200": "recipe_flagship_defaults_1xh200_0838926.json"}),
+                reported={"1xh200": "recipe_flagship_defaults_1xh200_6709d0d.json"}),
             Run("olmoe_defaults", _train(1, "--recipe recipes/olmoe_1b_7b.yaml", iters=14), 1, 60, 240, figures="recipe",
-                reported={"1xh200": "recipe_olmoe_defaults_1xh200_0838926.json"}))
+                reported={"1xh200": "recipe_olmoe_defaults_1xh200_6709d0d.json"}))
     return Step("recipes_1gpu", "The recipes against their peers", runs, headlines.recipes)
 
 
@@ -210,7 +210,8 @@ def torchtitan() -> Step:
     """One GPU: etp-train against torchtitan's trainer (and megatron-core's own paths) on a
     Qwen3-30B-A3B-shaped model at 4 layers (torchtitan 0.2.2 must be importable)."""
     cmd = "python3 tools/bench_torchtitan.py --layers 4 --steps 20 --out {json}"
-    return Step("torchtitan_1gpu", "The recipes against their peers", (Run("torchtitan", cmd, 1, 345, 420),),
+    run = Run("torchtitan", cmd, 1, 345, 420, figures="torchtitan", reported={"1xh200": "torchtitan_1xh200_6709d0d.json"})
+    return Step("torchtitan_1gpu", "The recipes against their peers", (run,),
                 headlines.none)
 
 
@@ -234,10 +235,10 @@ def kernels() -> Step:
     adam = "python3 tools/bench_adam.py --recipe recipes/qwen3_30b_a3b.yaml --etp 4 --out {json}"
     return Step("kernels_1gpu", "FP8 kernels against copy bandwidth",
                 (Run("kernels", "python3 tools/bench_kernels.py --out {json}", 1, 60, 240, figures="kernels",
-                     reported={"1xh200": "kernels_1xh200_0838926.json"}),
+                     reported={"1xh200": "kernels_1xh200_6709d0d.json"}),
                  Run("adam", adam, 1, 40, 180, figures="adam",
                      reported={"1xh100": "adam_qwen3_etp4_1xh100_3e009d7.json",
-                               "1xh200": "adam_qwen3_etp4_1xh200_0838926.json"})), headlines.kernels)
+                               "1xh200": "adam_qwen3_etp4_1xh200_6709d0d.json"})), headlines.kernels)
 
 
 def expert_parallel(k: int) -> list[Step]:
@@ -259,7 +260,8 @@ def gpu_tests(n: int) -> list[Step]:
         ("tests_megatron", n, nccl, "tests/train/test_fp8_recipe_gpu.py tests/train/test_megatron_train_gpu.py "
                                     "tests/megatron/test_attention_gpu.py tests/megatron/test_local_dispatcher.py "
                                     "tests/megatron/test_megatron_fallbacks.py tests/megatron/test_rope_install.py "
-                                    "tests/megatron/test_fused_adamw.py tests/audit/test_memory_audit.py", 300),
+                                    "tests/megatron/test_fused_adamw.py tests/megatron/test_document_attention.py "
+                                    "tests/train/test_megatron_step_gpu.py tests/audit/test_memory_audit.py", 300),
         ("tests_ep", n, nccl, "tests/ep/test_ep_gpu.py tests/megatron/test_ep_megatron.py", 180),
         (f"tests_parity_{n}gpu", n, (*nccl, f"ETP_TEST_SIZES=2,{n}"),
          "tests/test_parity.py tests/megatron/test_megatron_linears.py", 300),
