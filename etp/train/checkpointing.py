@@ -41,7 +41,9 @@ starts at iteration 0 with a fresh optimizer and learning-rate schedule; the opt
 load the model and the iteration but not the optimizer state. ``skip_train: true`` trains
 nothing: the loaded weights are evaluated and their loss printed (and returned). A
 weights-only checkpoint cannot be resumed (no optimizer state, no run to continue): ``--resume``
-on one is refused, naming ``finetune``. A run started from a checkpoint that carries its
+on one is refused, naming ``finetune``. ``no_save_optim: true`` saves the model weights and
+the iteration alone (Megatron-LM's ``--no-save-optim``: a fine-tune's output for export is a
+third of the bytes in bf16); such a checkpoint resumes only with ``no_load_optim``. A run started from a checkpoint that carries its
 Hugging Face ``config.json`` (an import) carries it on in its own saves, so ``etp-convert
 export-hf`` knows the architecture.
 """
@@ -69,13 +71,16 @@ SAVE_MARGIN = 1.05
 
 def checkpoint_bytes(recipe) -> int:
     """Bytes of one checkpoint of ``recipe``: every logical parameter in its training dtype,
-    plus the optimizer's fp32 master weights (mixed precision) and Adam's two fp32 moments.
+    plus the optimizer's fp32 master weights (mixed precision) and Adam's two fp32 moments (none
+    with ``no_save_optim``).
 
     Example::
 
         checkpoint_bytes(Recipe.from_yaml("recipes/moe_flagship.yaml")) / 2**30
     """
     mixed = recipe.train.bf16 or recipe.train.fp16
+    if recipe.train.no_save_optim:  # the weights alone
+        return recipe.num_params() * (2 if mixed else 4)
     per_param = (2 + 4 + 8) if mixed else (4 + 8)
     return recipe.num_params() * per_param
 
@@ -224,9 +229,13 @@ def check_checkpoint_dirs(recipe, options: RunOptions) -> list[str]:
         if resume_at not in published:
             raise TrainError(f"--resume {resume_at}: {load} has no checkpoint of that iteration (it has "
                              f"{published}): pick one of them")
-        if _metadata(load, resume_at).get("kind") == "weights":
+        saved = _metadata(load, resume_at)
+        if saved.get("kind") == "weights":
             raise TrainError(f"load={load} holds model weights only (etp-convert import-hf wrote it), no run to "
                              "resume: start from it with --set finetune=true")
+        if saved.get("optimizer") is False and not t.no_load_optim:
+            raise TrainError(f"--resume {resume_at}: load={load} was saved with no_save_optim (no optimizer state): "
+                             "resume with --set no_load_optim=true, or start from its weights with --set finetune=true")
         resumed = _run_of(load, resume_at)
         differ = _model_difference(resumed, recipe)
         if differ is not None:
@@ -440,20 +449,22 @@ class Checkpointing:
         began = time.perf_counter()
         run = {"id": self._agree_run_id(), "recipe": _recipe_name(self.recipe), "model": model_identity(self.recipe)}
         metadata = {"recipe": str(self.recipe.source), "layout": layout, "run": run, **self.carried}
+        optimizer = stepper.optimizer
+        if self.recipe.train.no_save_optim:
+            optimizer, metadata["optimizer"] = None, False  # [Note: fine-tuning]
         if schedule is not None:
             metadata["opt_param_scheduler"] = schedule.state_dict()  # Megatron-LM's name for it
         if consumed is not None:
             metadata["consumed_samples"] = consumed
         if self.recipe.train.async_save:
-            self.pending = begin_training_checkpoint(self.save_root, iteration, stepper.model, stepper.optimizer,
-                                                     metadata)
+            self.pending = begin_training_checkpoint(self.save_root, iteration, stepper.model, optimizer, metadata)
             self._pending_began = began
             seconds = time.perf_counter() - began
             if self.rank == 0:
                 print(f"etp-train: saving iteration {iteration} in the background (async_save; the step waited "
                       f"{seconds:.2f} s for the copy to host)", flush=True)
             return waited + seconds
-        path = save_training_checkpoint(self.save_root, iteration, stepper.model, stepper.optimizer, metadata)
+        path = save_training_checkpoint(self.save_root, iteration, stepper.model, optimizer, metadata)
         seconds = time.perf_counter() - began
         if self.rank == 0:
             print(f"etp-train: saved iteration {iteration} to {path} ({seconds:.1f} s)", flush=True)

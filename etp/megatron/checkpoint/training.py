@@ -133,7 +133,8 @@ def _model_sharded_state_dict(model: torch.nn.Module):
 def save_training_checkpoint(root: str | Path, iteration: int, model: torch.nn.Module, optimizer,
                              metadata: dict | None = None) -> Path:
     """Saves model and optimizer state as ``<root>/iter_<iteration>`` and publishes it as
-    ``latest`` (a collective: every rank calls it). See [Note: ETP training checkpoints].
+    ``latest`` (a collective: every rank calls it); ``optimizer`` None saves the model and the
+    iteration alone (``no_save_optim``). See [Note: ETP training checkpoints].
 
     Raises:
         ValueError: an unsupported optimizer (megatron-core's precision-aware optimizer).
@@ -156,8 +157,11 @@ def save_training_checkpoint(root: str | Path, iteration: int, model: torch.nn.M
 
 
 def _training_state(model: torch.nn.Module, optimizer, iteration: int) -> dict:
-    """The sharded state dict a training checkpoint holds ([Note: ETP training checkpoints])."""
+    """The sharded state dict a training checkpoint holds ([Note: ETP training checkpoints]);
+    without an optimizer, the model's and the iteration."""
     inner, model_sd = _model_sharded_state_dict(model)
+    if optimizer is None:
+        return {"model": model_sd, "iteration": iteration}
     opt_sd, steps = _optimizer_sharded_state(model_sd, _param_states(optimizer), _etp_groups(inner))
     return {"model": model_sd, "optimizer": opt_sd, "iteration": iteration, "optimizer_steps": _all_step_counts(steps)}
 
