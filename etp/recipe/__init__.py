@@ -160,7 +160,9 @@ Training (``recipe.train``, :class:`TrainSpec`):
     finetune: false (Megatron-LM's: true starts from load's model weights only, at iteration 0 with
         a fresh optimizer and learning-rate schedule; needs load; not with --resume; a checkpoint
         etp-convert import-hf wrote holds only weights: docs/hf.md). no_load_optim: false (true:
-        --resume loads the model and the iteration, not the optimizer state). no_load_rng: false
+        --resume loads the model and the iteration, not the optimizer state). no_save_optim: false
+        (true: saves hold the weights and the iteration, no optimizer state; resuming one needs
+        no_load_optim). no_load_rng: false
         (etp's checkpoints hold no RNG state: batches follow seed and iteration, so true and
         false load the same). skip_train: false (true: no training step and no save, the loaded
         weights (finetune or --resume) are evaluated and their loss reported; needs load).
