@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BLOCK", "block_mask", "document_attention", "flex_ineligible_reason"]
+__all__ = ["BLOCK", "block_mask", "document_attention", "flex_ineligible_reason", "ineligible_reason"]
 
 #: FlexAttention's tile (query and key / value rows per block).
 BLOCK = 128
@@ -101,12 +101,22 @@ def _cached_block_mask(ids: torch.Tensor):
 
 def flex_ineligible_reason(query: torch.Tensor, key: torch.Tensor, dropout_p: float) -> str | None:
     """Why FlexAttention does not run this call (SDPA under the dense mask does), or None."""
-    if query.device.type != "cuda":
+    return ineligible_reason(query.device.type, dropout_p, query.shape[2], key.shape[2])
+
+
+def ineligible_reason(device_type: str, dropout_p: float, query_length: int, key_length: int) -> str | None:
+    """``flex_ineligible_reason`` from the settings alone (what etp-train prints at start-up).
+
+    Example::
+
+        ineligible_reason("cuda", 0.1, 4096, 4096)   # 'attention dropout 0.1 (FlexAttention has none)'
+    """
+    if device_type != "cuda":
         return "not on CUDA (torch's FlexAttention backward runs on GPUs only)"
     if dropout_p > 0.0:
         return f"attention dropout {dropout_p} (FlexAttention has none)"
-    if query.shape[2] != key.shape[2] or query.shape[2] % BLOCK:
-        return f"query / key lengths {query.shape[2]} / {key.shape[2]}: need equal multiples of {BLOCK}"
+    if query_length != key_length or query_length % BLOCK:
+        return f"query / key lengths {query_length} / {key_length}: need equal multiples of {BLOCK}"
     return None
 
 

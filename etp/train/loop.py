@@ -76,6 +76,14 @@ def _announce(run: Run, recipe, flops: float, peak: float | None) -> None:
     hint = fp8_eager_hint(recipe, run.device.type)
     if hint:
         print(hint, flush=True)
+    if recipe.data.reset_attention_mask:  # [Note: document attention]
+        from etp.megatron.document_attention import ineligible_reason
+
+        s = recipe.model.seq_length
+        why = ineligible_reason(run.device.type, recipe.model.attention_dropout, s, s)
+        print("etp-train: reset_attention_mask: per-document attention by " +
+              ("FlexAttention under the documents' block mask" if why is None else
+               f"SDPA under the dense block-diagonal mask: {why}"), flush=True)
 
 
 def _micro_batches(run: Run, recipe, batches, iteration: int, micro: int, tools: _Instruments, graphed):

@@ -74,6 +74,9 @@ def test_flex_forward_under_the_block_mask_is_attention_per_document_cpu():
 def test_sdpa_under_the_dense_mask_runs_where_flex_does_not():
     q = torch.zeros(1, 2, 256, 8)
     assert "not on CUDA" in da.flex_ineligible_reason(q, q, 0.0)
+    assert da.ineligible_reason("cuda", 0.0, 4096, 4096) is None  # what etp-train prints at start-up
+    assert "dropout 0.1" in da.ineligible_reason("cuda", 0.1, 4096, 4096)
+    assert "multiples of 128" in da.ineligible_reason("cuda", 0.0, 4000, 4000)
     if torch.cuda.is_available():
         g = q.cuda()
         assert da.flex_ineligible_reason(g, g, 0.0) is None
