@@ -90,6 +90,8 @@ def block_mask(ids: torch.Tensor):
 def _cached_block_mask(ids: torch.Tensor):
     """``block_mask(ids)``, built once for every layer of one forward."""
     global _cached
+    if ids.is_inference():  # no version counter: an in-place write would go unseen, so no cache
+        return block_mask(ids)
     # Capturing is part of the key: a graph must record the build (its replays rebuild from the
     # ids copied into the static input), never reuse an entry its eager warm-ups made.
     capturing = ids.is_cuda and torch.cuda.is_current_stream_capturing()

@@ -48,6 +48,17 @@ def test_block_mask_keeps_exactly_the_tiles_the_dense_mask_needs():
     assert (0, 3, 0) not in want_full | want_partial
 
 
+def test_the_block_mask_is_built_once_per_ids_and_again_after_a_write():
+    ids = document_ids(_tokens(2, 2 * da.BLOCK, 5), EOD)
+    first = da._cached_block_mask(ids)
+    assert da._cached_block_mask(ids) is first  # every layer of one forward
+    ids.copy_(document_ids(_tokens(2, 2 * da.BLOCK, 6), EOD))  # the next batch, into the same tensor
+    assert da._cached_block_mask(ids) is not first
+    with torch.inference_mode():  # no version counter to key on: built at every call
+        frozen = ids.clone()
+        assert da._cached_block_mask(frozen) is not da._cached_block_mask(frozen)
+
+
 def _reference(q, k, v, ids, scale):
     """float64 attention of each row under its allowed (same document, causal) pairs."""
     group = q.shape[1] // k.shape[1]
