@@ -36,7 +36,7 @@ def test_gpu_kind_is_the_benchmarks_file_tag():
 def test_one_gpu_runs_the_steps_that_fit_it():
     steps = build_steps(1)
     assert [s.name for s in steps] == ["kernels_1gpu", "cross_entropy_1gpu", "recipes_1gpu", "tests_kernels",
-                                       "torchtitan_1gpu", "run_costs_1gpu", "hf_round_trip_1gpu"]
+                                       "tests_megatron", "torchtitan_1gpu", "run_costs_1gpu", "hf_round_trip_1gpu"]
     assert all(run.gpus <= 1 for s in steps for run in s.runs)
 
 
