@@ -130,7 +130,7 @@ def megatron_optimizer(opt_config, model, fast: bool, etp_adamw: bool = False):
 class MegatronStep:
     """GPU: megatron-core DDP (fp32 gradient buffers) and megatron-core's Adam (mixed
     precision, optionally distributed) stepped by etp's fused AdamW under ``megatron_fallbacks:
-    fast``; ``ETPDistributedDataParallel`` and etp's finalize / optimizer builder when the model
+    fast`` (the distributed optimizer, the report's peer, by torch's fused Adam); ``ETPDistributedDataParallel`` and etp's finalize / optimizer builder when the model
     holds ETP weights, megatron-core's own otherwise."""
 
     def __init__(self, recipe, model, config) -> None:
@@ -166,8 +166,11 @@ class MegatronStep:
             self.finalize = etp_finalize_model_grads
         else:
             self.model = DistributedDataParallel(config, ddp_config, model)
-            # No ETP weights (world 1, or ETP sizes of 1): the same AdamW step as with them.
-            self.optimizer = megatron_optimizer(opt_config, self.model, fast, etp_adamw=True)
+            # No ETP weights (world 1, or ETP sizes of 1): the same AdamW step as with them, except
+            # under megatron-core's distributed optimizer, the report's peer, which keeps its own
+            # step (torch's fused Adam, then megatron's bf16 copy).
+            self.optimizer = megatron_optimizer(opt_config, self.model, fast,
+                                                etp_adamw=not p.use_distributed_optimizer)
             self.finalize = finalize_model_grads
 
     def microbatches(self, count: int):

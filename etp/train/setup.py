@@ -48,7 +48,8 @@ def _silence_fallback_warnings(rank: int) -> None:
     if rank == 0 and importlib.util.find_spec("apex") is None:
         print("etp-train: NVIDIA apex not found: megatron-core's fallbacks run on torch's foreach "
               "ops, and etp's fused AdamW steps the optimizer (etp.megatron.fast_fallbacks, "
-              "etp.megatron.fused_adamw; Megatron-FSDP's keeps torch's fused Adam); TransformerEngine is not used", flush=True)
+              "etp.megatron.fused_adamw; without ETP weights, megatron-core's distributed optimizer and Megatron-FSDP "
+              "keep torch's fused Adam); TransformerEngine is not used", flush=True)
 
 
 def _init_process_group(recipe, rank: int, world: int, port: int | None) -> tuple[int, int, str, torch.device]:
