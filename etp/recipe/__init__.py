@@ -232,8 +232,10 @@ looked up like data's; what the files hold is checked before any rank starts (et
     tokenizer_model: None (the tokenizer's local path: a Hugging Face tokenizer directory, a
         SentencePiece or tiktoken model file; nothing is downloaded).
     reset_position_ids: false (positions restart after each end-of-document token).
-    reset_attention_mask: false (true: a token attends only to its own document, a block-diagonal
-        causal mask; [Note: per-document masks] in etp/data/batch.py).
+    reset_attention_mask: false (true: a token attends only to its own document: FlexAttention
+        under the documents' block mask on GPUs, SDPA under the block-diagonal causal mask on
+        CPU or with attention dropout; [Note: document attention] in
+        etp/megatron/document_attention.py).
     eod_mask_loss: false (end-of-document tokens carry no loss).
     num_workers: 2 (DataLoader worker processes per rank reading ahead; 0: the rank reads).
     eval_interval: 1000 (iterations between validations; the run's end validates too).
