@@ -82,11 +82,10 @@ def candidates(docs: torch.Tensor, s: int) -> dict:
     fns = {"sdpa_causal": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
            "sdpa_mask": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)}
     try:
-        from etp.megatron.document_attention import document_attention, flex_ineligible_reason
+        from etp.megatron.document_attention import document_attention, ineligible_reason
 
         ids = docs.to(torch.int32).contiguous()
-        probe = torch.empty(1, 1, s, 1, device=device)
-        reason = flex_ineligible_reason(probe, probe, 0.0)
+        reason = ineligible_reason(device.type, 0.0, s, s)
         if reason is not None:
             raise RuntimeError(f"etp runs SDPA under the mask here: {reason}")
         fns["flex"] = lambda q, k, v: document_attention(q, k, v, ids, scale=q.shape[-1] ** -0.5)

@@ -20,8 +20,8 @@ iff ``j <= i`` and both have the same id. Two kernels compute that exactly:
 
 ``block_mask(ids)`` uses fixed-shape tensor ops only (no host synchronization), so a captured
 step (``cuda_graph: step``) records it with the rest of the forward and a replay rebuilds it from
-the new ids in the static input. It is built once per forward, not per layer: one cached entry,
-keyed on the ids tensor, its version (a copy into it bumps it), its address and whether a graph
+the new ids in the static input. It is built once per forward, not per layer (so is the SDPA
+path's dense mask): one cached entry of each, keyed on the ids tensor, its version (a copy into it bumps it), its address and whether a graph
 is being captured (a capture that reused its warm-ups' entry would replay their tiles forever).
 
 Example::
@@ -34,13 +34,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BLOCK", "block_mask", "document_attention", "flex_ineligible_reason", "ineligible_reason"]
+__all__ = ["BLOCK", "block_mask", "document_attention", "ineligible_reason"]
 
 #: FlexAttention's tile (query and key / value rows per block).
 BLOCK = 128
 
 _compiled = None
-_cached: tuple | None = None  # ((id, version, data_ptr, capturing), ids, BlockMask)
+_cached: dict = {}  # build -> ((id, version, data_ptr, capturing), ids, what build made of them)
 
 
 def _mask_mod(ids: torch.Tensor):
@@ -87,27 +87,30 @@ def block_mask(ids: torch.Tensor):
                                     mask_mod=_mask_mod(ids))
 
 
-def _cached_block_mask(ids: torch.Tensor):
-    """``block_mask(ids)``, built once for every layer of one forward."""
-    global _cached
+def _allowed(ids: torch.Tensor) -> torch.Tensor:
+    """SDPA's form of the dense mask: True where a score attends."""
+    from etp.data.batch import mask_from_document_ids
+
+    return mask_from_document_ids(ids).logical_not()
+
+
+def _per_forward(build, ids: torch.Tensor):
+    """``build(ids)``, built once for every layer of one forward."""
     if ids.is_inference():  # no version counter: an in-place write would go unseen, so no cache
-        return block_mask(ids)
+        return build(ids)
     # Capturing is part of the key: a graph must record the build (its replays rebuild from the
     # ids copied into the static input), never reuse an entry its eager warm-ups made.
     capturing = ids.is_cuda and torch.cuda.is_current_stream_capturing()
     key = (id(ids), ids._version, ids.data_ptr(), capturing)
-    if _cached is None or _cached[0] != key:
-        _cached = (key, ids, block_mask(ids))
-    return _cached[2]
-
-
-def flex_ineligible_reason(query: torch.Tensor, key: torch.Tensor, dropout_p: float) -> str | None:
-    """Why FlexAttention does not run this call (SDPA under the dense mask does), or None."""
-    return ineligible_reason(query.device.type, dropout_p, query.shape[2], key.shape[2])
+    entry = _cached.get(build)
+    if entry is None or entry[0] != key:
+        entry = _cached[build] = (key, ids, build(ids))
+    return entry[2]
 
 
 def ineligible_reason(device_type: str, dropout_p: float, query_length: int, key_length: int) -> str | None:
-    """``flex_ineligible_reason`` from the settings alone (what etp-train prints at start-up).
+    """Why FlexAttention does not run (SDPA under the dense mask does), or None; from the
+    settings alone, so etp-train prints it at start-up.
 
     Example::
 
@@ -138,11 +141,9 @@ def document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     s, d]`` (query heads ``g * heads / groups ..`` share group ``g``) under ``ids [b, s]``:
     ``[b, heads, s, d]``. FlexAttention where it runs, SDPA under the dense mask otherwise
     ([Note: document attention]); ``sdpa_kwargs`` go to the SDPA call (``enable_gqa``)."""
-    from etp.data.batch import mask_from_document_ids
-
-    if flex_ineligible_reason(query, key, dropout_p) is None:
+    if ineligible_reason(query.device.type, dropout_p, query.shape[2], key.shape[2]) is None:
         gqa = key.shape[1] != query.shape[1]
-        return _flex()(query, key, value, block_mask=_cached_block_mask(ids), scale=scale, enable_gqa=gqa)
-    allowed = mask_from_document_ids(ids).logical_not()  # SDPA's convention: True attends
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, dropout_p=dropout_p, scale=scale,
+        return _flex()(query, key, value, block_mask=_per_forward(block_mask, ids), scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=_per_forward(_allowed, ids),
+                                          dropout_p=dropout_p, scale=scale,
                                           **(sdpa_kwargs or {}))

@@ -432,7 +432,7 @@ class TrainSpec:
                             "host, written in the background, and published as latest once every rank's write "
                             "finished (needs save)")
     no_save_optim: bool = _key(False, _BOOL, "save the model weights and the iteration only, no optimizer state "
-                               "(a third of the bytes in bf16): resuming such a checkpoint needs no_load_optim; "
+                               "(a seventh of the bytes in bf16): resuming such a checkpoint needs no_load_optim; "
                                "finetune and etp-convert export-hf read it as any")
     load: str | None = _key(None, _STR, "checkpoint directory to load from")
     finetune: bool = _key(False, _BOOL, "start from load's model weights only: iteration, optimizer and learning-rate "

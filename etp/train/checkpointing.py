@@ -42,9 +42,9 @@ load the model and the iteration but not the optimizer state. ``skip_train: true
 nothing: the loaded weights are evaluated and their loss printed (and returned). A
 weights-only checkpoint cannot be resumed (no optimizer state, no run to continue): ``--resume``
 on one is refused, naming ``finetune``. ``no_save_optim: true`` saves the model weights and
-the iteration alone (Megatron-LM's ``--no-save-optim``: a fine-tune's output for export is a
-third of the bytes in bf16); such a checkpoint resumes only with ``no_load_optim``. A run started from a checkpoint that carries its
-Hugging Face ``config.json`` (an import) carries it on in its own saves, so ``etp-convert
+the iteration alone (Megatron-LM's ``--no-save-optim``: a fine-tune's output for export, a
+seventh of the bytes in bf16); such a checkpoint resumes only with ``no_load_optim``. A run
+started from a checkpoint that carries its Hugging Face ``config.json`` (an import) carries it on in its own saves, so ``etp-convert
 export-hf`` knows the architecture.
 """
 from __future__ import annotations

@@ -130,8 +130,9 @@ def megatron_optimizer(opt_config, model, fast: bool, etp_adamw: bool = False):
 class MegatronStep:
     """GPU: megatron-core DDP (fp32 gradient buffers) and megatron-core's Adam (mixed
     precision, optionally distributed) stepped by etp's fused AdamW under ``megatron_fallbacks:
-    fast`` (the distributed optimizer, the report's peer, by torch's fused Adam); ``ETPDistributedDataParallel`` and etp's finalize / optimizer builder when the model
-    holds ETP weights, megatron-core's own otherwise."""
+    fast`` (the distributed optimizer, the report's peer, by torch's fused Adam);
+    ``ETPDistributedDataParallel`` and etp's finalize / optimizer builder when the model holds ETP
+    weights, megatron-core's own otherwise."""
 
     def __init__(self, recipe, model, config) -> None:
         from megatron.core.distributed import (
