@@ -20,9 +20,10 @@ iff ``j <= i`` and both have the same id. Two kernels compute that exactly:
 
 ``block_mask(ids)`` uses fixed-shape tensor ops only (no host synchronization), so a captured
 step (``cuda_graph: step``) records it with the rest of the forward and a replay rebuilds it from
-the new ids in the static input. It is built once per forward, not per layer (so is the SDPA
-path's dense mask): one cached entry of each, keyed on the ids tensor, its version (a copy into it bumps it), its address and whether a graph
-is being captured (a capture that reused its warm-ups' entry would replay their tiles forever).
+the new ids in the static input. Eagerly it is built once per batch, not per layer (so is the SDPA
+path's dense mask): ``etp.version_cache.per_version`` keeps it on the ids tensor until a write
+bumps its version; inside a capture each layer builds its own (a graph must compute what it
+reads), a few small kernels per layer.
 
 Example::
 
@@ -34,13 +35,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from etp.version_cache import per_version
+
 __all__ = ["BLOCK", "block_mask", "document_attention", "ineligible_reason"]
 
 #: FlexAttention's tile (query and key / value rows per block).
 BLOCK = 128
 
 _compiled = None
-_cached: dict = {}  # build -> ((id, version, data_ptr, capturing), ids, what build made of them)
 
 
 def _mask_mod(ids: torch.Tensor):
@@ -94,20 +96,6 @@ def _allowed(ids: torch.Tensor) -> torch.Tensor:
     return mask_from_document_ids(ids).logical_not()
 
 
-def _per_forward(build, ids: torch.Tensor):
-    """``build(ids)``, built once for every layer of one forward."""
-    if ids.is_inference():  # no version counter: an in-place write would go unseen, so no cache
-        return build(ids)
-    # Capturing is part of the key: a graph must record the build (its replays rebuild from the
-    # ids copied into the static input), never reuse an entry its eager warm-ups made.
-    capturing = ids.is_cuda and torch.cuda.is_current_stream_capturing()
-    key = (id(ids), ids._version, ids.data_ptr(), capturing)
-    entry = _cached.get(build)
-    if entry is None or entry[0] != key:
-        entry = _cached[build] = (key, ids, build(ids))
-    return entry[2]
-
-
 def ineligible_reason(device_type: str, dropout_p: float, query_length: int, key_length: int) -> str | None:
     """Why FlexAttention does not run (SDPA under the dense mask does), or None; from the
     settings alone, so etp-train prints it at start-up.
@@ -143,7 +131,9 @@ def document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     ([Note: document attention]); ``sdpa_kwargs`` go to the SDPA call (``enable_gqa``)."""
     if ineligible_reason(query.device.type, dropout_p, query.shape[2], key.shape[2]) is None:
         gqa = key.shape[1] != query.shape[1]
-        return _flex()(query, key, value, block_mask=_per_forward(block_mask, ids), scale=scale, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=_per_forward(_allowed, ids),
+        mask = per_version(ids, "document_block_mask", lambda: block_mask(ids))
+        return _flex()(query, key, value, block_mask=mask, scale=scale, enable_gqa=gqa)
+    allowed = per_version(ids, "document_allowed", lambda: _allowed(ids))
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=allowed,
                                           dropout_p=dropout_p, scale=scale,
                                           **(sdpa_kwargs or {}))

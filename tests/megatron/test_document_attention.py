@@ -48,19 +48,19 @@ def test_block_mask_keeps_exactly_the_tiles_the_dense_mask_needs():
     assert (0, 3, 0) not in want_full | want_partial
 
 
-@pytest.mark.parametrize("build", [da.block_mask, da._allowed], ids=["flex-block-mask", "sdpa-dense-mask"])
-def test_each_mask_is_built_once_per_ids_and_again_after_a_write(build):
+def test_each_mask_is_built_once_per_batch_and_again_after_a_write():
+    """Through ``document_attention``'s cache: both kernels' masks, kept on the ids per version."""
+    from etp.version_cache import per_version
+
     ids = document_ids(_tokens(2, 2 * da.BLOCK, 5), EOD)
-    first = da._per_forward(build, ids)
-    assert da._per_forward(build, ids) is first  # every layer of one forward
+    first = per_version(ids, "document_allowed", lambda: da._allowed(ids))
+    q = torch.randn(2, 2, ids.shape[1], 8)
+    da.document_attention(q, q, q, ids, scale=0.3)  # a layer reads the kept mask
+    assert per_version(ids, "document_allowed", lambda: None) is first
     ids.copy_(document_ids(_tokens(2, 2 * da.BLOCK, 6), EOD))  # the next batch, into the same tensor
-    again = da._per_forward(build, ids)
-    assert again is not first
-    if build is da._allowed:  # the rebuilt mask is the new batch's
-        assert torch.equal(again, ~mask_from_document_ids(ids))
-    with torch.inference_mode():  # no version counter to key on: built at every call
-        frozen = ids.clone()
-        assert da._per_forward(build, frozen) is not da._per_forward(build, frozen)
+    da.document_attention(q, q, q, ids, scale=0.3)
+    again = per_version(ids, "document_allowed", lambda: None)
+    assert again is not first and torch.equal(again, ~mask_from_document_ids(ids))
 
 
 def _reference(q, k, v, ids, scale):
