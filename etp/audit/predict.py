@@ -18,7 +18,7 @@ gather format (``etp.formats``) says the bytes of each (``gathered_bytes``,
 ``quantized_copy_bytes``) and whether the GEMMs run in FP8 (``fp8_gemms``).
 
 Categories (bytes per rank): ``params`` (recipe dtype), ``main_grad`` (fp32, megatron-core
-mixed precision), ``optimizer`` (Adam: fp32 master weights + 2 moments for bf16/fp16
+mixed precision; bf16 where ``Recipe.main_grad_bytes`` says so), ``optimizer`` (Adam: fp32 master weights + 2 moments for bf16/fp16
 training, 2 moments for fp32; divided by the replicate size with the distributed
 optimizer), ``gather_fwd`` / ``gather_bwd``, ``wgrad_pool``, ``fp8_shards`` and
 ``activations`` (what the forward keeps for backward, ``etp.audit.activations``).
@@ -124,12 +124,15 @@ def predict_memory(recipe, world_size: int, etp: ETPConfig | None = None,
     replicas = {False: recipe.data_parallel_size(world_size) // etp.etp_size,
                 True: recipe.expert_data_parallel_size(world_size) // etp.expert_etp_size}
     fmt = etp.gather_format
+    # What-if rows that switch the distributed optimizer on or off keep fp32 buffers unless bf16 is asked for.
+    same_optimizer = distributed == recipe.parallel.use_distributed_optimizer
+    grad_bytes = recipe.main_grad_bytes(world_size) if same_optimizer else 2 if recipe.parallel.grad_reduce_in_bf16 else 4
     result = dict.fromkeys(CATEGORIES, 0)
     for weight, layout, numel in weights_on_rank(recipe, etp):
         if layout is not None:  # the per-step quantized copy of the shard (FP8 gathers; else 0)
             result["fp8_shards"] += fmt.quantized_copy_bytes(numel, param_bytes)
         result["params"] += numel * param_bytes
-        result["main_grad"] += numel * 4
+        result["main_grad"] += numel * grad_bytes
         divisor = replicas[weight.expert] if distributed else 1
         result["optimizer"] += -(-numel * optimizer_bytes // max(1, divisor))
     gathers = gather_transport(etp, transport)

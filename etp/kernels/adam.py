@@ -1,5 +1,5 @@
-"""Fused multi-tensor AdamW: one pass over every fp32 master weight, its gradient and both
-moments, writing the 16-bit model weight in the same pass.
+"""Fused multi-tensor AdamW: one pass over every fp32 master weight, its gradient (fp32 or
+bf16) and both moments, writing the 16-bit model weight in the same pass.
 
 [Note: fused AdamW]
 A mixed-precision optimizer step reads and writes the fp32 state of every weight this rank
@@ -17,6 +17,11 @@ weight from the updated fp32 value (round to nearest even, what ``copy_`` does).
 is only read. ``adamw_reference`` is the pure-torch definition, the CPU fallback, and what
 the kernel matches bit for bit in the Triton interpreter (no fused multiply-adds there, and
 IEEE division and square root on the GPU).
+
+A bf16 gradient is widened to fp32 exactly as it is loaded, so stepping from a bf16 gradient
+equals stepping from the fp32 tensor of the same values, bit for bit, with 2 bytes less read
+per element and no fp32 copy of the gradient anywhere ([Note: bf16 gradients, read in place]
+in ``etp.megatron.fused_adamw`` says when megatron's gradients can stay bf16).
 
 Per element, with ``g = grad / grad_scale`` when a scale is given::
 
@@ -42,10 +47,12 @@ try:  # triton is optional on CPU-only installs; the reference serves there
     import triton.language as tl
 
     from etp.kernels.amax import (
+        _DTYPE_CODE,
         _LINEAR_SEARCH_MAX_TENSORS,
         EXACT_FP,
         _DeviceTableCache,
         _find_tensor,
+        _to_f32,
         block_starts,
         cdiv,
         interpreter_active,
@@ -126,11 +133,11 @@ if triton is not None:
 
     @triton.jit
     def _adamw_chunk(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, o, mask, scale, lr_wd, beta1, beta2, omb1, omb2,
-                     step_size, bc2_sqrt, eps, HAS_SCALE: tl.constexpr, HAS_OUT: tl.constexpr,
-                     SOFT: tl.constexpr, MASKED: tl.constexpr):
+                     step_size, bc2_sqrt, eps, G_DTYPE: tl.constexpr, HAS_SCALE: tl.constexpr,
+                     HAS_OUT: tl.constexpr, SOFT: tl.constexpr, MASKED: tl.constexpr):
         if MASKED:
             p = tl.load(p_ptr + o, mask=mask, other=0.0)
-            g = tl.load(g_ptr + o, mask=mask, other=0.0, eviction_policy="evict_first")
+            g = tl.load(g_ptr + o, mask=mask, other=0, eviction_policy="evict_first")
             m = tl.load(m_ptr + o, mask=mask, other=0.0)
             v = tl.load(v_ptr + o, mask=mask, other=0.0)
         else:
@@ -138,6 +145,7 @@ if triton is not None:
             g = tl.load(g_ptr + o, eviction_policy="evict_first")
             m = tl.load(m_ptr + o)
             v = tl.load(v_ptr + o)
+        g = _to_f32(g, G_DTYPE, SOFT)  # exact: a bf16 gradient steps as its fp32 value would
         if HAS_SCALE:
             g = tl.div_rn(g, scale)
         p = p - lr_wd * p
@@ -169,6 +177,8 @@ if triton is not None:
         T,
         lr_wd, beta1, beta2, omb1, omb2, step_size, bc2_sqrt, eps,
         OUT_TY: tl.constexpr,
+        G_TY: tl.constexpr,
+        G_DTYPE: tl.constexpr,
         SOFT: tl.constexpr,
         HAS_SCALE: tl.constexpr,
         HAS_OUT: tl.constexpr,
@@ -181,7 +191,7 @@ if triton is not None:
         pid = tl.program_id(0)
         tid = _find_tensor(table_ptr + 6 * T, pid, T, LINEAR_SEARCH, T_POW2)
         p_ptr = tl.load(table_ptr + tid).to(tl.pointer_type(tl.float32))
-        g_ptr = tl.load(table_ptr + T + tid).to(tl.pointer_type(tl.float32))
+        g_ptr = tl.load(table_ptr + T + tid).to(tl.pointer_type(G_TY))
         m_ptr = tl.load(table_ptr + 2 * T + tid).to(tl.pointer_type(tl.float32))
         v_ptr = tl.load(table_ptr + 3 * T + tid).to(tl.pointer_type(tl.float32))
         out_ptr = tl.load(table_ptr + 4 * T + tid).to(tl.pointer_type(OUT_TY))
@@ -201,12 +211,12 @@ if triton is not None:
             for i in tl.static_range(ITERS):  # unrolled: independent loads in flight together
                 o = start + i * BLOCK + offs
                 _adamw_chunk(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, o, None, scale, lr_wd, beta1, beta2, omb1,
-                             omb2, step_size, bc2_sqrt, eps, HAS_SCALE, HAS_OUT, SOFT, False)
+                             omb2, step_size, bc2_sqrt, eps, G_DTYPE, HAS_SCALE, HAS_OUT, SOFT, False)
         else:
             for i in tl.static_range(ITERS):
                 o = start + i * BLOCK + offs
                 _adamw_chunk(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, o, o < numel, scale, lr_wd, beta1, beta2, omb1,
-                             omb2, step_size, bc2_sqrt, eps, HAS_SCALE, HAS_OUT, SOFT, True)
+                             omb2, step_size, bc2_sqrt, eps, G_DTYPE, HAS_SCALE, HAS_OUT, SOFT, True)
 
     _TABLES = _DeviceTableCache(capacity=8)
 
@@ -217,11 +227,16 @@ def _check(params, grads, exp_avgs, exp_avg_sqs, grad_scale, out) -> None:
                       ("out", out if out is not None else params)):
         if len(seq) != n:
             raise ValueError(f"{name} has {len(seq)} tensors, params {n}: pass one per param")
+    grad_dtypes = {g.dtype for g in grads}
+    if len(grad_dtypes) > 1:
+        raise ValueError(f"grads are {sorted(map(str, grad_dtypes))}: pass one dtype per call (float32 or bfloat16)")
     for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
         for name, t in (("param", p), ("grad", g), ("exp_avg", m), ("exp_avg_sq", v)):
-            if t.dtype != torch.float32 or not t.is_contiguous():
+            allowed = (torch.float32, torch.bfloat16) if name == "grad" else (torch.float32,)
+            if t.dtype not in allowed or not t.is_contiguous():
                 raise ValueError(f"{name} {i} is {t.dtype}{'' if t.is_contiguous() else ', not contiguous'}: "
-                                 "the fused AdamW steps contiguous float32 masters, gradients and moments")
+                                 "the fused AdamW steps contiguous float32 masters and moments (gradients "
+                                 "float32 or bfloat16)")
             if t.numel() != p.numel() or t.device != p.device:
                 raise ValueError(f"{name} {i}: {t.numel()} elements on {t.device}, its param {p.numel()} on "
                                  f"{p.device}: every tensor of an entry must match its param")
@@ -240,7 +255,7 @@ def multi_tensor_adamw(params: Sequence[torch.Tensor], grads: Sequence[torch.Ten
                        grad_scale: Optional[torch.Tensor] = None, out: Optional[Sequence[torch.Tensor]] = None,
                        impl: str = "auto") -> None:
     """One AdamW step of every ``params[i]`` (float32, contiguous) in place, from ``grads[i]``
-    (float32, only read) and its moments (updated in place), all of one step count; writes the
+    (float32 or bfloat16, one dtype for all; only read) and its moments (updated in place), all of one step count; writes the
     updated weight into ``out[i]`` (bfloat16) when given. ``grad_scale``: a 1-element device
     tensor every gradient is divided by (clipping's reciprocal coefficient), read on the device.
     The formula and rounding: [Note: fused AdamW]. ``impl``: "auto" (Triton on CUDA, the
@@ -271,6 +286,7 @@ def multi_tensor_adamw(params: Sequence[torch.Tensor], grads: Sequence[torch.Ten
         return
     soft = interpreter_active()
     chunk = _BLOCK * _ITERS
+    g_dtype = grads[keep[0]].dtype
     seqs = [[params[i] for i in keep], [grads[i] for i in keep], [exp_avgs[i] for i in keep],
             [exp_avg_sqs[i] for i in keep], [(out[i] if out is not None else params[i]) for i in keep]]
     addrs = [[t.data_ptr() for t in seq] for seq in seqs]
@@ -289,6 +305,8 @@ def multi_tensor_adamw(params: Sequence[torch.Tensor], grads: Sequence[torch.Ten
            scalars.lr_wd, scalars.beta1, scalars.beta2, scalars.one_minus_beta1, scalars.one_minus_beta2,
            scalars.step_size, scalars.bc2_sqrt, scalars.eps,
            OUT_TY=tl.int16 if soft else tl.bfloat16,
+           G_TY=tl.float32 if g_dtype == torch.float32 else (tl.int16 if soft else tl.bfloat16),
+           G_DTYPE=_DTYPE_CODE[g_dtype],
            SOFT=soft,
            HAS_SCALE=grad_scale is not None,
            HAS_OUT=out is not None,

@@ -46,12 +46,15 @@ def have_fused_kernels() -> bool:
 
 def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
     """Drop-in for ``amp_C.multi_tensor_l2norm`` / megatron's local version: ``([norm], None)``
-    with the l2 norm of every tensor in ``tensor_lists[0]`` as a 1-element fp32 tensor on the
-    tensors' device, without a host synchronization."""
+    with the l2 norm of every tensor in ``tensor_lists[0]`` (fp32, or 16-bit widened to fp32)
+    as a 1-element fp32 tensor on the tensors' device, without a host synchronization."""
     tensors = [t for t in tensor_lists[0] if t.numel()]
     if not tensors:
         return torch.zeros(1, dtype=torch.float, device="cuda" if torch.cuda.is_available() else "cpu"), None
-    norms = torch._foreach_norm(tensors, 2.0)
+    if all(t.dtype == torch.float32 for t in tensors):
+        norms = torch._foreach_norm(tensors, 2.0)
+    else:  # bf16 gradients read in place (etp.megatron.fused_adamw): each norm summed in fp32
+        norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)
     total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), 2.0)
     return total.reshape(1), None
 

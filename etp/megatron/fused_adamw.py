@@ -20,6 +20,23 @@ default AdamW keeps it), ``exp_avg`` and ``exp_avg_sq``, so checkpoints load eit
 the host once. Links this does not fit are left to torch, each with a one-line reason: L2
 (coupled) weight decay, ``amsgrad``, ``maximize``, state other than float32.
 
+[Note: bf16 gradients, read in place]
+With a bf16 gradient buffer (megatron-core's DDP with ``grad_reduce_in_fp32=False``),
+megatron's ``_copy_model_grads_to_main_grads`` gives every fp32 master a fp32 copy of its
+bf16 gradient (``main_grad.float()``): 4 bytes per parameter allocated at every step, on top
+of the buffer. The kernel reads bf16 gradients itself, exactly ([Note: fused AdamW]), so
+``read_grads_in_place`` replaces that copy, for a link whose every 16-bit parameter has a bf16
+``main_grad``, by a map from each master to its model parameter's ``main_grad``
+(``link._etp_grads``): ``step`` and ``grads_for_norm`` read the gradients there, and the masters'
+``.grad`` stays None. The norm's filter is megatron's ``param_is_not_shared``; a link whose
+gradient statistics span more than one rank (where megatron also drops tensor-parallel
+duplicates) keeps megatron's copy.
+
+Where nothing is reduced or accumulated (one rank, one micro-batch) the bf16 buffer holds
+exactly the values the fp32 one would: each gradient is one bf16 tensor added into zeros. So
+etp-train keeps that buffer bf16 there (``Recipe.main_grad_bytes``): the same step, 2 bytes per
+parameter less than the fp32 buffer (16 in all with the bf16 weight, fp32 master and moments).
+
 Example::
 
     optimizer = get_megatron_optimizer(config, [ddp_model])
@@ -34,7 +51,8 @@ import torch
 
 from etp.kernels.adam import multi_tensor_adamw
 
-__all__ = ["copy_unless_written", "model_weights", "step", "unsupported_reason"]
+__all__ = ["copy_unless_written", "grads_for_norm", "model_weights", "read_grads_in_place", "step",
+           "unsupported_reason"]
 
 
 def unsupported_reason(adam) -> str | None:
@@ -72,18 +90,72 @@ def _host_step(state: dict) -> torch.Tensor:
     return step
 
 
+def _grad(link, p):
+    """The gradient ``p`` (a master) steps from: its model parameter's bf16 ``main_grad`` when
+    the link reads them in place, else ``p.grad``."""
+    grads = getattr(link, "_etp_grads", None)
+    return grads.get(id(p), p.grad) if grads else p.grad
+
+
+def _bf16_main_grads(link) -> dict | None:
+    """id(master) -> its model parameter's ``main_grad``, when every 16-bit parameter of the link
+    has a contiguous bf16 one; else None (megatron copies)."""
+    models, mains = getattr(link, "float16_groups", None), getattr(link, "fp32_from_float16_groups", None)
+    if not models or mains is None:
+        return None
+    grads = {}
+    for model_group, main_group in zip(models, mains):
+        for model, main in zip(model_group, main_group):
+            g = getattr(model, "main_grad", None)
+            if g is None or g.dtype != torch.bfloat16 or not g.is_contiguous():
+                return None
+            grads[id(main)] = g
+    return grads
+
+
+def read_grads_in_place(link, copy):
+    """``link._copy_model_grads_to_main_grads`` without its fp32 copies where the gradients are
+    bf16 ([Note: bf16 gradients, read in place]); ``copy`` (megatron's) otherwise."""
+    @functools.wraps(copy)
+    def copy_model_grads_to_main_grads(*args, **kwargs):
+        link._etp_grads = _bf16_main_grads(link)
+        if link._etp_grads is None:
+            return copy(*args, **kwargs)
+        for model_group in link.float16_groups:
+            for model in model_group:
+                model.grad = None  # as megatron's copy leaves it: main_grad holds the gradient
+        for model_group in link.fp32_from_fp32_groups:  # megatron's own second half, unchanged
+            for model in model_group:
+                model.grad = model.main_grad
+        return None
+    return copy_model_grads_to_main_grads
+
+
+def grads_for_norm(link) -> list | None:
+    """The gradients the clipping norm counts for a link that reads them in place (megatron's
+    ``get_main_grads_for_grad_norm`` over the same parameters, in the same order); None for a
+    link that does not (megatron's own list applies)."""
+    if not getattr(link, "_etp_grads", None):
+        return None
+    from megatron.core.transformer.module import param_is_not_shared
+
+    return [g for p in link.get_parameters() if (g := _grad(link, p)) is not None and param_is_not_shared(p)]
+
+
 @torch.no_grad()
 def step(adam, closure=None, *, weights: dict, link):
-    """One AdamW step of every param with a gradient, one kernel launch per (group, step count)."""
+    """One AdamW step of every param with a gradient, one kernel launch per (group, step count,
+    gradient dtype, whether it writes a bf16 model weight)."""
     if closure is not None:
         raise ValueError("etp's AdamW step takes no closure (megatron-core passes none)")
     scale = getattr(adam, "grad_scale", None)
     written = 0
     for group in adam.param_groups:
         beta1, beta2 = group["betas"]
-        by_step: dict[int, list] = {}
+        by_step: dict[tuple, list] = {}
         for p in group["params"]:
-            if p.grad is None:
+            grad = _grad(link, p)
+            if grad is None:
                 continue
             state = adam.state[p]
             if "step" not in state:
@@ -93,10 +165,12 @@ def step(adam, closure=None, *, weights: dict, link):
                     state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
             step = _host_step(state)
             step += 1
-            by_step.setdefault(int(step.item()), []).append(p)
-        for count, params in by_step.items():
-            out = [weights[id(p)] for p in params] if weights else None
-            multi_tensor_adamw(params, [p.grad for p in params], [adam.state[p]["exp_avg"] for p in params],
+            # A group may mix masters of bf16 weights with fp32 parameters (megatron's fp32 links).
+            by_step.setdefault((int(step.item()), grad.dtype, id(p) in weights), []).append((p, grad))
+        for (count, _, writes), pairs in by_step.items():
+            params = [p for p, _ in pairs]
+            out = [weights[id(p)] for p in params] if writes else None
+            multi_tensor_adamw(params, [g for _, g in pairs], [adam.state[p]["exp_avg"] for p in params],
                                [adam.state[p]["exp_avg_sq"] for p in params], lr=float(group["lr"]), beta1=beta1,
                                beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], step=count,
                                grad_scale=scale, out=out)

@@ -54,7 +54,8 @@ import logging
 import sys
 import types
 
-__all__ = ["SUPPORTED_MEGATRON_CORE", "check_megatron_core", "step_with_fused_adamw", "step_without_host_sync",
+__all__ = ["SUPPORTED_MEGATRON_CORE", "check_megatron_core", "read_bf16_grads_in_place", "step_with_fused_adamw",
+           "step_without_host_sync",
            "time_out_megatron_groups", "use_cpu_megatron_core", "use_fast_fallbacks", "use_fused_rope",
            "use_te_free_router"]
 
@@ -392,6 +393,28 @@ def step_with_fused_adamw(optimizer) -> int:
         if weights:
             link._copy_main_params_to_model_params = fused_adamw.copy_unless_written(
                 link, link._copy_main_params_to_model_params)
+        taken += 1
+    return taken
+
+
+def read_bf16_grads_in_place(optimizer) -> int:
+    """Lets etp's AdamW read bf16 gradient buffers in place instead of megatron's fp32 copies of
+    them ([Note: bf16 gradients, read in place]), on every link that etp's AdamW steps, that
+    writes bf16 model weights and whose gradient statistics stay on this rank. Call it after
+    ``step_with_fused_adamw`` and a successful ``step_without_host_sync`` (whose norm reads the
+    gradients where this puts them). Returns how many links it took."""
+    from etp.megatron import fused_adamw
+    from etp.megatron.fast_fallbacks import inner_optimizers
+
+    taken = 0
+    for link in inner_optimizers(optimizer):
+        adam = getattr(link, "optimizer", None)
+        if not getattr(adam, "etp_fused_step", False) or not fused_adamw.model_weights(link):
+            continue
+        if link.get_grad_stats_parallel_group().size() != 1:
+            continue  # megatron's norm also drops tensor-parallel duplicates there: its copy stays
+        link._copy_model_grads_to_main_grads = fused_adamw.read_grads_in_place(
+            link, link._copy_model_grads_to_main_grads)
         taken += 1
     return taken
 

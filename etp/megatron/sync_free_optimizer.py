@@ -11,7 +11,8 @@ and on a large recipe these waits are a visible share of every iteration.
 ``step(optimizer)`` is the same step with every decision on the device:
 
 * the norm: per link of the (chained) optimizer, the sum of squares of the gradients megatron
-  counts (``etp.megatron.compat.grads_for_norm``: ``shared`` duplicates left out), all-reduced over that link's ``get_grad_stats_parallel_group()``, summed over
+  counts (``etp.megatron.compat.grads_for_norm``: ``shared`` duplicates left out; bf16 ones
+  where etp's AdamW reads them in place, ``etp.megatron.fused_adamw.grads_for_norm``), all-reduced over that link's ``get_grad_stats_parallel_group()``, summed over
   the links and square-rooted: a device tensor;
 * the clip coefficient ``min(1, clip_grad / (norm + 1e-6))``, megatron's formula, also a
   device tensor. Where the link's torch Adam runs fused it is handed to the kernel as
@@ -39,6 +40,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from etp.megatron import fused_adamw
 from etp.megatron.compat import grads_for_norm, separate_grad_norm_groups
 from etp.megatron.fast_fallbacks import (  # foreach_l2_norm: the norm megatron's clipping runs on
     foreach_l2_norm,
@@ -68,7 +70,8 @@ def grad_norm(optimizer) -> torch.Tensor:
     group: every rank calls it."""
     squares = []
     for link in inner_optimizers(optimizer):
-        norm, _ = foreach_l2_norm(0, None, [grads_for_norm(link)], False)
+        grads = fused_adamw.grads_for_norm(link)
+        norm, _ = foreach_l2_norm(0, None, [grads_for_norm(link) if grads is None else grads], False)
         square = norm.square()
         dist.all_reduce(square, group=link.get_grad_stats_parallel_group())
         squares.append(square)

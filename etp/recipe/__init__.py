@@ -99,7 +99,8 @@ Parallelism (``recipe.parallel``, :class:`ParallelSpec`):
     sequence_parallel: false. use_distributed_optimizer: false.
     overlap_grad_reduce: false. overlap_param_gather: false (needs the distributed optimizer and
     overlap_grad_reduce; models without ETP weights). grad_reduce_in_bf16: false (fp32 DDP
-    reductions). ddp_bucket_size: None (megatron-core's default).
+    reductions; one rank with one micro-batch keeps bf16 gradients anyway, the same values:
+    Recipe.main_grad_bytes). ddp_bucket_size: None (megatron-core's default).
     use_torch_fsdp2: false (true: torch FSDP2 in place of megatron-core DDP and Adam,
         etp.train.baselines.fsdp2.FSDP2Step: fully_shard per TransformerLayer and the root over the
         data-parallel ranks, bf16 gathers with bf16: true, fp32 reductions and master weights, torch

@@ -92,6 +92,27 @@ class RecipeQuantities:
         """Microbatches per rank per optimizer step (gradient accumulation steps)."""
         return self.samples_per_rank(world_size) // self.train.micro_batch_size
 
+    def main_grad_bytes(self, world_size: int | None = None) -> int:
+        """Bytes per element of megatron-core DDP's gradient buffer on GPUs: 2 (the 16-bit
+        parameter dtype) with ``grad_reduce_in_bf16``, and where nothing is reduced or
+        accumulated and etp's AdamW reads the bf16 gradients in place: one rank, one micro-batch,
+        ``bf16``, ``megatron_fallbacks: fast``, megatron-core's DDP without its distributed
+        optimizer. There the fp32 buffer would hold the same values ([Note: bf16 gradients, read
+        in place] in ``etp.megatron.fused_adamw``). Else 4 (fp32).
+
+        Example::
+
+            Recipe.from_yaml("recipes/moe_flagship.yaml").main_grad_bytes(8)   # 4
+        """
+        p, t = self.parallel, self.train
+        if not (t.bf16 or t.fp16):
+            return 4  # fp32 parameters: DDP keeps their gradients fp32
+        if p.grad_reduce_in_bf16:
+            return 2
+        alone = self._world(world_size) == 1 and self.num_microbatches(world_size) == 1
+        plain_ddp = not (p.use_distributed_optimizer or p.use_torch_fsdp2 or p.use_megatron_fsdp)
+        return 2 if alone and plain_ddp and t.bf16 and t.megatron_fallbacks == "fast" else 4
+
     # ------------------------------------------------------------------ sizes
     @property
     def padded_vocab_size(self) -> int:

@@ -276,7 +276,9 @@ class ParallelSpec:
         False, _BOOL, "megatron-core's Megatron-FSDP (etp.train.baselines.megatron_fsdp.MegatronFSDPStep: "
         "optim_grads_params with megatron-core's distributed optimizer) instead of megatron-core DDP: the peer "
         "etp is benchmarked against; data parallelism only, ETP off, CUDA only")
-    grad_reduce_in_bf16: bool = _key(False, _BOOL, "reduce DDP gradients in bf16 instead of fp32 (half the bytes)")
+    grad_reduce_in_bf16: bool = _key(
+        False, _BOOL, "reduce DDP gradients in bf16 instead of fp32 (half the bytes; one rank with one micro-batch "
+        "keeps them bf16 either way: nothing is reduced or accumulated, Recipe.main_grad_bytes)")
     ddp_bucket_size: int | None = _positive(None, "elements per DDP gradient bucket (None: megatron-core's default)")
     world_size: int | None = _positive(None, "ranks the recipe is meant for (etp driver key)")
     backend: str = _key("auto", _STR, "process-group backend (etp driver key)", choices=_BACKENDS)

@@ -76,6 +76,10 @@ def _announce(run: Run, recipe, flops: float, peak: float | None) -> None:
     hint = fp8_eager_hint(recipe, run.device.type)
     if hint:
         print(hint, flush=True)
+    if getattr(run.stepper, "bf16_grads", False) and not recipe.parallel.grad_reduce_in_bf16:
+        print("etp-train: gradients kept in bf16 and read in place by etp's AdamW: one rank and one micro-batch "
+              "reduce and accumulate nothing, so fp32 would hold the same values (2 bytes a parameter less)",
+              flush=True)
     if recipe.data.reset_attention_mask:  # [Note: document attention]
         from etp.megatron.document_attention import ineligible_reason
 

@@ -123,12 +123,14 @@ def megatron_optimizer(opt_config, model, fast: bool, etp_adamw: bool = False):
         fast_fallbacks.fuse_adam(optimizer)
         if etp_adamw:
             patches.step_with_fused_adamw(optimizer)
-        patches.step_without_host_sync(optimizer)
+        if patches.step_without_host_sync(optimizer) and etp_adamw:
+            patches.read_bf16_grads_in_place(optimizer)  # bf16 gradient buffers: no fp32 copies
     return optimizer
 
 
 class MegatronStep:
-    """GPU: megatron-core DDP (fp32 gradient buffers) and megatron-core's Adam (mixed
+    """GPU: megatron-core DDP (fp32 gradient buffers; bf16 where ``Recipe.main_grad_bytes`` says
+    they hold the same values, or with ``grad_reduce_in_bf16``) and megatron-core's Adam (mixed
     precision, optionally distributed) stepped by etp's fused AdamW under ``megatron_fallbacks:
     fast`` (the distributed optimizer, the report's peer, by torch's fused Adam);
     ``ETPDistributedDataParallel`` and etp's finalize / optimizer builder when the model holds ETP
@@ -152,8 +154,10 @@ class MegatronStep:
         fast = t.megatron_fallbacks == "fast"
         if not fast:
             patches.use_fast_fallbacks(False)  # stock megatron-core, even after a fast run in this process
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        self.bf16_grads = recipe.main_grad_bytes(world) == 2  # [Note: bf16 gradients, read in place]
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=not p.grad_reduce_in_bf16, overlap_grad_reduce=p.overlap_grad_reduce,
+            grad_reduce_in_fp32=not self.bf16_grads, overlap_grad_reduce=p.overlap_grad_reduce,
             overlap_param_gather=p.overlap_param_gather, bucket_size=p.ddp_bucket_size,
             use_distributed_optimizer=p.use_distributed_optimizer)
         opt_config = OptimizerConfig(

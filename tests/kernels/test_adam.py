@@ -45,6 +45,24 @@ def test_kernel_matches_reference_bit_for_bit(scaled, step):
         assert torch.equal(o, p.to(torch.bfloat16))  # what megatron's fp32 -> bf16 copy would write
 
 
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_bf16_gradients_step_as_their_fp32_values(impl, scaled):
+    """A bf16 gradient is read in place: the step equals the step from the fp32 tensor holding
+    the same values (megatron's fp32 gradient buffer after one bf16 backward), bit for bit."""
+    params, grads, m, v = _state(7)
+    grads16 = [g.bfloat16() for g in grads]
+    scale = torch.tensor([3.0], device=DEVICE) if scaled else None  # not a power of two: a real divide
+    want = _clone([params, m, v])
+    want_out = [torch.empty(p.shape, dtype=torch.bfloat16, device=DEVICE) for p in params]
+    adamw_reference(*want[:1], [g.float() for g in grads16], *want[1:], AdamWScalars(**HYPER, step=4), scale,
+                    want_out)
+    got_out = [torch.empty(p.shape, dtype=torch.bfloat16, device=DEVICE) for p in params]
+    multi_tensor_adamw(params, grads16, m, v, **HYPER, step=4, grad_scale=scale, out=got_out, impl=impl)
+    for got, ref in zip([*params, *m, *v, *got_out], [*want[0], *want[1], *want[2], *want_out]):
+        assert torch.equal(got, ref)
+
+
 def _adamw_float64(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay):
     """AdamW written out in float64 (Loshchilov & Hutter, torch's parameterization)."""
     p = p * (1 - lr * weight_decay)
@@ -90,8 +108,10 @@ def test_bad_inputs_name_the_tensor_and_the_fix():
     p = [torch.zeros(4, device=DEVICE)]
     with pytest.raises(ValueError, match="grads has 2 tensors"):
         multi_tensor_adamw(p, p * 2, p, p, **HYPER, step=1)
-    with pytest.raises(ValueError, match="grad 0 is torch.bfloat16"):
-        multi_tensor_adamw(p, [p[0].bfloat16()], p, p, **HYPER, step=1)
+    with pytest.raises(ValueError, match="grad 0 is torch.float16"):
+        multi_tensor_adamw(p, [p[0].half()], p, p, **HYPER, step=1)
+    with pytest.raises(ValueError, match="one dtype per call"):
+        multi_tensor_adamw(p * 2, [p[0], p[0].bfloat16()], p * 2, p * 2, **HYPER, step=1)
     with pytest.raises(ValueError, match="out 0 is torch.float32"):
         multi_tensor_adamw(p, p, p, p, **HYPER, step=1, out=[p[0].clone()])
     with pytest.raises(ValueError, match="step=0"):

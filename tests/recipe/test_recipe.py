@@ -68,6 +68,20 @@ def test_flagship_recipe_validates_and_is_over_a_billion_parameters():
     assert baseline.replicate_size() == 8
 
 
+@pytest.mark.parametrize("sets,world,want", [
+    ({}, 1, 2),                                          # one rank, one micro-batch: nothing reduced or accumulated
+    ({"global_batch_size": 8}, 1, 4),                    # two micro-batches accumulate: fp32
+    ({"global_batch_size": 8}, 2, 4),                    # two data-parallel ranks reduce: fp32
+    ({"megatron_fallbacks": "stock"}, 1, 4),             # torch's AdamW: megatron's fp32 copies
+    ({"use_distributed_optimizer": True}, 1, 4),
+    ({"global_batch_size": 8, "grad_reduce_in_bf16": True}, 2, 2),
+    ({"bf16": False}, 1, 4),                             # fp32 parameters, fp32 gradients
+])
+def test_main_grad_bytes_are_bf16_only_where_they_hold_the_fp32_values(sets, world, want):
+    r = Recipe.from_yaml(BIG, micro_batch_size=4, **{"global_batch_size": 4, "world_size": world, **sets})
+    assert r.main_grad_bytes(world) == want
+
+
 def test_recipes_parse_3e_minus_3_as_float_and_refuse_duplicate_keys(tmp_path):
     loaded = load_recipe_yaml("lr: 3e-3\nn: 1\nx: 1.5\n", text=True)
     assert loaded == {"lr": 0.003, "n": 1, "x": 1.5}

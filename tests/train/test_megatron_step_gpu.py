@@ -2,7 +2,8 @@
 with megatron-core's DDP) under ``megatron_fallbacks: fast`` — etp's fused AdamW writing the bf16
 weights in the same pass, etp's sync-free step — against ``stock``: torch's AdamW, megatron-core's
 own step and its fp32 -> bf16 copy. Same weights, same batches, bf16 with fp32 masters, every step
-clipping; what may differ is the order of floating-point sums.
+clipping; what may differ is the order of floating-point sums. And bf16 gradient buffers read in
+place by that kernel (one rank, one micro-batch) against megatron's fp32 buffers: bit for bit.
 
 Run with ``ETP_TEST_BACKEND=nccl`` on a machine with a GPU; skipped otherwise.
 """
@@ -51,3 +52,43 @@ def test_etp_adamw_steps_a_model_without_etp_weights_like_torchs():
     assert stock[-1] < stock[0]
     for i, (a, b) in enumerate(zip(fast, stock, strict=True)):
         assert abs(a - b) <= 2e-3 * abs(b), f"step {i}: etp AdamW {a:.5f} vs torch's AdamW {b:.5f}"
+
+
+def _bf16_and_fp32_gradients(ctx):
+    from etp.megatron import fused_adamw
+    from etp.recipe import Recipe
+    from etp.recipe.quantities import RecipeQuantities
+    from etp.train import train
+
+    found = []
+    read = fused_adamw._bf16_main_grads
+
+    def recorded(link):
+        grads = read(link)
+        found.append(grads is not None)
+        return grads
+
+    fused_adamw._bf16_main_grads = recorded
+    own = RecipeQuantities.main_grad_bytes
+    try:
+        recipe = lambda: Recipe.from_yaml(ROOT / "recipes" / "moe_flagship.yaml", **SMALL, deterministic=True)  # noqa: E731
+        bf16 = train(ctx.rank, ctx.world_size, recipe())
+        in_place = list(found)
+        RecipeQuantities.main_grad_bytes = lambda self, world_size=None: 4  # megatron's fp32 buffers
+        found.clear()
+        fp32 = train(ctx.rank, ctx.world_size, recipe())
+    finally:
+        fused_adamw._bf16_main_grads = read
+        RecipeQuantities.main_grad_bytes = own
+    return bf16, fp32, in_place, list(found)
+
+
+def test_bf16_gradients_read_in_place_step_exactly_as_fp32_buffers():
+    """[Note: bf16 gradients, read in place]: one rank, one micro-batch, every step clipping
+    (clip_grad 0.05), deterministic kernels: the bf16 buffers read by the kernel give the losses
+    of megatron's fp32 buffers bit for bit, step after step."""
+    bf16, fp32, in_place, fp32_in_place = run_distributed(_bf16_and_fp32_gradients, 1)[0]
+    assert in_place and all(in_place), "the default run did not read bf16 gradients in place"
+    assert fp32_in_place and not any(fp32_in_place)
+    assert bf16 == fp32, f"bf16 in place {bf16} vs fp32 buffers {fp32}"
+    assert fp32[-1] < fp32[0]
