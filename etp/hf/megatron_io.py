@@ -219,10 +219,16 @@ def check_layout(tensors: dict[str, MegatronTensor], stored: dict, checkpoint: s
 
 def read_boxes(directory: Path, tensors: dict[str, MegatronTensor], wanted: list[tuple[Piece, torch.Tensor]]) -> None:
     """Loads each piece of ``wanted`` into its tensor (the piece's Hugging Face rows, a
-    contiguous view the load writes into) from the checkpoint ``directory``: one
-    ``dist_checkpointing.load`` for the batch, each box read where the checkpoint holds it,
-    whatever layout saved it. Runs inside ``load_checkpoint``'s verification and safe
-    unpickling.
+    contiguous view) from the checkpoint ``directory``: one ``dist_checkpointing.load`` for the
+    batch, each box read where the checkpoint holds it, whatever layout saved it. Runs inside
+    ``load_checkpoint``'s verification and safe unpickling.
+
+    The pieces of one megatron tensor are read as one span (from its first piece's first
+    element to its last piece's last) and then copied out: torch DCP's reader loads a stored
+    chunk whole for every request that touches it, and etp-train saves a layer's grouped experts
+    as one chunk, so a request per expert would load that chunk once per expert (256 times a
+    layer for Qwen3-30B-A3B's 128 experts). Memory holds the span beside the pieces' tensors:
+    at most the largest megatron tensor more.
 
     Example::
 
@@ -231,14 +237,25 @@ def read_boxes(directory: Path, tensors: dict[str, MegatronTensor], wanted: list
     """
     from megatron.core import dist_checkpointing
 
-    request, targets = [], []
+    by_tensor: dict[str, list[tuple[Piece, torch.Tensor]]] = {}
     for piece, rows in wanted:
-        flat = rows.view(-1)  # a view: the load writes into the caller's tensor
-        built, _ = _boxes(tensors[piece.megatron], piece, flat)
+        by_tensor.setdefault(piece.megatron, []).append((piece, rows))
+    request, targets, spans = [], [], []
+    for name, pieces in by_tensor.items():
+        tensor = tensors[name]
+        bounds = [piece.megatron_span(tensor.shape) for piece, _ in pieces]
+        first, stop = min(b[0] for b in bounds), max(b[1] for b in bounds)
+        span = torch.empty(stop - first, dtype=pieces[0][1].dtype)
+        entry = tensor.entry
+        built, _ = tensor.pieces.sharded_tensors(span, entry.key, entry.replica_id, slice(first, stop))
         request += built
         targets += [box.data for box in built]
+        spans.append((span, first, [(rows, b) for (_, rows), b in zip(pieces, bounds)]))
     loaded = dist_checkpointing.load({"boxes": request}, str(directory), validate_access_integrity=False)["boxes"]
     with torch.no_grad():
         for target, value in zip(targets, loaded, strict=True):
             if value.data_ptr() != target.data_ptr():
                 target.copy_(value)
+        for span, first, pieces in spans:
+            for rows, (start, end) in pieces:
+                rows.view(-1).copy_(span[start - first:end - first])

@@ -128,7 +128,24 @@ def _from_an_import(ctx, directory: str, recipe_path: str):
     return skipped, tuned, logits, evaluated
 
 
-def test_an_import_fine_tuned_at_etp_2_exports_what_etp_trained(tmp_path):
+def _stored_chunk_reads(monkeypatch):
+    """Counts, from now until the test ends, torch DCP's reads of each stored chunk (its key and offset)."""
+    import collections
+
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    reads, read_data = collections.Counter(), FileSystemReader.read_data
+
+    def counted(self, plan, planner):
+        for item in plan.items:
+            reads[(item.storage_index.fqn, tuple(item.storage_index.offset or ()))] += 1
+        return read_data(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemReader, "read_data", counted)
+    return reads
+
+
+def test_an_import_fine_tuned_at_etp_2_exports_what_etp_trained(tmp_path, monkeypatch):
     """skip_train's loss of an import is transformers' loss on the same samples; the export of
     a fine-tune saved at ETP 2 (no --model-type: the import's config.json rides along) gives, in
     transformers, the logits etp's model of that checkpoint gives."""
@@ -153,7 +170,11 @@ def test_an_import_fine_tuned_at_etp_2_exports_what_etp_trained(tmp_path):
         expected = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), samples[:, 1:].reshape(-1))
     assert abs(results[0][0][0] - expected.item()) < 1e-5, (results[0][0], expected)
     recipe = Recipe.from_yaml(path, bf16=False)
+    reads = _stored_chunk_reads(monkeypatch)
     exported = export_hf(tmp_path / "tuned", recipe, tmp_path / "out", etp_model, quiet=True)
+    # etp-train saves a layer's experts as one chunk (per ETP rank): the export reads each once,
+    # not once per expert (torch DCP loads a whole chunk for every request touching it).
+    assert reads and max(reads.values()) == 1, sorted(reads.items(), key=lambda kv: -kv[1])[:2]
     tuned = AutoModelForCausalLM.from_pretrained(exported).eval()
     for rank, (_, losses, etp_logits, _) in enumerate(results):
         assert len(losses) == 2
