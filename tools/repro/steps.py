@@ -181,7 +181,7 @@ def cross_entropy() -> Step:
     return Step("cross_entropy_1gpu", "The memory audit against measured peaks",
                 (Run("cross_entropy", "python3 tools/bench_cross_entropy.py --out {json}", 1, 35, 120,
                      figures="cross_entropy", reported={"1xh100": "cross_entropy_1xh100_a3140a5.json",
-                                                        "1xh200": "cross_entropy_1xh200_6709d0d.json"}),),
+                                                        "1xh200": "cross_entropy_1xh200_b6ec2b3.json"}),),
                 headlines.none)
 
 
@@ -210,7 +210,7 @@ def torchtitan() -> Step:
     """One GPU: etp-train against torchtitan's trainer (and megatron-core's own paths) on a
     Qwen3-30B-A3B-shaped model at 4 layers (torchtitan 0.2.2 must be importable)."""
     cmd = "python3 tools/bench_torchtitan.py --layers 4 --steps 20 --out {json}"
-    run = Run("torchtitan", cmd, 1, 345, 420, figures="torchtitan", reported={"1xh200": "torchtitan_1xh200_6709d0d.json"})
+    run = Run("torchtitan", cmd, 1, 345, 420, figures="torchtitan", reported={"1xh200": "torchtitan_1xh200_b6ec2b3.json"})
     return Step("torchtitan_1gpu", "The recipes against their peers", (run,),
                 headlines.none)
 
@@ -235,10 +235,10 @@ def kernels() -> Step:
     adam = "python3 tools/bench_adam.py --recipe recipes/qwen3_30b_a3b.yaml --etp 4 --out {json}"
     return Step("kernels_1gpu", "FP8 kernels against copy bandwidth",
                 (Run("kernels", "python3 tools/bench_kernels.py --out {json}", 1, 60, 240, figures="kernels",
-                     reported={"1xh200": "kernels_1xh200_6709d0d.json"}),
+                     reported={"1xh200": "kernels_1xh200_b6ec2b3.json"}),
                  Run("adam", adam, 1, 40, 180, figures="adam",
                      reported={"1xh100": "adam_qwen3_etp4_1xh100_3e009d7.json",
-                               "1xh200": "adam_qwen3_etp4_1xh200_6709d0d.json"})), headlines.kernels)
+                               "1xh200": "adam_qwen3_etp4_1xh200_b6ec2b3.json"})), headlines.kernels)
 
 
 def expert_parallel(k: int) -> list[Step]:
