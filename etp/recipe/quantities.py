@@ -2,6 +2,8 @@
 microbatches, padded vocabulary and parameter counts."""
 from __future__ import annotations
 
+import importlib.util
+
 from etp.recipe.validation import RecipeError, check_parallel_layout
 
 
@@ -97,7 +99,7 @@ class RecipeQuantities:
         parameter dtype) with ``grad_reduce_in_bf16``, and where nothing is reduced or
         accumulated and etp's AdamW reads the bf16 gradients in place: one rank, one micro-batch,
         ``bf16``, ``megatron_fallbacks: fast``, megatron-core's DDP without its distributed
-        optimizer. There the fp32 buffer would hold the same values ([Note: bf16 gradients, read
+        optimizer, no apex / TransformerEngine. There the fp32 buffer would hold the same values ([Note: bf16 gradients, read
         in place] in ``etp.megatron.fused_adamw``). Else 4 (fp32).
 
         Example::
@@ -111,7 +113,11 @@ class RecipeQuantities:
             return 2
         alone = self._world(world_size) == 1 and self.num_microbatches(world_size) == 1
         plain_ddp = not (p.use_distributed_optimizer or p.use_torch_fsdp2 or p.use_megatron_fsdp)
-        return 2 if alone and plain_ddp and t.bf16 and t.megatron_fallbacks == "fast" else 4
+        if not (alone and plain_ddp and t.bf16 and t.megatron_fallbacks == "fast"):
+            return 4
+        # With apex or TransformerEngine megatron steps their Adam, not etp's: it would copy bf16
+        # gradients to fp32 (etp.megatron.fast_fallbacks.have_fused_kernels).
+        return 4 if any(importlib.util.find_spec(name) for name in ("apex", "transformer_engine")) else 2
 
     # ------------------------------------------------------------------ sizes
     @property

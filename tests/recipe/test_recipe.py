@@ -82,6 +82,15 @@ def test_main_grad_bytes_are_bf16_only_where_they_hold_the_fp32_values(sets, wor
     assert r.main_grad_bytes(world) == want
 
 
+def test_main_grad_bytes_stay_fp32_where_apex_steps(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "apex" else find_spec(name, *a))
+    r = Recipe.from_yaml(BIG, micro_batch_size=4, global_batch_size=4, world_size=1)
+    assert r.main_grad_bytes(1) == 4  # apex's Adam, megatron's fp32 copies of bf16 gradients
+
+
 def test_recipes_parse_3e_minus_3_as_float_and_refuse_duplicate_keys(tmp_path):
     loaded = load_recipe_yaml("lr: 3e-3\nn: 1\nx: 1.5\n", text=True)
     assert loaded == {"lr": 0.003, "n": 1, "x": 1.5}
