@@ -160,7 +160,9 @@ Training (``recipe.train``, :class:`TrainSpec`):
         or --overwrite; see etp.train.checkpointing).
     finetune: false (Megatron-LM's: true starts from load's model weights only, at iteration 0 with
         a fresh optimizer and learning-rate schedule; needs load; not with --resume; a checkpoint
-        etp-convert import-hf wrote holds only weights: docs/hf.md). no_load_optim: false (true:
+        etp-convert import-hf wrote holds only weights: docs/hf.md). pretrained_checkpoint: None
+        (Megatron-LM's: fine-tune from it while load holds no checkpoint, resume from load once it
+        does; needs load, not with finetune). no_load_optim: false (true:
         --resume loads the model and the iteration, not the optimizer state). no_save_optim: false
         (true: saves hold the weights and the iteration, no optimizer state; resuming one needs
         no_load_optim). no_load_rng: false

@@ -439,6 +439,9 @@ class TrainSpec:
     load: str | None = _key(None, _STR, "checkpoint directory to load from")
     finetune: bool = _key(False, _BOOL, "start from load's model weights only: iteration, optimizer and learning-rate "
                           "schedule start fresh (a checkpoint etp-convert import-hf wrote, or any etp-train save)")
+    pretrained_checkpoint: str | None = _key(
+        None, _STR, "fine-tune from this checkpoint's model weights while load holds no checkpoint, resume from load "
+        "once it does: one command line for the first start and every restart (Megatron-LM's; needs load)")
     no_load_optim: bool = _key(False, _BOOL, "--resume without the optimizer state: fresh Adam moments, master "
                                "weights from the model's; the iteration continues")
     no_load_rng: bool = _key(False, _BOOL, "load no RNG state: etp's checkpoints hold none (batches follow the seed "
@@ -512,6 +515,13 @@ class TrainSpec:
             _fail("save_interval", self.save_interval, "needs save: a checkpoint directory")
         if self.async_save and self.save is None:
             _fail("async_save", True, "needs save: a checkpoint directory (it says how saves are written)")
+        if self.pretrained_checkpoint is not None:
+            if self.load is None:
+                _fail("pretrained_checkpoint", self.pretrained_checkpoint, "needs load: the directory the run resumes "
+                      "from once it has saved (set save to the same), e.g. --set load=CKPT --set save=CKPT")
+            if self.finetune:
+                _fail("finetune", True, "with pretrained_checkpoint: it fine-tunes from pretrained_checkpoint while load "
+                      "holds no checkpoint and resumes from load after; remove finetune")
         for key in ("finetune", "skip_train"):
             if getattr(self, key) and self.load is None:
                 _fail(key, True, "needs load: the checkpoint directory to start from (an etp-train save, or one "

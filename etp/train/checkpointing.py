@@ -43,7 +43,10 @@ nothing: the loaded weights are evaluated and their loss printed (and returned).
 weights-only checkpoint cannot be resumed (no optimizer state, no run to continue): ``--resume``
 on one is refused, naming ``finetune``. ``no_save_optim: true`` saves the model weights and
 the iteration alone (Megatron-LM's ``--no-save-optim``: a fine-tune's output for export, a
-seventh of the bytes in bf16); such a checkpoint resumes only with ``no_load_optim``. A run
+seventh of the bytes in bf16); such a checkpoint resumes only with ``no_load_optim``.
+``pretrained_checkpoint`` (Megatron-LM's) fine-tunes from that checkpoint while ``load`` holds
+none and resumes from ``load`` once it does (``start_from_pretrained``), so with ``load`` =
+``save`` a fine-tune restarts like any run ([Note: restarts]). A run
 started from a checkpoint that carries its Hugging Face ``config.json`` (an import) carries it on in its own saves, so ``etp-convert
 export-hf`` knows the architecture.
 """
@@ -63,7 +66,8 @@ import torch.distributed as dist
 from etp.groups import new_process_group
 from etp.train.options import RunOptions, TrainError
 
-__all__ = ["Checkpointing", "check_checkpoint_dirs", "checkpoint_bytes", "model_identity", "resume_from_load"]
+__all__ = ["Checkpointing", "check_checkpoint_dirs", "checkpoint_bytes", "model_identity", "resume_from_load",
+           "start_from_pretrained"]
 
 #: Free space a save needs beyond the checkpoint's tensors (metadata, manifests, rounding).
 SAVE_MARGIN = 1.05
@@ -175,6 +179,28 @@ def _check_loading(recipe, options: RunOptions, load: Path | None) -> list[str]:
                          f"{published or 'none'}): point load at an etp-train save or an etp-convert import-hf output")
     return [f"fine-tuning from the model weights of {load} (iteration {latest}); iteration, optimizer and "
             "schedule start fresh"]
+
+
+def start_from_pretrained(recipe) -> tuple[object, str | None]:
+    """[Note: fine-tuning] Megatron-LM's ``pretrained_checkpoint``: while ``load`` holds no
+    checkpoint the run fine-tunes from ``pretrained_checkpoint`` (the recipe returned loads it
+    with ``finetune``); once ``load`` holds one the recipe is returned as it is and
+    ``resume_from_load`` resumes from it. With ``load`` = ``save`` one command line fine-tunes and
+    then survives every restart. The recipe, and the note to print.
+
+    Example::
+
+        recipe, note = start_from_pretrained(Recipe.from_yaml(R, pretrained_checkpoint="imported", load="ft", save="ft"))
+    """
+    t = recipe.train
+    if t.pretrained_checkpoint is None:
+        return recipe, None
+    latest, _ = _latest(Path(t.load))
+    if latest is not None:
+        return recipe, None
+    note = (f"load={t.load} holds no checkpoint yet: fine-tuning from pretrained_checkpoint="
+            f"{t.pretrained_checkpoint}")
+    return recipe.replace(load=t.pretrained_checkpoint, finetune=True, pretrained_checkpoint=None), note
 
 
 def resume_from_load(recipe, options: RunOptions) -> tuple[RunOptions, str | None]:

@@ -17,6 +17,8 @@ TINY = ROOT / "recipes" / "tiny_moe_cpu.yaml"
 @pytest.mark.parametrize("keys,fix", [
     ({"finetune": True}, "finetune=True: needs load"),
     ({"skip_train": True}, "skip_train=True: needs load"),
+    ({"pretrained_checkpoint": "imported"}, "pretrained_checkpoint='imported': needs load"),
+    ({"pretrained_checkpoint": "imported", "load": "ft", "finetune": True}, "finetune=True: with pretrained_checkpoint"),
 ])
 def test_fine_tuning_keys_need_a_checkpoint_to_load(keys, fix):
     with pytest.raises(RecipeError) as error:

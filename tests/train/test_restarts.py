@@ -62,3 +62,37 @@ def test_sigterm_saves_exits_0_and_the_same_command_resumes_the_uninterrupted_lo
     for i, loss in resumed.items():
         assert abs(loss - reference[i]) <= 1e-4 * reference[i], (i, loss, reference[i])
 
+
+
+def test_pretrained_checkpoint_fine_tunes_once_and_the_same_command_resumes(tmp_path):
+    """Megatron-LM's ``pretrained_checkpoint`` ([Note: fine-tuning]): the first start fine-tunes from
+    it (iteration 1 on, the weights of the checkpoint), an exit interval saves and stops it, and the
+    same command resumes from load = save and logs what one uninterrupted fine-tune logs."""
+    pretrained = tmp_path / "pretrained"
+    made = subprocess.run(_command(None, "--set", f"save={pretrained}", "--train-iters", "3"), cwd=tmp_path, env=_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert made.returncode == 0, made.stderr[-3000:]
+
+    def fine_tune(ckpt, *extra):
+        return subprocess.run(_command(ckpt, "--set", f"pretrained_checkpoint={pretrained}", *extra), cwd=tmp_path,
+                              env=_env(), capture_output=True, text=True, timeout=600)
+
+    whole = fine_tune(tmp_path / "whole")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert "holds no checkpoint yet: fine-tuning from pretrained_checkpoint=" in whole.stdout
+    reference = _losses(whole.stdout)
+    assert sorted(reference) == list(range(1, ITERS + 1))
+    scratch = _losses(subprocess.run(_command(None), cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                                     timeout=600).stdout)
+    assert abs(reference[1] - scratch[1]) > 1e-3  # it started from the pretrained weights, not from scratch
+
+    ckpt = tmp_path / "ckpt"
+    first = fine_tune(ckpt, "--set", "exit_interval=4")
+    assert first.returncode == 0 and find_latest(ckpt) == 4, first.stdout[-3000:]
+    again = fine_tune(ckpt)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "holds iteration 4: resuming from it" in again.stdout
+    resumed = _losses(again.stdout)
+    assert sorted(resumed) == list(range(5, ITERS + 1))
+    for i, loss in {**_losses(first.stdout), **resumed}.items():
+        assert abs(loss - reference[i]) <= 1e-4 * reference[i], (i, loss, reference[i])
