@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import signal
 
 import torch
 
@@ -48,6 +49,13 @@ class Batches:
         return Batch(tokens=ids[:, :-1], labels=ids[:, 1:])
 
 
+def _ignore_sigterm(_worker_id: int) -> None:
+    """A data-loader worker outlives a SIGTERM: a preemption signals every process of the job, and
+    a worker dying of it would fail its rank ("DataLoader worker ... killed by signal") before the
+    rank's own handler saves and exits ([Note: early exits]). The rank ends its workers itself."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 class DatasetBatches:
     """One split of a megatron-core dataset, read micro-batch after micro-batch.
 
@@ -83,7 +91,7 @@ class DatasetBatches:
         fork = "fork" if workers and "fork" in multiprocessing.get_all_start_methods() else None
         self._loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
                                                    pin_memory=device.type == "cuda", persistent_workers=workers > 0,
-                                                   multiprocessing_context=fork)
+                                                   multiprocessing_context=fork, worker_init_fn=_ignore_sigterm)
         self._samples = None  # the loader's iterator, started (its workers too) at the first read
         self._last = None  # ((iteration, micro), batch)
         self.total_samples = len(dataset)

@@ -200,7 +200,9 @@ def start_from_pretrained(recipe) -> tuple[object, str | None]:
         return recipe, None
     note = (f"load={t.load} holds no checkpoint yet: fine-tuning from pretrained_checkpoint="
             f"{t.pretrained_checkpoint}")
-    return recipe.replace(load=t.pretrained_checkpoint, finetune=True, pretrained_checkpoint=None), note
+    # no_load_optim is for the resumes after it (a fine-tune saving weights only): nothing to load yet
+    return recipe.replace(load=t.pretrained_checkpoint, finetune=True, pretrained_checkpoint=None,
+                          no_load_optim=False), note
 
 
 def resume_from_load(recipe, options: RunOptions) -> tuple[RunOptions, str | None]:

@@ -131,3 +131,34 @@ def test_pretraining_sampler_is_megatron_lms():
     assert list(pretraining_sampler(20, 4, 2, 1, 3)) == [[6, 7], [12, 13]]
     with pytest.raises(ValueError, match="consumed 20"):
         pretraining_sampler(20, 20, 2, 0, 1)
+
+
+def test_loader_workers_outlive_a_sigterm(blend, tmp_path):
+    """A preemption signals every process of the job: the rank's loader workers must outlive it
+    (the rank's own handler saves and exits, [Note: early exits]), and the batches after it are
+    the ones the run would have read."""
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    from etp.train.batches import train_batches
+
+    tmp, prefixes = blend
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        def reader(workers):
+            recipe = data_recipe(tmp, data_path=[0.3, prefixes[0], 0.7, prefixes[1]], num_workers=workers)
+            return train_batches(recipe, 0, 1, torch.device("cpu"), GBS // MICRO, {"train": 0, "valid": 0})[0]
+
+        signalled, plain = reader(1), reader(0)
+        first = signalled.get(0, 0)
+        for worker in signalled._samples._workers:
+            os.kill(worker.pid, signal.SIGTERM)
+            worker.join(timeout=1)  # a worker that dies of it is gone by now
+            assert worker.is_alive()
+        assert torch.equal(first.tokens, plain.get(0, 0).tokens)
+        for m in range(1, GBS // MICRO):
+            assert torch.equal(signalled.get(0, m).tokens, plain.get(0, m).tokens)
+    finally:
+        dist.destroy_process_group()
