@@ -2,8 +2,6 @@
 microbatches, padded vocabulary and parameter counts."""
 from __future__ import annotations
 
-import importlib.util
-
 from etp.recipe.validation import RecipeError, check_parallel_layout
 
 
@@ -116,8 +114,10 @@ class RecipeQuantities:
         if not (alone and plain_ddp and t.bf16 and t.megatron_fallbacks == "fast"):
             return 4
         # With apex or TransformerEngine megatron steps their Adam, not etp's: it would copy bf16
-        # gradients to fp32 (etp.megatron.fast_fallbacks.have_fused_kernels).
-        return 4 if any(importlib.util.find_spec(name) for name in ("apex", "transformer_engine")) else 2
+        # gradients to fp32. (megatron-core is an install requirement: this import is always there.)
+        from etp.megatron.fast_fallbacks import have_fused_kernels
+
+        return 4 if have_fused_kernels() else 2
 
     # ------------------------------------------------------------------ sizes
     @property

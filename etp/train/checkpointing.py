@@ -45,7 +45,7 @@ on one is refused, naming ``finetune``. ``no_save_optim: true`` saves the model 
 the iteration alone (Megatron-LM's ``--no-save-optim``: a fine-tune's output for export, a
 seventh of the bytes in bf16); such a checkpoint resumes only with ``no_load_optim``.
 ``pretrained_checkpoint`` (Megatron-LM's) fine-tunes from that checkpoint while ``load`` holds
-none and resumes from ``load`` once it does (``start_from_pretrained``), so with ``load`` =
+none and resumes from ``load`` once it does (``resume_from_load``), so with ``load`` =
 ``save`` a fine-tune restarts like any run ([Note: restarts]). A run
 started from a checkpoint that carries its Hugging Face ``config.json`` (an import) carries it on in its own saves, so ``etp-convert
 export-hf`` knows the architecture.
@@ -66,8 +66,7 @@ import torch.distributed as dist
 from etp.groups import new_process_group
 from etp.train.options import RunOptions, TrainError
 
-__all__ = ["Checkpointing", "check_checkpoint_dirs", "checkpoint_bytes", "model_identity", "resume_from_load",
-           "start_from_pretrained"]
+__all__ = ["Checkpointing", "check_checkpoint_dirs", "checkpoint_bytes", "model_identity", "resume_from_load"]
 
 #: Free space a save needs beyond the checkpoint's tensors (metadata, manifests, rounding).
 SAVE_MARGIN = 1.05
@@ -181,59 +180,42 @@ def _check_loading(recipe, options: RunOptions, load: Path | None) -> list[str]:
             "schedule start fresh"]
 
 
-def start_from_pretrained(recipe) -> tuple[object, str | None]:
-    """[Note: fine-tuning] Megatron-LM's ``pretrained_checkpoint``: while ``load`` holds no
-    checkpoint the run fine-tunes from ``pretrained_checkpoint`` (the recipe returned loads it
-    with ``finetune``); once ``load`` holds one the recipe is returned as it is and
-    ``resume_from_load`` resumes from it. With ``load`` = ``save`` one command line fine-tunes and
-    then survives every restart. The recipe, and the note to print.
-
-    Example::
-
-        recipe, note = start_from_pretrained(Recipe.from_yaml(R, pretrained_checkpoint="imported", load="ft", save="ft"))
-    """
-    t = recipe.train
-    if t.pretrained_checkpoint is None:
-        return recipe, None
-    latest, _ = _latest(Path(t.load))
-    if latest is not None:
-        return recipe, None
-    note = (f"load={t.load} holds no checkpoint yet: fine-tuning from pretrained_checkpoint="
-            f"{t.pretrained_checkpoint}")
-    # no_load_optim is for the resumes after it (a fine-tune saving weights only): nothing to load yet
-    return recipe.replace(load=t.pretrained_checkpoint, finetune=True, pretrained_checkpoint=None,
-                          no_load_optim=False), note
-
-
-def resume_from_load(recipe, options: RunOptions) -> tuple[RunOptions, str | None]:
+def resume_from_load(recipe, options: RunOptions) -> tuple[object, RunOptions, str | None]:
     """[Note: restarts] Megatron-LM's ``load``: a run given ``load`` (and neither ``--resume`` nor
     ``finetune``) resumes from that directory's latest checkpoint when it holds one, and starts
     fresh while it holds none, so with ``load`` = ``save`` one command line serves the first start
-    and every restart under a launcher (``torchrun --max-restarts``, a requeued SLURM job). The
-    options the run then has, and the note to print.
+    and every restart under a launcher (``torchrun --max-restarts``, a requeued SLURM job). With
+    ``pretrained_checkpoint`` ([Note: fine-tuning]) the fresh start is a fine-tune from it: the
+    recipe returned loads it with ``finetune``. The recipe and options the run then has, and the
+    note to print.
 
     Example::
 
-        options, note = resume_from_load(recipe, RunOptions())   # resume=True once load has a checkpoint
+        recipe, options, note = resume_from_load(recipe, RunOptions())   # resume=True once load has a checkpoint
     """
     t = recipe.train
     if options.resume or not t.load or t.finetune:
-        return options, None
+        return recipe, options, None
     load = Path(t.load)
     latest, _ = _latest(load)
+    if latest is None and t.pretrained_checkpoint is not None:
+        # no_load_optim is for the resumes after it (a fine-tune saving weights only): nothing to load yet
+        return (recipe.replace(load=t.pretrained_checkpoint, finetune=True, pretrained_checkpoint=None,
+                               no_load_optim=False), options,
+                f"load={t.load} holds no checkpoint yet: fine-tuning from pretrained_checkpoint={t.pretrained_checkpoint}")
     if latest is None:
-        return options, f"load={t.load} holds no checkpoint yet: starting fresh"
+        return recipe, options, f"load={t.load} holds no checkpoint yet: starting fresh"
     run = _run_of(load, latest)
     differ = _model_difference(run, recipe)
     if differ is not None:  # not this run restarting: another model's checkpoints ([Note: run IDs])
         same_dir = t.save is not None and Path(t.save).resolve() == load.resolve()
         if same_dir and options.overwrite:
-            return options, (f"load={t.load} holds {_describe(run)} of another model ({differ}): --overwrite starts "
-                             "this run fresh")
+            return recipe, options, (f"load={t.load} holds {_describe(run)} of another model ({differ}): --overwrite "
+                                     "starts this run fresh")
         fix = ("save elsewhere (--set save=NEW_DIR --set load=NEW_DIR) or pass --overwrite to replace them" if same_dir
                else "point load at a checkpoint of this model, or remove load to start fresh")
         raise TrainError(f"load={t.load} holds the checkpoints of {_describe(run)}, another model ({differ}): {fix}")
-    return replace(options, resume=True), f"load={t.load} holds iteration {latest}: resuming from it"
+    return recipe, replace(options, resume=True), f"load={t.load} holds iteration {latest}: resuming from it"
 
 
 def check_checkpoint_dirs(recipe, options: RunOptions) -> list[str]:

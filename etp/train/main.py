@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     from etp.megatron.checkpoint.manifest import CheckpointError
     from etp.recipe import RecipeError
     from etp.train.auto import Machine, resolve_auto
-    from etp.train.checkpointing import resume_from_load, start_from_pretrained
+    from etp.train.checkpointing import resume_from_load
     from etp.train.launch import run_rank, spawn_cpu_ranks
     from etp.train.preflight import preflight
 
@@ -121,9 +121,8 @@ def main(argv=None) -> int:
         machine = Machine.detect(world) if torchrun else Machine(world, world)
         recipe, notes = resolve_auto(recipe, machine)  # [Note: auto settings]
         recipe.check_world_size(world)
-        recipe, pretrained = start_from_pretrained(recipe)  # [Note: fine-tuning]
-        options, restart = resume_from_load(recipe, options)  # [Note: restarts]
-        notes = [*notes, *recipe.notes, *[n for n in (pretrained, restart) if n], *preflight(recipe, options)]
+        recipe, options, restart = resume_from_load(recipe, options)  # [Note: restarts], [Note: fine-tuning]
+        notes = [*notes, *recipe.notes, *([restart] if restart else []), *preflight(recipe, options)]
     except (RecipeError, TrainError, CheckpointError) as error:
         if rank == 0:
             print(f"etp-train: error: {error}", file=sys.stderr)

@@ -53,7 +53,7 @@ def test_resuming_a_weights_only_checkpoint_is_refused_naming_finetune(tmp_path)
     from etp.train.checkpointing import resume_from_load
 
     loading = recipe.replace(load=str(tmp_path / "ckpt"))
-    for options in (RunOptions(resume=True), resume_from_load(loading, RunOptions())[0]):  # --resume, or load alone
+    for options in (RunOptions(resume=True), resume_from_load(loading, RunOptions())[1]):  # --resume, or load alone
         with pytest.raises(TrainError) as error:
             check_checkpoint_dirs(loading, options)
         assert "holds model weights only" in str(error.value) and "finetune=true" in str(error.value)

@@ -56,7 +56,7 @@ def test_a_restart_with_load_equal_to_save_resumes_its_own_run(tmp_path):
     for iteration in (2, 4):
         _publish(tmp_path, iteration, "tiny_moe_cpu-aaaa")
     recipe = _recipe(load=str(tmp_path), save=str(tmp_path))
-    options, note = resume_from_load(recipe, RunOptions())
+    _, options, note = resume_from_load(recipe, RunOptions())
     assert options.resume is True and note == f"load={tmp_path} holds iteration 4: resuming from it"
     assert f"resuming at iteration 4 from {tmp_path}" in check_checkpoint_dirs(recipe, options)
 
@@ -74,7 +74,7 @@ def test_a_restart_of_another_model_into_the_same_directory_is_refused_and_overw
         check_checkpoint_dirs(other, RunOptions(resume=True))
     assert "--resume 4" in _one_line(error) and "hidden_size 64 there, 128 here" in str(error.value)
 
-    options, note = resume_from_load(other, RunOptions(overwrite=True))
+    _, options, note = resume_from_load(other, RunOptions(overwrite=True))
     assert options.resume is False and "--overwrite starts this run fresh" in note
     assert f"--overwrite: deleting checkpoints [2, 4] of {tmp_path}" in check_checkpoint_dirs(other, options)
     Checkpointing(other, options, 0, 1).prepare(None)
