@@ -30,19 +30,13 @@ Example::
 """
 from __future__ import annotations
 
-import importlib.util
 import logging
 
 import torch
 
-__all__ = ["foreach_l2_norm", "foreach_scale", "fuse_adam", "have_fused_kernels", "inner_optimizers"]
+__all__ = ["foreach_l2_norm", "foreach_scale", "fuse_adam", "inner_optimizers"]
 
 log = logging.getLogger(__name__)
-
-def have_fused_kernels() -> bool:
-    """Whether apex or TransformerEngine is importable (megatron then uses their kernels)."""
-    return any(importlib.util.find_spec(name) is not None for name in ("apex", "transformer_engine"))
-
 
 def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
     """Drop-in for ``amp_C.multi_tensor_l2norm`` / megatron's local version: ``([norm], None)``

@@ -2,6 +2,7 @@
 microbatches, padded vocabulary and parameter counts."""
 from __future__ import annotations
 
+from etp.installed import have_fused_kernels
 from etp.recipe.validation import RecipeError, check_parallel_layout
 
 
@@ -114,9 +115,7 @@ class RecipeQuantities:
         if not (alone and plain_ddp and t.bf16 and t.megatron_fallbacks == "fast"):
             return 4
         # With apex or TransformerEngine megatron steps their Adam, not etp's: it would copy bf16
-        # gradients to fp32. (megatron-core is an install requirement: this import is always there.)
-        from etp.megatron.fast_fallbacks import have_fused_kernels
-
+        # gradients to fp32.
         return 4 if have_fused_kernels() else 2
 
     # ------------------------------------------------------------------ sizes

@@ -4,6 +4,7 @@ helpers against float64 references, their installation, and fused Adam's switch
 import pytest
 import torch
 
+from etp.installed import have_fused_kernels
 from etp.megatron import fast_fallbacks, patches
 
 
@@ -36,7 +37,7 @@ def test_scale_in_place_cast_and_copy():
 
 def test_install_rebinds_megatron_helpers():
     pytest.importorskip("megatron.core")
-    if fast_fallbacks.have_fused_kernels():
+    if have_fused_kernels():
         pytest.skip("apex / TransformerEngine present: megatron uses their kernels")
     from megatron.core.optimizer import clip_grads, optimizer
 

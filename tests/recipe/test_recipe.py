@@ -85,7 +85,7 @@ def test_main_grad_bytes_are_bf16_only_where_they_hold_the_fp32_values(sets, wor
 def test_main_grad_bytes_stay_fp32_where_apex_steps(monkeypatch):
     import importlib.util
 
-    find_spec = importlib.util.find_spec  # what etp.megatron.fast_fallbacks.have_fused_kernels asks
+    find_spec = importlib.util.find_spec  # what etp.installed.have_fused_kernels asks
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "apex" else find_spec(name, *a))
     r = Recipe.from_yaml(BIG, micro_batch_size=4, global_batch_size=4, world_size=1)
     assert r.main_grad_bytes(1) == 4  # apex's Adam, megatron's fp32 copies of bf16 gradients
