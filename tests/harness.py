@@ -6,6 +6,10 @@ default process group in each on a free loopback port, calls ``fn(ctx, *args)`` 
 with that rank's traceback; a rank that hangs past the timeout fails it with the stack every
 hung rank was stuck in (faulthandler), and all ranks are killed.
 
+On gloo the ranks are forks of a forkserver that imported torch and megatron-core once (a
+spawned rank imports them again: seconds per rank, most of the CPU suite's time); each rank
+takes the test's environment as it is at the call. NCCL ranks are spawned.
+
 Environment:
     ETP_TEST_BACKEND: ``gloo`` (default) or ``nccl`` (one GPU per rank).
     ETP_TEST_TIMEOUT: seconds per spawned run (default 180).
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import gc
 import os
 import pickle
 import queue
@@ -50,7 +55,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _child(fn, rank, world_size, port, backend_name, timeout, stack_dir, args, results):
+def _child(fn, rank, world_size, port, backend_name, timeout, stack_dir, args, results, environ):
+    # A forkserver child inherits the server's environment, not the test's (monkeypatch.setenv).
+    os.environ.clear()
+    os.environ.update(environ)
     # A hung rank dumps every thread's stack to a file the parent reads, then exits.
     stack_file = open(Path(stack_dir) / f"rank{rank}.txt", "w")
     faulthandler.dump_traceback_later(timeout, exit=True, file=stack_file)
@@ -81,6 +89,9 @@ def _child(fn, rank, world_size, port, backend_name, timeout, stack_dir, args, r
         faulthandler.cancel_dump_traceback_later()
         if dist.is_initialized():
             dist.destroy_process_group()
+        # Exit without collecting: the interpreter's teardown would walk every object torch and
+        # megatron-core made (most of a second per rank).
+        gc.freeze()
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float | None = None):
@@ -110,16 +121,31 @@ def run_distributed(fn, world_size: int, *args, timeout: float | None = None):
 _PORT_ATTEMPTS = 3
 
 
+#: What a CPU rank imports before its test runs: a forkserver imports it once, and each rank is
+#: a fork of it (a spawned rank would import megatron-core again, seconds per rank).
+_PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt", "etp"]
+
+
+def _context(name: str):
+    """forkserver on CPU; spawn with NCCL (a fork of a process that asked CUDA for its devices
+    is not safe)."""
+    if name == "nccl":
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)
+    return context
+
+
 def _spawn(fn, world_size: int, args, timeout: float, name: str):
     """One spawned run on a fresh port: (every rank's outcome, the error reports)."""
-    context = mp.get_context("spawn")
+    context = _context(name)
     results = context.Queue()
     with tempfile.TemporaryDirectory() as stack_dir:
         port = _free_port()
         procs = [
             context.Process(
                 target=_child,
-                args=(fn, rank, world_size, port, name, timeout, stack_dir, args, results),
+                args=(fn, rank, world_size, port, name, timeout, stack_dir, args, results, dict(os.environ)),
                 daemon=True,
             )
             for rank in range(world_size)
