@@ -69,3 +69,17 @@ def test_a_port_taken_before_the_rendezvous_is_retried_on_a_fresh_one(monkeypatc
     finally:
         holder.close()
     assert len(chosen) == 2  # the taken port, then a fresh one
+
+
+def _read_env(ctx, key):
+    import os
+
+    return os.environ.get(key)
+
+
+def test_ranks_see_the_environment_the_test_set(monkeypatch):
+    """A forkserver rank is a fork of a process started earlier: the test's setenv must reach it."""
+    monkeypatch.setenv("ETP_TEST_HARNESS_PROBE", "set by the test")
+    assert run_distributed(_read_env, 2, "ETP_TEST_HARNESS_PROBE") == ["set by the test"] * 2
+    monkeypatch.delenv("ETP_TEST_HARNESS_PROBE")
+    assert run_distributed(_read_env, 2, "ETP_TEST_HARNESS_PROBE") == [None, None]
