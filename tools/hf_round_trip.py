@@ -181,6 +181,7 @@ def _left_alone(tmp: Path, keys: dict, imported: Path, tuned: Path, smoke: bool)
     subprocess.run([sys.executable, "-m", "etp.train.preprocess_command", "--input", str(tmp / "corpus.jsonl"),
                     "--json-keys", "text", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab),
                     "--output-prefix", str(tmp / "corpus"), "--workers", "2"], check=True, cwd=ROOT)
+    # data=synthetic clears the recipe's byte corpus: the recipe refuses data beside data_path
     pairs = ["data=synthetic", f"data_path={tmp / 'corpus'}_text_document", "tokenizer_type=NullTokenizer", "tokenizer_model=null",
              f"data_cache_path={tmp / 'cache'}", "split=90,10,0", "eval_interval=2", "eval_iters=1",
              f"pretrained_checkpoint={imported}", f"load={tuned}", "async_save=true", "save_interval=2",

@@ -98,8 +98,8 @@ class RecipeQuantities:
         parameter dtype) with ``grad_reduce_in_bf16``, and where nothing is reduced or
         accumulated and etp's AdamW reads the bf16 gradients in place: one rank, one micro-batch,
         ``bf16``, ``megatron_fallbacks: fast``, megatron-core's DDP without its distributed
-        optimizer, no apex / TransformerEngine. There the fp32 buffer would hold the same values ([Note: bf16 gradients, read
-        in place] in ``etp.megatron.fused_adamw``). Else 4 (fp32).
+        optimizer, no apex / TransformerEngine. There the fp32 buffer would hold the same values
+        ([Note: bf16 gradients, read in place] in ``etp.megatron.fused_adamw``). Else 4 (fp32).
 
         Example::
 

@@ -63,7 +63,6 @@ def test_sigterm_saves_exits_0_and_the_same_command_resumes_the_uninterrupted_lo
         assert abs(loss - reference[i]) <= 1e-4 * reference[i], (i, loss, reference[i])
 
 
-
 def test_pretrained_checkpoint_fine_tunes_once_and_the_same_command_resumes(tmp_path):
     """Megatron-LM's ``pretrained_checkpoint`` ([Note: fine-tuning]): the first start fine-tunes from
     it (iteration 1 on, the weights of the checkpoint), an exit interval saves and stops it, and the
