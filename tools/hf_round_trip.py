@@ -210,6 +210,10 @@ def _left_alone_checks(logs: Path, tmp: Path, stages: dict, iters: int) -> dict:
     return checks
 
 
+class StageFailed(Exception):
+    """A stage's process exited non-zero; the message is the stage's name."""
+
+
 def _load_hf(path, device, dtype):
     from transformers import AutoModelForCausalLM
 
@@ -258,66 +262,73 @@ def main(argv=None) -> int:
     def timed(name, command, sigterm_after=None):
         stages[name] = _timed(command, logs / f"{name}.log", args.timeout, sigterm_after)
         out.write_text(json.dumps(report, indent=1))  # what ran so far survives a kill
+        if stages[name]["rc"] != 0:
+            # later stages would only report this one's missing output, and spend their time doing so
+            raise StageFailed(name)
         return stages[name]
 
-    with tempfile.TemporaryDirectory(prefix="hf_round_trip_", dir=os.environ.get("ETP_BENCH_TMP")) as tmp:
-        tmp = Path(tmp)
-        hf, imported, tuned, exported = tmp / "hf", tmp / "imported", tmp / "tuned", tmp / "exported"
-        ids = _samples({"recipe": RECIPE, **keys}, keys["global_batch_size"])
+    try:
+        with tempfile.TemporaryDirectory(prefix="hf_round_trip_", dir=os.environ.get("ETP_BENCH_TMP")) as tmp:
+            tmp = Path(tmp)
+            hf, imported, tuned, exported = tmp / "hf", tmp / "imported", tmp / "tuned", tmp / "exported"
+            ids = _samples({"recipe": RECIPE, **keys}, keys["global_batch_size"])
 
-        began = time.perf_counter()
-        torch.manual_seed(0)
-        with torch.device(device):
-            model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**arch)).to(dtype).eval()
-        params = sum(p.numel() for p in model.parameters())
-        original_loss = transformers_loss(model, ids, device)
-        model.save_pretrained(hf, max_shard_size="2GB")
-        del model
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        stages["make"] = {"params": params, "wall_s": round(time.perf_counter() - began, 1),
-                          "transformers_loss": original_loss}
-        print(f"[hf_round_trip] made {params / 1e9:.2f} B parameters; transformers' loss {original_loss:.5f}",
-              flush=True)
+            began = time.perf_counter()
+            torch.manual_seed(0)
+            with torch.device(device):
+                model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**arch)).to(dtype).eval()
+            params = sum(p.numel() for p in model.parameters())
+            original_loss = transformers_loss(model, ids, device)
+            model.save_pretrained(hf, max_shard_size="2GB")
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            stages["make"] = {"params": params, "wall_s": round(time.perf_counter() - began, 1),
+                              "transformers_loss": original_loss}
+            print(f"[hf_round_trip] made {params / 1e9:.2f} B parameters; transformers' loss {original_loss:.5f}",
+                  flush=True)
 
-        convert = [sys.executable, "-m", "etp.train.convert_command"]
-        timed("import", [*convert, "import-hf", "--hf", str(hf), "--recipe", RECIPE, "--out", str(imported), *sets])
-        evaluate = ["--set", "finetune=true", "--set", "skip_train=true", "--set", "cuda_graph=none",
-                    "--train-iters", "1"]
-        timed("import_loss", [*launcher, "--recipe", RECIPE, *sets, "--set", f"load={imported}", *evaluate])
-        save_keys = ["--set", f"save={tuned}", "--set", "no_save_optim=true",  # the export needs the weights
-                     "--train-iters", str(args.iters), "--log-interval", "1", "--json", str(tmp / "finetune.json")]
-        if args.leave_alone:
-            fine_tune = [*launcher, "--recipe", RECIPE, *sets, *_left_alone(tmp, keys, imported, tuned, smoke),
-                         *save_keys]
-            timed("finetune_until_sigterm", fine_tune, sigterm_after=max(1, args.iters // 2))
-            timed("finetune", fine_tune)
-            report["leave_alone"] = _left_alone_checks(logs, tmp, stages, args.iters)
-        else:
-            timed("finetune", [*launcher, "--recipe", RECIPE, *sets, "--set", f"load={imported}", "--set",
-                               "finetune=true", *save_keys])
-        if (tmp / "finetune.json").exists():
-            run = json.loads((tmp / "finetune.json").read_text())
-            stages["finetune"].update(losses=run["losses"], ms_per_iter=run["ms_per_iter"],
-                                      peak_allocated_gib=run.get("peak_allocated_gib"))
-        shutil.rmtree(imported, ignore_errors=True)
-        shutil.rmtree(hf, ignore_errors=True)
-        timed("tuned_loss", [*launcher, "--recipe", RECIPE, *sets, "--set", f"load={tuned}", *evaluate])
-        timed("export", [*convert, "export-hf", "--checkpoint", str(tuned), "--recipe", RECIPE, "--out", str(exported),
-                         *sets])
-        shutil.rmtree(tuned, ignore_errors=True)
-        if stages["export"]["rc"] == 0:
+            convert = [sys.executable, "-m", "etp.train.convert_command"]
+            timed("import", [*convert, "import-hf", "--hf", str(hf), "--recipe", RECIPE, "--out", str(imported), *sets])
+            evaluate = ["--set", "finetune=true", "--set", "skip_train=true", "--set", "cuda_graph=none",
+                        "--train-iters", "1"]
+            timed("import_loss", [*launcher, "--recipe", RECIPE, *sets, "--set", f"load={imported}", *evaluate])
+            save_keys = ["--set", f"save={tuned}", "--set", "no_save_optim=true",  # the export needs the weights
+                         "--train-iters", str(args.iters), "--log-interval", "1", "--json", str(tmp / "finetune.json")]
+            if args.leave_alone:
+                fine_tune = [*launcher, "--recipe", RECIPE, *sets, *_left_alone(tmp, keys, imported, tuned, smoke),
+                             *save_keys]
+                timed("finetune_until_sigterm", fine_tune, sigterm_after=max(1, args.iters // 2))
+                timed("finetune", fine_tune)
+                report["leave_alone"] = _left_alone_checks(logs, tmp, stages, args.iters)
+            else:
+                timed("finetune", [*launcher, "--recipe", RECIPE, *sets, "--set", f"load={imported}", "--set",
+                                   "finetune=true", *save_keys])
+            if (tmp / "finetune.json").exists():
+                run = json.loads((tmp / "finetune.json").read_text())
+                stages["finetune"].update(losses=run["losses"], ms_per_iter=run["ms_per_iter"],
+                                          peak_allocated_gib=run.get("peak_allocated_gib"))
+            shutil.rmtree(imported, ignore_errors=True)
+            shutil.rmtree(hf, ignore_errors=True)
+            timed("tuned_loss", [*launcher, "--recipe", RECIPE, *sets, "--set", f"load={tuned}", *evaluate])
+            timed("export", [*convert, "export-hf", "--checkpoint", str(tuned), "--recipe", RECIPE, "--out", str(exported),
+                             *sets])
+            shutil.rmtree(tuned, ignore_errors=True)
             began = time.perf_counter()
             model = _load_hf(exported, device, dtype)
             stages["reload"] = {"wall_s": round(time.perf_counter() - began, 1), "type": type(model).__name__,
                                 "params": sum(p.numel() for p in model.parameters()),
                                 "transformers_loss": transformers_loss(model, ids, device)}
             del model
+    except StageFailed as failed:
+        report["failed_stage"] = str(failed)
+        print(f"[hf_round_trip] stopped: the {failed} stage failed ({logs / f'{failed}.log'})", flush=True)
+    original_loss = stages.get("make", {}).get("transformers_loss")
 
     def rel(a, b):
         return None if a is None or b is None else abs(a - b) / abs(b)
 
-    imp, tuned_etp = stages["import_loss"].get("loss"), stages["tuned_loss"].get("loss")
+    imp, tuned_etp = stages.get("import_loss", {}).get("loss"), stages.get("tuned_loss", {}).get("loss")
     reloaded = stages.get("reload", {}).get("transformers_loss")
     report["comparisons"] = {
         "import: etp skip_train vs transformers (original)": {"etp": imp, "transformers": original_loss,
@@ -336,6 +347,8 @@ def main(argv=None) -> int:
         relative = "" if c["relative"] is None else f"{c['relative']:.2e}"
         print(f"| {name} | {c['etp']} | {c['transformers']} | {relative} |")
     for name in ("import", "export"):
+        if name not in stages:
+            continue
         s = stages[name]
         print(f"{name}: rc {s['rc']}, {s['wall_s']} s, peak RSS {s['peak_rss_gb']} GB")
     print(f"{'passed' if ok else 'FAILED'}; wrote {args.out}")
