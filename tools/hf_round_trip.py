@@ -323,7 +323,6 @@ def main(argv=None) -> int:
     except StageFailed as failed:
         report["failed_stage"] = str(failed)
         print(f"[hf_round_trip] stopped: the {failed} stage failed ({logs / f'{failed}.log'})", flush=True)
-    original_loss = stages.get("make", {}).get("transformers_loss")
 
     def rel(a, b):
         return None if a is None or b is None else abs(a - b) / abs(b)
@@ -346,9 +345,7 @@ def main(argv=None) -> int:
     for name, c in report["comparisons"].items():
         relative = "" if c["relative"] is None else f"{c['relative']:.2e}"
         print(f"| {name} | {c['etp']} | {c['transformers']} | {relative} |")
-    for name in ("import", "export"):
-        if name not in stages:
-            continue
+    for name in [name for name in ("import", "export") if name in stages]:  # a failed stage ends the run
         s = stages[name]
         print(f"{name}: rc {s['rc']}, {s['wall_s']} s, peak RSS {s['peak_rss_gb']} GB")
     print(f"{'passed' if ok else 'FAILED'}; wrote {args.out}")
